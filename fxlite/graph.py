@@ -1,0 +1,427 @@
+"""Graph: an ordered list of Nodes that represents one function.
+
+The list is doubly linked around a sentinel, so inserting and erasing anywhere is O(1)
+and iterating while erasing is safe. ``str(graph)`` prints one node per line::
+
+    graph():
+        %x : [#users=1] = placeholder[target=x]
+        %y : [#users=1] = placeholder[target=y]
+        %add : [#users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})
+        return add
+
+Node names are unique within a graph, are valid Python identifiers, and never shadow a
+keyword or a builtin (``sum`` becomes ``sum_1``), so generated code can use them as-is.
+Code generation lives in ``fxlite.codegen.python``, not here.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import copy
+import inspect
+import keyword
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .node import Argument, Node, Target, _format_target, map_arg
+
+__all__ = ["Graph", "map_arg"]
+
+_RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", "nan", "fxlite"}
+_NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
+_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
+_SUFFIX = re.compile(r"^(.*)_(\d+)$")
+
+
+class _Namespace:
+    """Hands out unique identifiers: ``add``, ``add_1``, ``add_2``..."""
+
+    __slots__ = ("_used", "_next_suffix", "_cache")
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+        self._next_suffix: dict[str, int] = {}
+        self._cache: dict[str, str] = {}
+
+    def _sanitize(self, candidate: str) -> str:
+        name = self._cache.get(candidate)
+        if name is None:
+            name = _NOT_IDENT.sub("_", _CAMEL.sub(r"_\1", candidate)).lower() or "_"
+            if name[0].isdigit():
+                name = "_" + name
+            self._cache[candidate] = name
+        return name
+
+    def create_name(self, candidate: str) -> str:
+        name = self._sanitize(candidate)
+        if name not in self._used and name not in _RESERVED:
+            self._used.add(name)
+            return name
+        m = _SUFFIX.match(name)
+        base, n = (m.group(1), int(m.group(2))) if m else (name, 1)
+        n = max(n, self._next_suffix.get(base, 1))
+        while f"{base}_{n}" in self._used:
+            n += 1
+        name = f"{base}_{n}"
+        self._next_suffix[base] = n + 1
+        self._used.add(name)
+        return name
+
+    def reserve(self, name: str) -> None:
+        self._used.add(name)
+
+    def release(self, name: str) -> None:
+        self._used.discard(name)
+
+
+def _name_hint(op: str, target: Target) -> str:
+    if op in ("placeholder", "call_method", "call_module", "get_attr", "output"):
+        return str(target).lstrip("*")
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+class _NodeList:
+    """A live view of a graph's nodes, in order. Safe to iterate while erasing."""
+
+    __slots__ = ("_graph", "_reverse")
+
+    def __init__(self, graph: Graph, reverse: bool = False) -> None:
+        self._graph, self._reverse = graph, reverse
+
+    def __len__(self) -> int:
+        return self._graph._len
+
+    def __iter__(self) -> Iterator[Node]:
+        root = self._graph._root
+        step = "_prev" if self._reverse else "_next"
+        cur = getattr(root, step)
+        while cur is not root:
+            if not cur._erased:
+                yield cur
+            cur = getattr(cur, step)
+
+    def __reversed__(self) -> Iterator[Node]:
+        return iter(_NodeList(self._graph, not self._reverse))
+
+    def __repr__(self) -> str:
+        return f"[{', '.join(n.name for n in self)}]"
+
+
+class Graph:
+    """An ordered list of Nodes with one ``output`` node at the end: a function's body.
+
+    Args:
+        owning_module: the GraphModule that runs this graph, if any; ``lint`` uses it to
+            check ``get_attr`` and ``call_module`` targets.
+
+    Example::
+
+        g = Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.relu, (x,))
+        g.output(y)
+    """
+
+    def __init__(self, owning_module: Any = None, tracer_cls: type | None = None) -> None:
+        self._root = Node(self, "", "placeholder", "_root", (), {})
+        self._root.op = "root"  # the sentinel is no real node
+        self._len = 0
+        self._namespace = _Namespace()
+        self._insert_before = self._root
+        self.owning_module = owning_module
+        self._tracer_cls = tracer_cls
+
+    # ------------------------------------------------------------------ the node list
+    @property
+    def nodes(self) -> _NodeList:
+        """All nodes, in order. ``len(graph.nodes)`` is O(1); iteration tolerates erasure."""
+        return _NodeList(self)
+
+    def output_node(self) -> Node:
+        """The graph's ``output`` node."""
+        for n in reversed(self.nodes):
+            if n.op == "output":
+                return n
+        raise RuntimeError("graph has no output node")
+
+    @property
+    def result(self) -> Argument:
+        """The value the graph returns: the output node's argument."""
+        return self.output_node().args[0]
+
+    def find_nodes(self, *, op: str, target: Target | None = None, sort: bool = True) -> list[Node]:
+        """Nodes with the given ``op`` (and ``target``, if given), in graph order."""
+        return [n for n in self.nodes if n.op == op and (target is None or n.target == target)]
+
+    # ------------------------------------------------------------------ insertion points
+    @contextlib.contextmanager
+    def inserting_before(self, n: Node | None = None) -> Iterator[None]:
+        """New nodes go before ``n`` (before the first node if ``n`` is None), in creation order.
+
+        Example::
+
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.neg, (x,))
+        """
+        anchor = n if n is not None else self._root._next
+        saved, self._insert_before = self._insert_before, anchor
+        try:
+            yield
+        finally:
+            self._insert_before = saved
+
+    @contextlib.contextmanager
+    def inserting_after(self, n: Node | None = None) -> Iterator[None]:
+        """New nodes go after ``n`` (at the end if ``n`` is None), in creation order.
+
+        Example::
+
+            with graph.inserting_after(node):
+                new = graph.call_function(torch.relu, (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        """
+        with self.inserting_before(n._next if n is not None else self._root):
+            yield
+
+    # ------------------------------------------------------------------ node creation
+    def create_node(self, op: str, target: Target, args: tuple | None = None,
+                    kwargs: dict | None = None, name: str | None = None,
+                    type_expr: Any = None) -> Node:
+        """Create a node at the current insertion point and return it.
+
+        Args:
+            op: one of the six opcodes.
+            target: what to call or read (see :mod:`fxlite.node`).
+            args, kwargs: its arguments; may contain Nodes of this graph.
+            name: a name hint; the node gets it or a unique variant of it.
+            type_expr: an optional type annotation, kept in generated code.
+        """
+        args = () if args is None else tuple(args)
+        kwargs = {} if kwargs is None else dict(kwargs)
+        unique = self._namespace.create_name(name or _name_hint(op, target))
+        n = Node(self, unique, op, target, args, kwargs, type_expr)
+        for inp in n._input_nodes:
+            if inp.graph is not self:
+                n._update_args_kwargs((), {})
+                self._namespace.release(unique)
+                raise RuntimeError(f"node {unique!r} would read {inp.name!r}, which belongs to another graph")
+        self._insert_before.prepend(n)
+        self._len += 1
+        return n
+
+    def placeholder(self, name: str, type_expr: Any = None,
+                    default_value: Any = inspect.Signature.empty) -> Node:
+        """An input of the function; ``default_value`` makes it optional."""
+        args = () if default_value is inspect.Signature.empty else (default_value,)
+        return self.create_node("placeholder", name, args, type_expr=type_expr)
+
+    def get_attr(self, qualified_name: str, type_expr: Any = None) -> Node:
+        """Read an attribute of the owning module by its dotted path."""
+        return self.create_node("get_attr", qualified_name, type_expr=type_expr)
+
+    def call_module(self, module_name: str, args: tuple | None = None,
+                    kwargs: dict | None = None, type_expr: Any = None) -> Node:
+        """Call the submodule at the dotted path ``module_name``."""
+        return self.create_node("call_module", module_name, args, kwargs, type_expr=type_expr)
+
+    def call_method(self, method_name: str, args: tuple | None = None,
+                    kwargs: dict | None = None, type_expr: Any = None) -> Node:
+        """Call ``args[0].method_name(*args[1:], **kwargs)``."""
+        return self.create_node("call_method", method_name, args, kwargs, type_expr=type_expr)
+
+    def call_function(self, the_function: Callable[..., Any], args: tuple | None = None,
+                      kwargs: dict | None = None, type_expr: Any = None) -> Node:
+        """Call a free function such as ``torch.relu`` or ``operator.add``."""
+        return self.create_node("call_function", the_function, args, kwargs, type_expr=type_expr)
+
+    def output(self, result: Argument, type_expr: Any = None) -> Node:
+        """Return ``result`` from the function. A graph has exactly one output node."""
+        return self.create_node("output", "output", (result,), type_expr=type_expr)
+
+    def node_copy(self, node: Node, arg_transform: Callable[[Node], Argument] = lambda x: x) -> Node:
+        """Copy ``node`` (from any graph) into this one, mapping its inputs with ``arg_transform``."""
+        args = map_arg(node.args, arg_transform)
+        kwargs = map_arg(node.kwargs, arg_transform)
+        new = self.create_node(node.op, node.target, args, kwargs, node.name, node.type)
+        new.meta = copy.copy(node.meta)
+        return new
+
+    def graph_copy(self, g: Graph, val_map: dict[Node, Argument],
+                   return_output_node: bool = False) -> Argument:
+        """Copy every node of ``g`` but its output into this graph.
+
+        ``val_map`` maps nodes of ``g`` to their copies and is filled in as nodes are
+        copied; prefill it to substitute inputs. Returns the copied output value (or the
+        output node itself with ``return_output_node=True``).
+        """
+        for node in g.nodes:
+            if node in val_map:
+                continue
+            if node.op == "output":
+                out = map_arg(node.args[0], lambda n: val_map[n])
+                return node if return_output_node else out
+            val_map[node] = self.node_copy(node, lambda n: val_map[n])
+        return None
+
+    def erase_node(self, to_erase: Node) -> None:
+        """Remove a node that nobody uses. Raises RuntimeError naming its users otherwise."""
+        if to_erase.graph is not self:
+            raise RuntimeError(f"node {to_erase.name!r} does not belong to this graph")
+        if to_erase._erased:
+            raise RuntimeError(f"node {to_erase.name!r} was already erased")
+        if to_erase.users:
+            users = ", ".join(u.name for u in to_erase.users)
+            raise RuntimeError(f"cannot erase node {to_erase.name!r}: it is still used by {users}")
+        to_erase._remove_from_list()
+        to_erase._update_args_kwargs((), {})
+        to_erase._erased = True
+        self._len -= 1
+
+    # ------------------------------------------------------------------ whole-graph passes
+    def eliminate_dead_code(self, is_impure_node: Callable[[Node], bool] | None = None) -> bool:
+        """Erase nodes whose results are unused, keeping in-place, random and side-effecting ops.
+
+        Returns True if anything was erased.
+
+        Example: in ``y = x + 1; z = x * 2; return z`` the ``add`` is erased; in
+        ``x.add_(1); return x`` nothing is.
+        """
+        from .ops import is_impure
+
+        impure = is_impure_node or (lambda n: is_impure(n, self.owning_module))
+        changed = False
+        for node in reversed(self.nodes):
+            if not node.users and node.op not in ("placeholder", "output") and not impure(node):
+                self.erase_node(node)
+                changed = True
+        return changed
+
+    def lint(self) -> None:
+        """Check the graph is well formed; raise RuntimeError naming the first bad node.
+
+        Checks: each node belongs to this graph, names are unique identifiers, inputs are
+        defined before use, ``users`` match actual uses, there is one output and it is
+        last, and ``get_attr`` / ``call_module`` targets exist on the owning module.
+        """
+        seen: set[Node] = set()
+        names: set[str] = set()
+        outputs = 0
+        count = 0
+        last = None
+        for node in self.nodes:
+            count += 1
+            last = node
+            where = f"node {node.name!r} ({node.format_node()})"
+            if node.graph is not self:
+                raise RuntimeError(f"lint: {where} belongs to another graph")
+            if node.name in names:
+                raise RuntimeError(f"lint: {where} has a duplicate name")
+            if not node.name.isidentifier() or keyword.iskeyword(node.name):
+                raise RuntimeError(f"lint: {where} has a name that is not a Python identifier")
+            names.add(node.name)
+            for inp in node._input_nodes:
+                if inp.graph is not self:
+                    raise RuntimeError(f"lint: {where} reads {inp.name!r} from another graph")
+                if inp._erased:
+                    raise RuntimeError(f"lint: {where} reads erased node {inp.name!r}")
+                if inp not in seen:
+                    raise RuntimeError(f"lint: {where} reads {inp.name!r} before it is defined")
+                if node not in inp.users:
+                    raise RuntimeError(f"lint: {where} reads {inp.name!r}, which does not list it as a user")
+            for user in node.users:
+                if node not in user._input_nodes or user._erased or user.graph is not self:
+                    raise RuntimeError(f"lint: {where} lists {user.name!r} as a user, but it does not read it")
+            if node.op == "output":
+                outputs += 1
+            self._lint_target(node, where)
+            seen.add(node)
+        if count != self._len:
+            raise RuntimeError(f"lint: graph counts {self._len} nodes but holds {count}")
+        if outputs != 1 or last is None or last.op != "output":
+            raise RuntimeError(f"lint: graph must end with exactly one output node (found {outputs})")
+
+    def _lint_target(self, node: Node, where: str) -> None:
+        if self.owning_module is None or node.op not in ("get_attr", "call_module"):
+            return
+        obj = self.owning_module
+        for atom in node.target.split("."):
+            if not hasattr(obj, atom):
+                raise RuntimeError(f"lint: {where} refers to {node.target!r}, which the module lacks")
+            obj = getattr(obj, atom)
+        if node.op == "call_module" and not callable(obj):
+            raise RuntimeError(f"lint: {where} calls {node.target!r}, which is not a module")
+
+    # ------------------------------------------------------------------ printing
+    def __str__(self) -> str:
+        params = ", ".join(
+            f"{n.name} : {_format_target(n.type)}" if n.type is not None else n.name
+            for n in self.find_nodes(op="placeholder"))
+        lines = [f"graph({params}):"]
+        lines += ["    " + n.format_node() for n in self.nodes]
+        return "\n".join(lines)
+
+    def print_tabular(self) -> None:
+        """Print the nodes as a table (opcode, name, target, args, kwargs), via tabulate.
+
+        When ShapeProp has stored ``meta['tensor_meta']``, shape and dtype columns follow.
+        """
+        from .tabular import tabular
+
+        print(tabular(self))
+
+    def _repr_html_(self) -> str:
+        from .tabular import tabular
+
+        return tabular(self, tablefmt="html")
+
+    def python_code(self, root_module: str = "self") -> Any:
+        """Generate the source of ``forward`` for this graph (see ``fxlite.codegen.python``)."""
+        from fxlite.codegen.python import generate
+
+        return generate(self, root_module)
+
+    # ------------------------------------------------------------------ copying
+    def __deepcopy__(self, memo: dict) -> Graph:
+        # graph_copy walks the list; the default deepcopy would recurse node to node.
+        new = Graph(tracer_cls=self._tracer_cls)
+        memo[id(self)] = new
+        val_map: dict[Node, Argument] = {}
+        out = new.graph_copy(self, val_map, return_output_node=True)
+        if out is not None:
+            new.output(map_arg(out.args[0], lambda n: val_map[n]), out.type)
+            new.output_node().meta = copy.copy(out.meta)
+        for old, nn in val_map.items():
+            nn.meta = copy.deepcopy(old.meta, memo)
+        return new
+
+    def __getstate__(self) -> dict:
+        # A flat record per node keeps pickling iterative on graphs of any size.
+        index = {n: i for i, n in enumerate(self.nodes)}
+        ref = lambda n: _NodeRef(index[n])
+        records = [(n.name, str(n.op), n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref),
+                    n.type, n.meta) for n in self.nodes]
+        return {"records": records, "tracer_cls": self._tracer_cls}
+
+    def __setstate__(self, state: dict) -> None:
+        Graph.__init__(self, tracer_cls=state.get("tracer_cls"))
+        made: list[Node] = []
+        unref = lambda r: made[r.index] if isinstance(r, _NodeRef) else r
+        from .node import map_aggregate
+
+        for name, op, target, args, kwargs, type_expr, meta in state["records"]:
+            n = self.create_node(op, target, map_aggregate(args, unref),
+                                 map_aggregate(kwargs, unref), name, type_expr)
+            n.meta = meta
+            made.append(n)
+
+
+class _NodeRef:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple:
+        return (_NodeRef, (self.index,))

@@ -1,0 +1,292 @@
+"""GraphModule: an ``nn.Module`` whose ``forward`` is generated from a Graph.
+
+It holds only the parameters, buffers and submodules its graph refers to, and regenerates
+``forward`` from the graph on :meth:`GraphModule.recompile` (and whenever ``graph`` is
+assigned). Each instance has its own class, so recompiling one never affects another.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import sys
+import types
+from typing import Any
+
+import torch
+
+from fxlite.codegen.python import PythonCode, generate
+
+from .graph import Graph
+
+__all__ = ["GraphModule"]
+
+_counter = itertools.count()
+
+
+def _split(target: str) -> tuple[str, str]:
+    prefix, _, name = target.rpartition(".")
+    return prefix, name
+
+
+def _get(obj: Any, target: str, what: str) -> Any:
+    for i, atom in enumerate(target.split(".") if target else []):
+        if not hasattr(obj, atom):
+            where = ".".join(target.split(".")[:i]) or "the root"
+            raise RuntimeError(f"{what}: {where} has no attribute {atom!r} (looking up {target!r})")
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str, what: str) -> None:
+    """Copy ``src.<target>`` to ``dst``, creating empty parent modules as needed."""
+    value = _get(src, target, what)
+    prefix, name = _split(target)
+    src_parent = _get(src, prefix, what)
+    for atom in prefix.split(".") if prefix else []:
+        if not hasattr(dst, atom):
+            dst.add_module(atom, torch.nn.Module())
+        dst = getattr(dst, atom)
+    if isinstance(value, torch.nn.Module):
+        dst.add_module(name, value)
+    elif isinstance(value, torch.nn.Parameter):
+        dst.register_parameter(name, value)
+    elif isinstance(src_parent, torch.nn.Module) and name in src_parent._buffers:
+        dst.register_buffer(name, value, persistent=name not in src_parent._non_persistent_buffers_set)
+    else:
+        setattr(dst, name, value)
+
+
+class GraphModule(torch.nn.Module):
+    """A module that runs a Graph.
+
+    Args:
+        root: the module (or ``{path: value}`` dict) that ``get_attr`` and ``call_module``
+            nodes refer to. Only the referenced values are copied; a missing one raises
+            RuntimeError naming it.
+        graph: the graph to run.
+        class_name: the name shown for this module's class.
+
+    Example::
+
+        graph = fxlite.Tracer().trace(model)
+        gm = fxlite.GraphModule(model, graph)
+        print(gm.code)
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
+        # A class per instance: forward is installed on it by recompile().
+        base = next(c for c in cls.__mro__ if c.__name__ != "GraphModuleImpl")
+
+        class GraphModuleImpl(base):  # type: ignore[valid-type, misc]
+            pass
+
+        return super().__new__(GraphModuleImpl)
+
+    def __init__(self, root: torch.nn.Module | dict[str, Any], graph: Graph,
+                 class_name: str = "GraphModule") -> None:
+        super().__init__()
+        type(self).__name__ = class_name
+        type(self).__qualname__ = class_name
+        targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
+        if isinstance(root, torch.nn.Module):
+            self.training = root.training
+            for target in targets:
+                _copy_attr(root, self, target, f"the graph refers to {target!r}")
+        elif isinstance(root, dict):
+            for target in targets:
+                if target not in root:
+                    raise RuntimeError(f"the graph refers to {target!r}, which the dict root lacks")
+                prefix, name = _split(target)
+                holder = torch.nn.Module()
+                setattr(holder, name, root[target])
+                parent = self
+                for atom in prefix.split(".") if prefix else []:
+                    if not hasattr(parent, atom):
+                        parent.add_module(atom, torch.nn.Module())
+                    parent = getattr(parent, atom)
+                _copy_attr(holder, parent, name, f"the graph refers to {target!r}")
+        else:
+            raise TypeError(f"root must be an nn.Module or a dict, not {type(root).__name__}")
+        self.graph = graph
+
+    # ------------------------------------------------------------------ graph and code
+    @property
+    def graph(self) -> Graph:
+        """The graph this module runs. Assigning a new graph recompiles ``forward``."""
+        return self._graph
+
+    @graph.setter
+    def graph(self, g: Graph) -> None:
+        if not isinstance(g, Graph):
+            raise TypeError(f"graph must be a fxlite.Graph, not {type(g).__name__}")
+        self.__dict__["_graph"] = g
+        g.owning_module = self
+        self.recompile()
+
+    @property
+    def code(self) -> str:
+        """The source of the generated ``forward``."""
+        return self._code
+
+    def recompile(self) -> PythonCode:
+        """Regenerate ``forward`` from ``self.graph``; call it after editing the graph."""
+        python_code = generate(self._graph, "self")
+        self.__dict__["_code"] = python_code.src
+        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
+        type(self).forward = python_code.compile(filename)
+        return python_code
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n\n\n\n{self._code}"
+
+    def print_readable(self, print_output: bool = True) -> str:
+        """The module as a class definition, with nested GraphModules inlined."""
+        text = self._readable(type(self).__name__)
+        if print_output:
+            print(text)
+        return text
+
+    def _readable(self, name: str, indent: str = "") -> str:
+        lines = [f"{indent}class {name}(torch.nn.Module):"]
+        for sub_name, sub in self.named_children():
+            if isinstance(sub, GraphModule):
+                lines.append(sub._readable(sub_name, indent + "    "))
+        lines += [indent + "    " + line for line in self._code.splitlines() if line.strip()
+                  and not line.startswith("import ")]
+        return "\n".join(lines) + "\n"
+
+    def _repr_html_(self) -> str:
+        return self._graph._repr_html_()
+
+    # ------------------------------------------------------------------ submodules
+    def add_submodule(self, target: str, m: torch.nn.Module) -> bool:
+        """Install ``m`` at the dotted path ``target``, creating parents. False if blocked."""
+        prefix, name = _split(target)
+        mod: Any = self
+        for atom in prefix.split(".") if prefix else []:
+            if not hasattr(mod, atom):
+                mod.add_module(atom, torch.nn.Module())
+            mod = getattr(mod, atom)
+            if not isinstance(mod, torch.nn.Module):
+                return False
+        mod.add_module(name, m)
+        return True
+
+    def delete_submodule(self, target: str) -> bool:
+        """Remove the submodule at ``target``. False if there is none."""
+        prefix, name = _split(target)
+        try:
+            parent = self.get_submodule(prefix) if prefix else self
+        except AttributeError:
+            return False
+        if name not in parent._modules:
+            return False
+        del parent._modules[name]
+        return True
+
+    def delete_all_unused_submodules(self) -> None:
+        """Remove every submodule that no ``call_module`` or ``get_attr`` node needs."""
+        used: set[str] = {""}
+        for n in self._graph.nodes:
+            if n.op in ("call_module", "get_attr"):
+                atoms = n.target.split(".")
+                used.update(".".join(atoms[:i]) for i in range(1, len(atoms) + 1))
+                if n.op == "call_module":  # a called module needs all of its children
+                    used.update(f"{n.target}.{k}" for k, _ in _get(self, n.target, "").named_modules())
+        for name, _ in sorted(self.named_modules(), key=lambda kv: -len(kv[0])):
+            if name not in used:
+                self.delete_submodule(name)
+
+    # ------------------------------------------------------------------ copying
+    def __deepcopy__(self, memo: dict) -> GraphModule:
+        res = GraphModule.__new__(GraphModule)
+        memo[id(self)] = res
+        torch.nn.Module.__init__(res)
+        body = {k: v for k, v in self.__dict__.items() if k not in ("_graph", "_code")}
+        res.__dict__.update(copy.deepcopy(body, memo))
+        type(res).__name__ = type(self).__name__
+        res.graph = copy.deepcopy(self._graph, memo)
+        return res
+
+    def __copy__(self) -> GraphModule:
+        res = GraphModule.__new__(GraphModule)
+        torch.nn.Module.__init__(res)
+        res.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_graph", "_code")})
+        type(res).__name__ = type(self).__name__
+        res.graph = self._graph
+        return res
+
+    def __reduce__(self) -> tuple:
+        # Pickle the graph as data (no generated code); forward is regenerated on load.
+        body = {k: v for k, v in self.__dict__.items() if k not in ("_graph", "_code")}
+        return (_rebuild, (body, self._graph, type(self).__name__))
+
+    # ------------------------------------------------------------------ to_folder
+    def to_folder(self, folder: str | os.PathLike, module_name: str = "FxModule") -> None:
+        """Write this module as an importable package: ``from folder import module_name``.
+
+        ``folder/module.py`` holds the class with the generated ``forward``; tensors and
+        submodules are saved beside it and loaded by ``__init__``.
+        """
+        os.makedirs(folder, exist_ok=True)
+        tensors = {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+        init = ["super().__init__()", "_here = os.path.dirname(os.path.abspath(__file__))",
+                "_state = torch.load(os.path.join(_here, 'state.pt'), weights_only=True)"]
+        for name, p in self._parameters.items():
+            if p is not None:
+                init.append(f"self.register_parameter({name!r}, torch.nn.Parameter("
+                            f"_state['param:' + {name!r}], requires_grad={p.requires_grad}))")
+        for name in self._buffers:
+            init.append(f"self.register_buffer({name!r}, _state['buffer:' + {name!r}])")
+        for name in tensors:
+            init.append(f"setattr(self, {name!r}, _state['tensor:' + {name!r}])")
+        state = {f"param:{k}": v.detach() for k, v in self._parameters.items() if v is not None}
+        state.update({f"buffer:{k}": v for k, v in self._buffers.items() if v is not None})
+        state.update({f"tensor:{k}": v for k, v in tensors.items()})
+        for i, (name, sub) in enumerate(self._modules.items()):
+            torch.save(sub, os.path.join(folder, f"submodule_{i}.pt"))
+            init.append(f"self.add_module({name!r}, torch.load(os.path.join(_here, "
+                        f"'submodule_{i}.pt'), weights_only=False))")
+        torch.save(state, os.path.join(folder, "state.pt"))
+        code = generate(self._graph, "self")
+        header = ["import os", "import torch", *_import_lines(code)]
+        forward = [line for line in code.src.splitlines() if not line.startswith("import ")]
+        src = "\n".join([*header, "", "", f"class {module_name}(torch.nn.Module):",
+                         "    def __init__(self):", *("        " + line for line in init), "",
+                         *("    " + line for line in forward)]) + "\n"
+        with open(os.path.join(folder, "module.py"), "w") as f:
+            f.write(src)
+        with open(os.path.join(folder, "__init__.py"), "w") as f:
+            f.write(f"from .module import {module_name}\n")
+
+
+def _import_lines(code: PythonCode) -> list[str]:
+    """Import statements that recreate the globals of generated code in a source file."""
+    lines = []
+    for name, obj in code.globals.items():
+        if isinstance(obj, types.ModuleType):
+            lines.append(f"import {obj.__name__}" if name == obj.__name__
+                         else f"import {obj.__name__} as {name}")
+            continue
+        mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        target: Any = sys.modules.get(mod or "")
+        for atom in (qual or "<unknown>").split("."):
+            target = getattr(target, atom, None)
+        if target is not obj:
+            raise RuntimeError(f"to_folder cannot write {name} ({obj!r}): it is not importable "
+                               "by name; make it a module-level function or a module attribute")
+        lines.append(f"from {mod} import {qual} as {name}")
+    return lines
+
+
+def _rebuild(body: dict[str, Any], graph: Graph, class_name: str) -> GraphModule:
+    gm = GraphModule.__new__(GraphModule)
+    torch.nn.Module.__init__(gm)
+    gm.__dict__.update(body)
+    type(gm).__name__ = class_name
+    gm.graph = graph
+    return gm
+
+

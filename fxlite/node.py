@@ -1,0 +1,290 @@
+"""Nodes: the single record type of the fxlite IR.
+
+A :class:`Node` is one operation in a :class:`~fxlite.graph.Graph`. Its ``op`` is one of
+six opcodes, and what ``target``, ``args`` and ``kwargs`` mean depends on it::
+
+    op             target                      args / kwargs              printed as
+    placeholder    argument name ("x")         (default,) if any          %x = placeholder[target=x]
+    get_attr       dotted path ("linear.w")    ()                         %w = get_attr[target=linear.w]
+    call_function  a Python callable           the call's arguments       %add = call_function[target=operator.add](...)
+    call_method    method name ("relu")        (self_value, *arguments)   %relu = call_method[target=relu](...)
+    call_module    dotted module path          the call's arguments       %lin = call_module[target=lin](...)
+    output         "output"                    (returned value,)          return add
+
+Arguments may be Nodes, constants, or lists/tuples/dicts/slices of them. Every Node
+keeps the set of Nodes it reads (``all_input_nodes``) and the set of Nodes that read it
+(``users``); assigning ``args`` or ``kwargs`` keeps both in sync.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+__all__ = ["Argument", "Node", "Opcode", "Target", "map_aggregate", "map_arg"]
+
+
+class Opcode(str, enum.Enum):
+    """The six opcodes. Members compare equal to their names: ``Opcode.OUTPUT == "output"``."""
+
+    PLACEHOLDER = "placeholder"
+    GET_ATTR = "get_attr"
+    CALL_FUNCTION = "call_function"
+    CALL_METHOD = "call_method"
+    CALL_MODULE = "call_module"
+    OUTPUT = "output"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__
+    __format__ = str.__format__
+
+
+_OPCODES = {o.value: o for o in Opcode}
+
+Target = Union[Callable[..., Any], str]
+Argument = Any  # a Node, a constant, or a list/tuple/dict/slice of Arguments
+
+
+def map_aggregate(a: Argument, fn: Callable[[Any], Any]) -> Argument:
+    """Apply ``fn`` to every leaf of ``a``, rebuilding tuples, lists, dicts and slices."""
+    if isinstance(a, tuple):
+        items = [map_aggregate(x, fn) for x in a]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)  # keep namedtuples
+    if isinstance(a, list):
+        return [map_aggregate(x, fn) for x in a]
+    if isinstance(a, dict):
+        return {k: map_aggregate(v, fn) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(map_aggregate(a.start, fn), map_aggregate(a.stop, fn), map_aggregate(a.step, fn))
+    return fn(a)
+
+
+def map_arg(a: Argument, fn: Callable[[Node], Argument]) -> Argument:
+    """Apply ``fn`` to every Node inside ``a``; other leaves are kept as they are."""
+    return map_aggregate(a, lambda x: fn(x) if isinstance(x, Node) else x)
+
+
+def _collect_nodes(a: Argument, out: dict[Node, None]) -> None:
+    # Iterative walk: arguments can be long lists (torch.cat of many tensors).
+    stack = [a]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Node):
+            out.setdefault(x)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        elif isinstance(x, slice):
+            stack.extend((x.step, x.stop, x.start))
+
+
+class Node:
+    """One operation in a Graph. See the module docstring for the meaning of each field.
+
+    Nodes are created by :meth:`Graph.create_node` and its helpers, never directly.
+    Arbitrary attributes may be set on a node (``node.shape = ...``), but ``meta`` is
+    the place for pass results.
+    """
+
+    __slots__ = (
+        "graph", "name", "op", "target", "_args", "_kwargs", "_input_nodes", "users",
+        "type", "meta", "_prev", "_next", "_erased", "__dict__",
+    )
+
+    def __init__(self, graph: Graph, name: str, op: str, target: Target,
+                 args: tuple, kwargs: dict, type: Any = None) -> None:
+        if op not in _OPCODES:
+            raise ValueError(f"unknown opcode {op!r}; expected one of {sorted(_OPCODES)}")
+        if op in ("call_method", "call_module", "get_attr") and not isinstance(target, str):
+            raise ValueError(f"{op} node {name!r} needs a string target, got {target!r}")
+        if op == "call_function" and not callable(target):
+            raise ValueError(f"call_function node {name!r} needs a callable target, got {target!r}")
+        self.graph = graph
+        self.name = name
+        self.op = _OPCODES[op]
+        self.target = target
+        self._input_nodes: dict[Node, None] = {}
+        self.users: dict[Node, None] = {}
+        self.type = type
+        self.meta: dict[str, Any] = {}
+        self._prev = self._next = self
+        self._erased = False
+        self._args: tuple = ()
+        self._kwargs: dict = {}
+        self._update_args_kwargs(args, kwargs)
+
+    # ------------------------------------------------------------------ arguments
+    @property
+    def args(self) -> tuple:
+        """The positional arguments. Assigning a new tuple updates ``users`` bookkeeping."""
+        return self._args
+
+    @args.setter
+    def args(self, a: tuple) -> None:
+        self._update_args_kwargs(tuple(a), self._kwargs)
+
+    @property
+    def kwargs(self) -> dict:
+        """The keyword arguments. Assigning a new dict updates ``users`` bookkeeping."""
+        return self._kwargs
+
+    @kwargs.setter
+    def kwargs(self, k: dict) -> None:
+        self._update_args_kwargs(self._args, dict(k))
+
+    @property
+    def all_input_nodes(self) -> list[Node]:
+        """Every Node this node reads, in order of first appearance in args then kwargs."""
+        return list(self._input_nodes)
+
+    def _update_args_kwargs(self, args: tuple, kwargs: dict) -> None:
+        for old in self._input_nodes:
+            old.users.pop(self, None)
+        self._args, self._kwargs = args, kwargs
+        new: dict[Node, None] = {}
+        _collect_nodes(args, new)
+        _collect_nodes(kwargs, new)
+        for n in new:
+            if n._erased:
+                raise RuntimeError(f"node {self.name!r} would read erased node {n.name!r}")
+            n.users[self] = None
+        self._input_nodes = new
+
+    def update_arg(self, idx: int, arg: Argument) -> None:
+        """Set ``args[idx]`` to ``arg``."""
+        args = list(self._args)
+        args[idx] = arg
+        self.args = tuple(args)
+
+    def update_kwarg(self, key: str, arg: Argument) -> None:
+        """Set ``kwargs[key]`` to ``arg``."""
+        self.kwargs = {**self._kwargs, key: arg}
+
+    def replace_input_with(self, old_input: Node, new_input: Node) -> None:
+        """Replace every use of ``old_input`` in this node's arguments with ``new_input``."""
+        swap = lambda n: new_input if n is old_input else n
+        self._update_args_kwargs(map_arg(self._args, swap), map_arg(self._kwargs, swap))
+
+    def replace_all_uses_with(self, replace_with: Node,
+                              delete_user_cb: Callable[[Node], bool] = lambda user: True,
+                              *, propagate_meta: bool = False) -> list[Node]:
+        """Make every user of this node read ``replace_with`` instead.
+
+        Args:
+            replace_with: the node to use in place of ``self``.
+            delete_user_cb: called per user; users for which it returns False are kept.
+            propagate_meta: copy ``self.meta`` into ``replace_with.meta`` (which must be empty).
+
+        Returns:
+            The users that were changed.
+
+        Example::
+
+            with graph.inserting_after(node):
+                new = graph.call_function(torch.relu, (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        """
+        if propagate_meta:
+            if replace_with.meta:
+                raise RuntimeError(f"propagate_meta needs an empty meta on {replace_with.name!r}")
+            replace_with.meta.update(self.meta)
+        changed = [u for u in list(self.users) if delete_user_cb(u)]
+        for user in changed:
+            user.replace_input_with(self, replace_with)
+        return changed
+
+    # ------------------------------------------------------------------ list position
+    @property
+    def next(self) -> Node:
+        """The next node in the graph (the graph's sentinel after the last node)."""
+        return self._next
+
+    @property
+    def prev(self) -> Node:
+        """The previous node in the graph (the graph's sentinel before the first node)."""
+        return self._prev
+
+    def _remove_from_list(self) -> None:
+        # The node keeps its own links, so that a loop over graph.nodes that erases or
+        # moves the current node still finds its way to the next one.
+        p, n = self._prev, self._next
+        p._next, n._prev = n, p
+
+    def prepend(self, x: Node) -> None:
+        """Move or insert ``x`` just before this node."""
+        if x is self:
+            raise ValueError(f"cannot prepend node {self.name!r} to itself")
+        x._remove_from_list()
+        p = self._prev
+        p._next, x._prev = x, p
+        x._next, self._prev = self, x
+
+    def append(self, x: Node) -> None:
+        """Move or insert ``x`` just after this node."""
+        self._next.prepend(x)
+
+    # ------------------------------------------------------------------ printing
+    @property
+    def stack_trace(self) -> str | None:
+        """Where in user code this node was traced from, if the tracer recorded it."""
+        return self.meta.get("stack_trace")
+
+    @stack_trace.setter
+    def stack_trace(self, trace: str | None) -> None:
+        self.meta["stack_trace"] = trace
+
+    def format_node(self) -> str:
+        """One line in the ``str(graph)`` format: ``%add : [#users=1] = call_function[...](...)``."""
+        if self.op == "output":
+            return f"return {_format_arg(self._args[0], '') if self._args else None}"
+        if self.op == "placeholder":
+            default = f"[default={_format_arg(self._args[0])}]" if self._args else ""
+            return f"%{self.name} : [#users={len(self.users)}] = placeholder[target={self.target}]{default}"
+        head = f"%{self.name} : [#users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
+        if self.op == "get_attr":
+            return head
+        return f"{head}(args = {_format_arg(self._args)}, kwargs = {_format_arg(self._kwargs)})"
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def _rename(self, candidate: str) -> None:
+        """Rename this node, keeping names unique within its graph."""
+        if candidate == self.name:
+            return
+        self.graph._namespace.release(self.name)
+        self.name = self.graph._namespace.create_name(candidate)
+
+
+def _format_target(target: Target) -> str:
+    """``operator.add``, ``torch.sum``, ``my_module.my_fn``: how a target prints in a graph."""
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    mod = {"_operator": "operator"}.get(mod, mod)
+    name = getattr(target, "__name__", None)
+    if name and getattr(sys.modules.get(mod), name, None) is target:
+        return f"{mod}.{name}"
+    qual = getattr(target, "__qualname__", None) or name or repr(target)
+    return f"{mod}.{qual}" if mod else qual
+
+
+def _format_arg(a: Argument, prefix: str = "%") -> str:
+    if isinstance(a, Node):
+        return f"{prefix}{a.name}"
+    if isinstance(a, tuple):
+        inner = ", ".join(_format_arg(x, prefix) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(_format_arg(x, prefix) for x in a) + "]"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k}: {_format_arg(v, prefix)}" for k, v in a.items()) + "}"
+    return repr(a)
