@@ -1,0 +1,130 @@
+"""Shape propagation: run a GraphModule on example inputs and record each value's metadata.
+
+After ``ShapeProp(gm).propagate(x)`` every node whose value holds tensors carries
+``node.meta['tensor_meta']``: a :class:`TensorMetadata` for a tensor, or the same
+tuple/list/dict structure of them for a nested value. Every node gets
+``node.meta['type']``, the Python type of its value. ``gm.graph.print_tabular()`` then
+shows shape and dtype columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fxlite.interpreter import Interpreter
+from fxlite.node import Node, map_aggregate
+
+__all__ = ["ShapeProp", "TensorMetadata", "extract_tensor_metadata"]
+
+# Checked in this order: a tensor that is several at once (size-1 dims) reports the first.
+_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+class TensorMetadata(NamedTuple):
+    """What ShapeProp records about one tensor.
+
+    Attributes:
+        shape: its ``torch.Size``.
+        dtype: its element type.
+        requires_grad: whether autograd tracks it.
+        stride: its strides (``()`` for non-strided layouts such as sparse).
+        memory_format: ``torch.contiguous_format``, ``torch.channels_last``,
+            ``torch.channels_last_3d``, or None when it is laid out in none of them.
+        is_quantized: whether it is a quantized tensor.
+        qparams: for quantized tensors, ``qscheme`` and ``scale``/``zero_point`` (or
+            per-channel ``scale``, ``zero_point`` and ``axis``); else empty.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    stride: tuple[int, ...]
+    memory_format: torch.memory_format | None
+    is_quantized: bool = False
+    qparams: dict[str, Any] = {}  # shared default; extract_tensor_metadata makes fresh ones
+
+
+def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
+    """Record ``t``'s shape, dtype, strides, memory format and quantization.
+
+    Args:
+        t: any tensor.
+
+    Returns:
+        Its :class:`TensorMetadata`.
+
+    Example::
+
+        >>> extract_tensor_metadata(torch.zeros(2, 3)).stride
+        (3, 1)
+    """
+    strided = t.layout == torch.strided
+    memory_format = None
+    if strided:
+        for fmt in _MEMORY_FORMATS:
+            if t.is_contiguous(memory_format=fmt):
+                memory_format = fmt
+                break
+    qparams: dict[str, Any] = {}
+    if t.is_quantized:
+        qscheme = t.qscheme()
+        qparams["qscheme"] = qscheme
+        if qscheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            qparams["scale"] = t.q_scale()
+            qparams["zero_point"] = t.q_zero_point()
+        else:
+            qparams["scale"] = t.q_per_channel_scales().tolist()
+            qparams["zero_point"] = t.q_per_channel_zero_points().tolist()
+            qparams["axis"] = t.q_per_channel_axis()
+    return TensorMetadata(
+        shape=t.shape, dtype=t.dtype, requires_grad=t.requires_grad,
+        stride=tuple(t.stride()) if strided else (), memory_format=memory_format,
+        is_quantized=t.is_quantized, qparams=qparams)
+
+
+class ShapeProp(Interpreter):
+    """An Interpreter that records every node's tensor metadata as it runs.
+
+    Args:
+        gm: the GraphModule whose nodes get ``meta['tensor_meta']`` and ``meta['type']``.
+
+    Example::
+
+        gm = fxlite.symbolic_trace(model)
+        ShapeProp(gm).propagate(torch.randn(2, 3))
+        for node in gm.graph.nodes:
+            print(node.name, node.meta["tensor_meta"].shape)
+    """
+
+    def run_node(self, n: Node) -> Any:
+        """Run ``n`` as the Interpreter would, then store its metadata in ``n.meta``."""
+        result = super().run_node(n)
+        found = False
+
+        def record(obj: Any) -> Any:
+            nonlocal found
+            if isinstance(obj, torch.Tensor):
+                found = True
+                return extract_tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, record)
+        if found:
+            n.meta["tensor_meta"] = meta
+        else:
+            n.meta.pop("tensor_meta", None)  # a stale record from an earlier run would mislead
+        n.meta["type"] = type(result)
+        return result
+
+    def propagate(self, *args: Any) -> Any:
+        """Run the module on ``args``, recording metadata on every node.
+
+        Args:
+            *args: example inputs, one per placeholder.
+
+        Returns:
+            The module's output for ``args``.
+        """
+        return self.run(*args)
