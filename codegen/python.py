@@ -76,6 +76,7 @@ class _Emitter:
             self.names.reserve(n.name)
         self.globals: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
+        self._spelled: dict[int, str] = {}  # id(obj) -> qualified(obj); objects outlive this
 
     def bind(self, hint: str, obj: Any) -> str:
         """A global name for ``obj``; the same object always gets the same name."""
@@ -93,11 +94,20 @@ class _Emitter:
 
     def qualified(self, obj: Any) -> str:
         """How to spell a function or class: ``torch.relu``, ``math.sqrt``, ``len``, or a global."""
+        # Cached: resolving a dotted path costs several getattrs, once per node otherwise.
+        text = self._spelled.get(id(obj))
+        if text is None:
+            text = self._spelled[id(obj)] = self._qualify(obj)
+        return text
+
+    def _qualify(self, obj: Any) -> str:
         name = getattr(obj, "__name__", None)
         if isinstance(name, str) and getattr(builtins, name, None) is obj:
             return name
         mod = getattr(obj, "__module__", None) or ""
         mod = {"_operator": "operator"}.get(mod, mod)
+        if not mod and isinstance(name, str) and getattr(torch.Tensor, name, None) is obj:
+            return self.bind("torch", torch) + ".Tensor." + name  # torch.Tensor.view: no __module__
         top = mod.split(".")[0]
         if top in _NAMED_MODULES and top in sys.modules and isinstance(name, str):
             qual = getattr(obj, "__qualname__", name)
@@ -175,6 +185,9 @@ class _Emitter:
     def annotation(self, t: Any) -> str:
         if isinstance(t, str):
             return repr(t)
+        if isinstance(t, types.GenericAlias):  # list[int], tuple[torch.Tensor, ...]
+            inner = ", ".join("..." if a is Ellipsis else self.annotation(a) for a in t.__args__)
+            return f"{self.annotation(t.__origin__)}[{inner}]"
         if isinstance(t, type):
             return self.qualified(t)
         text = repr(t)

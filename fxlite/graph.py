@@ -19,13 +19,17 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import gc
 import inspect
 import keyword
 import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .node import Argument, Node, Target, _format_target, map_arg
+import torch
+
+from .node import Argument, Node, Target, map_arg
 
 __all__ = ["Graph", "map_arg"]
 
@@ -33,6 +37,23 @@ _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", 
 _NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a whole-graph operation.
+
+    Why: building thousands of linked nodes triggers collections that rescan every live
+    object, which makes tracing and copying big graphs superlinear. Nothing is leaked:
+    the collector runs again afterwards.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _Namespace:
@@ -307,58 +328,60 @@ class Graph:
         """
         seen: set[Node] = set()
         names: set[str] = set()
-        outputs = 0
-        count = 0
+        outputs = count = 0
         last = None
         for node in self.nodes:
             count += 1
             last = node
-            where = f"node {node.name!r} ({node.format_node()})"
-            if node.graph is not self:
-                raise RuntimeError(f"lint: {where} belongs to another graph")
-            if node.name in names:
-                raise RuntimeError(f"lint: {where} has a duplicate name")
-            if not node.name.isidentifier() or keyword.iskeyword(node.name):
-                raise RuntimeError(f"lint: {where} has a name that is not a Python identifier")
-            names.add(node.name)
-            for inp in node._input_nodes:
-                if inp.graph is not self:
-                    raise RuntimeError(f"lint: {where} reads {inp.name!r} from another graph")
-                if inp._erased:
-                    raise RuntimeError(f"lint: {where} reads erased node {inp.name!r}")
-                if inp not in seen:
-                    raise RuntimeError(f"lint: {where} reads {inp.name!r} before it is defined")
-                if node not in inp.users:
-                    raise RuntimeError(f"lint: {where} reads {inp.name!r}, which does not list it as a user")
-            for user in node.users:
-                if node not in user._input_nodes or user._erased or user.graph is not self:
-                    raise RuntimeError(f"lint: {where} lists {user.name!r} as a user, but it does not read it")
-            if node.op == "output":
-                outputs += 1
-            self._lint_target(node, where)
+            problem = self._lint_node(node, seen, names)
+            if problem:
+                raise RuntimeError(f"lint: node {node.name!r} ({node.format_node()}) {problem}")
+            outputs += node.op == "output"
             seen.add(node)
+            names.add(node.name)
         if count != self._len:
             raise RuntimeError(f"lint: graph counts {self._len} nodes but holds {count}")
         if outputs != 1 or last is None or last.op != "output":
             raise RuntimeError(f"lint: graph must end with exactly one output node (found {outputs})")
 
-    def _lint_target(self, node: Node, where: str) -> None:
+    def _lint_node(self, node: Node, seen: set[Node], names: set[str]) -> str | None:
+        """What is wrong with ``node``, or None."""
+        if node.graph is not self:
+            return "belongs to another graph"
+        if node.name in names:
+            return "has a duplicate name"
+        if not node.name.isidentifier() or keyword.iskeyword(node.name):
+            return "has a name that is not a Python identifier"
+        for inp in node._input_nodes:
+            if inp.graph is not self:
+                return f"reads {inp.name!r} from another graph"
+            if inp._erased:
+                return f"reads erased node {inp.name!r}"
+            if inp not in seen:
+                return f"reads {inp.name!r} before it is defined"
+            if node not in inp.users:
+                return f"reads {inp.name!r}, which does not list it as a user"
+        for user in node.users:
+            if node not in user._input_nodes or user._erased or user.graph is not self:
+                return f"lists {user.name!r} as a user, but it does not read it"
+        return self._lint_target(node)
+
+    def _lint_target(self, node: Node) -> str | None:
         if self.owning_module is None or node.op not in ("get_attr", "call_module"):
-            return
+            return None
         obj = self.owning_module
         for atom in node.target.split("."):
             if not hasattr(obj, atom):
-                raise RuntimeError(f"lint: {where} refers to {node.target!r}, which the module lacks")
+                return f"refers to {node.target!r}, which the owning module lacks"
             obj = getattr(obj, atom)
-        if node.op == "call_module" and not callable(obj):
-            raise RuntimeError(f"lint: {where} calls {node.target!r}, which is not a module")
+        if node.op == "call_module" and not isinstance(obj, torch.nn.Module):
+            return f"calls {node.target!r}, which is not a module"
+        return None
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
-        params = ", ".join(
-            f"{n.name} : {_format_target(n.type)}" if n.type is not None else n.name
-            for n in self.find_nodes(op="placeholder"))
-        lines = [f"graph({params}):"]
+        # torch.fx prints "graph():" and lists the inputs as placeholder lines below it.
+        lines = ["graph():"]
         lines += ["    " + n.format_node() for n in self.nodes]
         return "\n".join(lines)
 
@@ -384,6 +407,10 @@ class Graph:
 
     # ------------------------------------------------------------------ copying
     def __deepcopy__(self, memo: dict) -> Graph:
+        with gc_paused():
+            return self._deepcopy(memo)
+
+    def _deepcopy(self, memo: dict) -> Graph:
         # graph_copy walks the list; the default deepcopy would recurse node to node.
         new = Graph(tracer_cls=self._tracer_cls)
         memo[id(self)] = new
@@ -400,9 +427,15 @@ class Graph:
         # A flat record per node keeps pickling iterative on graphs of any size.
         index = {n: i for i, n in enumerate(self.nodes)}
         ref = lambda n: _NodeRef(index[n])
-        records = [(n.name, str(n.op), n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref),
-                    n.type, n.meta) for n in self.nodes]
-        return {"records": records, "tracer_cls": self._tracer_cls}
+        with gc_paused():  # allocating a record per node would trigger superlinear collections
+            records = [(n.name, str(n.op), n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref),
+                        n.type, n.meta) for n in self.nodes]
+        # The tracer class is informational; a local class (not importable) is left out, so
+        # a graph pickles without it.
+        cls = self._tracer_cls
+        if cls is not None and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is not cls:
+            cls = None
+        return {"records": records, "tracer_cls": cls}
 
     def __setstate__(self, state: dict) -> None:
         Graph.__init__(self, tracer_cls=state.get("tracer_cls"))
@@ -410,11 +443,12 @@ class Graph:
         unref = lambda r: made[r.index] if isinstance(r, _NodeRef) else r
         from .node import map_aggregate
 
-        for name, op, target, args, kwargs, type_expr, meta in state["records"]:
-            n = self.create_node(op, target, map_aggregate(args, unref),
-                                 map_aggregate(kwargs, unref), name, type_expr)
-            n.meta = meta
-            made.append(n)
+        with gc_paused():  # as in __deepcopy__: collections during the rebuild are superlinear
+            for name, op, target, args, kwargs, type_expr, meta in state["records"]:
+                n = self.create_node(op, target, map_aggregate(args, unref),
+                                     map_aggregate(kwargs, unref), name, type_expr)
+                n.meta = meta
+                made.append(n)
 
 
 class _NodeRef:

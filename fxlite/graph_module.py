@@ -18,7 +18,7 @@ import torch
 
 from fxlite.codegen.python import PythonCode, generate
 
-from .graph import Graph
+from .graph import Graph, gc_paused
 
 __all__ = ["GraphModule"]
 
@@ -87,6 +87,7 @@ class GraphModule(torch.nn.Module):
     def __init__(self, root: torch.nn.Module | dict[str, Any], graph: Graph,
                  class_name: str = "GraphModule") -> None:
         super().__init__()
+        self.meta: dict[str, Any] = {}  # free-form, as torch.fx's GraphModule.meta
         type(self).__name__ = class_name
         type(self).__qualname__ = class_name
         targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
@@ -132,10 +133,11 @@ class GraphModule(torch.nn.Module):
 
     def recompile(self) -> PythonCode:
         """Regenerate ``forward`` from ``self.graph``; call it after editing the graph."""
-        python_code = generate(self._graph, "self")
-        self.__dict__["_code"] = python_code.src
-        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
-        type(self).forward = python_code.compile(filename)
+        with gc_paused():
+            python_code = generate(self._graph, "self")
+            self.__dict__["_code"] = python_code.src
+            filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
+            type(self).forward = python_code.compile(filename)
         return python_code
 
     def __str__(self) -> str:

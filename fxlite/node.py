@@ -245,10 +245,11 @@ class Node:
         """One line in the ``str(graph)`` format: ``%add : [#users=1] = call_function[...](...)``."""
         if self.op == "output":
             return f"return {_format_arg(self._args[0], '') if self._args else None}"
+        typename = f"{_format_target(self.type)} " if self.type is not None else ""  # as torch.fx
         if self.op == "placeholder":
             default = f"[default={_format_arg(self._args[0])}]" if self._args else ""
-            return f"%{self.name} : [#users={len(self.users)}] = placeholder[target={self.target}]{default}"
-        head = f"%{self.name} : [#users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
+            return f"%{self.name} : {typename}[#users={len(self.users)}] = placeholder[target={self.target}]{default}"
+        head = f"%{self.name} : {typename}[#users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
         if self.op == "get_attr":
             return head
         return f"{head}(args = {_format_arg(self._args)}, kwargs = {_format_arg(self._kwargs)})"

@@ -18,6 +18,7 @@ import functools
 import inspect
 import math
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph
+from .graph import Graph, gc_paused
 from .node import Argument
 from .proxy import GraphAppendingTracer, Proxy, TraceError, TracerBase, _find_tracer
 
@@ -216,21 +217,22 @@ class Tracer(TracerBase):
         while hasattr(self.root, f"_tensor_constant{self._constant_count}"):
             self._constant_count += 1
         self._keep_alive: list[Any] = []
+        self._star_args: Proxy | None = None
         args, kwargs = self._placeholders(fn, len(bound), concrete_args or {})
-        with self._patched(fn):
-            result = fn(*bound, *args, **kwargs)
-        annotations = getattr(fn, "__annotations__", {})
+        call = fn
+        if self._star_args is not None:  # the body must see *args as one Proxy, as in torch.fx
+            call = _varargs_as_positional(fn)
+            args, kwargs = [*args, *kwargs.values(), self._star_args], {}
+        with self._patched(fn), gc_paused():
+            result = call(*bound, *args, **kwargs)
         self.create_node("output", "output", (self.create_arg(result),), {},
-                         type_expr=annotations.get("return"))
+                         type_expr=_hints(fn).get("return"))
         return self.graph
 
     def _placeholders(self, fn: Callable[..., Any], skip: int,
                       concrete: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         sig = inspect.signature(fn)
-        try:
-            hints = inspect.get_annotations(fn, eval_str=True)
-        except Exception:
-            hints = getattr(fn, "__annotations__", {})
+        hints = _hints(fn)
         unknown = set(concrete) - set(sig.parameters)
         if unknown:
             raise TraceError(f"concrete_args names {sorted(unknown)}, which {fn.__qualname__} "
@@ -245,12 +247,16 @@ class Tracer(TracerBase):
                 self.graph.placeholder(p.name, hints.get(p.name), default_value=concrete[p.name])
                 value: Any = concrete[p.name]
             elif p.kind is p.VAR_POSITIONAL:
-                value = self.proxy(self.graph.placeholder(f"*{p.name}", hints.get(p.name)))
+                # *args is one Proxy for the whole tuple: its length is unknown while tracing
+                self._star_args = self.create_proxy("placeholder", f"*{p.name}", (), {},
+                                                    type_expr=hints.get(p.name))
+                continue
             else:
-                value = self.proxy(self.graph.placeholder(p.name, hints.get(p.name), p.default))
-            if p.kind is p.VAR_POSITIONAL:
-                # *args is a Proxy for the tuple; it cannot be expanded by length
-                args.extend(value if isinstance(value, (tuple, list)) else [value])
+                default = () if p.default is p.empty else (p.default,)
+                value = self.create_proxy("placeholder", p.name, default, {},
+                                          type_expr=hints.get(p.name))
+            if p.kind is p.VAR_POSITIONAL:  # fixed by concrete_args
+                args.extend(value)
             elif p.kind is p.KEYWORD_ONLY:
                 kwargs[p.name] = value
             else:
@@ -289,6 +295,27 @@ class Tracer(TracerBase):
             yield
         finally:
             patcher.restore()
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s annotations, with string annotations (``from __future__ import annotations``) evaluated."""
+    try:
+        return inspect.get_annotations(fn, eval_str=True)
+    except Exception:
+        return dict(getattr(fn, "__annotations__", {}))
+
+
+def _varargs_as_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` whose keyword-only parameters and ``*args`` are plain positional ones.
+
+    Why: while tracing, ``*args`` is a single Proxy for the tuple, so the body must receive
+    that Proxy itself (``args[0]`` then records a getitem), not a 1-tuple around it.
+    """
+    code = fn.__code__
+    flat = code.replace(co_argcount=code.co_argcount + code.co_kwonlyargcount + 1,
+                        co_posonlyargcount=0, co_kwonlyargcount=0,
+                        co_flags=code.co_flags & ~inspect.CO_VARARGS)
+    return types.FunctionType(flat, fn.__globals__, fn.__name__, None, fn.__closure__)
 
 
 def symbolic_trace(root: torch.nn.Module | Callable[..., Any],
