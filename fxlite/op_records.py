@@ -1,0 +1,334 @@
+"""The rest of the op table: arithmetic, comparisons, casts, reductions, views, composites.
+
+``fxlite/ops.py`` holds the mechanism (:class:`~fxlite.ops.OpInfo`, ``lookup``,
+``canonical_args``, ``call_args``, ``result_dtype``) and the first spelling records; this
+module completes the same table and is imported by ``ops.py``, so ``fxlite.ops.OPS``
+always holds every record. Read a record as::
+
+    _op("maximum", "pointwise", torch.maximum, (T.maximum,), ("maximum",),
+        params=_BINARY, positional=2, swapped="maximum", dtype_rule="promote")
+
+``swapped`` names the op with ``input`` and ``other`` exchanged, so that ``1 + x``
+normalizes to ``torch.add(x, 1)`` and ``1 - x`` to ``torch.rsub(x, 1)``. ``refine`` maps a
+spelling that really means another op onto it (``torch.max(a, b)`` is ``maximum``,
+``x.half()`` is ``to(x, torch.float16)``, eval-mode ``nn.Dropout`` is ``identity``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .node import Node
+from .ops import OPS, OpInfo, promote, register
+
+__all__: list[str] = []
+
+T = torch.Tensor
+_UNARY = ("input",)
+_BINARY = ("input", "other")
+_ALPHA = ("alpha", 1)
+
+
+def _op(name: str, kind: str, torch_fn: Any, functions: tuple = (), methods: tuple = (),
+        **fields: Any) -> OpInfo:
+    fns = tuple(dict.fromkeys(f for f in (torch_fn, *functions) if f is not None))
+    return register(OpInfo(name, kind, torch_fn, functions=fns, methods=methods, **fields))
+
+
+def _amend(name: str, functions: tuple = (), methods: tuple = (), **fields: Any) -> OpInfo:
+    """Add fields (and spellings) to a record defined in ops.py."""
+    old = OPS[name]
+    return register(dataclasses.replace(
+        old, functions=tuple(dict.fromkeys((*old.functions, *functions))),
+        methods=tuple(dict.fromkeys((*old.methods, *methods))), **fields))
+
+
+def _input_dtype(args: dict[str, Any]) -> Any:
+    d = args.get("input")
+    return d if isinstance(d, torch.dtype) else None
+
+
+def _sum_dtype(args: dict[str, Any]) -> Any:
+    # sum and prod accumulate ints and bools in int64.
+    d = _input_dtype(args)
+    return torch.int64 if d is not None and not (d.is_floating_point or d.is_complex) else d
+
+
+def _float_rule(args: dict[str, Any]) -> Any:
+    d = promote([args.get("input"), args.get("other")])
+    return torch.get_default_dtype() if d is not None and not d.is_floating_point else d
+
+
+# ---------------------------------------------------------------------- arithmetic
+# The records of ops.py, given their dtype rules and canonical call shapes.
+_amend("add", swapped="add", positional=2, dtype_rule="promote")
+_amend("sub", swapped="rsub", positional=2, dtype_rule="promote")
+_amend("mul", swapped="mul", positional=2, dtype_rule="promote")
+_amend("truediv", positional=2,
+       dtype_rule=lambda a: promote([a.get("input"), a.get("other")])
+       if a.get("rounding_mode") is not None else _float_rule(a))
+_amend("floordiv", positional=2, dtype_rule="promote")
+_amend("pow", positional=2, dtype_rule="promote")
+_amend("neg", dtype_rule="same")
+_amend("abs", dtype_rule="same")
+_amend("clamp", dtype_rule="promote")
+_amend("matmul", (torch.mm, torch.bmm, T.mm, T.bmm), ("mm", "bmm"), dtype_rule="promote")
+
+
+# 1 - x  ->  torch.rsub(x, 1)
+_op("rsub", "pointwise", torch.rsub, (), (), params=(*_BINARY, "alpha"), defaults=(_ALPHA,),
+    positional=2, swapped="sub", dtype_rule="promote")
+_op("remainder", "pointwise", torch.remainder, (operator.mod, T.remainder), ("remainder",),
+    params=_BINARY, positional=2, dtype_rule="promote")
+_op("maximum", "pointwise", torch.maximum, (T.maximum,), ("maximum",), params=_BINARY,
+    positional=2, swapped="maximum", dtype_rule="promote")
+_op("minimum", "pointwise", torch.minimum, (T.minimum,), ("minimum",), params=_BINARY,
+    positional=2, swapped="minimum", dtype_rule="promote")
+for _name in ("clamp_min", "clamp_max"):
+    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=("input", _name[-3:]), dtype_rule="promote")
+_op("where", "pointwise", torch.where, (), (), params=("condition", *_BINARY),
+    dtype_rule=lambda a: promote([a.get("input"), a.get("other")]))
+
+# ---------------------------------------------------------------------- comparisons, logic
+# x < y, torch.lt(x, y), x.lt(y), torch.less(x, y); 2 < x swaps to x > 2.
+_COMPARISONS = {
+    "eq": ("eq", operator.eq, ()), "ne": ("ne", operator.ne, ("not_equal",)),
+    "lt": ("gt", operator.lt, ("less",)), "le": ("ge", operator.le, ("less_equal",)),
+    "gt": ("lt", operator.gt, ("greater",)), "ge": ("le", operator.ge, ("greater_equal",)),
+}
+for _name, (_swap, _operator, _aliases) in _COMPARISONS.items():
+    _names = (_name, *_aliases)
+    _op(_name, "pointwise", getattr(torch, _name),
+        (_operator, *(getattr(torch, n) for n in _aliases), *(getattr(T, n) for n in _names)),
+        _names, params=_BINARY, positional=2, swapped=_swap, dtype_rule="bool")
+for _name in ("logical_and", "logical_or", "logical_xor"):
+    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,), params=_BINARY,
+        positional=2, swapped=_name, dtype_rule="bool")
+_op("logical_not", "pointwise", torch.logical_not, (T.logical_not,), ("logical_not",),
+    params=_UNARY, dtype_rule="bool")
+# x & y is bitwise_and: on bool tensors that is logical and.
+for _name, _operator, _commutes in (("bitwise_and", operator.and_, True),
+                                    ("bitwise_or", operator.or_, True),
+                                    ("bitwise_xor", operator.xor, True),
+                                    ("bitwise_left_shift", operator.lshift, False),
+                                    ("bitwise_right_shift", operator.rshift, False)):
+    _op(_name, "pointwise", getattr(torch, _name), (_operator, getattr(T, _name)), (_name,),
+        params=_BINARY, positional=2, swapped=_name if _commutes else None, dtype_rule="promote")
+_op("bitwise_not", "pointwise", torch.bitwise_not, (operator.invert, T.bitwise_not),
+    ("bitwise_not",), params=_UNARY, dtype_rule="same")
+
+# ---------------------------------------------------------------------- unary math
+for _name in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh"):
+    _amend(_name, dtype_rule="float")
+for _name, _special in (("exp2", torch.special.exp2), ("log1p", torch.special.log1p),
+                        ("log2", None), ("sin", None), ("cos", None),
+                        ("erf", torch.special.erf), ("reciprocal", None)):
+    _op(_name, "pointwise", getattr(torch, _name), (_special, getattr(T, _name)), (_name,),
+        params=_UNARY, dtype_rule="float")
+for _name in ("floor", "ceil", "trunc", "sign"):
+    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=_UNARY, dtype_rule="same")
+_op("round", "pointwise", torch.round, (T.round,), ("round",), params=_UNARY,
+    defaults=(("decimals", 0),), dtype_rule="same")
+
+# Activations. F.gelu's approximate is keyword-only.
+_amend("relu", dtype_rule="same")
+_amend("gelu", positional=1, dtype_rule="same")
+_amend("silu", dtype_rule="same")
+_op("softplus", "pointwise", F.softplus, (), (), modules=(nn.Softplus,),
+    params=("input", "beta", "threshold"), defaults=(("beta", 1), ("threshold", 20)),
+    module_kwargs=lambda m: {"beta": m.beta, "threshold": m.threshold}, dtype_rule="same")
+
+# ---------------------------------------------------------------------- casts
+# x.to(torch.float16), x.half(), x.type(torch.float16): all torch.Tensor.to(x, torch.float16).
+# Other uses of .to (devices, copies, another tensor's dtype) are the extern "to_other".
+
+
+def _to_refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    if set(args) == {"input", "dtype"} and isinstance(args["dtype"], torch.dtype):
+        return None
+    return "to_other", args
+
+
+_TO_DEFAULTS = (("non_blocking", False), ("copy", False))
+_op("to", "pointwise", T.to, (), ("to",), params=("input", "dtype"), defaults=_TO_DEFAULTS,
+    refine=_to_refine, dtype_rule="same")
+register(OpInfo("to_other", "extern", T.to, params=("input", "dtype"), defaults=_TO_DEFAULTS))
+
+
+def _cast_refine(dtype: torch.dtype) -> Callable[[dict[str, Any]], Any]:
+    return lambda a: ("to", {"input": a["input"], "dtype": dtype}) if set(a) == {"input"} else None
+
+
+_CASTS = {"float": torch.float32, "half": torch.float16, "double": torch.float64,
+          "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
+          "short": torch.int16, "char": torch.int8, "byte": torch.uint8, "bool": torch.bool}
+for _name, _dtype in _CASTS.items():
+    _op(f"Tensor.{_name}", "extern", getattr(T, _name), (), (_name,),
+        params=("input", "memory_format"), defaults=(("memory_format", torch.preserve_format),),
+        refine=_cast_refine(_dtype), dtype_rule=lambda a, d=_dtype: d)
+_op("type", "extern", None, (T.type,), ("type",), params=("input", "dtype"),  # x.type(): a string
+    refine=lambda a: ("to", a) if set(a) == {"input", "dtype"} and isinstance(a["dtype"], torch.dtype)
+    else None)
+
+# ---------------------------------------------------------------------- dropout
+# Random in training mode (an effect, which DCE and CSE keep); the identity in eval mode.
+# nn.Identity and eval-mode dropout are both "identity", which normalize removes.
+_op("identity", "view", None, (), (), modules=(nn.Identity,), params=_UNARY,
+    module_kwargs=lambda m: {}, dtype_rule="same")
+
+
+def _dropout_refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    if args.get("training", True) is False and isinstance(args.get("input"), Node):
+        return "identity", {"input": args["input"]}
+    return None
+
+
+for _fn, _module in ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
+                     (F.dropout2d, nn.Dropout2d), (F.dropout3d, nn.Dropout3d),
+                     (F.alpha_dropout, nn.AlphaDropout),
+                     (F.feature_alpha_dropout, nn.FeatureAlphaDropout)):
+    _op(_fn.__name__, "effect", _fn, (), (), modules=(_module,), impure=True,
+        params=("input", "p", "training", "inplace"),
+        defaults=(("p", 0.5), ("training", True), ("inplace", False)),
+        module_kwargs=lambda m: {"p": m.p, "training": m.training, "inplace": m.inplace},
+        refine=_dropout_refine, dtype_rule="same")
+
+# ---------------------------------------------------------------------- reductions
+# Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
+_amend("sum", positional=1, dtype_rule=_sum_dtype)
+_amend("mean", positional=1, dtype_rule="same")
+_amend("amax", positional=1, dtype_rule="same")
+_op("amin", "reduction", torch.amin, (T.amin,), ("amin",), params=("input", "dim", "keepdim"),
+    defaults=(("dim", ()), ("keepdim", False)), positional=1, dtype_rule="same")
+_op("prod", "reduction", torch.prod, (T.prod,), ("prod",), params=("input", "dim", "keepdim"),
+    defaults=(("keepdim", False), ("dtype", None)), positional=1, dtype_rule=_sum_dtype)
+
+
+def _binary_refine(name: str) -> Callable[[dict[str, Any]], Any]:
+    # torch.max(a, b) with a tensor b is the elementwise maximum.
+    def refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        other = args.get("other", args.get("dim"))
+        if "other" in args or isinstance(other, Node):
+            return name, {"input": args["input"], "other": other}
+        return None
+    return refine
+
+
+for _name, _binary in (("max", "maximum"), ("min", "minimum")):
+    # torch.max(x, dim) returns (values, indices); torch.max(x) a 0-d tensor.
+    _op(_name, "reduction", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=("input", "dim", "keepdim"), defaults=(("keepdim", False),), positional=1,
+        refine=_binary_refine(_binary), dtype_rule="same")
+
+
+def _var_refine(name: str) -> Callable[[dict[str, Any]], Any]:
+    # unbiased=True/False (also positional: var(x, True), var(x, dim, False)) is correction=1/0.
+    def refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        new = dict(args)
+        if isinstance(new.get("dim"), bool):
+            new["unbiased"] = new.pop("dim")
+        if "unbiased" in new:
+            unbiased = new.pop("unbiased")
+            if not isinstance(unbiased, bool):
+                return None
+            if not unbiased:
+                new["correction"] = 0
+        if type(new.get("correction")) is int and new["correction"] == 1:
+            del new["correction"]
+        return (name, new) if new != args else None
+    return refine
+
+
+for _name in ("var", "std"):
+    _op(_name, "reduction", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=("input", "dim", "unbiased", "keepdim"),
+        defaults=(("dim", None), ("keepdim", False), ("correction", 1)), positional=1,
+        refine=_var_refine(_name), dtype_rule="same")
+
+# ---------------------------------------------------------------------- views
+# x.view(2, 3) -> torch.Tensor.view(x, (2, 3)); x[:, 0] -> operator.getitem(x, (slice, 0)).
+_amend("view", torch_fn=T.view, dtype_rule="same")
+_amend("expand", torch_fn=T.expand, dtype_rule="same")
+_amend("contiguous", torch_fn=T.contiguous, positional=1, dtype_rule="same")
+for _name in ("transpose", "permute", "reshape", "flatten", "unsqueeze", "squeeze"):
+    _amend(_name, dtype_rule="same")
+_op("t", "view", torch.t, (T.t,), ("t",), params=_UNARY, dtype_rule="same")
+_op("getitem", "view", operator.getitem, (), (), params=("input", "index"), dtype_rule="same")
+
+# ---------------------------------------------------------------------- composites and externs
+_amend("softmax", kind="composite", positional=1, dtype_rule="same")
+_amend("log_softmax", kind="composite", positional=1, dtype_rule="same")
+_amend("layer_norm", kind="composite", dtype_rule="same",
+       module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
+                                "weight": m.weight, "bias": m.bias, "eps": m.eps})
+_op("rms_norm", "composite", F.rms_norm, (torch.rms_norm,), (), modules=(nn.RMSNorm,),
+    params=("input", "normalized_shape", "weight", "eps"),
+    defaults=(("weight", None), ("eps", None)), dtype_rule="same",
+    module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
+                             "weight": m.weight, "eps": m.eps})
+_op("group_norm", "extern", F.group_norm, (), (), modules=(nn.GroupNorm,),
+    params=("input", "num_groups", "weight", "bias", "eps"),
+    defaults=(("weight", None), ("bias", None), ("eps", 1e-5)), dtype_rule="same",
+    module_params=lambda m: {"num_groups": m.num_groups, "weight": m.weight, "bias": m.bias,
+                             "eps": m.eps})
+_amend("linear", dtype_rule="promote",
+       module_params=lambda m: {"weight": m.weight, "bias": m.bias})
+_amend("cat", dtype_rule="promote")
+_amend("stack", dtype_rule="promote")
+
+
+def _conv_params(m: Any) -> dict[str, Any] | None:
+    if m.padding_mode != "zeros":  # the functional form pads with zeros only
+        return None
+    return {"weight": m.weight, "bias": m.bias, "stride": m.stride, "padding": m.padding,
+            "dilation": m.dilation, "groups": m.groups}
+
+
+for _fn, _module in ((F.conv1d, nn.Conv1d), (F.conv2d, nn.Conv2d), (F.conv3d, nn.Conv3d)):
+    _op(_fn.__name__, "extern", _fn, (), (), modules=(_module,),
+        params=("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+        defaults=(("bias", None), ("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1)),
+        dtype_rule="promote", module_params=_conv_params)
+
+
+def _batch_norm_params(m: Any) -> dict[str, Any] | None:
+    # Only the eval-mode form with running statistics is a plain function of its input.
+    if m.training or m.running_mean is None or m.running_var is None:
+        return None
+    return {"running_mean": m.running_mean, "running_var": m.running_var,
+            "weight": m.weight, "bias": m.bias, "eps": m.eps}
+
+
+_op("batch_norm", "extern", F.batch_norm, (), (),
+    modules=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
+    params=("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+            "eps"),
+    defaults=(("weight", None), ("bias", None), ("training", False), ("momentum", 0.1),
+              ("eps", 1e-5)),
+    dtype_rule="same", module_params=_batch_norm_params)
+
+
+def _embedding_params(m: Any) -> dict[str, Any] | None:
+    if m.max_norm is not None:  # renormalizes the weight in place on every call
+        return None
+    return {"weight": m.weight, "padding_idx": m.padding_idx,
+            "scale_grad_by_freq": m.scale_grad_by_freq, "sparse": m.sparse}
+
+
+_op("embedding", "extern", F.embedding, (), (), modules=(nn.Embedding,),
+    params=("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+            "sparse"),
+    defaults=(("padding_idx", None), ("max_norm", None), ("norm_type", 2.0),
+              ("scale_grad_by_freq", False), ("sparse", False)),
+    dtype_rule=lambda a: a.get("weight") if isinstance(a.get("weight"), torch.dtype) else None,
+    module_params=_embedding_params)
+del T
