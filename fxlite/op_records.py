@@ -265,8 +265,11 @@ _op("t", "view", torch.t, (T.t,), ("t",), params=_UNARY, dtype_rule="same")
 _op("getitem", "view", operator.getitem, (), (), params=("input", "index"), dtype_rule="same")
 
 # ---------------------------------------------------------------------- composites and externs
-_amend("softmax", kind="composite", positional=1, dtype_rule="same")
-_amend("log_softmax", kind="composite", positional=1, dtype_rule="same")
+# nn.Softmax() without a dim picks one from the rank (deprecated): no canonical call.
+register(OpInfo("softmax_implicit_dim", "extern", None))
+_IMPLICIT_DIM = lambda a: ("softmax_implicit_dim", a) if a.get("dim") is None else None
+_amend("softmax", kind="composite", positional=1, dtype_rule="same", refine=_IMPLICIT_DIM)
+_amend("log_softmax", kind="composite", positional=1, dtype_rule="same", refine=_IMPLICIT_DIM)
 _amend("layer_norm", kind="composite", dtype_rule="same",
        module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
                                 "weight": m.weight, "bias": m.bias, "eps": m.eps})

@@ -1,9 +1,35 @@
-"""Graph passes, installed as ``fxlite.passes``: each pass is a function or class of its own file."""
+"""Graph passes, installed as ``fxlite.passes``: each pass is a function or class of its own file.
 
+Typical compiler pipeline::
+
+    ShapeProp(gm).propagate(*example_inputs)
+    gm = decompose(normalize(gm))
+    ShapeProp(gm).propagate(*example_inputs)
+    fused = fuse(gm)
+"""
+
+from .cse import cse
+from .decompose import DECOMPOSITIONS, decompose, register_decomposition
+from .fold_constants import fold_constants
+from .fold_conv_bn import fold_conv_bn
+from .fuse import fuse
+from .normalize import normalize, normalize_graph, produces_tensor
 from .shape_prop import ShapeProp, TensorMetadata, extract_tensor_metadata
+from .split_module import split_module
 
 __all__ = [
+    "DECOMPOSITIONS",
     "ShapeProp",
     "TensorMetadata",
+    "cse",
+    "decompose",
     "extract_tensor_metadata",
+    "fold_constants",
+    "fold_conv_bn",
+    "fuse",
+    "normalize",
+    "normalize_graph",
+    "produces_tensor",
+    "register_decomposition",
+    "split_module",
 ]

@@ -1,0 +1,123 @@
+"""cse: common subexpression elimination.
+
+Two pure nodes that compute the same op on the same arguments are one value: the later
+one is replaced by the earlier one. Ops in the table compare by their canonical name and
+arguments, so every spelling of one call merges (``x + y``, ``torch.add(x, y)``,
+``x.add(y)``, and ``y + x`` as add commutes). In-place, random and side-effecting ops
+(``fxlite.ops.is_impure``) never merge, nor do calls of unknown Python functions and
+unknown modules, which may keep state; and no value computed before an impure node
+(which may mutate its inputs, as ``x.add_(1)`` does) merges with one computed after it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+from fxlite.ops import is_impure, resolve
+
+__all__ = ["cse"]
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def cse(gm: GraphModule) -> GraphModule:
+    """Merge the duplicate pure computations of ``gm``.
+
+    Args:
+        gm: the module to rewrite in place.
+
+    Returns:
+        ``gm``, recompiled. If anything raises, ``gm`` is left as it was.
+
+    Example::
+
+        # before                                   # after
+        def forward(self, x, y):                   def forward(self, x, y):
+            add = x + y                                add = x + y
+            add_1 = torch.add(x, y)                    mul = add * add
+            mul = add * add_1                          return mul
+            return mul
+    """
+    graph = gm.graph
+    # Plan first (nothing changes while keys are computed), then apply.
+    rep: dict[Node, Node] = {}
+    seen: dict[Any, Node] = {}
+    for node in graph.nodes:
+        key = _key(node, gm, rep)
+        if key is None:
+            if node.op in _CALLS and is_impure(node, gm):
+                seen.clear()  # it may mutate a value: nothing before it equals anything after
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            rep[node] = first
+    for node, first in rep.items():
+        node.replace_all_uses_with(first)
+    for node in reversed(list(rep)):
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _key(node: Node, gm: GraphModule, rep: dict[Node, Node]) -> Any:
+    """What two nodes must share to be merged, or None if ``node`` must stay."""
+    op = node.op
+    if op == "get_attr":
+        return (op, node.target)
+    if op not in _CALLS or is_impure(node, gm):
+        return None
+    found = resolve(node, gm)
+    if found is None:
+        if op != "call_method" and not _is_torch_function(node.target, op):
+            return None  # an unknown function or module may have state
+        return (str(op), _hashable(node.target, rep), _hashable(node.args, rep),
+                _hashable(node.kwargs, rep))
+    info, args = found
+    items = {k: _hashable(v, rep) for k, v in args.items()}
+    if info.swapped == info.name and "alpha" not in items:
+        # a commuting op: order its two operands by a stable key so x + y meets y + x
+        a, b = info.params[0], info.params[1]
+        if a in items and b in items and repr(items[b]) < repr(items[a]):
+            items[a], items[b] = items[b], items[a]
+    return ("op", info.name, tuple(sorted(items.items())))
+
+
+def _is_torch_function(target: Any, op: str) -> bool:
+    if op != "call_function":
+        return False
+    module = getattr(target, "__module__", None) or ""
+    return module.startswith("torch") or module in ("_operator", "math")
+
+
+def _hashable(a: Any, rep: dict[Node, Node]) -> Any:
+    """A hashable key for an argument; equal keys mean interchangeable arguments.
+
+    Nodes stand for their representative; lists, dicts and slices become tagged tuples;
+    literals keep their type (``1``, ``1.0`` and ``True`` differ to torch) and floats
+    their sign (``-0.0``); anything unhashable (a tensor constant) is keyed by identity.
+    """
+    if isinstance(a, Node):
+        return ("node", rep.get(a, a).name)
+    if isinstance(a, tuple):
+        return ("tuple", type(a).__name__, tuple(_hashable(x, rep) for x in a))
+    if isinstance(a, list):
+        return ("list", tuple(_hashable(x, rep) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple(sorted((repr(k), _hashable(v, rep)) for k, v in a.items())))
+    if isinstance(a, slice):
+        return ("slice", _hashable(a.start, rep), _hashable(a.stop, rep), _hashable(a.step, rep))
+    if isinstance(a, float):
+        return ("float", repr(a) if not math.isnan(a) else "nan")
+    if isinstance(a, torch.Tensor):
+        return ("id", id(a))
+    try:
+        hash(a)
+    except TypeError:
+        return ("id", id(a))
+    return (type(a).__name__, a)

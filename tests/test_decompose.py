@@ -1,0 +1,209 @@
+"""decompose: the default rules, user rules, and failure safety."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _golden import assert_golden
+from fxlite.passes.decompose import DECOMPOSITIONS, decompose, register_decomposition
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+from fxlite.ops import lookup
+
+PRIMITIVE_KINDS = ("pointwise", "reduction", "view")
+
+
+def trace(fn):
+    return fxlite.symbolic_trace(fn)
+
+
+def lower(fn, *inputs, shapes=False):
+    """normalize + decompose, checking outputs against the traced original."""
+    gm = trace(fn)
+    expected = gm(*inputs)
+    if shapes:
+        ShapeProp(gm).propagate(*inputs)
+    decompose(normalize(gm))
+    torch.testing.assert_close(gm(*inputs), expected)
+    return gm
+
+
+def assert_primitive(gm):
+    for n in gm.graph.nodes:
+        if n.op in ("call_method", "call_module"):
+            raise AssertionError(f"{n.format_node()} is not in canonical form")
+        if n.op == "call_function":
+            info = lookup(n, gm)
+            assert info is not None and info.kind in PRIMITIVE_KINDS, n.format_node()
+
+
+class LayerNormModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 2)
+            self.ln.bias.uniform_(-1, 1)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+CANONICAL = {
+    "softmax": (lambda x: F.softmax(x, dim=-1), lambda: torch.randn(4, 8) * 10),
+    "layer_norm": (LayerNormModel(), lambda: torch.randn(4, 8) * 3 + 1),
+    "gelu": (nn.GELU(), lambda: torch.randn(4, 8) * 3),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda: torch.randn(4, 8) * 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CANONICAL))
+def test_canonical_ops_become_table_primitives(name):
+    fn, make = CANONICAL[name]
+    gm = lower(fn, make())
+    assert_golden(f"decompose_{name}", gm.code)
+    assert_primitive(gm)
+    for _ in range(3):  # more random inputs
+        x = make()
+        torch.testing.assert_close(gm(x), fn(x))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.log_softmax(x, 1),
+    lambda x: x.softmax(0, dtype=torch.float64),
+    lambda x: F.log_softmax(x.half(), -1, dtype=torch.float32),
+    lambda x: F.layer_norm(x, (3, 8)),
+    lambda x: F.rms_norm(x, (8,), eps=1e-3),
+    lambda x: F.silu(x) + nn.functional.gelu(x),
+    lambda x: torch.softmax(x, -1) - torch.softmax(x + 1, -1),
+], ids=["log_softmax", "softmax_dtype", "log_softmax_half", "layer_norm_2d", "rms_norm",
+        "silu_gelu", "two_softmax"])
+def test_default_rules_match_torch(fn):
+    x = torch.randn(2, 3, 8)
+    gm = lower(fn, x)
+    assert_primitive(gm)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.mean(),
+    lambda x: x.mean(dim=(0, 2), keepdim=True),
+    lambda x: torch.mean(x, -1, dtype=torch.float64),
+    lambda x: x.var(1),
+    lambda x: x.var(dim=(1, 2), unbiased=False, keepdim=True),
+    lambda x: torch.var(x, -1, correction=2),
+    lambda x: x.std(),
+    lambda x: torch.std(x, 0, keepdim=True),
+    lambda x: F.rms_norm(x, (8,)),
+], ids=["mean", "mean_dims", "mean_dtype", "var", "var_unbiased", "var_correction", "std",
+        "std_dim", "rms_norm_default_eps"])
+def test_shape_dependent_rules_need_shapeprop(fn):
+    x = torch.randn(3, 5, 8)
+    gm = lower(fn, x, shapes=True)
+    assert_primitive(gm)
+    without = lower(fn, x)  # no shapes: the op is kept, numerics still hold
+    assert any(lookup(n).kind == "composite" or lookup(n).name in ("mean", "var", "std")
+               for n in without.graph.nodes if n.op == "call_function")
+
+
+def test_user_rules_and_spellings():
+    table = {}
+
+    @register_decomposition(F.relu, table)
+    def relu(x, inplace=False):
+        # relu(x) = where(x > 0, x, 0)
+        return torch.where(x > 0, x, 0.0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.act(x) + x.relu() + torch.relu(x)
+
+    gm = trace(M())
+    x = torch.randn(5)
+    expected = gm(x)
+    decompose(gm, table)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.relu not in targets and targets.count(torch.where) == 3
+    assert targets.count(torch.gt) == 3  # `x > 0` in the rule was normalized
+    torch.testing.assert_close(gm(x), expected)
+    assert F.relu not in DECOMPOSITIONS and torch.relu not in DECOMPOSITIONS
+
+
+def test_register_into_the_default_table(monkeypatch):
+    # the module, not the function that fxlite.passes exports under the same name
+    module = importlib.import_module("fxlite.passes.decompose")
+    monkeypatch.setattr(module, "DECOMPOSITIONS", dict(DECOMPOSITIONS))
+
+    @register_decomposition(torch.sigmoid)
+    def sigmoid(x):
+        # sigmoid(x) = 1 / (1 + exp(-x))
+        return torch.reciprocal(torch.exp(-x) + 1)
+
+    assert module.DECOMPOSITIONS[torch.sigmoid] is sigmoid
+    gm = trace(lambda x: F.silu(x))  # silu -> x * sigmoid(x) -> x * reciprocal(...)
+    x = torch.randn(6)
+    expected = gm(x)
+    decompose(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.sigmoid not in targets and torch.reciprocal in targets
+    torch.testing.assert_close(gm(x), expected)
+
+
+def test_rule_that_raises_leaves_graph_unchanged():
+    def broken(x, dim=None, dtype=None):
+        torch.exp(x)  # records a node, then fails
+        raise ValueError("rule failed")
+
+    gm = trace(lambda x: torch.softmax(torch.softmax(x, -1) * 2, -1))
+    before, nodes = gm.code, list(gm.graph.nodes)
+    with pytest.raises(ValueError, match="rule failed"):
+        decompose(gm, {torch.softmax: broken})
+    assert gm.code == before and list(gm.graph.nodes) == nodes
+    gm.graph.lint()
+
+
+def test_rule_that_expands_forever_leaves_graph_unchanged():
+    def loop(x, dim=None, dtype=None):
+        return torch.softmax(x * 1, dim)
+
+    gm = trace(lambda x: torch.softmax(x, -1))
+    before = gm.code
+    with pytest.raises(RecursionError):
+        decompose(gm, {torch.softmax: loop})
+    assert gm.code == before
+
+
+def test_not_implemented_keeps_the_node():
+    gm = trace(lambda x: torch.softmax(x, -1) + 1)
+    before = gm.code
+    decompose(gm, {torch.softmax: lambda x, dim=None, dtype=None: NotImplemented})
+    assert gm.code == before
+
+
+def test_rule_returning_a_non_proxy_is_an_error():
+    gm = trace(lambda x: torch.softmax(x, -1))
+    before = gm.code
+    with pytest.raises(TypeError, match="must return a Proxy"):
+        decompose(gm, {torch.softmax: lambda x, dim=None, dtype=None: 3})
+    assert gm.code == before
+
+
+def test_decomposed_nodes_take_the_place_and_meta_of_the_original():
+    gm = trace(lambda x: torch.relu(torch.softmax(x, -1)))
+    ShapeProp(gm).propagate(torch.randn(2, 3))
+    meta = gm.graph.find_nodes(op="call_function", target=torch.softmax)[0].meta["tensor_meta"]
+    decompose(gm)
+    relu = gm.graph.find_nodes(op="call_function", target=torch.relu)[0]
+    (producer,) = relu.all_input_nodes
+    assert producer.target is torch.div and producer.meta["tensor_meta"] == meta
+    order = list(gm.graph.nodes)
+    assert all(order.index(i) < order.index(n) for n in order for i in n.all_input_nodes)
