@@ -1,0 +1,569 @@
+"""The fusion partitioner: group pointwise, reduction and simple view nodes into kernels.
+
+``fuse(gm)`` reads the op table (``fxlite.ops.lookup``) and ShapeProp's
+``meta['tensor_meta']`` and returns a new GraphModule in which each group is one
+``call_module`` to ``fused_<i>``, itself a GraphModule holding the group's nodes::
+
+    before (after normalize + decompose)        after fuse
+        x -> mul(x, 0.5) -> amax -> sub ->          x -> fused_0(x) -> out
+             exp -> sum -> div -> out
+
+Rules:
+
+* **Kinds.** Only ``pointwise``, ``reduction`` and ``view`` ops can join a group. Anything
+  else (``extern`` such as matmul/linear/conv, ``composite`` such as an undecomposed
+  softmax, ``effect``, impure or unknown ops, ops without one plain tensor result) stays in
+  the parent graph, and groups never reach across it. Reductions must be plain ones
+  (``sum``, ``mean``, ``amax``, ``amin``, ``prod``, single-result ``max``/``min``: only
+  ``input``/``dim``/``keepdim``/``dtype`` parameters); ``var``/``std`` are decomposed or
+  stay outside.
+* **Iteration space.** A pointwise group is nodes of one output shape ``I`` (inputs may
+  broadcast). A reduction group has ``I = outer + inner``: every reduction in it reduces an
+  ``I``-shaped value over the trailing ``inner`` dims (``keepdim`` either way). Its
+  values are either *full* (broadcast right-aligned against ``I``: shape ``I`` or
+  ``outer + (1,)*len(inner)``) or *row* (shape ``outer``, from ``keepdim=False``); a node
+  only reads group values of its own space, so every value is a function of its row and
+  column, never of another row. So softmax and layer_norm are one group each.
+* **Views** join the group of the value they view, and only when they merely insert or
+  drop size-1 dims (view/reshape/flatten/squeeze/unsqueeze/contiguous) or broadcast
+  (expand), so that the viewed value stays the same function of the iteration index.
+  Anything else (permute, transpose, slicing, real reshapes) stays outside.
+* **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
+  some path leaves the merged set and comes back (through ungrouped nodes or other groups),
+  so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
+  random, side effects) are barriers: no group spans one, and nothing is reordered across
+  one.
+
+Single-node groups are kept: a lone ``relu`` or ``sum`` still becomes ``fused_<i>``, so
+the code generator runs every pointwise and reduction op.
+
+Each submodule's ``meta`` is ``{"fused_kind": "pointwise" | "reduction", "nodes": [...],
+"iteration_shape": I}`` plus ``"reduction_dims"`` (dims of ``I``, e.g. ``(1,)``) for
+reduction groups. Its nodes keep ``tensor_meta`` and carry ``meta["fused_space"]``
+(``"full"`` or ``"row"``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import ChainMap
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxlite.graph import Graph
+from fxlite.graph_module import GraphModule, _copy_attr
+from fxlite.node import Node, map_aggregate
+from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
+
+from .shape_prop import TensorMetadata
+from .split_module import extract_subgraph, set_call_meta, unpack_outputs
+
+__all__ = ["fuse"]
+
+# Views that only add or drop size-1 dims (or copy), and views that broadcast.
+_UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity"})
+_BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
+_REDUCTION_KEYS = frozenset({"input", "dim", "keepdim", "dtype"})
+_SCALAR_TYPES = (int, float, bool)
+FULL, ROW = "full", "row"
+
+Shape = tuple[int, ...]
+
+
+@dataclass
+class _Cls:
+    """How one node may take part in a group."""
+
+    kind: str  # "pointwise" | "reduction" | "view"
+    shape: Shape  # its output shape
+    source: Node | None = None  # reductions and views: the tensor they read
+    in_shape: Shape = ()  # reductions and views: the shape of `source`
+    split: int = 0  # reductions: len(outer)
+    keepdim: bool = False
+    view: str = ""  # views: the op name
+
+
+@dataclass(eq=False)
+class _Group:
+    """A growing group. ``split`` is None for pointwise groups, else ``len(outer)``."""
+
+    shape: Shape
+    split: int | None
+    nodes: set[Node] = field(default_factory=set)
+    tags: dict[Node, str] = field(default_factory=dict)  # "full" or "row", per member
+    outside: dict[Node, None] = field(default_factory=dict)  # users not in the group
+    segment: int = 0  # number of impure nodes before the group's nodes
+
+
+# ---------------------------------------------------------------------- classification
+def _tensor_meta(n: Any) -> TensorMetadata | None:
+    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
+    return tm if isinstance(tm, TensorMetadata) else None
+
+
+def _plain(tm: TensorMetadata) -> bool:
+    return tm.stride != () and not tm.is_quantized and not tm.dtype.is_complex
+
+
+def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
+    """The node's fusion class, or None when it must stay outside every group."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    info = lookup(node, module)
+    if info is None or info.kind not in ("pointwise", "reduction", "view"):
+        return None
+    tm = _tensor_meta(node)
+    if tm is None or not _plain(tm) or is_impure(node, module):
+        return None
+    in_shapes: list[Shape] = []
+    for inp in node.all_input_nodes:
+        itm = _tensor_meta(inp)
+        if itm is not None and _plain(itm):
+            in_shapes.append(tuple(itm.shape))
+        elif "tensor_meta" in inp.meta or inp.meta.get("type") not in _SCALAR_TYPES:
+            return None  # tensor lists, nested results, unknown values
+    if _has_tensor_constant(node):
+        return None
+    shape = tuple(tm.shape)
+    if info.kind == "pointwise":
+        if not in_shapes or _broadcast(in_shapes) != shape:
+            return None
+        return _Cls("pointwise", shape)
+    if info.kind == "reduction":
+        return _classify_reduction(node, info, module, shape)
+    return _classify_view(node, info, module, shape, len(in_shapes))
+
+
+def _broadcast(shapes: list[Shape]) -> Shape | None:
+    """The broadcast of ``shapes`` (torch's rules), or None if they do not broadcast."""
+    out = list(shapes[0])
+    for shape in shapes[1:]:
+        if len(shape) > len(out):
+            out = [1] * (len(shape) - len(out)) + out
+        off = len(out) - len(shape)
+        for j, s in enumerate(shape):
+            if out[off + j] == 1:
+                out[off + j] = s
+            elif s != 1 and s != out[off + j]:
+                return None
+    return tuple(out)
+
+
+def _has_tensor_constant(node: Node) -> bool:
+    found = False
+
+    def visit(a: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(a, torch.Tensor)
+        return a
+
+    map_aggregate((node.args, node.kwargs), visit)
+    return found
+
+
+def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape) -> _Cls | None:
+    # Plain reductions only: var/std (a correction parameter) and composites stay outside.
+    if "keepdim" not in info.params or not set(info.params) <= _REDUCTION_KEYS:
+        return None
+    args = canonical_args(node, info, module)
+    src = args.get("input")
+    stm = _tensor_meta(src)
+    keepdim = args.get("keepdim", False)
+    if stm is None or not set(args) <= _REDUCTION_KEYS or not isinstance(keepdim, bool):
+        return None
+    in_shape = tuple(stm.shape)
+    ndim = len(in_shape)
+    dim = args.get("dim")
+    if ndim == 0:
+        return None
+    if dim is None or dim == () or dim == []:
+        dims = list(range(ndim))
+    elif isinstance(dim, int):
+        dims = [dim]
+    elif isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
+        dims = list(dim)
+    else:
+        return None
+    if any(not -ndim <= d < ndim for d in dims):
+        return None
+    dims = sorted({d % ndim for d in dims})
+    split = ndim - len(dims)
+    if dims != list(range(split, ndim)):
+        return None  # only trailing dims: one row per program
+    expected = in_shape[:split] + ((1,) * len(dims) if keepdim else ())
+    if expected != shape:
+        return None
+    return _Cls("reduction", shape, src, in_shape, split, keepdim)
+
+
+def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape,
+                   n_tensors: int) -> _Cls | None:
+    if info.name not in _UNIT_VIEWS | _BROADCAST_VIEWS or n_tensors != 1 and info.name != "expand_as":
+        return None
+    src = node.args[0] if node.args else node.kwargs.get("input")
+    stm = _tensor_meta(src)
+    if stm is None or not _plain(stm):
+        return None
+    # A view aliases its input; materializing it in a kernel is only safe when nobody mutates.
+    if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users):
+        return None
+    return _Cls("view", shape, src, tuple(stm.shape), view=info.name)
+
+
+# ---------------------------------------------------------------------- spaces and tags
+def _aligned(shape: Shape, base: Shape) -> tuple[int, ...] | None:
+    """Positions in ``base`` of ``shape``'s non-1 dims, right-aligned; None if it does not broadcast."""
+    off = len(base) - len(shape)
+    if off < 0:
+        return None
+    out = []
+    for j, s in enumerate(shape):
+        if s == 1:
+            continue
+        if s != base[off + j]:
+            return None
+        out.append(off + j)
+    return tuple(out)
+
+
+def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mapping[Node, str]) -> str | None:
+    """The space of ``node`` inside a group like ``g`` with ``members``, or None if it cannot join."""
+    shape, split = g.shape, g.split
+    outer = shape if split is None else shape[:split]
+    if cls.kind == "pointwise":
+        if cls.shape == shape or split is not None and cls.shape == outer + (1,) * (len(shape) - split):
+            tag = FULL
+        elif split is not None and cls.shape == outer:
+            tag = ROW
+        else:
+            return None
+        for inp in node.all_input_nodes:
+            if inp in members and tags.get(inp) != tag:
+                return None
+        return tag
+    if cls.kind == "reduction":
+        if split != cls.split or cls.in_shape != shape:
+            return None
+        if cls.source in members and tags.get(cls.source) != FULL:
+            return None
+        return FULL if cls.keepdim else ROW
+    # A view must read a value of the group, and keep it the same function of the index.
+    src_tag = tags.get(cls.source) if cls.source in members else None
+    if src_tag is None:
+        return None
+    bases = {FULL: shape, ROW: outer}
+    allowed = {_aligned(shape, shape), _aligned(outer, outer)}  # storable: whole space or rows
+    a_in = _aligned(cls.in_shape, bases[src_tag])
+    if a_in is None:
+        return None
+    for tag in (src_tag, ROW if src_tag == FULL else FULL):
+        if tag == ROW and split is None:
+            continue
+        a_out = _aligned(cls.shape, bases[tag])
+        if a_out is None or a_out not in allowed:
+            continue
+        if cls.view in _UNIT_VIEWS and a_out == a_in:
+            return tag
+        if cls.view in _BROADCAST_VIEWS and tag == src_tag and set(a_in) <= set(a_out):
+            return tag
+    return None
+
+
+def _merged_space(a: _Group, b: _Group) -> tuple[Shape, int | None] | None:
+    if a.split is None and b.split is None:
+        return (a.shape, None) if a.shape == b.shape else None
+    if a.split is not None and b.split is not None:
+        return (a.shape, a.split) if (a.shape, a.split) == (b.shape, b.split) else None
+    red = a if a.split is not None else b
+    return red.shape, red.split
+
+
+# ---------------------------------------------------------------------- the partitioner
+class _Pair:
+    """Membership in the union of two groups, without building the union."""
+
+    __slots__ = ("group_of", "a", "b")
+
+    def __init__(self, group_of: dict[Node, _Group], a: _Group, b: _Group) -> None:
+        self.group_of, self.a, self.b = group_of, a, b
+
+    def __contains__(self, n: Node) -> bool:
+        g = self.group_of.get(n)
+        return g is self.a or g is self.b
+
+
+class _Partitioner:
+    """Grows groups consumer-into-producer, visiting nodes in graph order.
+
+    Invariants: every group is convex and the graph of groups is acyclic; only nodes up
+    to ``limit`` (the node being visited) are grouped. ``_Group.outside`` (users of the
+    group that are not in it) is kept up to date so cycle checks never walk a group's
+    members.
+    """
+
+    def __init__(self, gm: GraphModule, max_group_size: int | None) -> None:
+        self.gm = gm
+        self.max_size = max_group_size
+        self.nodes = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.cls: dict[Node, _Cls] = {}
+        self.group_of: dict[Node, _Group] = {}
+        self.limit = -1
+        # Impure nodes (in-place, random, side effects) are barriers: a group never spans
+        # one, and _build keeps every unit on its side, so mutations stay ordered.
+        self.segment: dict[Node, int] = {}
+        self.barriers: set[Node] = set()
+        for n in self.nodes:
+            self.segment[n] = len(self.barriers)
+            if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm):
+                self.barriers.add(n)
+
+    def run(self) -> list[_Group]:
+        for i, n in enumerate(self.nodes):
+            c = _classify(n, self.gm)
+            if c is None:
+                continue
+            self.cls[n] = c
+            self.limit = i
+            if c.kind == "view":
+                self._add_view(n, c)
+                continue
+            split = None if c.kind == "pointwise" else c.split
+            g = self._new_group(n, c.in_shape if c.kind == "reduction" else c.shape, split,
+                                FULL if c.kind == "pointwise" or c.keepdim else ROW)
+            for inp in n.all_input_nodes:
+                other = self.group_of.get(inp)
+                if other is not None and other is not g:
+                    g = self._merge(other, g) or g
+        return list({id(g): g for g in self.group_of.values()}.values())
+
+    def _new_group(self, n: Node, shape: Shape, split: int | None, tag: str) -> _Group:
+        g = _Group(shape, split, {n}, {n: tag}, dict.fromkeys(n.users), self.segment[n])
+        self.group_of[n] = g
+        return g
+
+    def _add_view(self, n: Node, c: _Cls) -> None:
+        """Put view ``n`` in the group of the value it views, when it keeps its meaning."""
+        g = self.group_of.get(c.source)
+        if g is None:
+            return
+        tag = _tag(n, c, g, g.nodes, g.tags)
+        if tag is not None:
+            single = self._new_group(n, g.shape, g.split, tag)
+            if self._merge(g, single) is None:
+                del self.group_of[n]
+
+    def _merge(self, a: _Group, b: _Group) -> _Group | None:
+        """Merge ``a`` and ``b`` (into the larger) if legal; return the merged group."""
+        space = _merged_space(a, b)
+        if space is None or a.segment != b.segment:
+            return None
+        if self.max_size is not None and len(a.nodes) + len(b.nodes) > self.max_size:
+            return None
+        inside = _Pair(self.group_of, a, b)
+        probe = _Group(space[0], space[1])
+        # A pointwise side joining a reduction group is re-tagged (full or row) in graph
+        # order, so that its inputs are tagged before it; the other side keeps its tags.
+        stale = [side for side in (a, b) if (side.shape, side.split) != space]
+        fresh: dict[Node, str] = {}
+        tags = ChainMap(fresh, *(side.tags for side in (a, b) if side not in stale))
+        for n in sorted((n for side in stale for n in side.nodes), key=self.index.__getitem__):
+            t = _tag(n, self.cls[n], probe, inside, tags)
+            if t is None:
+                return None
+            fresh[n] = t
+        small, large = (a, b) if len(a.nodes) <= len(b.nodes) else (b, a)
+        for n in small.nodes:  # edges between the two sides must agree on spaces
+            if any(m in large.nodes for m in n.all_input_nodes):
+                if _tag(n, self.cls[n], probe, inside, tags) != tags[n]:
+                    return None
+            for u in n.users:
+                if u in large.nodes and _tag(u, self.cls[u], probe, inside, tags) != tags[u]:
+                    return None
+        if self._leaves_and_returns(a, b):
+            return None
+        if large in stale:
+            large.tags = fresh
+            large.tags.update(small.tags)
+        else:
+            large.tags.update(fresh if small in stale else small.tags)
+        large.nodes |= small.nodes
+        large.shape, large.split = space
+        for n in small.nodes:
+            self.group_of[n] = large
+            large.outside.pop(n, None)
+        for u in small.outside:
+            if self.group_of.get(u) is not large:
+                large.outside[u] = None
+        return large
+
+    def _leaves_and_returns(self, a: _Group, b: _Group) -> bool:
+        """True if some path leaves ``a | b`` and comes back, over nodes and whole groups.
+
+        Why whole groups: a path that enters another group at one node and leaves it at
+        another is a path in the graph of groups, even without a node-level path. Nodes
+        after ``limit`` are ungrouped and only reach later nodes, so they are skipped.
+        """
+        index, limit, group_of = self.index, self.limit, self.group_of
+        stack: list[Node] = []
+        for g in (a, b):
+            for u in g.outside:
+                if index[u] <= limit:
+                    owner = group_of.get(u)
+                    if owner is not a and owner is not b:
+                        stack.append(u)
+        seen_nodes: set[Node] = set()
+        seen_groups: set[int] = set()
+        while stack:
+            x = stack.pop()
+            g = group_of.get(x)
+            if g is not None:
+                if id(g) in seen_groups:
+                    continue
+                seen_groups.add(id(g))
+                successors: Iterable[Node] = g.outside
+            else:
+                if x in seen_nodes:
+                    continue
+                seen_nodes.add(x)
+                successors = x.users
+            for u in successors:
+                if index[u] > limit:
+                    continue
+                owner = group_of.get(u)
+                if owner is a or owner is b:
+                    return True
+                stack.append(u)
+        return False
+
+
+# ---------------------------------------------------------------------- building the result
+def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
+    """Partition ``gm`` into fusible groups, each called as a ``fused_<i>`` submodule.
+
+    Args:
+        gm: a GraphModule whose nodes carry ShapeProp meta, best in canonical form
+            (``normalize`` then ``decompose``) so composites become primitives.
+        max_group_size: if given, no group grows beyond this many nodes.
+
+    Returns:
+        A new GraphModule computing the same outputs. Extern and unclassified nodes stay as
+        they were; each group is one ``call_module`` (plus ``getitem`` nodes when it has
+        several outputs) with ``tensor_meta`` of what it returns. ``gm`` is not changed.
+        See the module docstring for the grouping rules and the submodules' ``meta``.
+
+    Raises:
+        ValueError: a node lacks ShapeProp meta.
+
+    Example::
+
+        gm = fxlite.symbolic_trace(lambda x: torch.relu(x + 1) * 2)
+        ShapeProp(gm).propagate(torch.randn(4, 8))
+        fused = fuse(gm)
+        print(fused.code)            # fused_0 = self.fused_0(x);  ...  return fused_0
+        fused.fused_0.meta["nodes"]  # ['add', 'relu', 'mul']
+    """
+    for n in gm.graph.nodes:
+        if n.op != "output" and "tensor_meta" not in n.meta and "type" not in n.meta:
+            raise ValueError(
+                f"fuse needs shape metadata, but node {n.name!r} has none: run "
+                f"ShapeProp(gm).propagate(*example_inputs) first")
+    partitioner = _Partitioner(gm, max_group_size)
+    groups = partitioner.run()
+    return _build(gm, groups, partitioner.segment, partitioner.barriers)
+
+
+def _build(gm: GraphModule, groups: list[_Group], segment: dict[Node, int],
+           barriers: set[Node]) -> GraphModule:
+    graph = gm.graph
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    unit_of: dict[Node, int] = {}  # node -> unit id: groups first, then single nodes
+    units: list[list[Node]] = []
+    for g in groups:
+        for n in g.nodes:
+            unit_of[n] = len(units)
+        units.append(sorted(g.nodes, key=index.__getitem__))
+    n_groups = len(units)
+    for n in graph.nodes:
+        if n not in unit_of:
+            unit_of[n] = len(units)
+            units.append([n])
+
+    # Kahn's algorithm over units, preferring the unit whose first node comes first; units
+    # never cross an impure node (its segment ends with it).
+    def key(u: int) -> tuple[int, bool, int]:
+        first = units[u][0]
+        return segment[first], first in barriers, index[first]
+
+    deps = [set() for _ in units]
+    users: list[set[int]] = [set() for _ in units]
+    for n in graph.nodes:
+        u = unit_of[n]
+        for inp in n.all_input_nodes:
+            v = unit_of[inp]
+            if v != u and v not in deps[u]:
+                deps[u].add(v)
+                users[v].add(u)
+    waiting = [len(d) for d in deps]
+    ready = [(key(u), u) for u in range(len(units)) if not waiting[u]]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for w in users[u]:
+            waiting[w] -= 1
+            if not waiting[w]:
+                heapq.heappush(ready, (key(w), w))
+    if len(order) != len(units):  # the partitioner guarantees this never happens
+        raise RuntimeError("fuse: the groups form a cycle (partitioner bug)")
+
+    parent = Graph()
+    env: dict[Node, Node] = {}
+    holder = torch.nn.Module()
+    holder.training = gm.training
+    taken = {name for name, _ in gm.named_children()} | set(gm.__dict__) | {
+        n.target for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    next_id = 0
+    for u in order:
+        members = units[u]
+        if u >= n_groups:
+            node = members[0]
+            env[node] = parent.node_copy(node, env.__getitem__)
+            if node.op in ("get_attr", "call_module"):
+                _copy_attr(gm, holder, node.target, f"node {node.name!r} refers to {node.target!r}")
+            continue
+        while f"fused_{next_id}" in taken:
+            next_id += 1
+        name = f"fused_{next_id}"
+        next_id += 1
+        g = groups[u]
+        member_set = g.nodes
+        inputs = list(dict.fromkeys(
+            inp for n in members for inp in n.all_input_nodes if inp not in member_set))
+        outputs = [n for n in members if any(x not in member_set for x in n.users)]
+        sub_graph = extract_subgraph(members, inputs, outputs)
+        copies = [sn for sn in sub_graph.nodes if sn.op not in ("placeholder", "output")]
+        for orig, sn in zip(members, copies, strict=True):
+            sn.meta["fused_space"] = g.tags[orig]
+        sub = GraphModule(gm, sub_graph, class_name=name)
+        sub.meta = _group_meta(g, members)
+        holder.add_module(name, sub)
+        call = parent.call_module(name, tuple(env[i] for i in inputs))
+        set_call_meta(call, outputs)
+        unpack_outputs(parent, call, outputs, env)
+    return GraphModule(holder, parent, class_name=type(gm).__name__)
+
+
+def _group_meta(g: _Group, members: list[Node]) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "fused_kind": "pointwise" if g.split is None else "reduction",
+        "nodes": [n.name for n in members],
+        "iteration_shape": g.shape,
+    }
+    if g.split is not None:
+        meta["reduction_dims"] = tuple(range(g.split, len(g.shape)))
+    return meta

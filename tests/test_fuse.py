@@ -1,0 +1,328 @@
+"""fuse: the canonical groups of issue 4, the grouping rules, and the structure of the result."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _golden import assert_golden
+from fxlite.passes.decompose import decompose
+from fxlite.passes.fuse import fuse
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import ShapeProp, TensorMetadata
+
+import fxlite
+from fxlite.graph import Graph
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+
+
+def _prep(fn, *inputs, canonical: bool = True) -> GraphModule:
+    """Trace, optionally normalize + decompose, and ShapeProp ``fn``."""
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*inputs)
+    if canonical:
+        gm = decompose(normalize(gm))
+        ShapeProp(gm).propagate(*inputs)
+    return gm
+
+
+def _fused_calls(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
+
+
+def _compute_kinds(gm: GraphModule) -> list[str]:
+    """The parent's computing nodes: ``fused_i`` for groups, the op name otherwise."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output") or n.target is operator.getitem:
+            continue
+        out.append(n.target if n.op == "call_module" else getattr(n.target, "__name__", str(n.target)))
+    return out
+
+
+def _group_of(fused: GraphModule) -> dict[str, str]:
+    """Original node name -> the ``fused_i`` holding it."""
+    return {name: call.target for call in _fused_calls(fused)
+            for name in getattr(fused, call.target).meta["nodes"]}
+
+
+def _all_computing(gm: GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+# ---------------------------------------------------------------------- canonical results
+def test_pointwise_chain_is_one_group_golden() -> None:
+    x = torch.randn(4, 8)
+    gm = _prep(lambda x: torch.relu(x + 1) * 2, x, canonical=False)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]
+    sub = fused.fused_0
+    assert sub.meta == {"fused_kind": "pointwise", "nodes": ["add", "relu", "mul"],
+                        "iteration_shape": (4, 8)}
+    assert_golden("fuse_pointwise_parent", fused.code)
+    assert_golden("fuse_pointwise_group", sub.code)
+    torch.testing.assert_close(fused(x), torch.relu(x + 1) * 2)
+
+
+def test_pointwise_chain_after_normalize() -> None:
+    x = torch.randn(4, 8)
+    gm = _prep(lambda x: torch.relu(x + 1) * 2, x)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]
+    assert fused.fused_0.meta["nodes"] == _all_computing(gm)
+    torch.testing.assert_close(fused(x), torch.relu(x + 1) * 2)
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
+def test_softmax_is_one_group(shape: tuple[int, ...]) -> None:
+    x = torch.randn(*shape)
+    gm = _prep(lambda x: torch.softmax(x * 0.5, dim=-1), x)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]
+    meta = fused.fused_0.meta
+    assert meta["fused_kind"] == "reduction"
+    assert meta["reduction_dims"] == (len(shape) - 1,)
+    assert meta["iteration_shape"] == shape
+    assert meta["nodes"] == _all_computing(gm)  # every decomposed primitive is in it
+    torch.testing.assert_close(fused(x), torch.softmax(x * 0.5, dim=-1))
+
+
+def test_layer_norm_residual_affine_is_one_group() -> None:
+    x, r, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8)
+
+    def f(x, r, w, b):
+        return F.layer_norm(x + r, (8,)) * w + b
+
+    gm = _prep(f, x, r, w, b)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]
+    meta = fused.fused_0.meta
+    assert meta["fused_kind"] == "reduction" and meta["reduction_dims"] == (1,)
+    assert meta["nodes"] == _all_computing(gm)
+    # One input per tensor the group reads: x, r, w, b.
+    assert [n.name for n in fused.fused_0.graph.nodes if n.op == "placeholder"] == ["x", "r", "w", "b"]
+    torch.testing.assert_close(fused(x, r, w, b), f(x, r, w, b))
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.act = torch.nn.GELU()
+        self.fc2 = torch.nn.Linear(32, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(self.act(self.fc1(x))))
+
+
+def test_mlp_block_is_extern_group_extern_group() -> None:
+    model = _MLPBlock().eval()
+    x = torch.randn(5, 8)
+    fused = fuse(_prep(model, x))
+    assert _compute_kinds(fused) == ["linear", "fused_0", "linear", "fused_1"]
+    assert fused.fused_0.meta["fused_kind"] == "pointwise"  # gelu
+    assert fused.fused_0.meta["iteration_shape"] == (5, 32)
+    assert fused.fused_1.meta["fused_kind"] == "reduction"  # residual add + layer_norm
+    torch.testing.assert_close(fused(x), model(x))
+
+
+# ---------------------------------------------------------------------- structure of the result
+def test_needs_shape_prop() -> None:
+    gm = fxlite.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(ValueError, match=r"ShapeProp\(gm\)\.propagate"):
+        fuse(gm)
+
+
+def test_group_nodes_keep_meta_and_calls_get_group_meta() -> None:
+    x = torch.randn(4, 8)
+
+    def f(x):
+        s = x.sum(-1)
+        m = s / 8
+        return x - m.unsqueeze(-1), m
+
+    gm = _prep(f, x, canonical=False)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]  # the unsqueeze view joins the row group
+    sub = fused.fused_0
+    spaces = {n.name: n.meta["fused_space"] for n in sub.graph.nodes if n.op == "call_method"
+              or n.op == "call_function"}
+    assert spaces == {"sum_1": "row", "truediv": "row", "unsqueeze": "full", "sub": "full"}
+    for n in sub.graph.nodes:
+        if n.op != "output":
+            assert isinstance(n.meta["tensor_meta"], TensorMetadata), n.name
+    # Two outputs: the call carries both metas, the getitems one each.
+    call = _fused_calls(fused)[0]
+    assert [tm.shape for tm in call.meta["tensor_meta"]] == [torch.Size([4]), torch.Size([4, 8])]
+    items = [n for n in fused.graph.nodes if n.target is operator.getitem]
+    assert [n.meta["tensor_meta"].shape for n in items] == [torch.Size([4]), torch.Size([4, 8])]
+    out, m = fused(x)
+    torch.testing.assert_close(out, f(x)[0])
+    torch.testing.assert_close(m, f(x)[1])
+
+
+def test_input_module_is_unchanged() -> None:
+    x = torch.randn(4, 8)
+    gm = _prep(lambda x: torch.relu(x + 1) * 2, x)
+    before = gm.code
+    fuse(gm)
+    assert gm.code == before
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def test_unnormalized_spellings_and_leaf_modules() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.act(x.mul(3) + 1).sigmoid()
+
+    x = torch.randn(4, 8)
+    gm = _prep(M(), x, canonical=False)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0"]
+    assert isinstance(fused.fused_0.act, torch.nn.ReLU)  # the leaf module went with its node
+    torch.testing.assert_close(fused(x), M()(x))
+
+
+# ---------------------------------------------------------------------- grouping rules
+def test_no_fusion_through_extern_and_no_cycle() -> None:
+    w = torch.randn(8, 8)
+
+    def f(x):
+        a = x + 1
+        b = torch.matmul(a, w)
+        return a * b
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    # add and mul share an iteration space, but merging them would wrap around the matmul.
+    assert _compute_kinds(fused) == ["fused_0", "matmul", "fused_1"]
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_different_iteration_spaces_stay_apart() -> None:
+    def f(x, w):
+        return x + w * 2  # (8,) then (4, 8)
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    fused = fuse(_prep(f, x, w))
+    groups = _group_of(fused)
+    assert groups["mul"] != groups["add"]
+    assert fused.get_submodule(groups["mul"]).meta["iteration_shape"] == (8,)
+    torch.testing.assert_close(fused(x, w), f(x, w))
+
+
+def test_cross_row_broadcast_is_not_fused() -> None:
+    def f(x):
+        s = torch.sum(x, dim=-1)  # (4,), broadcast along the columns below: s[c], not s[r]
+        return x - s
+
+    x = torch.randn(4, 4)
+    fused = fuse(_prep(f, x, canonical=False))
+    groups = _group_of(fused)
+    assert groups["sum_1"] != groups["sub"]
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_reductions_over_different_rows_stay_apart() -> None:
+    def f(x):
+        return torch.sum(x, dim=-1, keepdim=True) + torch.sum(x, dim=(-2, -1), keepdim=True)
+
+    x = torch.randn(2, 3, 4)
+    fused = fuse(_prep(f, x, canonical=False))
+    groups = _group_of(fused)
+    assert groups["sum_1"] != groups["sum_2"]
+    assert fused.get_submodule(groups["sum_2"]).meta["reduction_dims"] == (1, 2)
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_reduction_over_a_leading_dim_stays_in_parent() -> None:
+    def f(x):
+        return torch.sum(torch.exp(x), dim=0) * 2
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    assert _compute_kinds(fused) == ["fused_0", "sum", "fused_1"]
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_permute_stays_outside_groups() -> None:
+    def f(x):
+        return (x + 1).permute(1, 0) * 2
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    assert _compute_kinds(fused) == ["fused_0", "permute", "fused_1"]
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_max_group_size() -> None:
+    def f(x):
+        for _ in range(6):
+            x = torch.tanh(x) * 2
+        return x
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False), max_group_size=4)
+    sizes = [len(getattr(fused, c.target).meta["nodes"]) for c in _fused_calls(fused)]
+    assert sizes == [4, 4, 4]
+    torch.testing.assert_close(fused(x), f(x))
+
+
+def test_in_place_ops_are_barriers() -> None:
+    def f(x):
+        y = x + 1
+        y.add_(1)  # an impure node: y * 2 must see the mutation
+        return y * 2
+
+    x = torch.randn(4, 8)
+    gm = _prep(f, x.clone(), canonical=False)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["fused_0", "add_", "fused_1"]
+    torch.testing.assert_close(fused(x.clone()), f(x.clone()))
+
+
+def test_scalar_inputs_become_group_inputs() -> None:
+    g = Graph()
+    x = g.placeholder("x")
+    n = g.call_method("size", (x, 0))
+    y = g.call_function(torch.mul, (x, n))
+    g.output(g.call_function(torch.relu, (y,)))
+    gm = GraphModule(torch.nn.Module(), g)
+    t = torch.randn(3, 5)
+    ShapeProp(gm).propagate(t)
+    fused = fuse(gm)
+    assert _compute_kinds(fused) == ["size", "fused_0"]
+    assert [p.name for p in fused.fused_0.graph.nodes if p.op == "placeholder"] == ["x", "size"]
+    torch.testing.assert_close(fused(t), torch.relu(t * 3))
+
+
+def test_views_join_only_when_they_keep_the_index_map() -> None:
+    def f(x, w):
+        m = torch.amax(x, dim=-1, keepdim=True)
+        e = m.expand(4, 8)  # broadcast of a row value: joins
+        v = w.view(1, 8)  # a view of a group input, not of a group value: stays outside
+        return (x - e) * v
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    fused = fuse(_prep(f, x, w, canonical=False))
+    assert _compute_kinds(fused) == ["view", "fused_0"]
+    assert fused.fused_0.meta["nodes"] == ["amax", "expand", "sub", "mul"]
+    torch.testing.assert_close(fused(x, w), f(x, w))
+
+
+def test_composites_and_var_stay_in_parent() -> None:
+    def f(x):
+        return torch.softmax(x + 1, dim=-1) + torch.var(x, dim=-1, keepdim=True)
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    assert _compute_kinds(fused) == ["fused_0", "softmax", "var", "fused_1"]
+    torch.testing.assert_close(fused(x), f(x))
