@@ -10,19 +10,27 @@ Typical compiler pipeline::
 
 from .cse import cse
 from .decompose import DECOMPOSITIONS, decompose, register_decomposition
+from .draw import draw, to_dot
 from .fold_constants import fold_constants
 from .fold_conv_bn import fold_conv_bn
 from .fuse import fuse
+from .networkx import to_networkx
 from .normalize import normalize, normalize_graph, produces_tensor
+from .pass_manager import NumericsError, PassError, PassManager, PassRecord
 from .shape_prop import ShapeProp, TensorMetadata, extract_tensor_metadata
 from .split_module import split_module
 
 __all__ = [
     "DECOMPOSITIONS",
+    "NumericsError",
+    "PassError",
+    "PassManager",
+    "PassRecord",
     "ShapeProp",
     "TensorMetadata",
     "cse",
     "decompose",
+    "draw",
     "extract_tensor_metadata",
     "fold_constants",
     "fold_conv_bn",
@@ -32,4 +40,6 @@ __all__ = [
     "produces_tensor",
     "register_decomposition",
     "split_module",
+    "to_dot",
+    "to_networkx",
 ]

@@ -1,0 +1,141 @@
+"""Export a graph to networkx, for analysis with graph algorithms.
+
+``to_networkx(gm)`` gives one networkx node per fxlite node, keyed by the node's name,
+and one edge per producer -> consumer pair. The attributes make the common questions
+one-liners: which nodes are extern ops, what is on the path between two nodes, is a
+grouping acyclic (``nx.is_directed_acyclic_graph``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import torch
+
+from fxlite.graph import Graph
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, _format_target, map_arg
+from fxlite.ops import lookup
+
+__all__ = ["node_input_counts", "node_shape_dtype", "to_networkx"]
+
+
+def _structure(meta: Any, field: str) -> Any:
+    """``field`` of a ``tensor_meta`` entry, keeping tuple/list/dict nesting."""
+    if meta is None:
+        return None
+    if hasattr(meta, field) and hasattr(meta, "dtype"):  # one TensorMetadata
+        value = getattr(meta, field)
+        return tuple(value) if field == "shape" else value
+    if isinstance(meta, (tuple, list)):
+        return tuple(_structure(m, field) for m in meta)
+    if isinstance(meta, dict):
+        return {k: _structure(v, field) for k, v in meta.items()}
+    return None
+
+
+def node_shape_dtype(node: Node) -> tuple[Any, Any]:
+    """The shape and dtype ShapeProp recorded for ``node``, or ``(None, None)``.
+
+    Args:
+        node: any node; its ``meta['tensor_meta']`` is read when present.
+
+    Returns:
+        ``(shape, dtype)``: a shape is a tuple of ints and a dtype a ``torch.dtype``. A node
+        whose value is a tuple/list/dict of tensors gives the same nesting of shapes and of
+        dtypes.
+
+    Example::
+
+        >>> ShapeProp(gm).propagate(torch.randn(2, 3))
+        >>> node_shape_dtype(next(iter(gm.graph.nodes)))
+        ((2, 3), torch.float32)
+    """
+    meta = node.meta.get("tensor_meta")
+    return _structure(meta, "shape"), _structure(meta, "dtype")
+
+
+def node_input_counts(arg: Any) -> dict[Node, int]:
+    """How many times each Node occurs in ``arg`` (args, kwargs, or any nesting of them)."""
+    counts: dict[Node, int] = {}
+
+    def note(n: Node) -> Node:
+        counts[n] = counts.get(n, 0) + 1
+        return n
+
+    map_arg(arg, note)
+    return counts
+
+
+def _owner(graph_or_gm: Graph | GraphModule) -> tuple[Graph, torch.nn.Module | None]:
+    if isinstance(graph_or_gm, GraphModule):
+        return graph_or_gm.graph, graph_or_gm
+    if isinstance(graph_or_gm, Graph):
+        return graph_or_gm, graph_or_gm.owning_module
+    raise TypeError(f"expected a fxlite Graph or GraphModule, not {type(graph_or_gm).__name__}")
+
+
+def _fused_kind(node: Node, module: torch.nn.Module | None) -> str | None:
+    """``meta['fused_kind']`` of a ``call_module`` node's GraphModule target, if any."""
+    if node.op != "call_module" or module is None:
+        return None
+    try:
+        sub = module.get_submodule(node.target)
+    except AttributeError:
+        return None
+    return sub.meta.get("fused_kind") if isinstance(sub, GraphModule) else None
+
+
+def to_networkx(graph_or_gm: Graph | GraphModule) -> nx.DiGraph:
+    """Convert a graph to an ``nx.DiGraph`` whose nodes are keyed by node name.
+
+    Every node carries the attributes:
+
+    - ``op``: the opcode string (``"call_function"``);
+    - ``target``: the target as a string, as printed in the graph (``"operator.add"``);
+    - ``shape`` and ``dtype``: from ``meta['tensor_meta']`` (see :func:`node_shape_dtype`),
+      or None when ShapeProp has not run;
+    - ``kind``: the op table's kind (``"pointwise"``, ``"reduction"``, ``"view"``,
+      ``"extern"``...) via ``fxlite.ops.lookup``, or None for unknown ops, placeholders,
+      outputs and ``get_attr``;
+    - ``fused_kind``: for a ``call_module`` node whose target is a GraphModule with
+      ``meta['fused_kind']`` (a group made by ``fxlite.passes.fuse``), that kind; else None.
+
+    Each edge runs from an input to a node that reads it. A node that reads the same
+    input several times (``x + x``) has one edge with ``count=2``; every edge has a
+    ``count``.
+
+    Args:
+        graph_or_gm: a Graph or GraphModule. The module (the GraphModule itself, or the
+            graph's ``owning_module``) resolves ``call_module`` targets.
+
+    Returns:
+        A new ``nx.DiGraph``; changing it does not change the fxlite graph.
+
+    Example::
+
+        def f(x):
+            return torch.relu(x + x)
+
+        # before (fxlite):   %add = call_function[target=operator.add](args = (%x, %x))
+        #                    %relu = call_function[target=torch.relu](args = (%add,))
+        g = to_networkx(fxlite.symbolic_trace(f))
+        # after (networkx):  nodes x, add, relu, output
+        #   g.nodes["add"] == {"op": "call_function", "target": "operator.add",
+        #                      "shape": None, "dtype": None, "kind": "pointwise",
+        #                      "fused_kind": None}
+        #   g.edges["x", "add"]["count"] == 2
+        list(nx.topological_sort(g))  # ['x', 'add', 'relu', 'output']
+    """
+    graph, module = _owner(graph_or_gm)
+    out = nx.DiGraph()
+    for node in graph.nodes:
+        info = lookup(node, module)
+        shape, dtype = node_shape_dtype(node)
+        out.add_node(node.name, op=str(node.op), target=_format_target(node.target),
+                     shape=shape, dtype=dtype, kind=info.kind if info is not None else None,
+                     fused_kind=_fused_kind(node, module))
+        for src, count in node_input_counts((node.args, node.kwargs)).items():
+            out.add_edge(src.name, node.name, count=count)
+    return out
