@@ -30,6 +30,7 @@ _LAZY = {
     "SubgraphMatcher": "fxlite.rewrite",
     "Match": "fxlite.rewrite",
     "ReplacedPatterns": "fxlite.rewrite",
+    "compile": "fxlite.codegen.compile",
 }
 
 __all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",
