@@ -135,9 +135,9 @@ class GraphModule(torch.nn.Module):
         """Regenerate ``forward`` from ``self.graph``; call it after editing the graph."""
         with gc_paused():
             python_code = generate(self._graph, "self")
-            self.__dict__["_code"] = python_code.src
-            filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
-            type(self).forward = python_code.compile(filename)
+        self.__dict__["_code"] = python_code.src
+        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
+        type(self).forward = _CompileOnFirstUse(python_code, filename)
         return python_code
 
     def __str__(self) -> str:
@@ -281,6 +281,29 @@ def _import_lines(code: PythonCode) -> list[str]:
                                "by name; make it a module-level function or a module attribute")
         lines.append(f"from {mod} import {qual} as {name}")
     return lines
+
+
+class _CompileOnFirstUse:
+    """Stands in for ``forward`` until it is first looked up, then compiles it.
+
+    Why: Python's ``compile()`` is most of the cost of ``recompile()`` on big graphs, and
+    a pass pipeline recompiles after every pass. Any lookup (a call, ``inspect.signature``,
+    ``type(gm).forward``) compiles and installs the real function, so nothing can observe
+    the stand-in except by reading the class ``__dict__``.
+    """
+
+    __slots__ = ("code", "filename")
+
+    def __init__(self, code: PythonCode, filename: str) -> None:
+        self.code, self.filename = code, filename
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        owner = cls if cls is not None else type(obj)
+        with gc_paused():
+            fn = self.code.compile(self.filename)
+        if owner.__dict__.get("forward") is self:
+            owner.forward = fn
+        return fn if obj is None else types.MethodType(fn, obj)
 
 
 def _rebuild(body: dict[str, Any], graph: Graph, class_name: str) -> GraphModule:

@@ -71,6 +71,9 @@ def map_arg(a: Argument, fn: Callable[[Node], Argument]) -> Argument:
     return map_aggregate(a, lambda x: fn(x) if isinstance(x, Node) else x)
 
 
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
 def _collect_nodes(a: Argument, out: dict[Node, None]) -> None:
     # Iterative walk: arguments can be long lists (torch.cat of many tensors).
     stack = [a]
@@ -150,8 +153,14 @@ class Node:
             old.users.pop(self, None)
         self._args, self._kwargs = args, kwargs
         new: dict[Node, None] = {}
-        _collect_nodes(args, new)
-        _collect_nodes(kwargs, new)
+        for a in args:  # the common flat case without the general walk: tracing speed
+            t = type(a)
+            if t is Node:
+                new[a] = None
+            elif t not in _SCALARS:
+                _collect_nodes(a, new)
+        if kwargs:
+            _collect_nodes(kwargs, new)
         for n in new:
             if n._erased:
                 raise RuntimeError(f"node {self.name!r} would read erased node {n.name!r}")

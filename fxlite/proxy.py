@@ -92,8 +92,13 @@ class TracerBase:
     def create_proxy(self, kind: str, target: Target, args: tuple, kwargs: dict,
                      name: str | None = None, type_expr: Any = None) -> Proxy:
         """Record an operation: convert the arguments with ``create_arg``, add a node, wrap it."""
-        args_ = self.create_arg(args)
-        kwargs_ = self.create_arg(kwargs)
+        if type(self).create_arg in _DEFAULT_CREATE_ARG:
+            # Same result as create_arg for Proxies and plain values, without the calls.
+            args_ = tuple([x.node if type(x) is Proxy else x if type(x) in _ATOMS
+                           else self.create_arg(x) for x in args])
+        else:
+            args_ = self.create_arg(args)
+        kwargs_ = self.create_arg(kwargs) if kwargs else {}
         return self.proxy(self.create_node(kind, target, args_, kwargs_, name, type_expr))
 
     def create_arg(self, a: Any) -> Argument:
@@ -104,12 +109,12 @@ class TracerBase:
         if isinstance(a, Proxy):
             return a.node
         if t is tuple or t is list:
-            return t(self.create_arg(x) for x in a)
+            return t([self.create_arg(x) for x in a])
         if isinstance(a, tuple) and hasattr(a, "_fields"):
-            return t(*(self.create_arg(x) for x in a))
+            return t(*[self.create_arg(x) for x in a])
         if isinstance(a, (tuple, list)):
-            return type(a)(self.create_arg(x) for x in a) if t is not torch.Size else tuple(
-                self.create_arg(x) for x in a)
+            items = [self.create_arg(x) for x in a]
+            return tuple(items) if t is torch.Size else t(items)
         if isinstance(a, dict):
             return {k: self.create_arg(v) for k, v in a.items()}
         if t is slice:
@@ -142,6 +147,9 @@ class TracerBase:
 
 _ATOMS = frozenset({int, float, bool, str, type(None), complex, bytes, type(...), torch.dtype,
                     torch.device, torch.memory_format, torch.layout, range})
+# create_arg implementations whose answer for Proxies and _ATOMS create_proxy may inline;
+# fxlite.tracer adds Tracer.create_arg.
+_DEFAULT_CREATE_ARG: set[Callable[..., Any]] = set()
 _UNPACK_CACHE: dict[tuple[Any, int], int | None] = {}
 
 
@@ -156,6 +164,9 @@ def _unpack_count(frame: FrameType) -> int | None:
                 break
         _UNPACK_CACHE[key] = count
     return _UNPACK_CACHE[key]
+
+
+_DEFAULT_CREATE_ARG.add(TracerBase.create_arg)
 
 
 class GraphAppendingTracer(TracerBase):

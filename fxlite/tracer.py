@@ -28,7 +28,14 @@ import torch
 
 from .graph import Graph, gc_paused
 from .node import Argument
-from .proxy import GraphAppendingTracer, Proxy, TraceError, TracerBase, _find_tracer
+from .proxy import (
+    _DEFAULT_CREATE_ARG,
+    GraphAppendingTracer,
+    Proxy,
+    TraceError,
+    TracerBase,
+    _find_tracer,
+)
 
 __all__ = ["GraphAppendingTracer", "Tracer", "symbolic_trace", "wrap"]
 
@@ -316,6 +323,9 @@ def _varargs_as_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
                         co_posonlyargcount=0, co_kwonlyargcount=0,
                         co_flags=code.co_flags & ~inspect.CO_VARARGS)
     return types.FunctionType(flat, fn.__globals__, fn.__name__, None, fn.__closure__)
+
+
+_DEFAULT_CREATE_ARG.add(Tracer.create_arg)
 
 
 def symbolic_trace(root: torch.nn.Module | Callable[..., Any],
