@@ -1,0 +1,562 @@
+"""Analysis shared by the pointwise and reduction kernel builders.
+
+A fused group is read into a :class:`Plan`: one :class:`Value` per kernel value, in
+topological order. Every tensor lives in the *iteration space* ``S``, the broadcast of the
+group's tensor inputs; ``S``'s dims are numbered ``0 .. rank-1`` and a value of rank ``k``
+occupies the last ``k`` of them (torch's right alignment). A value's ``span`` is the set of
+dims along which it varies; reductions remove their dims from it.
+
+The kernel is specialized on the *guard key* (:func:`guard_key`): dtypes, ranks, the
+device type, and per input and dim whether it is size 1 (``"1"``), expanded with stride 0
+(``"0"``) or strided (``"s"``), plus whether each input is dense (contiguous, nothing
+expanded) and whether 64-bit indexing is needed. Sizes and strides are runtime arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxlite import ops as op_table
+from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
+from fxlite.node import Node
+
+from .triton_ops import REDUCTIONS, TRITON_OPS, Unsupported, compute_dtype
+
+__all__ = ["Plan", "Value", "analyze", "computed_outputs", "guard_key", "iteration_space",
+           "key_and_shape", "resolve", "used_values"]
+
+INT32_LIMIT = 2**31 - 1
+# Room for the index overshoot of the last block (BLOCK, or ROWS rows of a reduction).
+_OVERSHOOT = 2**17
+
+
+# Views that never move data when their output shape equals their input shape.
+IDENTITY_VIEWS = frozenset({"view", "reshape", "expand", "contiguous", "flatten", "squeeze",
+                            "unsqueeze", "clone", "detach"})
+
+# Targets of ops the op table does not (yet) list, by triton_ops' canonical names.
+T = torch.Tensor
+_BY_TARGET: dict[Any, str] = {}
+for _name, _fns in {
+    "add": (torch.add, operator.add, T.add), "sub": (torch.sub, operator.sub, T.sub),
+    "rsub": (torch.rsub,), "mul": (torch.mul, operator.mul, T.mul),
+    "truediv": (torch.div, operator.truediv, T.div, torch.true_divide),
+    "floordiv": (torch.floor_divide, operator.floordiv, T.floor_divide),
+    "remainder": (torch.remainder, operator.mod, T.remainder), "fmod": (torch.fmod, T.fmod),
+    "pow": (torch.pow, operator.pow, T.pow), "neg": (torch.neg, operator.neg, T.neg),
+    "abs": (torch.abs, operator.abs, T.abs), "relu": (torch.relu, F.relu, T.relu),
+    "sigmoid": (torch.sigmoid, T.sigmoid), "tanh": (torch.tanh, T.tanh),
+    "exp": (torch.exp, T.exp), "exp2": (torch.exp2, T.exp2), "log": (torch.log, T.log),
+    "log2": (torch.log2, T.log2), "log1p": (torch.log1p, T.log1p),
+    "expm1": (torch.expm1, T.expm1), "sqrt": (torch.sqrt, T.sqrt),
+    "rsqrt": (torch.rsqrt, T.rsqrt), "sin": (torch.sin, T.sin), "cos": (torch.cos, T.cos),
+    "erf": (torch.erf, torch.special.erf, T.erf), "floor": (torch.floor, T.floor),
+    "ceil": (torch.ceil, T.ceil), "trunc": (torch.trunc, T.trunc),
+    "round": (torch.round, T.round), "sign": (torch.sign, T.sign),
+    "reciprocal": (torch.reciprocal, T.reciprocal), "square": (torch.square, T.square),
+    "gelu": (F.gelu,), "silu": (F.silu,), "softplus": (F.softplus,), "mish": (F.mish,),
+    "leaky_relu": (F.leaky_relu,), "elu": (F.elu,), "hardtanh": (F.hardtanh,),
+    "relu6": (F.relu6,), "hardsigmoid": (F.hardsigmoid,), "hardswish": (F.hardswish,),
+    "clamp": (torch.clamp, torch.clip, T.clamp, T.clip),
+    "clamp_min": (torch.clamp_min, T.clamp_min), "clamp_max": (torch.clamp_max, T.clamp_max),
+    "maximum": (torch.maximum, T.maximum), "minimum": (torch.minimum, T.minimum),
+    "where": (torch.where, T.where),
+    "eq": (torch.eq, operator.eq, T.eq), "ne": (torch.ne, operator.ne, T.ne),
+    "lt": (torch.lt, operator.lt, T.lt), "le": (torch.le, operator.le, T.le),
+    "gt": (torch.gt, operator.gt, T.gt), "ge": (torch.ge, operator.ge, T.ge),
+    "logical_and": (torch.logical_and, T.logical_and),
+    "logical_or": (torch.logical_or, T.logical_or),
+    "logical_xor": (torch.logical_xor, T.logical_xor),
+    "logical_not": (torch.logical_not, T.logical_not),
+    "bitwise_and": (torch.bitwise_and, operator.and_, T.bitwise_and),
+    "bitwise_or": (torch.bitwise_or, operator.or_, T.bitwise_or),
+    "bitwise_xor": (torch.bitwise_xor, operator.xor, T.bitwise_xor),
+    "bitwise_not": (torch.bitwise_not, operator.invert, T.bitwise_not),
+    "isnan": (torch.isnan, T.isnan), "isinf": (torch.isinf, T.isinf),
+    "isfinite": (torch.isfinite, T.isfinite),
+    "to": (T.to, T.float, T.half, T.bfloat16, T.double, T.int, T.long, T.short, T.char,
+           T.byte, T.bool, T.type_as),
+    "sum": (torch.sum, T.sum), "mean": (torch.mean, T.mean), "prod": (torch.prod, T.prod),
+    "amax": (torch.amax, T.amax), "amin": (torch.amin, T.amin), "var": (torch.var, T.var),
+    "std": (torch.std, T.std),
+    **{v: (getattr(T, v),) for v in ("view", "reshape", "expand", "contiguous", "flatten",
+                                     "squeeze", "unsqueeze", "clone", "detach")},
+}.items():
+    for _fn in _fns:
+        _BY_TARGET[_fn] = _name
+del T
+
+
+def resolve(node: Node) -> str | None:
+    """The canonical name under which this module knows ``node``'s op, or None.
+
+    The op table is asked first; targets it does not list are looked up here.
+
+    Example::
+
+        resolve(node)  # "add" for torch.add, operator.add and x.add(...)
+    """
+    info = op_table.lookup(node)
+    known = set(TRITON_OPS) | set(REDUCTIONS) | IDENTITY_VIEWS
+    if info is not None and info.name in known:
+        return info.name
+    target: Any = node.target
+    if node.op == "call_method":
+        target = getattr(torch.Tensor, node.target, None)
+    elif node.op != "call_function":
+        return None
+    try:
+        return _BY_TARGET.get(target)
+    except TypeError:
+        return None
+
+
+@dataclass(eq=False)
+class Value:
+    """One value of the kernel: a loaded input, a scalar argument, an op or a reduction.
+
+    Attributes:
+        name: the kernel variable.
+        kind: ``"input"``, ``"scalar"``, ``"pw"``, ``"reduce"`` or ``"count"`` (the number
+            of reduced elements, for mean and var).
+        dtype: storage dtype (the node's meta dtype; for internal values their compute dtype).
+        dims: the iteration-space dims of its shape, in order.
+        span: the dims along which it varies.
+        op: canonical op name (``"pw"``), or the combine (``"sum" "prod" "max" "min"``).
+        args: bound arguments (``"pw"``): Values, literals, or other parameters.
+        index: the placeholder position (``"input"``, ``"scalar"``).
+        pytype: a scalar argument's Python type.
+    """
+
+    name: str
+    kind: str
+    dtype: torch.dtype | None
+    dims: tuple[int, ...]
+    span: frozenset[int]
+    op: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    index: int = -1
+    pytype: type | None = None
+    node: str | None = None
+    exact: bool = False  # a half-typed value that holds exactly its rounded value
+
+    def deps(self) -> list[Value]:
+        return [a for a in self.args.values() if isinstance(a, Value)]
+
+
+@dataclass
+class Plan:
+    """A fused group, analyzed for one guard key."""
+
+    name: str
+    rank: int
+    values: list[Value]
+    inputs: list[Value | None]          # per placeholder; None for an unused slot
+    patterns: list[str | None]          # per placeholder: guard pattern of a tensor
+    dense: list[bool]
+    outputs: list[Value]                # per output slot
+    structure: str                      # "single" | "tuple" | "list"
+    reduced: frozenset[int]             # reduced dims (non-trivial ones)
+    trivial: frozenset[int]             # dims that are size 1 for every input
+    int64: bool
+    key: tuple
+    node_names: list[str]
+
+    @property
+    def kind(self) -> str:
+        return "reduction" if any(v.kind == "reduce" for v in self.values) else "pointwise"
+
+
+def iteration_space(inputs: list[Any]) -> tuple[int, ...]:
+    """The broadcast shape of the tensor inputs (plain Python: torch's costs ~20 us)."""
+    shapes = [t.shape for t in inputs if isinstance(t, torch.Tensor)]
+    if len(shapes) == 1:
+        return tuple(shapes[0])
+    rank = max(map(len, shapes), default=0)
+    out = [1] * rank
+    for shape in shapes:
+        off = rank - len(shape)
+        for i, n in enumerate(shape):
+            cur = out[off + i]
+            if n != cur:
+                if cur == 1:
+                    out[off + i] = n
+                elif n != 1:
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+    return tuple(out)
+
+
+def _pattern(t: torch.Tensor, rank: int) -> str:
+    pad = rank - t.dim()
+    return "1" * pad + "".join("1" if n == 1 else ("0" if s == 0 else "s")
+                               for n, s in zip(t.shape, t.stride()))
+
+
+def key_and_shape(inputs: Sequence[Any]) -> tuple[tuple, tuple[int, ...]]:
+    """:func:`guard_key` and :func:`iteration_space` of ``inputs`` in one pass."""
+    shape = iteration_space(inputs)
+    rank = len(shape)
+    big = math.prod(shape) + _OVERSHOOT > INT32_LIMIT
+    entries: list[Any] = []
+    device = None
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            device = t.device.type
+            pat = _pattern(t, rank)
+            dense = "0" not in pat and t.is_contiguous()
+            if not big and t.numel():
+                big = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) \
+                    + _OVERSHOOT > INT32_LIMIT
+            entries.append((t.dtype, pat, dense))
+        else:
+            entries.append(type(t))
+    return (device, tuple(entries), big), shape
+
+
+def guard_key(inputs: Sequence[Any]) -> tuple:
+    """What a generated kernel is specialized on; never the sizes themselves.
+
+    Args:
+        inputs: the group's inputs (tensors and Python scalars).
+
+    Returns:
+        A hashable key: device type; per input its dtype, broadcast/stride pattern and
+        density (or the scalar's type); and whether 64-bit indexing is needed.
+
+    Example::
+
+        guard_key([torch.randn(4, 8), 2.0]) == guard_key([torch.randn(6, 3), 1.5])  # True
+    """
+    return key_and_shape(inputs)[0]
+
+
+# ------------------------------------------------------------------------------ analysis
+def _bind(params: tuple[str, ...], defaults: dict[str, Any], node: Node) -> dict[str, Any]:
+    if len(node.args) > len(params):
+        raise Unsupported(f"{node.name}: too many arguments")
+    bound = dict(zip(params, node.args))
+    for k, v in node.kwargs.items():
+        if k in bound or (k not in params and k not in defaults):
+            raise Unsupported(f"{node.name}: argument {k!r}")
+        bound[k] = v
+    for k, v in defaults.items():
+        bound.setdefault(k, v)
+    missing = [p for p in params if p not in bound]
+    if missing:
+        raise Unsupported(f"{node.name}: missing {missing}")
+    return bound
+
+
+class _MetaRun(Interpreter):
+    """Runs the group on ``meta`` tensors: each node's shape and dtype for these inputs."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm)
+        self.found: dict[Node, torch.Tensor] = {}
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.found[n] = out
+        return out
+
+
+def meta_values(gm: GraphModule, inputs: Sequence[Any]) -> dict[Node, torch.Tensor]:
+    """Every tensor node's value as a ``meta`` tensor, for inputs like ``inputs``.
+
+    The group's own ShapeProp metadata describes the inputs it was built from; a kernel
+    specialized for other sizes or strides needs the shapes and dtypes for these ones.
+    Running on the ``meta`` device costs no memory or compute.
+    """
+    fake = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.Tensor) else t for t in inputs]
+    run = _MetaRun(gm)
+    try:
+        run.run(*fake)
+    except Exception as e:  # the graph does not fit these inputs (or has no meta kernel)
+        raise Unsupported(f"shape propagation on the inputs failed: {e}") from None
+    return run.found
+
+
+def _natural(rank: int, r: int) -> tuple[int, ...]:
+    if rank > r:
+        raise Unsupported("a value of higher rank than the iteration space")
+    return tuple(range(r - rank, r))
+
+
+class _Builder:
+    def __init__(self, gm: GraphModule, inputs: list[Any]) -> None:
+        self.gm = gm
+        self.inputs = inputs
+        self.shape = iteration_space(inputs)
+        self.r = len(self.shape)
+        self.values: list[Value] = []
+        self.env: dict[Node, Value] = {}
+        self.taken: set[str] = set()
+        self.reduced: frozenset[int] | None = None
+        self.trivial: frozenset[int] = frozenset()
+        self.metas = meta_values(gm, inputs)
+
+    def meta(self, node: Node) -> torch.Tensor:
+        tm = self.metas.get(node)
+        if tm is None:
+            raise Unsupported(f"{node.name}: not a tensor")
+        compute_dtype(tm.dtype)
+        return tm
+
+    def fresh(self, base: str) -> str:
+        base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in base).strip("_") or "v"
+        if base[0].isdigit():
+            base = "v" + base
+        name, i = base, 0
+        while name in self.taken or name in _RESERVED:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+    def add(self, v: Value) -> Value:
+        self.values.append(v)
+        return v
+
+    def operand(self, a: Any, node: Node) -> Any:
+        if isinstance(a, Node):
+            v = self.env.get(a)
+            if v is None:
+                raise Unsupported(f"{node.name}: argument {a.name} is not a group value")
+            if v.kind not in ("scalar",) and v.dims != _natural(len(v.dims), self.r):
+                raise Unsupported(f"{node.name}: uses a keepdim=False reduction elementwise")
+            return v
+        if isinstance(a, (list, tuple, dict, slice)) or isinstance(a, torch.Tensor):
+            raise Unsupported(f"{node.name}: argument {a!r}")
+        return a
+
+    def check_shape(self, v: Value, node: Node) -> None:
+        tm = self.meta(node)
+        got = tuple(self.shape[d] if d in v.span else 1 for d in v.dims)
+        if got != tuple(tm.shape) or compute_dtype(tm.dtype) != compute_dtype(v.dtype):
+            raise Unsupported(f"{node.name}: analysis gives {got}, meta says {tuple(tm.shape)}")
+
+    def placeholder(self, node: Node, i: int) -> None:
+        x = self.inputs[i]
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided or x.is_complex() or x.is_quantized:
+                raise Unsupported(f"input {node.name}: layout or dtype")
+            if x.requires_grad and torch.is_grad_enabled():
+                raise Unsupported(f"input {node.name} requires grad")
+            compute_dtype(x.dtype)
+            pat = _pattern(x, self.r)
+            span = frozenset(d for d, p in enumerate(pat) if p != "1")
+            v = Value(self.fresh(node.name), "input", x.dtype, _natural(x.dim(), self.r), span,
+                      index=i, node=node.name, exact=True)
+        elif isinstance(x, (bool, int, float)):
+            v = Value(self.fresh(node.name), "scalar", None, (), frozenset(), index=i,
+                      pytype=type(x), node=node.name)
+        else:
+            raise Unsupported(f"input {node.name} of type {type(x).__name__}")
+        self.env[node] = self.add(v)
+
+    def call(self, node: Node) -> None:
+        name = resolve(node)
+        if name is None:
+            raise Unsupported(f"{node.name}: op {node.target} has no Triton form")
+        if name in IDENTITY_VIEWS:
+            src = node.args[0] if node.args else None
+            v = self.env.get(src) if isinstance(src, Node) else None
+            tm = self.meta(node)
+            if v is None or v.kind == "scalar" or src not in self.metas \
+                    or tuple(self.metas[src].shape) != tuple(tm.shape):
+                raise Unsupported(f"{node.name}: a view that changes the shape")
+            self.env[node] = v
+            return
+        if name in REDUCTIONS:
+            self.reduction(node, name)
+            return
+        spec = TRITON_OPS[name]
+        if name == "to":
+            bound = self.to_args(node)
+        else:
+            bound = _bind(spec.params, spec.defaults, node)
+        for k in spec.ignore:
+            if bound.get(k) not in (False, None):
+                raise Unsupported(f"{node.name}: {k}={bound[k]!r}")
+            bound.pop(k, None)
+        args = {k: self.operand(a, node) for k, a in bound.items()}
+        tm = self.meta(node)
+        ops = [a for a in args.values() if isinstance(a, Value)]
+        if not ops:
+            raise Unsupported(f"{node.name}: no tensor operand")
+        span = frozenset().union(*(a.span for a in ops))
+        v = Value(self.fresh(node.name), "pw", tm.dtype, _natural(len(tm.shape), self.r), span,
+                  op=name, args=args, node=node.name, exact=name == "to")
+        self.check_shape(v, node)
+        self.env[node] = self.add(v)
+
+    def to_args(self, node: Node) -> dict[str, Any]:
+        for a in list(node.args[1:]) + list(node.kwargs.values()):
+            if isinstance(a, (torch.device, str)) or (isinstance(a, Node) and a not in self.env):
+                raise Unsupported(f"{node.name}: a cast that moves devices")
+        return {"input": node.args[0]}
+
+    def reduction(self, node: Node, name: str) -> None:
+        params, defaults = REDUCTIONS[name]
+        bound = _bind(params, defaults, node)
+        x = self.operand(bound["input"], node)
+        if not isinstance(x, Value) or x.kind == "scalar":
+            raise Unsupported(f"{node.name}: reduction of a scalar")
+        k = len(x.dims)
+        dim = bound["dim"]
+        if dim is None or dim == () or dim == []:
+            rdims = set(range(k))
+        else:
+            dims = [dim] if isinstance(dim, int) else list(dim)
+            if k == 0:
+                if any(d not in (0, -1) for d in dims):
+                    raise Unsupported(f"{node.name}: dim {dim} of a 0-d tensor")
+                rdims = set()
+            else:
+                if any(not -k <= d < k for d in dims):
+                    raise Unsupported(f"{node.name}: dim {dim}")
+                rdims = {d % k for d in dims}
+        sdims = frozenset(x.dims[d] for d in rdims)
+        nontrivial = sdims - self.trivial
+        if self.reduced is None:
+            self.reduced = nontrivial
+        elif self.reduced != nontrivial:
+            raise Unsupported(f"{node.name}: reductions over different dims")
+        if not nontrivial <= x.span:
+            raise Unsupported(f"{node.name}: reduces a broadcast dim")
+        span = x.span - sdims
+        dims = x.dims if bound["keepdim"] else tuple(d for d in x.dims if d not in sdims)
+        tm = self.meta(node)
+        out = tm.dtype
+        acc = compute_dtype(out)
+        label = self.fresh(node.name)
+        if name in ("sum", "prod"):
+            v = Value(label, "reduce", out, dims, span, op=name, args={"input": x})
+        elif name in ("amax", "amin"):
+            v = Value(label, "reduce", out, dims, span, op="max" if name == "amax" else "min",
+                      args={"input": x}, exact=x.exact)
+        else:
+            if not acc.is_floating_point:
+                raise Unsupported(f"{node.name}: {name} of {x.dtype}")
+            total = self.add(Value(self.fresh(label + "_sum"), "reduce", acc, dims, span,
+                                   op="sum", args={"input": x}))
+            mean = Value(label if name == "mean" else self.fresh(label + "_mean"), "count", acc,
+                         dims, span, op="mean", args={"input": total, "correction": 0})
+            if name == "mean":
+                v = mean
+                v.dtype = out
+            else:
+                corr = bound.get("correction")
+                if corr is None:
+                    corr = 0 if bound.get("unbiased") is False else 1
+                if bound.get("unbiased") is not None and bound.get("correction") is not None:
+                    raise Unsupported(f"{node.name}: both unbiased and correction")
+                self.add(mean)
+                keep = tuple(d for d in x.dims)  # the centred values live in x's full space
+                centred = self.add(Value(self.fresh(label + "_centred"), "pw", acc, keep,
+                                         x.span, op="sub", args={"input": x, "other": mean}))
+                sq = self.add(Value(self.fresh(label + "_sq"), "pw", acc, keep, x.span,
+                                    op="mul", args={"input": centred, "other": centred}))
+                ssq = self.add(Value(self.fresh(label + "_ssq"), "reduce", acc, dims, span,
+                                     op="sum", args={"input": sq}))
+                var_name = label if name == "var" else self.fresh(label + "_var")
+                var = Value(var_name, "count", acc if name == "std" else out, dims, span,
+                            op="mean", args={"input": ssq, "correction": corr})
+                if name == "std":
+                    self.add(var)
+                    v = Value(label, "pw", out, dims, span, op="sqrt", args={"input": var})
+                else:
+                    v = var
+        v.node = node.name
+        self.check_shape(v, node)
+        self.env[node] = self.add(v)
+
+
+_RESERVED = frozenset({
+    "tl", "triton", "libdevice", "pid", "offs", "mask", "r", "c", "c0", "rmask", "cmask",
+    "rows", "cols", "numel", "ROWS", "BLOCK", "BLOCK_C", "rem", "rrem", "crem", "True", "False",
+    "None", "float", "int", "range", "and", "or", "not", "in", "is", "if", "else", "for",
+    "def", "return", "lambda", "import", "from", "as", "with", "while", "pass", "del",
+})
+
+
+def used_values(plan: Plan) -> set[Value]:
+    """Values some other value reads (inputs outside this set need no pointer)."""
+    used: set[Value] = set()
+    for v in plan.values:
+        used.update(v.deps())
+    return used
+
+
+def computed_outputs(plan: Plan) -> list[tuple[int, Value]]:
+    """The outputs a kernel stores: each computed value once, numbered in output order."""
+    seen: list[Value] = []
+    for v in plan.outputs:
+        if v.kind != "input" and v not in seen:
+            seen.append(v)
+    return list(enumerate(seen))
+
+
+def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
+    """Read a fused group into a :class:`Plan` for ``inputs``'s guard key.
+
+    Raises:
+        Unsupported: when any part of the group has no kernel form the generator can prove.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise Unsupported(f"{len(placeholders)} placeholders, {len(inputs)} inputs")
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise Unsupported("no tensor input")
+    if len({t.device for t in tensors}) != 1:
+        raise Unsupported("inputs on several devices")
+    try:
+        b = _Builder(gm, inputs)
+    except RuntimeError as e:
+        raise Unsupported(f"inputs do not broadcast: {e}") from None
+    key = guard_key(inputs)
+    pats = [e[1] if isinstance(e, tuple) else None for e in key[1]]
+    b.trivial = frozenset(d for d in range(b.r)
+                          if all(p is None or p[d] == "1" for p in pats))
+    out_node = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            b.placeholder(node, placeholders.index(node))
+        elif node.op in ("call_function", "call_method"):
+            b.call(node)
+        elif node.op == "output":
+            out_node = node
+        else:
+            raise Unsupported(f"{node.name}: {node.op} in a fused group")
+    result = out_node.args[0] if out_node is not None else None
+    structure = "tuple" if isinstance(result, tuple) else "list" if isinstance(result, list) \
+        else "single"
+    items = list(result) if structure != "single" else [result]
+    outputs = []
+    for item in items:
+        v = b.env.get(item) if isinstance(item, Node) else None
+        if v is None or v.kind == "scalar":
+            raise Unsupported(f"group output {item!r} is not a tensor value")
+        outputs.append(v)
+    inputs_v: list[Value | None] = [None] * len(inputs)
+    for v in b.values:
+        if v.kind in ("input", "scalar"):
+            inputs_v[v.index] = v
+    dense = [bool(e[2]) if isinstance(e, tuple) else False for e in key[1]]
+    return Plan(name=name, rank=b.r, values=b.values, inputs=inputs_v, patterns=pats,
+                dense=dense, outputs=outputs, structure=structure,
+                reduced=b.reduced if b.reduced is not None else frozenset(),
+                trivial=b.trivial, int64=key[2], key=key,
+                node_names=[n.name for n in gm.graph.nodes
+                            if n.op in ("call_function", "call_method")])

@@ -1,0 +1,603 @@
+"""Triton expressions for pointwise ops, and the reductions the kernel generator knows.
+
+One record per op, keyed by the op table's canonical name (``fxlite.ops.lookup(node).name``)::
+
+    "add": TritonOp(("input", "other", "alpha"), {"alpha": 1}, _add)
+
+An emitter gets the :class:`Emitter` (which casts operands and declares helpers), the
+bound arguments and the result's compute dtype, and returns one Triton expression. Values
+of half types are computed in fp32 and rounded once at the store, so a chain of f16 ops
+can differ from eager's per-op rounding by up to 1 ulp of the output dtype.
+
+Triton's CPU interpreter lacks libdevice (``tanh``, ``log1p``, ``pow``, ``fmod`` ...), so
+every op has a portable expression built from core ``tl`` functions; the libdevice form is
+used only when ``Emitter.libdevice`` is set (compiling for a GPU).
+
+TODO(op table): these records belong in the ``triton`` slot of ``fxlite.ops.OpInfo``; until
+that slot is filled, ``triton_common.resolve`` maps nodes to them by canonical name or by
+target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["REDUCTIONS", "TRITON_OPS", "Emitter", "Operand", "TritonOp", "Unsupported",
+           "compute_dtype", "tl_dtype"]
+
+
+class Unsupported(Exception):
+    """The generator cannot prove a kernel right for this group; the caller runs eager."""
+
+
+_TL = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+       torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
+       torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8",
+       torch.bool: "tl.int1"}
+_FLOATS = (torch.float32, torch.float64)
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    """The ``tl`` spelling of a torch dtype (``torch.float16`` -> ``"tl.float16"``)."""
+    try:
+        return _TL[dtype]
+    except KeyError:
+        raise Unsupported(f"dtype {dtype}") from None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype values of ``dtype`` are computed in: fp32 for f16/bf16, else itself."""
+    tl_dtype(dtype)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor-valued argument of an op: a kernel variable and its storage dtype.
+
+    ``pytype`` is set for Python scalar kernel arguments (which promote as weak scalars),
+    ``zero_dim`` for 0-d tensors (which promote like scalars).
+    """
+
+    expr: str
+    dtype: torch.dtype | None
+    zero_dim: bool = False
+    pytype: type | None = None
+
+
+@dataclass
+class Emitter:
+    """What an op emitter may use: casts, fresh temporaries and helper functions."""
+
+    libdevice: bool = False
+    lines: list[str] = field(default_factory=list)
+    helpers: set[str] = field(default_factory=set)
+    _counter: int = 0
+
+    def tmp(self, expr: str) -> str:
+        """Assign ``expr`` to a fresh variable (for an operand used several times)."""
+        self._counter += 1
+        name = f"tmp{self._counter}"
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def helper(self, name: str) -> str:
+        self.helpers.add(name)
+        return name
+
+    def lit(self, value: Any, ct: torch.dtype) -> str:
+        """A Python literal formatted for compute dtype ``ct``."""
+        if isinstance(value, complex) or not isinstance(value, (bool, int, float)):
+            raise Unsupported(f"literal {value!r}")
+        if ct == torch.bool:
+            return "True" if value else "False"
+        if ct.is_floating_point:
+            v = float(value)
+            if math.isnan(v):
+                return 'float("nan")'
+            if math.isinf(v):
+                return 'float("inf")' if v > 0 else 'float("-inf")'
+            return repr(v)
+        if isinstance(value, float) and not value.is_integer():
+            raise Unsupported(f"float literal {value} in an integer op")
+        info = torch.iinfo(ct)
+        if not info.min <= int(value) <= info.max:
+            raise Unsupported(f"literal {value} does not fit {ct}")
+        return repr(int(value))
+
+    def t(self, x: Any, ct: torch.dtype) -> str:
+        """Like :meth:`c`, but a literal becomes a 0-d tensor (helpers call ``.to`` on it)."""
+        if isinstance(x, Operand):
+            return self.c(x, ct)
+        return f"tl.full([], {self.lit(x, ct)}, {tl_dtype(ct)})"
+
+    def c(self, x: Any, ct: torch.dtype) -> str:
+        """Operand or literal ``x`` as an expression of compute dtype ``ct``."""
+        if not isinstance(x, Operand):
+            return self.lit(x, ct)
+        if x.pytype is float and ct == torch.float64:
+            raise Unsupported("a float argument feeds a float64 op (passed as fp32)")
+        have = compute_dtype(x.dtype)
+        if have == ct:
+            return x.expr
+        if ct == torch.bool:
+            return f"({x.expr} != 0)"
+        return f"{x.expr}.to({tl_dtype(ct)})"
+
+
+_META_CACHE: dict[Any, Any] = {}
+
+
+def _proxy(x: Any) -> Any:
+    if isinstance(x, Operand):
+        if x.pytype is not None:
+            return x.pytype(1)
+        key = (x.dtype, x.zero_dim)
+        t = _META_CACHE.get(key)
+        if t is None:
+            t = _META_CACHE[key] = torch.empty(() if x.zero_dim else (1,), dtype=x.dtype,
+                                               device="meta")
+        return t
+    return x
+
+
+def promote(a: Any, b: Any) -> torch.dtype:
+    """torch's result dtype for an op on ``a`` and ``b`` (operands or literals)."""
+    pa, pb = _proxy(a), _proxy(b)
+    if not isinstance(pa, torch.Tensor) and not isinstance(pb, torch.Tensor):
+        raise Unsupported("an op on two scalars")
+    return torch.result_type(pa, pb)
+
+
+# ---------------------------------------------------------------------------- emitters
+Emit = Callable[[Emitter, dict[str, Any], torch.dtype], str]
+
+
+@dataclass(frozen=True)
+class TritonOp:
+    """How to emit one op: its parameters (tensor inputs first), defaults and emitter."""
+
+    params: tuple[str, ...]
+    defaults: dict[str, Any]
+    emit: Emit
+    ignore: tuple[str, ...] = ()  # parameters that never change the value (``inplace``)
+
+
+def _is_float(ct: torch.dtype) -> bool:
+    return ct.is_floating_point
+
+
+def _alpha(e: Emitter, y: str, a: dict[str, Any], ct: torch.dtype) -> str:
+    alpha = a.get("alpha", 1)
+    return y if alpha == 1 and type(alpha) is not float else f"{y} * {e.lit(alpha, ct)}"
+
+
+def _add(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
+    if ct == torch.bool:
+        return f"{x} | {y}"
+    return f"{x} + {_alpha(e, y, a, ct)}"
+
+
+def _sub(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if ct == torch.bool:
+        raise Unsupported("bool subtraction")
+    return f"{e.c(a['input'], ct)} - {_alpha(e, e.c(a['other'], ct), a, ct)}"
+
+
+def _rsub(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if ct == torch.bool:
+        raise Unsupported("bool subtraction")
+    return f"{e.c(a['other'], ct)} - {_alpha(e, e.c(a['input'], ct), a, ct)}"
+
+
+def _mul(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
+    return f"{x} & {y}" if ct == torch.bool else f"{x} * {y}"
+
+
+def _fmod(e: Emitter, x: str, y: str) -> str:
+    # Triton's float % is frem, which the NVPTX backend approximates; libdevice is exact.
+    return f"libdevice.fmod({x}, {y})" if e.libdevice else f"{x} % {y}"
+
+
+def _floordiv(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
+    if ct == torch.bool:
+        raise Unsupported("bool floor division")
+    if _is_float(ct):
+        x, y = e.tmp(x), e.tmp(y)
+        return f"{e.helper('_floordiv_float')}({x}, {y}, {_fmod(e, x, y)})"
+    return f"{e.helper('_floordiv_int')}({x}, {y})"
+
+
+def _remainder(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
+    if ct == torch.bool:
+        raise Unsupported("bool remainder")
+    if _is_float(ct):
+        y = e.tmp(y)
+        m = e.tmp(_fmod(e, x, y))
+        return f"tl.where(({m} != 0) & (({m} < 0) != ({y} < 0)), {m} + {y}, {m})"
+    return f"{e.helper('_remainder_int')}({x}, {y})"
+
+
+def _fmod_op(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
+    if ct == torch.bool:
+        raise Unsupported("bool fmod")
+    return _fmod(e, x, y) if _is_float(ct) else f"{x} % {y}"
+
+
+def _trunc_expr(e: Emitter, x: str) -> str:
+    x = e.tmp(x)
+    return f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"
+
+
+def _div(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    mode = a.get("rounding_mode")
+    if mode is None:
+        if not _is_float(ct):
+            raise Unsupported("true division into an integer dtype")
+        return f"{e.c(a['input'], ct)} / {e.c(a['other'], ct)}"
+    if mode == "floor":
+        return _floordiv(e, a, ct)
+    if mode != "trunc" or ct == torch.bool:
+        raise Unsupported(f"rounding_mode={mode!r}")
+    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
+    return _trunc_expr(e, f"{x} / {y}") if _is_float(ct) else f"{x} // {y}"
+
+
+def _sqrt(x: str, ct: torch.dtype) -> str:
+    # tl.sqrt is approximate for fp32 on GPUs; sqrt_rn rounds correctly (fp32 only).
+    return f"tl.sqrt_rn({x})" if ct == torch.float32 else f"tl.sqrt({x})"
+
+
+def _pow(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    base, exp = a["input"], a["exponent"]
+    if ct == torch.bool:
+        raise Unsupported("bool pow")
+    if not isinstance(exp, Operand):
+        if exp == 0.5 and _is_float(ct):
+            return _sqrt(e.c(base, ct), ct)
+        if exp == -0.5 and _is_float(ct):
+            return f"1.0 / {_sqrt(e.c(base, ct), ct)}"
+        if float(exp).is_integer() and abs(exp) <= 8 and isinstance(base, Operand):
+            n = int(exp)
+            if n < 0 and not _is_float(ct):
+                raise Unsupported("negative integer power of an integer")
+            if n == 0:
+                return f"tl.full([], {e.lit(1, ct)}, {tl_dtype(ct)}) + 0 * {e.c(base, ct)}"
+            x = e.tmp(e.c(base, ct)) if abs(n) > 1 else e.c(base, ct)
+            prod = " * ".join([x] * abs(n))
+            return f"1.0 / ({prod})" if n < 0 else prod
+    if not _is_float(ct):
+        raise Unsupported("integer pow with a tensor or large exponent")
+    x, y = e.t(base, ct), e.t(exp, ct)
+    if e.libdevice:
+        return f"libdevice.pow({x}, {y})"
+    return f"{e.helper('_pow')}({x}, {y}).to({tl_dtype(ct)})"
+
+
+def _unary(fn: str, *, floats_only: bool = True, int_identity: bool = False) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        x = e.c(a["input"], ct)
+        if not _is_float(ct):
+            if int_identity:
+                return x
+            raise Unsupported(f"{fn} on {ct}")
+        return f"{fn}({x})"
+    return emit
+
+
+def _via_helper(helper: str, libdevice_fn: str | None) -> Emit:
+    """A float op that needs libdevice on the GPU and a portable helper in the interpreter."""
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        if not _is_float(ct):
+            raise Unsupported(f"{helper} on {ct}")
+        x = e.c(a["input"], ct)
+        if e.libdevice and libdevice_fn:
+            return f"libdevice.{libdevice_fn}({x})"
+        return f"{e.helper(helper)}({x}).to({tl_dtype(ct)})"
+    return emit
+
+
+def _neg(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if ct == torch.bool:
+        raise Unsupported("bool negation")
+    return f"-{e.c(a['input'], ct)}"
+
+
+def _abs(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x = e.c(a["input"], ct)
+    return x if ct == torch.bool else f"tl.abs({x})"
+
+
+def _relu(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if ct == torch.bool:
+        raise Unsupported("relu of bool")
+    x = e.c(a["input"], ct)
+    # `x < 0` is False for NaN, so NaN passes through as in torch.
+    return f"tl.where({x} < 0, {e.lit(0, ct)}, {x})"
+
+
+def _float_op(body: Callable[[Emitter, str, dict, torch.dtype], str]) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        if not _is_float(ct):
+            raise Unsupported(f"float op on {ct}")
+        return body(e, e.c(a["input"], ct), a, ct)
+    return emit
+
+
+def _tanh_of(e: Emitter, x: str, ct: torch.dtype) -> str:
+    if e.libdevice:
+        return f"libdevice.tanh({x})"
+    return f"{e.helper('_tanh')}({x}).to({tl_dtype(ct)})"
+
+
+def _gelu(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
+    approx = a.get("approximate", "none")
+    if approx == "none":
+        return f"0.5 * {x} * (1.0 + tl.erf({x} * {1 / math.sqrt(2)!r}))"
+    if approx != "tanh":
+        raise Unsupported(f"gelu approximate={approx!r}")
+    inner = e.tmp(f"{math.sqrt(2 / math.pi)!r} * ({x} + 0.044715 * {x} * {x} * {x})")
+    return f"0.5 * {x} * (1.0 + {_tanh_of(e, inner, ct)})"
+
+
+def _log1p_of(e: Emitter, x: str, ct: torch.dtype) -> str:
+    if e.libdevice:
+        return f"libdevice.log1p({x})"
+    return f"{e.helper('_log1p')}({x}).to({tl_dtype(ct)})"
+
+
+def _expm1_of(e: Emitter, x: str, ct: torch.dtype) -> str:
+    if e.libdevice:
+        return f"libdevice.expm1({x})"
+    return f"{e.helper('_expm1')}({x}).to({tl_dtype(ct)})"
+
+
+def _softplus(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
+    beta, threshold = a.get("beta", 1.0), a.get("threshold", 20.0)
+    bx = e.tmp(f"{x} * {e.lit(beta, ct)}")
+    soft = _log1p_of(e, f"tl.exp({bx})", ct)
+    return f"tl.where({bx} > {e.lit(threshold, ct)}, {x}, {soft} / {e.lit(beta, ct)})"
+
+
+def _mish(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
+    sp = e.tmp(_softplus(e, x, {}, ct))
+    return f"{x} * {_tanh_of(e, sp, ct)}"
+
+
+def _clamp_expr(e: Emitter, x: str, lo: Any, hi: Any, ct: torch.dtype) -> str:
+    # torch.clamp is min(max(x, lo), hi), with NaN in any operand propagating.
+    if lo is not None:
+        x = f"{e.helper('_maximum')}({x}, {e.t(lo, ct)})"
+    if hi is not None:
+        x = f"{e.helper('_minimum')}({x}, {e.t(hi, ct)})"
+    return x
+
+
+def _clamp(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    lo, hi = a.get("min"), a.get("max")
+    if ct == torch.bool or (lo is None and hi is None):
+        raise Unsupported("clamp without bounds or on bool")
+    return _clamp_expr(e, e.t(a["input"], ct), lo, hi, ct)
+
+
+def _binary_helper(helper: str) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        x, y = e.t(a["input"], ct), e.t(a["other"], ct)
+        if ct == torch.bool:
+            return f"{x} | {y}" if helper == "_maximum" else f"{x} & {y}"
+        return f"{e.helper(helper)}({x}, {y})"
+    return emit
+
+
+def _compare(sym: str) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        pt = compute_dtype(promote(a["input"], a["other"]))
+        return f"{e.c(a['input'], pt)} {sym} {e.c(a['other'], pt)}"
+    return emit
+
+
+def _logical(sym: str) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        x, y = e.c(a["input"], torch.bool), e.c(a["other"], torch.bool)
+        return e.c(Operand(f"({x} {sym} {y})", torch.bool), ct)
+    return emit
+
+
+def _bitwise(sym: str) -> Emit:
+    def emit(e: Emitter, a: dict, ct: torch.dtype) -> str:
+        if _is_float(ct):
+            raise Unsupported("bitwise op on floats")
+        return f"{e.c(a['input'], ct)} {sym} {e.c(a['other'], ct)}"
+    return emit
+
+
+def _operand_ct(a: dict) -> torch.dtype:
+    x = a["input"]
+    if not isinstance(x, Operand) or x.pytype is not None:
+        raise Unsupported("predicate on a scalar")
+    return compute_dtype(x.dtype)
+
+
+def _logical_not(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    return e.c(Operand(f"({e.c(a['input'], _operand_ct(a))} == 0)", torch.bool), ct)
+
+
+def _bitwise_not(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if _is_float(ct):
+        raise Unsupported("bitwise not on floats")
+    x = e.c(a["input"], ct)
+    return f"{x} == 0" if ct == torch.bool else f"~{x}"
+
+
+def _isnan(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x = e.c(a["input"], _operand_ct(a))
+    return f"{x} != {x}"
+
+
+def _isinf(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    it = _operand_ct(a)
+    x = e.c(a["input"], it)
+    return f'tl.abs({x}) == float("inf")' if _is_float(it) else f"{x} != {x}"
+
+
+def _isfinite(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    it = _operand_ct(a)
+    x = e.c(a["input"], it)
+    return f'({x} == {x}) & (tl.abs({x}) != float("inf"))' if _is_float(it) else f"{x} == {x}"
+
+
+def _where(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    cond = e.c(a["condition"], torch.bool)
+    return f"tl.where({cond}, {e.c(a['input'], ct)}, {e.c(a['other'], ct)})"
+
+
+def _to(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    # ct is the compute dtype of the target; `out_dtype` is the storage dtype (from meta).
+    x = a["input"]
+    out = a["_out_dtype"]
+    src = x.dtype if isinstance(x, Operand) and x.pytype is None else None
+    expr = e.c(x, ct)
+    if out in (torch.float16, torch.bfloat16) and src != out:
+        # An explicit cast to a half type rounds, even though we compute in fp32.
+        if out == torch.bfloat16 and not e.libdevice:
+            return f"{e.helper('_round_bf16')}({expr})"  # the interpreter truncates
+        return f"{expr}.to({tl_dtype(out)}).to(tl.float32)"
+    return expr
+
+
+def _sign(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    x = e.c(a["input"], ct)
+    if ct == torch.bool:
+        return x
+    one, zero = e.lit(1, ct), e.lit(0, ct)
+    # torch computes (0 < x) - (x < 0): NaN gives 0.
+    return f"tl.where({x} > 0, {one}, tl.where({x} < 0, -{one}, {zero}))"
+
+
+def _round(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    if a.get("decimals", 0) != 0:
+        raise Unsupported("round with decimals")
+    x = e.c(a["input"], ct)
+    return f"{e.helper('_round_half_even')}({x})" if _is_float(ct) else x
+
+
+def _leaky_relu(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
+    return f"tl.where({x} > 0, {x}, {x} * {e.lit(a.get('negative_slope', 0.01), ct)})"
+
+
+def _elu(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
+    alpha = e.lit(a.get("alpha", 1.0), ct)
+    return f"tl.where({x} > 0, {x}, {alpha} * {_expm1_of(e, x, ct)})"
+
+
+def _relu6_of(e: Emitter, x: str, ct: torch.dtype) -> str:
+    return _clamp_expr(e, x, 0.0, 6.0, ct)
+
+
+_F = _float_op
+_TANH = _via_helper("_tanh", "tanh")
+TRITON_OPS: dict[str, TritonOp] = {
+    "add": TritonOp(("input", "other", "alpha"), {"alpha": 1}, _add),
+    "sub": TritonOp(("input", "other", "alpha"), {"alpha": 1}, _sub),
+    "rsub": TritonOp(("input", "other", "alpha"), {"alpha": 1}, _rsub),
+    "mul": TritonOp(("input", "other"), {}, _mul),
+    "truediv": TritonOp(("input", "other", "rounding_mode"), {"rounding_mode": None}, _div),
+    "floordiv": TritonOp(("input", "other"), {}, _floordiv),
+    "remainder": TritonOp(("input", "other"), {}, _remainder),
+    "fmod": TritonOp(("input", "other"), {}, _fmod_op),
+    "pow": TritonOp(("input", "exponent"), {}, _pow),
+    "neg": TritonOp(("input",), {}, _neg),
+    "abs": TritonOp(("input",), {}, _abs),
+    "relu": TritonOp(("input", "inplace"), {"inplace": False}, _relu, ("inplace",)),
+    "sigmoid": TritonOp(("input",), {}, _unary("tl.sigmoid")),
+    "tanh": TritonOp(("input",), {}, _TANH),
+    "exp": TritonOp(("input",), {}, _unary("tl.exp")),
+    "exp2": TritonOp(("input",), {}, _unary("tl.exp2")),
+    "log": TritonOp(("input",), {}, _unary("tl.log")),
+    "log2": TritonOp(("input",), {}, _unary("tl.log2")),
+    "log1p": TritonOp(("input",), {}, _via_helper("_log1p", "log1p")),
+    "expm1": TritonOp(("input",), {}, _via_helper("_expm1", "expm1")),
+    "sqrt": TritonOp(("input",), {}, _F(lambda e, x, a, ct: _sqrt(x, ct))),
+    "rsqrt": TritonOp(("input",), {}, _unary("tl.rsqrt")),
+    "sin": TritonOp(("input",), {}, _unary("tl.sin")),
+    "cos": TritonOp(("input",), {}, _unary("tl.cos")),
+    "erf": TritonOp(("input",), {}, _unary("tl.erf")),
+    "floor": TritonOp(("input",), {}, _unary("tl.floor", int_identity=True)),
+    "ceil": TritonOp(("input",), {}, _unary("tl.ceil", int_identity=True)),
+    "trunc": TritonOp(("input",), {}, _F(lambda e, x, a, ct: _trunc_expr(e, x))),
+    "round": TritonOp(("input", "decimals"), {"decimals": 0}, _round),
+    "sign": TritonOp(("input",), {}, _sign),
+    "reciprocal": TritonOp(("input",), {}, _F(lambda e, x, a, ct: f"1.0 / {x}")),
+    "square": TritonOp(("input",), {}, lambda e, a, ct: _pow(e, {**a, "exponent": 2}, ct)),
+    "gelu": TritonOp(("input", "approximate"), {"approximate": "none"}, _F(_gelu)),
+    "silu": TritonOp(("input", "inplace"), {"inplace": False},
+                     _F(lambda e, x, a, ct: f"{x} / (1.0 + tl.exp(-{x}))"), ("inplace",)),
+    "softplus": TritonOp(("input", "beta", "threshold"), {"beta": 1.0, "threshold": 20.0},
+                         _F(_softplus)),
+    "mish": TritonOp(("input", "inplace"), {"inplace": False}, _F(_mish), ("inplace",)),
+    "leaky_relu": TritonOp(("input", "negative_slope", "inplace"),
+                           {"negative_slope": 0.01, "inplace": False}, _F(_leaky_relu),
+                           ("inplace",)),
+    "elu": TritonOp(("input", "alpha", "inplace"), {"alpha": 1.0, "inplace": False}, _F(_elu),
+                    ("inplace",)),
+    "hardtanh": TritonOp(("input", "min_val", "max_val", "inplace"),
+                         {"min_val": -1.0, "max_val": 1.0, "inplace": False},
+                         _F(lambda e, x, a, ct: _clamp_expr(e, x, a["min_val"], a["max_val"], ct)),
+                         ("inplace",)),
+    "relu6": TritonOp(("input", "inplace"), {"inplace": False},
+                      _F(lambda e, x, a, ct: _relu6_of(e, x, ct)), ("inplace",)),
+    "hardsigmoid": TritonOp(("input", "inplace"), {"inplace": False},
+                            _F(lambda e, x, a, ct: f"{_relu6_of(e, f'{x} + 3.0', ct)} / 6.0"),
+                            ("inplace",)),
+    "hardswish": TritonOp(("input", "inplace"), {"inplace": False},
+                          _F(lambda e, x, a, ct: f"{x} * {_relu6_of(e, f'{x} + 3.0', ct)} / 6.0"),
+                          ("inplace",)),
+    "clamp": TritonOp(("input", "min", "max"), {"min": None, "max": None}, _clamp),
+    "clamp_min": TritonOp(("input", "min"), {}, _clamp),
+    "clamp_max": TritonOp(("input", "max"), {}, _clamp),
+    "maximum": TritonOp(("input", "other"), {}, _binary_helper("_maximum")),
+    "minimum": TritonOp(("input", "other"), {}, _binary_helper("_minimum")),
+    "where": TritonOp(("condition", "input", "other"), {}, _where),
+    "eq": TritonOp(("input", "other"), {}, _compare("==")),
+    "ne": TritonOp(("input", "other"), {}, _compare("!=")),
+    "lt": TritonOp(("input", "other"), {}, _compare("<")),
+    "le": TritonOp(("input", "other"), {}, _compare("<=")),
+    "gt": TritonOp(("input", "other"), {}, _compare(">")),
+    "ge": TritonOp(("input", "other"), {}, _compare(">=")),
+    "logical_and": TritonOp(("input", "other"), {}, _logical("&")),
+    "logical_or": TritonOp(("input", "other"), {}, _logical("|")),
+    "logical_xor": TritonOp(("input", "other"), {}, _logical("^")),
+    "logical_not": TritonOp(("input",), {}, _logical_not),
+    "bitwise_and": TritonOp(("input", "other"), {}, _bitwise("&")),
+    "bitwise_or": TritonOp(("input", "other"), {}, _bitwise("|")),
+    "bitwise_xor": TritonOp(("input", "other"), {}, _bitwise("^")),
+    "bitwise_not": TritonOp(("input",), {}, _bitwise_not),
+    "isnan": TritonOp(("input",), {}, _isnan),
+    "isinf": TritonOp(("input",), {}, _isinf),
+    "isfinite": TritonOp(("input",), {}, _isfinite),
+    "to": TritonOp(("input",), {}, _to),
+}
+
+# Reductions: canonical name -> (parameters, defaults). Their code lives in the kernel
+# builders, since they shape the kernel rather than one expression.
+REDUCTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "sum": (("input", "dim", "keepdim", "dtype"), {"dim": None, "keepdim": False, "dtype": None}),
+    "mean": (("input", "dim", "keepdim", "dtype"), {"dim": None, "keepdim": False, "dtype": None}),
+    "prod": (("input", "dim", "keepdim", "dtype"), {"dim": None, "keepdim": False, "dtype": None}),
+    "amax": (("input", "dim", "keepdim"), {"dim": (), "keepdim": False}),
+    "amin": (("input", "dim", "keepdim"), {"dim": (), "keepdim": False}),
+    "var": (("input", "dim", "unbiased", "keepdim"),
+            {"dim": None, "unbiased": None, "keepdim": False, "correction": None}),
+    "std": (("input", "dim", "unbiased", "keepdim"),
+            {"dim": None, "unbiased": None, "keepdim": False, "correction": None}),
+}

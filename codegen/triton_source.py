@@ -1,0 +1,351 @@
+"""Pieces of Triton source shared by the pointwise and reduction kernel builders.
+
+- ``HELPERS``: small ``@triton.jit`` functions the expressions call (NaN-propagating
+  max/min, torch's floor division and remainder, and portable forms of the libdevice
+  functions the CPU interpreter lacks, computed in fp64 so they stay accurate for fp32).
+- :class:`Access`: how one tensor operand is addressed (linear, per row, strided...).
+- :func:`decompose`: the lines that split a linear index into per-dim indices.
+- :func:`emit_value`, :func:`load_line`, :func:`store_line`: one kernel line each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .triton_common import Plan, Value
+from .triton_ops import TRITON_OPS, Emitter, Operand, compute_dtype, tl_dtype
+
+__all__ = ["HELPERS", "Access", "KernelSource", "decompose", "emit_value", "header", "load_line",
+           "scalar_dtype", "scalar_lines", "signature", "store_line"]
+
+# Helpers broadcast their operands first: Triton's interpreter mistypes a 0-d comparison
+# result once it is splat to a block (the GPU compiler does not).
+HELPERS: dict[str, str] = {
+    "_maximum": '''
+@triton.jit
+def _maximum(a, b):
+    # torch.maximum: NaN in either operand wins (tl.maximum's default drops it).
+    a, b = tl.broadcast(a, b)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+''',
+    "_minimum": '''
+@triton.jit
+def _minimum(a, b):
+    # torch.minimum: NaN in either operand wins (tl.minimum's default drops it).
+    a, b = tl.broadcast(a, b)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+''',
+    "_prod": '''
+@triton.jit
+def _prod(a, b):
+    return a * b
+''',
+    "_floordiv_int": '''
+@triton.jit
+def _floordiv_int(a, b):
+    # Triton's // truncates toward zero; torch floors.
+    a, b = tl.broadcast(a, b)
+    q = a // b
+    return tl.where((q * b != a) & ((a < 0) != (b < 0)), q - 1, q)
+''',
+    "_remainder_int": '''
+@triton.jit
+def _remainder_int(a, b):
+    # Triton's % takes the dividend's sign (C); torch's takes the divisor's.
+    a, b = tl.broadcast(a, b)
+    m = a % b
+    return tl.where((m != 0) & ((m < 0) != (b < 0)), m + b, m)
+''',
+    "_floordiv_float": '''
+@triton.jit
+def _floordiv_float(a, b, m):
+    # torch's float floor division, from m = fmod(a, b): exact where floor(a / b) is not.
+    a, b = tl.broadcast(a, b)
+    a, m = tl.broadcast(a, m)
+    div = (a - m) / b
+    div = tl.where((m != 0) & ((b < 0) != (m < 0)), div - 1.0, div)
+    fl = tl.floor(div)
+    fl = tl.where(div - fl > 0.5, fl + 1.0, fl)
+    q = a / b
+    res = tl.where(div != 0, fl, tl.where(q < 0, -0.0, 0.0))
+    return tl.where(b == 0, q, res)
+''',
+    "_round_half_even": '''
+@triton.jit
+def _round_half_even(x):
+    # x - floor(x) is exact, so ties are seen exactly and go to the even neighbour.
+    f = tl.floor(x)
+    d = x - f
+    odd = f - 2.0 * tl.floor(f * 0.5) != 0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+''',
+    "_round_bf16": '''
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> nearest bf16 (ties to even), kept in fp32. The interpreter's own conversion
+    # truncates; the GPU path uses the hardware conversion instead of this helper.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    r = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+''',
+    "_tanh": '''
+@triton.jit
+def _tanh(x):
+    # Portable tanh (the interpreter has none), in fp64: the cancellation in 1 - e for small |x|
+    # stays far below fp32 precision, and a series covers |x| < 1e-3 for fp64.
+    y = x.to(tl.float64)
+    ay = tl.abs(y)
+    e = tl.exp(-2.0 * ay)
+    t = (1.0 - e) / (1.0 + e)
+    s = y * y
+    t = tl.where(ay < 1e-3, ay * (1.0 - s * (1.0 / 3.0 - s * (2.0 / 15.0))), t)
+    return tl.where(y < 0, -t, t)
+''',
+    "_log1p": '''
+@triton.jit
+def _log1p(x):
+    # Portable log1p: log(u) * y / (u - 1) cancels the rounding of u = 1 + y.
+    y = x.to(tl.float64)
+    u = 1.0 + y
+    r = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.where(u == float("inf"), u, r)
+''',
+    "_expm1": '''
+@triton.jit
+def _expm1(x):
+    # Portable expm1: (u - 1) * y / log(u) cancels the rounding of u = exp(y).
+    y = x.to(tl.float64)
+    u = tl.exp(y)
+    r = tl.where(u == 1.0, y, (u - 1.0) * (y / tl.log(u)))
+    r = tl.where(u - 1.0 == -1.0, -1.0, r)
+    return tl.where(u == float("inf"), u, r)
+''',
+    "_pow": '''
+@triton.jit
+def _pow(x, y):
+    # Portable pow through exp2/log2 in fp64, with torch's signs and special cases.
+    a, b = tl.broadcast(x.to(tl.float64), y.to(tl.float64))
+    m = tl.exp2(b * tl.log2(tl.abs(a)))
+    whole = tl.floor(b) == b
+    odd = whole & (b - 2.0 * tl.floor(b * 0.5) != 0)
+    m = tl.where(a < 0, tl.where(whole, tl.where(odd, -m, m), float("nan")), m)
+    return tl.where((b == 0) | (a == 1), 1.0, m)
+''',
+}
+
+
+def header(body: str, helpers: set[str]) -> str:
+    """The module preamble: imports and the helper functions ``body`` uses."""
+    lines = ["import triton", "import triton.language as tl"]
+    if "libdevice." in body:
+        lines.append("from triton.language.extra import libdevice")
+    text = "\n".join(lines) + "\n"
+    for name in sorted(helpers):
+        text += "\n" + HELPERS[name]
+    return text
+
+
+@dataclass
+class Access:
+    """How a tensor operand is addressed in a kernel.
+
+    Attributes:
+        offset: the element offset expression (``""`` for a single element).
+        deps: which block indices the offset varies with: ``"lin"`` (pointwise), or
+            ``"row"``/``"col"`` (reductions).
+        strides: ``(dim, runtime argument name)`` of the strides the offset uses.
+        mask_dims: dims whose index must be 0 for a store (the output is broadcast there).
+    """
+
+    offset: str
+    deps: frozenset[str]
+    strides: tuple[tuple[int, str], ...] = ()
+    mask_dims: tuple[int, ...] = ()
+
+
+def decompose(lines: list[str], linear: str, dims: list[int], needed: set[int],
+              indent: str, tag: str) -> None:
+    """Append lines splitting ``linear`` into ``i<d>`` for the ``needed`` of ``dims``.
+
+    ``dims`` are the non-trivial dims the index runs over, outermost first; the size of
+    dim ``d`` is the runtime argument ``size<d>``.
+    """
+    want = [d for d in dims if d in needed]
+    if not want:
+        return
+    outermost = want[0]
+    rem = linear
+    order = [d for d in reversed(dims) if d >= outermost]
+    for k, d in enumerate(order):
+        last = d == outermost
+        if last and d == dims[0]:
+            lines.append(f"{indent}i{d} = {rem}")
+            break
+        lines.append(f"{indent}i{d} = {rem} % size{d}")
+        if not last:
+            nxt = f"{tag}{k}"
+            lines.append(f"{indent}{nxt} = {rem} // size{d}")
+            rem = nxt
+
+
+_HALVES = (torch.float16, torch.bfloat16)
+# Ops whose result jumps when an input moves by a rounding error: their half-typed
+# inputs are rounded first, as eager has them.
+DISCRETE = frozenset({"to", "eq", "ne", "lt", "le", "gt", "ge", "floor", "ceil", "round",
+                      "trunc", "sign", "floordiv", "remainder", "fmod", "isnan", "isinf",
+                      "isfinite", "logical_and", "logical_or", "logical_xor", "logical_not"})
+
+
+def round_half(e: Emitter, expr: str, dtype: torch.dtype) -> str:
+    """``expr`` (fp32) rounded to half type ``dtype``, still as fp32."""
+    if dtype == torch.bfloat16 and not e.libdevice:
+        return f"{e.helper('_round_bf16')}({expr})"
+    return f"{expr}.to({tl_dtype(dtype)}).to(tl.float32)"
+
+
+def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None) -> Operand:
+    """``v`` as an op argument for ``consumer``.
+
+    Half values are computed in fp32 and rounded only at the store, except where the
+    difference would show: when ``consumer`` is discrete (a comparison, a cast, floor...)
+    or computes in another dtype (f16 promoted to f32), ``v`` is rounded first.
+    """
+    expr = v.name
+    if consumer is not None and v.dtype in _HALVES and not v.exact and (
+            consumer.op in DISCRETE or consumer.dtype != v.dtype
+            or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
+        expr = round_half(e or Emitter(), v.name, v.dtype)
+    dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
+    return Operand(expr, dtype, zero_dim=len(v.dims) == 0, pytype=v.pytype)
+
+
+def emit_value(e: Emitter, v: Value, indent: str) -> None:
+    """Append the line computing pointwise or count value ``v`` (through ``e.lines``)."""
+    ct = compute_dtype(v.dtype)
+    start = len(e.lines)
+    if v.kind == "count":
+        x = v.args["input"].name
+        corr = v.args["correction"]
+        denom = "cols" if corr == 0 else f"tl.maximum(cols - {int(corr)}, 0)"
+        expr = f"{x} / {denom}"
+    else:
+        args = {k: operand(a, v, e) if isinstance(a, Value) else a for k, a in v.args.items()}
+        if v.op == "to":
+            args["_out_dtype"] = v.dtype
+        expr = TRITON_OPS[v.op].emit(e, args, ct)
+    e.lines.append(f"{v.name} = {expr}")
+    for i in range(start, len(e.lines)):
+        e.lines[i] = indent + e.lines[i]
+
+
+def scalar_lines(plan: Plan, used: set[Value], block: str, indent: str) -> list[str]:
+    """Turn scalar kernel arguments into blocks of a fixed dtype.
+
+    Triton types a Python scalar by its value (and the interpreter leaves it a Python
+    number); a block of fp32 / int64 / int1 behaves the same everywhere.
+    """
+    lines = []
+    for v in plan.values:
+        if v.kind == "scalar" and v in used:
+            lines.append(f"{indent}{v.name} = tl.full({block}, {v.name}, "
+                         f"{tl_dtype(scalar_dtype(v))})")
+    return lines
+
+
+def scalar_dtype(v: Value) -> torch.dtype:
+    """The kernel dtype of a Python scalar argument."""
+    return {bool: torch.bool, int: torch.int64}.get(v.pytype, torch.float32)
+
+
+def load_line(v: Value, acc: Access, mask: str, block: str) -> str:
+    """``v = tl.load(...)``, converted to its compute dtype.
+
+    A single element is broadcast to ``block`` (a shape such as ``"[BLOCK]"``) so that no
+    0-d value is splat later (see HELPERS).
+    """
+    cvt = "" if compute_dtype(v.dtype) == v.dtype else f".to({tl_dtype(compute_dtype(v.dtype))})"
+    if not acc.deps:
+        return f"{v.name} = tl.broadcast_to(tl.load({v.name}_ptr){cvt}, {block})"
+    return f"{v.name} = tl.load({v.name}_ptr + {acc.offset}, mask={mask}, other=0){cvt}"
+
+
+def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str) -> str:
+    """``tl.store(...)`` of ``v``, rounded once to its storage dtype.
+
+    ``pad`` (such as ``" + 0 * r"``) broadcasts the address to the block the mask covers.
+    """
+    val = v.name
+    if compute_dtype(v.dtype) != v.dtype:
+        if v.dtype == torch.bfloat16 and not e.libdevice:
+            val = round_half(e, val, v.dtype)
+        val += f".to({tl_dtype(v.dtype)})"
+    extra = "".join(f" & (i{d} == 0)" for d in acc.mask_dims)
+    off = acc.offset or "0"
+    return f"tl.store({ptr} + {off}{pad}, {val}, mask={mask}{extra})"
+
+
+@dataclass
+class KernelSource:
+    """Generated kernel text plus what the launcher needs.
+
+    Attributes:
+        text: the module source (imports, helpers, kernels).
+        functions: variant (``"pointwise"``, ``"persistent"``, ``"looped"``) -> function name.
+        args: one descriptor per runtime argument, in signature order: ``("in", i)``,
+            ``("out", j)``, ``("scalar", i)``, ``("numel",)``, ``("rows",)``, ``("cols",)``,
+            ``("size", d)``, ``("stride", i, d)``, ``("ostride", j, d)``.
+    """
+
+    text: str
+    functions: dict[str, str]
+    args: list[tuple[Any, ...]]
+
+
+def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, Access]],
+              stores: list[tuple[int, Value, Access]], counts: list[str]
+              ) -> tuple[list[str], list[tuple[Any, ...]], list[str]]:
+    """Kernel parameter names, their launch descriptors, and those not to specialize on.
+
+    Triton specializes integer arguments equal to 1 or divisible by 16. Sizes used only to
+    split an index (``size<d>``), ``rows`` and integer scalars are marked
+    ``do_not_specialize``, so resizes never recompile for them. The element count, the row
+    length and strides are left to Triton (unless FXLITE_TRITON_SPECIALIZE=0): knowing
+    that they are multiples of 16 is what lets it vectorize masked loads and stores (4x
+    the bandwidth for fp32 rows); a resize that changes that compiles one more variant.
+    """
+    align = os.environ.get("FXLITE_TRITON_SPECIALIZE", "1") != "0"
+    names: list[str] = []
+    args: list[tuple[Any, ...]] = []
+    nospec: list[str] = []
+
+    def add(name: str, desc: tuple[Any, ...], integer: bool) -> None:
+        names.append(name)
+        args.append(desc)
+        if integer:
+            nospec.append(name)
+
+    for v, _ in loads:
+        add(f"{v.name}_ptr", ("in", v.index), False)
+    for j, _, _ in stores:
+        add(f"out{j}_ptr", ("out", j), False)
+    for v in plan.values:
+        if v.kind == "scalar" and v in used:
+            add(v.name, ("scalar", v.index), v.pytype is not float)
+    for c in counts:
+        add(c, (c,), c == "rows" or not align)
+    for d in range(plan.rank):
+        if re.search(rf"\bsize{d}\b", body):
+            add(f"size{d}", ("size", d), True)
+    for v, acc in loads:
+        for d, s in acc.strides:
+            add(s, ("stride", v.index, d), not align)
+    for j, _, acc in stores:
+        for d, s in acc.strides:
+            add(s, ("ostride", j, d), not align)
+    return names, args, nospec

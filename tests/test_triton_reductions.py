@@ -1,0 +1,205 @@
+"""Differential tests of the Triton row kernels (reductions, softmax, norms) against eager.
+
+Each case runs the persistent variant (the row fits in a block) and the looped one
+(``max_block=16`` forces rows longer than 16 elements to loop).
+"""
+
+from __future__ import annotations
+
+# First: it sets TRITON_INTERPRET=1 (on CPU) before anything imports triton.
+from test_triton_kernels import DEVICE, FLOATS, check, group, rand, same  # isort: skip
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fxlite.codegen.triton import generate_kernel, guard_key
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+VARIANTS = {"persistent": {}, "looped": {"max_block": 16}}
+
+
+def softmax(x):
+    m = torch.amax(x, dim=-1, keepdim=True)
+    e = torch.exp(x - m)
+    return e / torch.sum(e, dim=-1, keepdim=True)
+
+
+def log_softmax(x):
+    shifted = x - torch.amax(x, dim=-1, keepdim=True)
+    return shifted - torch.log(torch.sum(torch.exp(shifted), dim=-1, keepdim=True))
+
+
+def layer_norm(x, w, b):
+    mean = torch.mean(x, dim=-1, keepdim=True)
+    centred = x - mean
+    var = torch.mean(centred * centred, dim=-1, keepdim=True)
+    return centred * torch.rsqrt(var + 1e-5) * w + b
+
+
+def rms_norm(x, w):
+    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6) * w
+
+
+def add_layer_norm(x, r, w, b):
+    return layer_norm(x + r, w, b)
+
+
+REDUCTIONS = {
+    "sum": lambda x: torch.sum(x, dim=-1, keepdim=True),
+    "mean": lambda x: torch.mean(x, dim=-1),
+    "amax": lambda x: torch.amax(x, dim=-1, keepdim=True),
+    "amin": lambda x: x.amin(-1),
+    "prod": lambda x: torch.prod(x * 0.1 + 1, dim=-1, keepdim=True),
+    "var": lambda x: torch.var(x, dim=-1, keepdim=True),
+    "var_pop": lambda x: torch.var(x, dim=-1, unbiased=False),
+    "std": lambda x: torch.std(x, dim=-1, keepdim=True, correction=2),
+    "sum_dim0": lambda x: x.sum(0),
+    "amax_dim0": lambda x: torch.amax(x, dim=0, keepdim=True),
+    "mean_all": lambda x: x.mean(),
+    "var_dim0": lambda x: torch.var(x, 0),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_float_reductions(dtype, variant):
+    x = rand(5, 37, dtype=dtype)
+    for name, fn in REDUCTIONS.items():
+        try:
+            check(fn, x, **VARIANTS[variant])
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reductions_over_any_dims(variant):
+    x = rand(3, 20, 6)
+    kw = VARIANTS[variant]
+    check(lambda a: a.sum((0, 2)), x, **kw)
+    check(lambda a: torch.amax(a, dim=(0, 2), keepdim=True), x, **kw)
+    check(lambda a: a.mean(1, keepdim=True) * a, x, **kw)      # middle dim, with epilogue
+    check(lambda a: torch.var(a, dim=(1, 2)), x, **kw)
+    check(lambda a: a.sum(-1), x.transpose(1, 2), **kw)          # strided rows
+    check(lambda a: a.sum(), x[:, ::3], **kw)                    # everything, sliced
+
+
+@pytest.mark.parametrize("dtype", (torch.int32, torch.int64, torch.bool), ids=str)
+def test_integer_and_bool_reductions(dtype):
+    x = rand(4, 21, dtype=dtype)
+    for kw in VARIANTS.values():
+        check(lambda a: a.sum(-1), x, **kw)                      # -> int64
+        check(lambda a: torch.amax(a, -1, keepdim=True), x, **kw)
+        check(lambda a: torch.amin(a, 0), x, **kw)
+        if dtype != torch.bool:
+            check(lambda a: torch.prod(a % 3 - 1, -1), x, **kw)
+            check(lambda a: a - torch.amax(a, -1, keepdim=True), x, **kw)
+
+
+def test_reduction_identities_and_nan():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 3.0, 0.0, -1.0], [-inf, -inf, -inf, -inf, -inf],
+                      [2.0, 5.0, nan, nan, 1.0], [inf, 1.0, 2.0, -inf, 0.0]], device=DEVICE)
+    for kw in ({}, {"max_block": 2}):
+        for fn in (lambda a: torch.amax(a, -1), lambda a: torch.amin(a, -1),
+                   lambda a: a.sum(-1), lambda a: a.prod(-1), softmax, log_softmax,
+                   lambda a: torch.amax(a, 0)):
+            check(fn, x, **kw)
+    # Padded lanes and padded rows (3 rows in a block of 4) never leak into results.
+    y = rand(3, 5) - 10
+    for kw in VARIANTS.values():
+        k = check(lambda a: torch.amax(a, -1), y, **kw)
+        assert not k(y).isnan().any()
+        check(lambda a: torch.amin(a.abs() + 1, -1), y, **kw)  # 0-fill would give 0
+        check(lambda a: torch.prod(a * 0 + 2, -1), y, **kw)     # 0-fill would give 0
+
+
+def test_softmax_with_infinite_rows():
+    inf = float("inf")
+    x = rand(4, 12)
+    x[1] = -inf                      # all -inf: NaN, like eager
+    x[2, :6] = -inf                  # partly -inf
+    x[3, 3] = inf
+    for kw in VARIANTS.values():
+        check(softmax, x, expected=torch.softmax(x, -1), **kw)
+        check(log_softmax, x, expected=torch.log_softmax(x, -1), **kw)
+
+
+NORMS = {
+    "softmax": (softmax, lambda x: torch.softmax(x.float(), -1).to(x.dtype), 1),
+    "log_softmax": (log_softmax, lambda x: torch.log_softmax(x.float(), -1).to(x.dtype), 1),
+    "layer_norm": (layer_norm, lambda x, w, b: F.layer_norm(x.float(), x.shape[-1:], w.float(),
+                                                             b.float()).to(x.dtype), 3),
+    "rms_norm": (rms_norm, lambda x, w: F.rms_norm(x.float(), x.shape[-1:], w.float(),
+                                                   1e-6).to(x.dtype), 2),
+    "add_layer_norm": (add_layer_norm, lambda x, r, w, b: F.layer_norm(
+        (x + r).float(), x.shape[-1:], w.float(), b.float()).to(x.dtype), 4),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("name", NORMS)
+def test_norms_are_one_kernel(name, dtype, variant):
+    fn, reference, n = NORMS[name]
+    cols = 40
+    inputs = [rand(6, cols, dtype=dtype)] + [rand(cols, dtype=dtype, scale=1.0)
+                                            for _ in range(n - 1)]
+    if name == "add_layer_norm":
+        inputs[1] = rand(6, cols, dtype=dtype)
+    k = check(fn, *inputs, expected=reference(*inputs), **VARIANTS[variant])
+    assert k.kind == "reduction"
+    assert k.source.count("_persistent(") == 1 and k.source.count("_looped(") == 1
+    assert k.source.count("tl.store(") == 2   # one output, stored once by each variant
+    # the eager decomposition (which rounds halves after every op) agrees too
+    same(k(*inputs), fn(*inputs))
+
+
+def test_norm_resize_reuses_the_kernel():
+    w, b = rand(24), rand(24)
+    x = rand(5, 24)
+    k = check(layer_norm, x, w, b)
+    for rows, cols in ((9, 24), (3, 17), (2, 64), (7, 100)):
+        x2, w2, b2 = rand(rows, cols), rand(cols), rand(cols)
+        assert guard_key([x2, w2, b2]) == guard_key([x, w, b])
+        same(k(x2, w2, b2), layer_norm(x2, w2, b2))
+    assert k.compilations == 1
+    k2 = check(softmax, x, max_block=16)                 # rows longer than 16 loop
+    y = rand(3, 100)
+    same(k2(y), softmax(y))
+    assert k2.compilations == 1
+
+
+def test_row_outputs_and_prologues():
+    x, m = rand(6, 30), rand(6, 1)
+    for kw in VARIANTS.values():
+        # a full output and row outputs (keepdim and not) from one kernel
+        check(lambda a: (softmax(a), torch.amax(a, -1), a.sum(-1, keepdim=True)), x, **kw)
+        # a row-shaped input in the prologue, and an epilogue with a full input
+        check(lambda a, c: torch.sum(torch.exp(a - c), -1, keepdim=True) * a, x, m, **kw)
+        check(lambda a, c: softmax(a) * c, x, rand(6, 30), **kw)
+        # layer_norm statistics as extra outputs
+        check(lambda a: (a.mean(-1, keepdim=True), torch.rsqrt(a.var(-1, keepdim=True) + 1e-5)),
+              x, **kw)
+    check(lambda a, eps: a * torch.rsqrt(torch.mean(a * a, -1, keepdim=True) + eps), x, 1e-3)
+
+
+def test_empty_and_zero_dim_reductions():
+    check(lambda a: a.sum(-1), torch.empty(4, 0, device=DEVICE))
+    check(lambda a: a.mean(-1), torch.empty(4, 0, device=DEVICE))          # NaN, as eager
+    check(lambda a: a.prod(-1, keepdim=True), torch.empty(3, 0, device=DEVICE))
+    check(lambda a: softmax(a), torch.empty(0, 7, device=DEVICE))
+    check(lambda a: a.sum(), torch.tensor(2.5, device=DEVICE))
+    x = torch.empty(2, 0, device=DEVICE)
+    k = generate_kernel(group(lambda a: torch.amax(a, -1), rand(2, 3)), [rand(2, 3)])
+    with pytest.raises(IndexError):
+        torch.amax(x, -1)
+    with pytest.raises(IndexError):
+        k(x)
+
+
+def test_reduction_groups_it_cannot_prove_fall_back():
+    x = rand(4, 4)
+    gm = group(lambda a: a.sum(-1) + a.sum(0), x)        # two different reduced dims
+    assert generate_kernel(gm, [x]) is None
+    gm = group(lambda a: a.sum(-1) * a[:, 0], x)  # getitem: not a kernel op
+    assert generate_kernel(gm, [x]) is None
