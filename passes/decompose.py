@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import call_args, is_impure, lookup_target, resolve
+from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve
 from fxlite.proxy import GraphAppendingTracer, Proxy
 
 from .normalize import _copy_graph, normalize_graph
@@ -189,12 +189,49 @@ def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
     return tuple(d % ndim for d in dims) if ndim else None
 
 
-def _last_dims(normalized_shape: Any) -> tuple[tuple[int, ...], int] | None:
-    """(dims, element count) of a layer/rms norm's trailing ``normalized_shape``."""
+def _last_dims(normalized_shape: Any) -> tuple[int, ...] | None:
+    """The trailing dims a layer/rms norm reduces over (entries may be traced sizes)."""
     shape = tuple(normalized_shape) if isinstance(normalized_shape, (list, tuple)) else (normalized_shape,)
-    if not shape or not all(type(s) is int for s in shape):
-        return None
-    return tuple(range(-len(shape), 0)), math.prod(shape)
+    return tuple(range(-len(shape), 0)) if shape else None
+
+
+def _nonnegative(n: int) -> int:
+    """``max(n, 0)``, recorded as one call because a traced ``n`` has no truth value."""
+    return max(n, 0)
+
+
+def _same_shape_source(x: Any) -> Any:
+    """The earliest value with ``x``'s shape along a chain of pointwise ops.
+
+    Why: reading a size from ``x + r`` makes the size a consumer of the add, which keeps a
+    layer_norm's prologue out of its fused kernel; ``x`` itself has the same size.
+    """
+    node = x.node
+    shape = _shape(x)
+    while shape is not None:
+        info = lookup(node, node.graph.owning_module)
+        if info is None or info.kind != "pointwise":
+            break
+        same = [a for a in node.all_input_nodes
+                if getattr(a.meta.get("tensor_meta"), "shape", None) == shape]
+        if not same:
+            break
+        node = same[0]
+    return x if node is x.node else Proxy(node, x.tracer)
+
+
+def _count(x: Any, dims: tuple[int, ...]) -> Any:
+    """How many elements ``dims`` hold, read from ``x`` when the graph runs.
+
+    Why not the traced shape: a compiled graph is reused for other sizes of the same rank,
+    so a literal count would be wrong after a resize.
+    """
+    x = _same_shape_source(x)
+    n = None
+    for d in dims:
+        size = x.size(d)
+        n = size if n is None else n * size
+    return n
 
 
 @register_decomposition(torch.softmax)
@@ -223,10 +260,10 @@ def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
 def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
                 eps: float = 1e-5) -> Any:
     # (x - mean) * rsqrt(var + eps) * weight + bias, over the trailing normalized_shape dims
-    found = _last_dims(normalized_shape)
-    if found is None:
+    dims = _last_dims(normalized_shape)
+    if dims is None:
         return NotImplemented
-    dims, n = found
+    n = _count(x, dims)
     centered = x - torch.sum(x, dims, keepdim=True) / n
     var = torch.sum(centered * centered, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
@@ -240,16 +277,15 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
 @register_decomposition(F.rms_norm)
 def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Any:
     # x * rsqrt(mean(x * x) + eps) * weight; eps defaults to the dtype's machine epsilon
-    found = _last_dims(normalized_shape)
+    dims = _last_dims(normalized_shape)
     if eps is None:
         meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
         if meta is None or not hasattr(meta, "dtype"):
             return NotImplemented
         eps = torch.finfo(meta.dtype).eps
-    if found is None:
+    if dims is None:
         return NotImplemented
-    dims, n = found
-    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
+    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / _count(x, dims) + eps)
     return y * weight if weight is not None else y
 
 
@@ -277,9 +313,11 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
     dims = _dims(dim, len(shape)) if shape is not None else None
     if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
         return NotImplemented
-    n = math.prod(shape[d] for d in dims)
+    n = _count(x, dims)
     centered = x - torch.sum(x, dims, keepdim=True) / n
-    return torch.sum(centered * centered, dims, keepdim=keepdim) / max(n - correction, 0)
+    # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
+    denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
+    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator
 
 
 @register_decomposition(torch.var)
@@ -305,4 +343,4 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
         x = x.to(dtype)
     elif not x.node.meta["tensor_meta"].dtype.is_floating_point:
         return NotImplemented  # torch.mean rejects integer tensors; let it say so
-    return torch.sum(x, dims, keepdim=keepdim) / math.prod(shape[d] for d in dims)
+    return torch.sum(x, dims, keepdim=keepdim) / _count(x, dims)
