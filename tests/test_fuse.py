@@ -105,8 +105,9 @@ def test_layer_norm_residual_affine_is_one_group() -> None:
     meta = fused.fused_0.meta
     assert meta["fused_kind"] == "reduction" and meta["reduction_dims"] == (1,)
     assert meta["nodes"] == _all_computing(gm)
-    # One input per tensor the group reads: x, r, w, b.
-    assert [n.name for n in fused.fused_0.graph.nodes if n.op == "placeholder"] == ["x", "r", "w", "b"]
+    # One input per tensor the group reads (x, r, w, b), plus the row length, read at run time.
+    assert [n.name for n in fused.fused_0.graph.nodes if n.op == "placeholder"] == [
+        "x", "r", "size", "w", "b"]
     torch.testing.assert_close(fused(x, r, w, b), f(x, r, w, b))
 
 
