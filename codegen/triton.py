@@ -202,6 +202,7 @@ class _Spec:
         self.pointwise = plan.kind == "pointwise"
         self.out_layout = [(tuple(v.dims), v.span, v.dtype) for _, v in self.outs]
         self.tuned: dict[Any, dict[str, Any]] = {}
+        self.last_launch: tuple | None = None
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
     def allocate(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
@@ -258,18 +259,104 @@ class _Spec:
             n = counts["numel"]
             if n:
                 grid = (triton_cdiv(n, cfg["BLOCK"]),)
-                self.fns["pointwise"][grid](*self.args(inputs, outs, shape, counts),
-                                            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+                self._launch("pointwise", grid, self.args(inputs, outs, shape, counts),
+                             {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
             return outs
         if counts["cols"] == 0 and self.needs_nonempty:
             raise IndexError("amax()/amin(): expected the reduced dims to have non-zero size, "
                              "as eager does")
         if counts["rows"]:
             blocks = triton_cdiv(counts["rows"], cfg["ROWS"])
-            self.fns[cfg["variant"]][(blocks,)](*self.args(inputs, outs, shape, counts),
-                                                ROWS=cfg["ROWS"], BLOCK_C=cfg["BLOCK_C"],
-                                                num_warps=cfg["num_warps"])
+            self._launch(cfg["variant"], (blocks,), self.args(inputs, outs, shape, counts),
+                         {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
         return outs
+
+    def _launch(self, variant: str, grid: tuple[int, ...], args: list[Any],
+                constexprs: dict[str, Any], num_warps: int) -> None:
+        fn = self.fns[variant]
+        compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
+        # Remember how to repeat this exact launch without Triton's dispatcher.
+        self.last_launch = (compiled, fn, grid, args, constexprs)
+
+
+def _fingerprint(inputs: Sequence[Any]) -> tuple:
+    """Everything a launch's arguments and Triton's specialization depend on.
+
+    Exact sizes and strides fix every integer argument; dtype and device fix the
+    signature; 16-byte alignment is what Triton specializes pointers on; Python ints
+    are specialized by Triton on 32- vs 64-bit range.
+    """
+    fp: list[Any] = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            fp.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+        elif type(t) is int:
+            fp.append((int, -(2**31) <= t < 2**31))
+        else:
+            fp.append(type(t))
+    return tuple(fp)
+
+
+class _DirectLaunch:
+    """A launch prepared for one input fingerprint: allocate outputs, call the binary.
+
+    Why: Triton's JIT dispatcher re-binds and re-hashes every argument on each call
+    (about 14 us of host time); for a fingerprint already seen, every integer argument
+    and the grid are known, so only the tensors' addresses change.
+    """
+
+    __slots__ = ("run", "function", "packed", "grid", "stream_of", "device", "template",
+                 "tensor_slots", "out_specs", "results", "structure")
+
+    @classmethod
+    def build(cls, spec: _Spec, inputs: Sequence[Any], outs: list[torch.Tensor]
+              ) -> _DirectLaunch | None:
+        record = spec.last_launch
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        if record is None or not tensors or not tensors[0].is_cuda:
+            return None
+        compiled, fn, grid, args, constexprs = record
+        try:
+            from triton import knobs
+
+            if knobs.runtime.launch_enter_hook is not None:
+                return None  # a profiler hook wants every launch: keep the JIT path
+            names = list(fn.arg_names)
+            values = list(args) + [constexprs[n] for n in names[len(args):]]
+            self = cls()
+            self.run = compiled.run
+            self.function = compiled.function
+            self.packed = compiled.packed_metadata
+        except Exception:  # another Triton version's internals: keep the JIT path
+            return None
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.device = tensors[0].device.index or 0
+        self.stream_of = torch._C._cuda_getCurrentRawStream
+        # Inputs (tensors and scalars) and outputs change per call; sizes, strides and
+        # counts are fixed by the fingerprint.
+        self.template = values
+        self.tensor_slots = [(k, "in" if desc[0] in ("in", "scalar") else "out", desc[1])
+                             for k, desc in enumerate(spec.src.args)
+                             if desc[0] in ("in", "scalar", "out")]
+        self.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in outs]
+        self.results = spec.results
+        self.structure = spec.plan.structure
+        return self
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        outs = [torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype, device in self.out_specs]
+        values = list(self.template)
+        for k, tag, i in self.tensor_slots:  # inputs, scalars included, and outputs
+            values[k] = inputs[i] if tag == "in" else outs[i]
+        g = self.grid
+        if g[0]:
+            self.run(g[0], g[1], g[2], self.stream_of(self.device), self.function, self.packed,
+                     None, None, None, *values)
+        results = [inputs[i] if tag == "in" else outs[i] for tag, i in self.results]
+        if self.structure == "single":
+            return results[0]
+        return tuple(results) if self.structure == "tuple" else results
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -304,6 +391,13 @@ class TritonKernel:
         self._current = spec
         self._lock = threading.Lock()
         self.compilations = 1
+        # fingerprint of the inputs -> a prepared launch (GPU only; see _DirectLaunch)
+        self._direct: dict[tuple, _DirectLaunch] | None = (
+            None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
+
+    @property
+    def __name__(self) -> str:  # generated forward code calls the kernel by this name
+        return self.name
 
     @property
     def source(self) -> str:
@@ -332,11 +426,22 @@ class TritonKernel:
 
     def __call__(self, *inputs: Any) -> Any:
         """Allocate the outputs and launch; returns what the group returns."""
+        if self._direct is not None:
+            launch = self._direct.get(_fingerprint(inputs))
+            if launch is not None:
+                return launch(inputs)
         key, shape = key_and_shape(inputs)
         spec = self._spec_for(inputs, key)
         if spec is None:
             return self.group(*inputs)
+        spec.last_launch = None
         outs = spec.run(inputs, shape)
+        if self._direct is not None:
+            direct = _DirectLaunch.build(spec, inputs, outs)
+            if direct is not None:
+                if len(self._direct) > 64:
+                    self._direct.clear()
+                self._direct[_fingerprint(inputs)] = direct
         results = [inputs[i] if tag == "in" else outs[i] for tag, i in spec.results]
         structure = spec.plan.structure
         if structure == "single":

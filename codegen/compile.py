@@ -1,0 +1,325 @@
+"""fxlite.compile: trace a function or module, fuse it, and run Triton kernels.
+
+On the first call with a new guard key (dtypes, ranks, devices, stride patterns, grad
+mode), the pipeline runs once::
+
+    trace -> ShapeProp on the real inputs -> normalize -> decompose -> ShapeProp -> fuse
+          -> one Triton kernel per fused group (checked against eager on that call)
+          -> a regenerated Python forward that calls the kernels and torch for the rest
+
+Anything that cannot be compiled runs in eager PyTorch: a graph that cannot be traced,
+a group the kernel generator declines, a kernel whose first result disagrees with eager,
+and any call that needs autograd (kernels are inference-only). Each fallback is recorded
+in ``.fallbacks`` and warned about once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fxlite.codegen.report import KernelRecord, kernel_report
+
+from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
+from fxlite.node import Opcode
+from fxlite.proxy import TraceError
+from fxlite.tracer import symbolic_trace
+
+__all__ = ["CompiledFunction", "compile"]
+
+Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _guard_key(args: Sequence[Any]) -> tuple:
+    """What a compiled entry is specialized on: never sizes, so resizes reuse kernels."""
+    key: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            contiguous = a.is_contiguous()
+            key.append((a.dtype, a.device, a.dim(), contiguous, a.requires_grad,
+                        a.data_ptr() % 16 == 0,
+                        None if contiguous else tuple(s == 0 for s in a.stride())))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+@dataclass
+class _Entry:
+    """One compiled specialization: the function to call plus what went into it."""
+
+    run: Callable[..., Any]
+    gm: GraphModule | None = None
+    kernels: list[Any] = field(default_factory=list)
+    records: list[KernelRecord] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+
+
+class _KernelCheck(Interpreter):
+    """Runs the fused module once, building and checking a kernel for each fused group."""
+
+    def __init__(self, gm: GraphModule, mode: str | None) -> None:
+        super().__init__(gm)
+        self.kernels: dict[str, Any] = {}
+        self.records: list[KernelRecord] = []
+        self.fallbacks: list[str] = []
+        self._mode = mode
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        sub = self.fetch_attr(target)
+        expected = sub(*args, **kwargs)
+        if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
+            return expected
+        from fxlite.codegen.triton import generate_kernel
+
+        try:
+            kernel = generate_kernel(sub, list(args), name=f"triton_{target}")
+        except Exception as e:  # the generator must never break a model: fall back
+            kernel, reason = None, f"{type(e).__name__}: {e}"
+        else:
+            reason = "the kernel generator does not support it"
+        if kernel is not None:
+            try:
+                got = kernel(*args)
+                _assert_same(got, expected)
+            except Exception as e:
+                kernel, reason = None, f"its kernel disagreed with eager: {e}"
+        if kernel is None:
+            self.fallbacks.append(f"{target} ({', '.join(sub.meta.get('nodes', []))}) runs in "
+                                  f"eager: {reason}")
+        else:
+            self.kernels[target] = kernel
+            self.records.append(KernelRecord.of(kernel, args, expected))
+        return expected
+
+
+def _assert_same(got: Any, expected: Any) -> None:
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise AssertionError("output structure differs")
+        for g, e in zip(got, expected):
+            _assert_same(g, e)
+        return
+    if isinstance(expected, torch.Tensor):
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(expected.dtype, 1.3e-6)
+        atol = 1e-5 if expected.dtype == torch.float32 else tol
+        torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol, equal_nan=True)
+    elif got != expected:
+        raise AssertionError(f"{got!r} != {expected!r}")
+
+
+def _swap_in_kernels(gm: GraphModule, kernels: dict[str, Any]) -> None:
+    """Turn each ``call_module fused_i`` into a direct call of its kernel."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in kernels:
+            target = node.target
+            node.op, node.target = Opcode.CALL_FUNCTION, kernels[target]
+            gm.delete_submodule(target)
+    gm.recompile()
+
+
+class CompiledFunction:
+    """What :func:`compile` returns for a function: call it like the original.
+
+    Attributes:
+        kernels: the Triton kernels of the most recent specialization (after a call).
+        fallbacks: why parts of it run in eager PyTorch.
+        code: the generated Python forward of that specialization.
+    """
+
+    def __init__(self, fn: Callable[..., Any], backend: Backend = "triton",
+                 fullgraph: bool = False, mode: str | None = None) -> None:
+        if mode not in (None, "default", "reduce-overhead", "max-autotune"):
+            raise ValueError(f"unknown mode {mode!r}; expected None, 'default', "
+                             "'reduce-overhead' or 'max-autotune'")
+        if isinstance(backend, str) and backend not in ("triton", "python"):
+            raise ValueError(f"unknown backend {backend!r}; expected 'triton', 'python' or a "
+                             "callable backend(gm, example_inputs)")
+        self._fn, self._backend, self._fullgraph, self._mode = fn, backend, fullgraph, mode
+        self._signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        self._entries: dict[tuple, _Entry] = {}
+        self._lock = threading.Lock()
+        self._last: _Entry | None = None
+        if not isinstance(fn, torch.nn.Module):
+            functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = tuple(self._signature.bind(*args, **kwargs).arguments.values())
+        key = _guard_key(args)
+        entry = self._entries.get(key)
+        if entry is None:
+            with self._lock:  # threads racing on a first call compile once
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._compile(args)
+                    self._entries[key] = entry
+        self._last = entry
+        return entry.run(*args)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def kernels(self) -> list[Any]:
+        """The Triton kernels of the latest specialization."""
+        return list(self._last.kernels) if self._last else []
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Why parts of the latest specialization run in eager PyTorch."""
+        return list(self._last.fallbacks) if self._last else []
+
+    @property
+    def code(self) -> str:
+        """The generated Python forward of the latest specialization."""
+        if self._last is None or self._last.gm is None:
+            return ""
+        return self._last.gm.code
+
+    def report(self, benchmark: bool = False) -> str:
+        """Print and return a table of the kernels: name, fused ops, shapes, bytes moved.
+
+        With ``benchmark=True`` each kernel is also timed on fresh inputs of the recorded
+        shapes, with its GB/s and its share of a device-to-device copy of as many bytes.
+        """
+        text = kernel_report(self._last.records if self._last else [], benchmark=benchmark)
+        print(text)
+        return text
+
+    # ------------------------------------------------------------------ compiling
+    def _compile(self, args: tuple) -> _Entry:
+        start = time.perf_counter()
+        try:
+            gm = symbolic_trace(self._fn)
+        except TraceError as e:
+            if self._fullgraph:
+                raise TraceError(f"fullgraph=True, but the function cannot be captured as one "
+                                 f"graph:\n{e}") from None
+            reason = f"graph break: {str(e).splitlines()[0]}; the whole call runs in eager"
+            _warn_once(f"fxlite.compile: {reason}\n{e}")
+            return _Entry(run=self._fn, fallbacks=[reason])
+        if callable(self._backend):
+            return _Entry(run=self._backend(gm, list(args)), gm=gm,
+                          compile_seconds=time.perf_counter() - start)
+        entry = _Entry(run=_direct_forward(gm), gm=gm)
+        if self._backend == "triton":
+            entry = self._compile_triton(gm, args) or entry
+        entry.compile_seconds = time.perf_counter() - start
+        return entry
+
+    def _compile_triton(self, gm: GraphModule, args: tuple) -> _Entry | None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        on_gpu = any(t.is_cuda for t in tensors)
+        if not on_gpu and not _interpreting():
+            _warn_once("fxlite.compile: no GPU tensors and TRITON_INTERPRET is not set, so "
+                       "backend='triton' runs the regenerated Python forward instead")
+            return None
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or any(
+                p.requires_grad for p in gm.parameters())):
+            _warn_once("fxlite.compile: Triton kernels are inference-only and this call needs "
+                       "autograd, so it runs the Python forward; wrap calls in torch.no_grad() "
+                       "or torch.inference_mode() to use kernels")
+            return _Entry(run=_direct_forward(gm), gm=gm,
+                          fallbacks=["autograd is enabled: the Python forward runs"])
+        from fxlite.passes.decompose import decompose
+        from fxlite.passes.fuse import fuse
+        from fxlite.passes.normalize import normalize
+        from fxlite.passes.shape_prop import ShapeProp
+
+        ShapeProp(gm).propagate(*args)
+        gm = decompose(normalize(gm))
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        ShapeProp(gm).propagate(*args)
+        fused = fuse(gm)
+        check = _KernelCheck(fused, self._mode)
+        check.run(*args)
+        for reason in check.fallbacks:
+            _warn_once(f"fxlite.compile: {reason}")
+        _swap_in_kernels(fused, check.kernels)
+        run = _direct_forward(fused)
+        if self._mode == "reduce-overhead" and on_gpu:
+            from fxlite.codegen.cudagraphs import CUDAGraphRunner
+
+            run = CUDAGraphRunner(run)
+        return _Entry(run=run, gm=fused, kernels=list(check.kernels.values()),
+                      records=check.records, fallbacks=check.fallbacks)
+
+
+def _direct_forward(gm: GraphModule) -> Callable[..., Any]:
+    # Calling forward directly skips nn.Module.__call__ and its hook checks: host time.
+    return functools.partial(type(gm).forward, gm)
+
+
+class CompiledModule(torch.nn.Module):
+    """What :func:`compile` returns for a module: a module that runs the compiled forward."""
+
+    def __init__(self, module: torch.nn.Module, compiled: CompiledFunction) -> None:
+        super().__init__()
+        self._orig_mod = module
+        self.__dict__["_compiled"] = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            compiled = self.__dict__.get("_compiled")
+            if compiled is not None and hasattr(compiled, name):
+                return getattr(compiled, name)
+            return getattr(self._orig_mod, name)
+
+
+def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
+            backend: Backend = "triton", fullgraph: bool = False,
+            mode: str | None = None) -> Any:
+    """Compile a function or module, as ``torch.compile`` does.
+
+    Args:
+        fn: a function or ``nn.Module``; omit it to use ``@fxlite.compile(...)``.
+        backend: ``"triton"`` (fused kernels), ``"python"`` (the regenerated forward only),
+            or a callable ``backend(gm, example_inputs) -> callable``.
+        fullgraph: raise instead of falling back to eager when tracing fails.
+        mode: None, ``"reduce-overhead"`` (replay CUDA graphs for small inputs) or
+            ``"max-autotune"`` (try several block sizes per kernel).
+
+    Returns:
+        A callable with the original's signature (a module for a module).
+
+    Example::
+
+        @fxlite.compile
+        def f(x):
+            return torch.relu(x + 1) * 2
+
+        f(torch.randn(8192, 8192, device="cuda"))
+        print(f.kernels[0].source)
+    """
+    if fn is None:
+        return functools.partial(compile, backend=backend, fullgraph=fullgraph, mode=mode)
+    compiled = CompiledFunction(fn, backend, fullgraph, mode)
+    if isinstance(fn, torch.nn.Module):
+        return CompiledModule(fn, compiled)
+    return compiled

@@ -1,0 +1,86 @@
+"""The kernel table behind ``CompiledFunction.report()``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+__all__ = ["KernelRecord", "kernel_report"]
+
+
+@dataclass
+class KernelRecord:
+    """A kernel plus what it was compiled for: enough to describe and re-time it."""
+
+    kernel: Any
+    inputs: list[Any]  # (shape, stride, dtype, device) per tensor; scalars as they were
+    outputs: list[tuple[tuple[int, ...], torch.dtype]]
+    bytes_moved: int
+
+    @classmethod
+    def of(cls, kernel: Any, args: Sequence[Any], result: Any) -> KernelRecord:
+        outs = result if isinstance(result, (tuple, list)) else [result]
+        specs = [(tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                 else a for a in args]
+        return cls(kernel, specs, [(tuple(o.shape), o.dtype) for o in outs
+                                   if isinstance(o, torch.Tensor)], kernel.bytes_moved(*args))
+
+    def fresh_inputs(self) -> list[Any]:
+        """New random inputs with the recorded shapes, strides, dtypes and devices."""
+        made = []
+        for spec in self.inputs:
+            if not isinstance(spec, tuple):
+                made.append(spec)
+                continue
+            shape, stride, dtype, device = spec
+            span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+            if dtype.is_floating_point:
+                base = torch.randn(span, device=device).to(dtype)
+            else:
+                base = torch.randint(0, 2 if dtype == torch.bool else 100, (span,),
+                                     device=device).to(dtype)
+            made.append(base.as_strided(shape, stride))
+        return made
+
+
+def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.05:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> str:
+    """A table: kernel, kind, fused ops, shapes and bytes moved; with ``benchmark``, also
+    the time per launch, GB/s and % of a device-to-device copy of as many bytes."""
+    headers = ["kernel", "kind", "fused ops", "input shapes", "output shapes", "bytes moved"]
+    if benchmark:
+        headers += ["ms", "GB/s", "% of copy"]
+    rows = []
+    for r in records:
+        row = [r.kernel.name, r.kernel.kind, ", ".join(r.kernel.nodes),
+               " ".join(str(list(s[0])) for s in r.inputs if isinstance(s, tuple)),
+               " ".join(str(list(s)) for s, _ in r.outputs), f"{r.bytes_moved:,}"]
+        if benchmark:
+            args = r.fresh_inputs()
+            device = next(s[3] for s in r.inputs if isinstance(s, tuple))
+            ms = _time_ms(lambda k=r.kernel, a=args: k(*a), device)
+            half = max(r.bytes_moved // 2, 1)
+            src = torch.empty(half, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            copy_ms = _time_ms(lambda d=dst, s=src: d.copy_(s), device)
+            gbs = r.bytes_moved / ms / 1e6
+            row += [f"{ms:.4f}", f"{gbs:.0f}", f"{100 * copy_ms / ms:.1f}%"]
+        rows.append(row)
+    return tabulate(rows, headers=headers, disable_numparse=True)
