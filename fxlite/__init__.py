@@ -11,13 +11,21 @@ Written to be used as ``import fxlite as fx`` by code written for ``torch.fx``::
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
-from .graph import Graph
-from .graph_module import GraphModule
-from .node import Node, map_arg
-from .proxy import Proxy, TraceError
-from .tracer import Tracer, symbolic_trace, wrap
+# In a source checkout that is not installed, fxlite.passes and fxlite.codegen live in the
+# sibling folders passes/ and codegen/ (setup.cfg maps them when installing).
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "codegen", "python.py")) and os.path.isfile(
+        os.path.join(_checkout, "passes", "__init__.py")):
+    __path__.append(_checkout)  # type: ignore[name-defined]
+
+from .graph import Graph  # noqa: E402  (after the checkout path above)
+from .graph_module import GraphModule  # noqa: E402
+from .node import Node, map_arg  # noqa: E402
+from .proxy import Proxy, TraceError  # noqa: E402
+from .tracer import Tracer, symbolic_trace, wrap  # noqa: E402
 
 __version__ = "0.1.0"
 
