@@ -4,8 +4,9 @@ A graph is captured per (input addresses, shapes) for small inputs, reading the 
 tensors in place, so a replay needs no input copies and reads their current contents.
 Its outputs live in the graph's memory and would be overwritten by the next replay, so
 each key keeps two graphs and replays one whose previous outputs nobody holds any more
-(``sys.getrefcount``; a view holds its base, so views count too). When both are still
-held, or a key is new after the graph budget is spent, the forward runs normally.
+(``sys.getrefcount``, where a view holds its base, plus the storage's use count, which
+also sees ``detach()``-ed aliases). When both are still held, or a key is new after the
+graph budget is spent, the forward runs normally.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ class _Captured:
         out = self.outputs
         self.flat = [t for t in (out if isinstance(out, (tuple, list)) else [out])
                      if isinstance(t, torch.Tensor)]
+        del out  # a local reference would inflate the baseline below
         self.base = self._counts()  # our own references, before anyone else holds one
 
     def _counts(self) -> list[int]:
-        return [sys.getrefcount(t) for t in self.flat]
+        # Python references to the output tensors (views hold their base), plus the
+        # references to their storages: ``y.detach()`` shares the memory through a new
+        # tensor that does not reference ``y``.
+        return [sys.getrefcount(t) for t in self.flat] + [
+            torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in self.flat]
 
     def free(self) -> bool:
         return self._counts() == self.base

@@ -279,6 +279,10 @@ class _Spec:
         self.last_launch = (compiled, fn, grid, args, constexprs)
 
 
+# Why the last attempt at a direct launch fell back to Triton's dispatcher, if one did.
+DIRECT_LAUNCH_PROBLEM: str | None = None
+
+
 def _fingerprint(inputs: Sequence[Any]) -> tuple:
     """Everything a launch's arguments and Triton's specialization depend on.
 
@@ -306,7 +310,7 @@ class _DirectLaunch:
     """
 
     __slots__ = ("run", "function", "packed", "grid", "stream_of", "device", "template",
-                 "tensor_slots", "out_specs", "results", "structure")
+                 "tensor_slots", "out_specs", "results", "structure", "hooks", "compiled")
 
     @classmethod
     def build(cls, spec: _Spec, inputs: Sequence[Any], outs: list[torch.Tensor]
@@ -319,15 +323,17 @@ class _DirectLaunch:
         try:
             from triton import knobs
 
-            if knobs.runtime.launch_enter_hook is not None:
-                return None  # a profiler hook wants every launch: keep the JIT path
             names = list(fn.arg_names)
             values = list(args) + [constexprs[n] for n in names[len(args):]]
             self = cls()
             self.run = compiled.run
             self.function = compiled.function
             self.packed = compiled.packed_metadata
-        except Exception:  # another Triton version's internals: keep the JIT path
+            self.hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+            self.compiled = compiled
+        except Exception as e:  # another Triton version's internals: keep the JIT path
+            global DIRECT_LAUNCH_PROBLEM
+            DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return None
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.device = tensors[0].device.index or 0
@@ -351,14 +357,19 @@ class _DirectLaunch:
         Why: it relies on Triton's launcher internals, which change between versions;
         a mismatch or an error keeps this kernel on Triton's own path.
         """
+        global DIRECT_LAUNCH_PROBLEM
         try:
             got = direct(inputs)
-        except Exception:
+        except Exception as e:
+            DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return False
         got = got if isinstance(got, (tuple, list)) else [got]
         want = [inputs[i] if tag == "in" else outs[i] for tag, i in spec.results]
-        return all(torch.equal(g, w) or (g.is_floating_point() and torch.allclose(
+        same = all(torch.equal(g, w) or (g.is_floating_point() and torch.allclose(
             g, w, equal_nan=True, rtol=0, atol=0)) for g, w in zip(got, want))
+        if not same:
+            DIRECT_LAUNCH_PROBLEM = "a direct launch disagreed with Triton's own launch"
+        return same
 
     def __call__(self, inputs: Sequence[Any]) -> Any:
         outs = [torch.empty(shape, dtype=dtype, device=device)
@@ -368,8 +379,12 @@ class _DirectLaunch:
             values[k] = inputs[i] if tag == "in" else outs[i]
         g = self.grid
         if g[0]:
-            self.run(g[0], g[1], g[2], self.stream_of(self.device), self.function, self.packed,
-                     None, None, None, *values)
+            stream = self.stream_of(self.device)
+            enter, leave = self.hooks
+            # A launch hook (a profiler) gets what Triton's own launch would give it.
+            meta = self.compiled.launch_metadata(g, stream, *values) if enter else None
+            self.run(g[0], g[1], g[2], stream, self.function, self.packed, meta, enter, leave,
+                     *values)
         results = [inputs[i] if tag == "in" else outs[i] for tag, i in self.results]
         if self.structure == "single":
             return results[0]
