@@ -310,7 +310,8 @@ class _DirectLaunch:
     """
 
     __slots__ = ("run", "function", "packed", "grid", "stream_of", "device", "template",
-                 "tensor_slots", "out_specs", "results", "structure", "hooks", "compiled")
+                 "tensor_slots", "out_specs", "results", "structure", "hooks", "compiled",
+                 "fast")
 
     @classmethod
     def build(cls, spec: _Spec, inputs: Sequence[Any], outs: list[torch.Tensor]
@@ -347,7 +348,52 @@ class _DirectLaunch:
         self.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in outs]
         self.results = spec.results
         self.structure = spec.plan.structure
+        self.fast = self._generate()
         return self
+
+    def _generate(self) -> Any:
+        """A straight-line launcher for this fingerprint: constants inlined, no loops.
+
+        Example of what it writes::
+
+            def launch(inputs):
+                if _enter is not None and _enter.calls:
+                    return _general(inputs)
+                o0 = _empty(_shape0, dtype=_dtype0, device=_device)
+                _run(8, 1, 1, _stream(0), _function, _packed, None, None, None, inputs[0], o0, 1024, 1024)
+                return o0
+        """
+        env: dict[str, Any] = {"_empty": torch.empty, "_run": self.run, "_stream": self.stream_of,
+                               "_function": self.function, "_packed": self.packed,
+                               "_enter": self.hooks[0], "_general": self.__call__}
+        lines = ["def launch(inputs):",
+                 "    if _enter is not None and getattr(_enter, 'calls', True):",
+                 "        return _general(inputs)"]
+        for j, (shape, dtype, device) in enumerate(self.out_specs):
+            env[f"_shape{j}"], env[f"_dtype{j}"], env[f"_device{j}"] = shape, dtype, device
+            lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
+        slots = {k: (f"inputs[{i}]" if tag == "in" else f"o{i}") for k, tag, i in self.tensor_slots}
+        args = []
+        for k, v in enumerate(self.template):
+            if k in slots:
+                args.append(slots[k])
+            elif type(v) in (int, bool) or (type(v) is float and math.isfinite(v)):
+                args.append(repr(v))
+            else:
+                env[f"_c{k}"] = v
+                args.append(f"_c{k}")
+        g = self.grid
+        if g[0]:
+            lines.append(f"    _run({g[0]}, {g[1]}, {g[2]}, _stream({self.device}), _function, "
+                         f"_packed, None, None, None, {', '.join(args)})")
+        results = [f"inputs[{i}]" if tag == "in" else f"o{i}" for tag, i in self.results]
+        if self.structure == "single":
+            lines.append(f"    return {results[0]}")
+        else:
+            body = ", ".join(results) + ("," if len(results) == 1 else "")
+            lines.append(f"    return ({body})" if self.structure == "tuple" else f"    return [{body}]")
+        exec(compile("\n".join(lines) + "\n", "<fxlite-direct-launch>", "exec"), env)
+        return env["launch"]
 
     @staticmethod
     def agrees(direct: _DirectLaunch, inputs: Sequence[Any], spec: _Spec,
@@ -359,7 +405,7 @@ class _DirectLaunch:
         """
         global DIRECT_LAUNCH_PROBLEM
         try:
-            got = direct(inputs)
+            got = direct.fast(inputs)
         except Exception as e:
             DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return False
@@ -381,8 +427,11 @@ class _DirectLaunch:
         if g[0]:
             stream = self.stream_of(self.device)
             enter, leave = self.hooks
-            # A launch hook (a profiler) gets what Triton's own launch would give it.
-            meta = self.compiled.launch_metadata(g, stream, *values) if enter else None
+            if enter is not None and getattr(enter, "calls", True):
+                # A launch hook (a profiler) gets what Triton's own launch would give it.
+                meta = self.compiled.launch_metadata(g, stream, *values)
+            else:  # no hook, or Triton's empty hook chain: skip building launch metadata
+                enter = leave = meta = None
             self.run(g[0], g[1], g[2], stream, self.function, self.packed, meta, enter, leave,
                      *values)
         results = [inputs[i] if tag == "in" else outs[i] for tag, i in self.results]
@@ -461,7 +510,7 @@ class TritonKernel:
         if self._direct is not None:
             launch = self._direct.get(_fingerprint(inputs))
             if launch is not None:
-                return launch(inputs)
+                return launch.fast(inputs)
         key, shape = key_and_shape(inputs)
         spec = self._spec_for(inputs, key)
         if spec is None:
