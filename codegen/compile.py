@@ -15,13 +15,14 @@ in ``.fallbacks`` and warned about once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,9 @@ def _assert_same(got: Any, expected: Any) -> None:
             _assert_same(g, e)
         return
     if isinstance(expected, torch.Tensor):
+        if not (expected.is_floating_point() or expected.is_complex()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)  # integers, bool
+            return
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(expected.dtype, 1.3e-6)
         atol = 1e-5 if expected.dtype == torch.float32 else tol
         torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol, equal_nan=True)
@@ -161,13 +165,18 @@ class CompiledFunction:
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.Lock()
         self._last: _Entry | None = None
+        self._submodules = list(fn.modules()) if isinstance(fn, torch.nn.Module) else []
         if not isinstance(fn, torch.nn.Module):
             functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            args = tuple(self._signature.bind(*args, **kwargs).arguments.values())
+        if kwargs:  # positional, in signature order; skipped defaults filled in
+            bound = self._signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
         key = _guard_key(args)
+        if self._submodules:  # kernels bake in train/eval behaviour (dropout, batch_norm)
+            key += (tuple(m.training for m in self._submodules),)
         entry = self._entries.get(key)
         if entry is None:
             with self._lock:  # threads racing on a first call compile once
@@ -246,14 +255,15 @@ class CompiledFunction:
         from fxlite.passes.normalize import normalize
         from fxlite.passes.shape_prop import ShapeProp
 
-        ShapeProp(gm).propagate(*args)
-        gm = decompose(normalize(gm))
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        ShapeProp(gm).propagate(*args)
-        fused = fuse(gm)
-        check = _KernelCheck(fused, self._mode)
-        check.run(*args)
+        with _sandbox(gm, args) as sample:
+            ShapeProp(gm).propagate(*sample)
+            gm = decompose(normalize(gm))
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+            ShapeProp(gm).propagate(*sample)
+            fused = fuse(gm)
+            check = _KernelCheck(fused, self._mode)
+            check.run(*sample)
         for reason in check.fallbacks:
             _warn_once(f"fxlite.compile: {reason}")
         _swap_in_kernels(fused, check.kernels)
@@ -264,6 +274,37 @@ class CompiledFunction:
             run = CUDAGraphRunner(run)
         return _Entry(run=run, gm=fused, kernels=list(check.kernels.values()),
                       records=check.records, fallbacks=check.fallbacks)
+
+
+def _private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its own storage but the same offset, sizes and strides."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def _sandbox(gm: GraphModule, args: tuple) -> Iterator[tuple]:
+    """Inputs for the compile-time runs (ShapeProp twice, the kernel check), which must
+    leave no trace: the first call would otherwise apply in-place ops on the caller's
+    tensors several times, update module buffers (BatchNorm statistics in training mode)
+    several times, and advance the random generators that the real run then uses."""
+    from fxlite.ops import is_impure
+
+    mutates = any(is_impure(n, gm) or n.op == Opcode.CALL_MODULE and getattr(
+        gm.get_submodule(n.target), "inplace", False) is True for n in gm.graph.nodes
+        if n.op not in (Opcode.PLACEHOLDER, Opcode.OUTPUT))
+    sample = tuple(_private_copy(a) if mutates and isinstance(a, torch.Tensor) else a
+                   for a in args)
+    saved = [(b, b.clone()) for b in gm.buffers()]
+    devices = sorted({a.device.index or 0 for a in args
+                      if isinstance(a, torch.Tensor) and a.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield sample
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _direct_forward(gm: GraphModule) -> Callable[..., Any]:

@@ -149,6 +149,7 @@ def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = T
 
 # ------------------------------------------------------------------------------ loading
 _LOAD_LOCK = threading.Lock()
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -274,7 +275,13 @@ class _Spec:
     def _launch(self, variant: str, grid: tuple[int, ...], args: list[Any],
                 constexprs: dict[str, Any], num_warps: int) -> None:
         fn = self.fns[variant]
-        compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
+        if interpreting():
+            # Triton's interpreter patches triton.language globally while a kernel runs,
+            # so two threads interpreting at once break each other: take turns.
+            with _INTERPRETER_LOCK:
+                compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
+        else:
+            compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
         # Remember how to repeat this exact launch without Triton's dispatcher.
         self.last_launch = (compiled, fn, grid, args, constexprs)
 

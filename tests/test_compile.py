@@ -1,0 +1,670 @@
+"""Tests of ``fxlite.compile``: one fused kernel per group, checked fallbacks, guards.
+
+On a CPU-only machine the kernels run through Triton's interpreter (TRITON_INTERPRET=1,
+set below before anything imports triton); tests marked ``gpu`` need CUDA with the
+interpreter off. Shapes are tiny: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+
+if not os.environ.get("TRITON_INTERPRET"):
+    try:
+        import torch as _torch
+
+        _gpu = _torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        _gpu = False
+    if not _gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import copy
+import inspect
+import re
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fxlite.codegen.compile as compile_mod
+import fxlite.codegen.triton as triton_mod
+from _golden import assert_golden
+from fxlite.codegen.cudagraphs import CUDAGraphRunner, _Captured
+from fxlite.codegen.triton import interpreting
+
+import fxlite
+
+DEVICE = "cpu" if interpreting() else "cuda"
+# Masked lanes of the interpreter compute on padding (log(0), x / 0): harmless, but noisy.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+cpu_interpreter = pytest.mark.skipif(not interpreting(), reason="CPU behaviour (interpreter)")
+native_gpu = pytest.mark.skipif(interpreting() or not torch.cuda.is_available(),
+                                reason="needs CUDA with TRITON_INTERPRET unset")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    """Each test sees fxlite.compile's once-per-process warnings afresh."""
+    monkeypatch.setattr(compile_mod, "_warned", set())
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """The functions fxlite.compile traced, in order (one entry per trace)."""
+    seen, real = [], compile_mod.symbolic_trace
+    monkeypatch.setattr(compile_mod, "symbolic_trace", lambda fn: seen.append(fn) or real(fn))
+    return seen
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def compiled_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("fxlite.compile")]
+
+
+def run_quiet(c, *args):
+    """Call ``c`` and return (result, fxlite.compile warnings)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = c(*args)
+    return out, compiled_warnings(record)
+
+
+def one_kernel(fn, *args, **tol):
+    """Compile ``fn``, check it makes one kernel, no fallback, and matches eager."""
+    c = fxlite.compile(fn)
+    out, warned = run_quiet(c, *args)
+    assert warned == [] and c.fallbacks == []
+    assert len(c.kernels) == 1
+    torch.testing.assert_close(out, fn(*args), **tol)
+    return c
+
+
+def relu_add_mul(x):
+    return torch.relu(x + 1) * 2
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def add_layer_norm(x, y, w, b):
+    return F.layer_norm(x + y, (x.shape[-1],), w, b)
+
+
+def gelu_bias(x, b):
+    return F.gelu(x + b)
+
+
+def centre(x):
+    return x - x.mean(-1, keepdim=True)
+
+
+def row_mean(x):
+    return x.mean(-1)
+
+
+class Norm(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+class LinearRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+# ------------------------------------------------------------------ one kernel per case
+def test_canonical_cases_are_one_kernel():
+    x, y = rand(4, 8), rand(4, 8)
+    w, b = rand(8), rand(8)
+    one_kernel(relu_add_mul, x)
+    one_kernel(gelu_bias, x, b)
+    one_kernel(softmax, x)
+    one_kernel(layer_norm, x, w, b)
+    one_kernel(add_layer_norm, x, y, w, b)
+
+
+def test_layer_norm_module_is_one_kernel():
+    m = Norm(8).to(DEVICE)
+    with torch.no_grad():
+        m.ln.weight.copy_(rand(8))
+        m.ln.bias.copy_(rand(8))
+        c = fxlite.compile(m)
+        x = rand(4, 8)
+        out, warned = run_quiet(c, x)
+        assert warned == [] and c.fallbacks == [] and len(c.kernels) == 1
+        torch.testing.assert_close(out, m(x))
+
+
+# ------------------------------------------------------------------ modules and autograd
+def test_linear_relu_module_no_grad():
+    m = LinearRelu().to(DEVICE)
+    c = fxlite.compile(m)
+    x = rand(4, 8)
+    with torch.no_grad():
+        out, warned = run_quiet(c, x)
+        torch.testing.assert_close(out, m(x))
+    assert warned == [] and c.fallbacks == []
+    assert len(c.kernels) == 1 and c.kernels[0].name in c.code  # relu runs as a kernel
+    assert_golden("compile_linear_relu_forward", c.code)
+
+
+def test_linear_relu_module_with_autograd_warns_once_and_backprops():
+    m = LinearRelu().to(DEVICE)
+    ref = copy.deepcopy(m)
+    c = fxlite.compile(m)
+    x = rand(4, 8)
+    with pytest.warns(UserWarning, match="inference-only") as record:
+        out = c(x)
+        out2 = c(x)
+    assert len(compiled_warnings(record)) == 1
+    assert c.kernels == [] and any("autograd" in f for f in c.fallbacks)
+    expected = ref(x)
+    torch.testing.assert_close(out, expected)
+    assert out.requires_grad and out2.requires_grad
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(m.fc.weight.grad, ref.fc.weight.grad)
+    torch.testing.assert_close(m.fc.bias.grad, ref.fc.bias.grad)
+
+
+def test_input_requiring_grad_gets_gradients():
+    c = fxlite.compile(relu_add_mul)
+    x = rand(4, 8).requires_grad_()
+    out, warned = run_quiet(c, x)
+    assert len(warned) == 1 and "inference-only" in warned[0]
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * (x.detach() + 1 > 0))
+
+
+# ------------------------------------------------------------------ resizes and guards
+def test_resize_with_same_rank_reuses_kernels(traces):
+    c = fxlite.compile(relu_add_mul)
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x), relu_add_mul(x))
+    (kernel,) = c.kernels
+    for shape in [(6, 16), (3, 32), (5, 7)]:
+        x = rand(*shape)
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+        assert c.kernels == [kernel]
+    assert len(traces) == 1
+
+
+def test_resize_keeps_one_specialization_per_guard_key():
+    # Sizes that are all multiples of 16 (or all not) are the guaranteed case: one
+    # specialization, whatever Triton does with divisibility underneath.
+    w16 = {n: (rand(n), rand(n)) for n in (16, 32, 48)}
+    c = fxlite.compile(layer_norm)
+    for rows, n in [(2, 16), (4, 32), (3, 48)]:
+        x = rand(rows, n)
+        torch.testing.assert_close(c(x, *w16[n]), layer_norm(x, *w16[n]))
+        (kernel,) = c.kernels
+        assert kernel.compilations == 1
+    c = fxlite.compile(centre)
+    for shape in [(3, 5), (5, 7), (7, 9)]:  # no size, row length or count divisible by 16
+        x = rand(*shape)
+        torch.testing.assert_close(c(x), centre(x))
+        assert len(c.kernels) == 1 and c.kernels[0].compilations == 1
+
+
+def test_element_counts_are_read_at_run_time():
+    # layer_norm and mean divide by the row length: it must come from the new shape.
+    c_ln, c_mean, c_centre = (fxlite.compile(f) for f in (layer_norm, row_mean, centre))
+    kernels = None
+    for shape in [(4, 8), (6, 16), (3, 32), (5, 7)]:
+        x, w, b = rand(*shape), rand(shape[-1]), rand(shape[-1])
+        torch.testing.assert_close(c_ln(x, w, b), layer_norm(x, w, b))
+        torch.testing.assert_close(c_centre(x), centre(x))
+        out, _ = run_quiet(c_mean, x)
+        torch.testing.assert_close(out, row_mean(x))
+        kernels = kernels or (c_ln.kernels, c_centre.kernels)
+        assert (c_ln.kernels, c_centre.kernels) == kernels
+
+
+def test_new_rank_or_dtype_compiles_again_and_is_right():
+    c = fxlite.compile(softmax)
+    x = rand(4, 8)
+    c(x)
+    (k2d,) = c.kernels
+    x3 = rand(2, 3, 8)
+    torch.testing.assert_close(c(x3), softmax(x3))
+    assert c.kernels[0] is not k2d
+    x64 = x.double()
+    out, _ = run_quiet(c, x64)
+    torch.testing.assert_close(out, softmax(x64))
+    c(x)
+    assert c.kernels == [k2d]
+
+
+def test_train_and_eval_modes_are_guarded():
+    m = nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()).to(DEVICE)
+    ref = copy.deepcopy(m)
+    c = fxlite.compile(m)
+    x = rand(8, 4)
+    with torch.no_grad():
+        m.eval(), ref.eval()
+        torch.testing.assert_close(run_quiet(c, x)[0], ref(x))
+        m.train(), ref.train()
+        # Batch statistics, and running statistics updated exactly once, as eager does.
+        torch.testing.assert_close(run_quiet(c, x)[0], ref(x))
+        torch.testing.assert_close(m[0].running_mean, ref[0].running_mean)
+        torch.testing.assert_close(m[0].running_var, ref[0].running_var)
+        assert m[0].num_batches_tracked.item() == ref[0].num_batches_tracked.item() == 1
+        m.eval(), ref.eval()
+        torch.testing.assert_close(run_quiet(c, x)[0], ref(x))
+
+
+def test_first_call_applies_in_place_ops_once():
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    x = torch.zeros(3, 4, device=DEVICE)
+    out, _ = run_quiet(fxlite.compile(bump), x)
+    assert torch.equal(x, torch.ones_like(x))
+    assert torch.equal(out, torch.full_like(x, 2.0))
+
+
+def test_first_call_leaves_the_random_stream_as_eager_does():
+    def noisy(x):
+        return torch.relu(x) + torch.rand_like(x)
+
+    c = fxlite.compile(noisy)
+    x = rand(4, 8)
+    torch.manual_seed(1)
+    got = run_quiet(c, x)[0]
+    torch.manual_seed(1)
+    assert torch.equal(got, noisy(x))
+
+
+def test_keyword_arguments_and_defaults():
+    def affine(x, scale=1.0, shift=0.0):
+        return x * scale + shift
+
+    c = fxlite.compile(affine)
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x, shift=3.0), affine(x, shift=3.0))
+    torch.testing.assert_close(c(x, 2.0, shift=-1.0), affine(x, 2.0, shift=-1.0))
+    torch.testing.assert_close(c(x), affine(x))
+
+
+def test_non_tensor_argument_changes_without_recompiling(traces):
+    def scaled(x, alpha):
+        return torch.relu(x) * alpha + 1
+
+    c = fxlite.compile(scaled)
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x, 0.5), scaled(x, 0.5))
+    (kernel,) = c.kernels
+    for alpha in (3.0, -2.25):
+        torch.testing.assert_close(c(x, alpha), scaled(x, alpha))
+    assert c.kernels == [kernel] and kernel.compilations == 1 and len(traces) == 1
+
+
+# ------------------------------------------------------------------ backends and forms
+def test_custom_backend_is_called_once_per_guard_key():
+    seen, examples = [], []
+
+    def my_backend(gm, example_inputs):
+        seen.append(gm.code)
+        examples.append(example_inputs)
+        return gm.forward
+
+    def fn(x, y):
+        return torch.relu(x + y) * 2
+
+    c = fxlite.compile(fn, backend=my_backend)
+    x, y = rand(4, 8), rand(4, 8)
+    torch.testing.assert_close(c(x, y), fn(x, y))
+    assert len(seen) == 1 and "relu" in seen[0]
+    assert len(examples[0]) == 2 and examples[0][0] is x and examples[0][1] is y
+    x2, y2 = rand(6, 3), rand(6, 3)  # same rank and dtype: the same guard key
+    torch.testing.assert_close(c(x2, y2), fn(x2, y2))
+    assert len(seen) == 1
+    xd = x.double()  # a new dtype: a new key
+    torch.testing.assert_close(c(xd, y), fn(xd, y))
+    assert len(seen) == 2 and examples[1][0] is xd
+
+
+def test_python_backend():
+    c = fxlite.compile(relu_add_mul, backend="python")
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert c.kernels == [] and "torch.relu" in c.code
+
+
+def test_decorator_forms_keep_the_name():
+    @fxlite.compile
+    def plain(x):
+        return x * 2 + 1
+
+    @fxlite.compile(backend="python")
+    def configured(x):
+        return x - 3
+
+    x = rand(4, 8)
+    torch.testing.assert_close(plain(x), x * 2 + 1)
+    torch.testing.assert_close(configured(x), x - 3)
+    assert plain.__name__ == "plain" and configured.__name__ == "configured"
+    assert len(plain.kernels) == 1 and configured.kernels == []
+
+
+def test_bad_mode_and_backend_raise():
+    with pytest.raises(ValueError, match="bogus"):
+        fxlite.compile(relu_add_mul, mode="bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        fxlite.compile(relu_add_mul, backend="bogus")
+    with pytest.raises(ValueError):
+        fxlite.compile(mode="bogus")(relu_add_mul)
+
+
+@cpu_interpreter
+def test_reduce_overhead_on_cpu_is_like_default():
+    c = fxlite.compile(relu_add_mul, mode="reduce-overhead")
+    x = rand(4, 8)
+    for _ in range(3):
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert len(c.kernels) == 1 and c.fallbacks == []
+    assert not isinstance(c._last.run, CUDAGraphRunner)  # CUDA graphs: CUDA tensors only
+
+
+def test_graph_replay_sees_detached_and_viewed_outputs():
+    # The test of whether a captured graph's outputs are still held by the caller.
+    cap = _Captured.__new__(_Captured)
+    cap.outputs = torch.randn(4)
+    cap.flat = [cap.outputs]
+    cap.base = cap._counts()
+    assert cap.free()
+    for hold in (lambda t: t, lambda t: t[1:], lambda t: t.detach()):
+        kept = hold(cap.outputs)
+        assert not cap.free()
+        del kept
+        assert cap.free()
+
+
+# ------------------------------------------------------------------ graph breaks
+def branchy(x):
+    if x.sum() > 0:
+        return x + 1
+    return x - 1
+
+
+def test_fullgraph_raises_naming_the_line():
+    lines, first = inspect.getsourcelines(branchy)
+    lineno = first + next(i for i, s in enumerate(lines) if "x.sum() > 0" in s)
+    with pytest.raises(fxlite.TraceError) as info:
+        fxlite.compile(branchy, fullgraph=True)(rand(4))
+    assert f"line {lineno}" in str(info.value) and "if x.sum() > 0" in str(info.value)
+
+
+def test_graph_break_falls_back_to_eager_with_one_warning():
+    c = fxlite.compile(branchy)
+    pos, neg = rand(4).abs() + 1, -rand(4).abs() - 1
+    with pytest.warns(UserWarning, match="graph break") as record:
+        torch.testing.assert_close(c(pos), pos + 1)
+        torch.testing.assert_close(c(neg), neg - 1)
+        torch.testing.assert_close(c(pos), pos + 1)
+    assert len(compiled_warnings(record)) == 1
+    assert c.kernels == [] and len(c.fallbacks) == 1 and "graph break" in c.fallbacks[0]
+
+
+@cpu_interpreter
+def test_without_interpreter_or_gpu_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    c = fxlite.compile(relu_add_mul)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="TRITON_INTERPRET") as record:
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+        torch.testing.assert_close(c(x + 1), relu_add_mul(x + 1))
+    assert len(compiled_warnings(record)) == 1
+    assert c.kernels == [] and "triton_" not in c.code
+
+
+# ------------------------------------------------------------------ threads
+def test_threads_racing_on_the_first_call_compile_once(traces):
+    backend_calls = []
+
+    def counting_backend(gm, example_inputs):
+        backend_calls.append(1)
+        return gm.forward
+
+    for c in (fxlite.compile(relu_add_mul), fxlite.compile(relu_add_mul, backend=counting_backend)):
+        traces.clear()
+        x = rand(4, 8)
+        barrier = threading.Barrier(8)
+        results, errors = [None] * 8, []
+
+        def work(i, c=c, x=x, barrier=barrier, results=results, errors=errors):
+            try:
+                barrier.wait()
+                results[i] = c(x)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        [t.start() for t in threads], [t.join() for t in threads]
+        assert errors == [] and len(traces) == 1
+        for r in results:
+            torch.testing.assert_close(r, relu_add_mul(x))
+    assert len(backend_calls) == 1
+
+
+# ------------------------------------------------------------------ introspection
+def test_kernels_code_and_report(capsys):
+    c = fxlite.compile(relu_add_mul)
+    assert c.kernels == [] and c.code == ""
+    x = rand(4, 8)
+    c(x)
+    (k,) = c.kernels
+    traced = fxlite.symbolic_trace(relu_add_mul)
+    assert k.nodes == [n.name for n in traced.graph.nodes if n.op == "call_function"]
+    assert re.fullmatch(r"\w+", k.name) and "@triton.jit" in k.source
+    assert f"def {k.name}" in k.source
+    assert re.search(rf"= {k.name}\(x\)", c.code)
+
+    capsys.readouterr()
+    text = c.report()
+    printed = capsys.readouterr().out
+    assert text in printed
+    header, _, row = text.splitlines()[:3]
+    assert "bytes moved" in header and "fused ops" in header
+    moved = 2 * x.numel() * x.element_size()  # read x once, write the output once
+    assert row.startswith(k.name) and ", ".join(k.nodes) in row
+    assert row.split()[-1] == f"{moved:,}"
+
+    timed = c.report(benchmark=True)
+    header, _, row = timed.splitlines()[:3]
+    assert all(col in header for col in ("ms", "GB/s", "% of copy"))
+    ms, gbs, share = row.split()[-3:]
+    assert float(ms) > 0 and float(gbs) >= 0 and share.endswith("%")
+
+
+def test_module_exposes_kernels_and_report(capsys):
+    m = LinearRelu().to(DEVICE)
+    c = fxlite.compile(m)
+    with torch.no_grad():
+        c(rand(2, 8))
+    assert len(c.kernels) == 1
+    c.report()
+    assert c.kernels[0].name in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ correctness fallbacks
+class FakeKernel:
+    """Quacks like a TritonKernel: runs the group eagerly, plus ``offset``."""
+
+    kind = "pointwise"
+
+    def __init__(self, group, name, offset):
+        self.group, self.name, self.offset, self.calls = group, name, offset, 0
+        self.nodes = [n.name for n in group.graph.nodes if n.op == "call_function"]
+
+    @property
+    def __name__(self):
+        return self.name
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.group(*args) + self.offset
+
+    def bytes_moved(self, *args):
+        return 0
+
+
+def fake_generator(offset, made):
+    def generate(group, example_inputs, name="kernel", **kw):
+        made.append(FakeKernel(group, name, offset))
+        return made[-1]
+    return generate
+
+
+def test_a_right_kernel_passes_the_check(monkeypatch):
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel", fake_generator(0, made))
+    c = fxlite.compile(relu_add_mul)
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x), relu_add_mul(x))
+    torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert c.kernels == made and c.fallbacks == []
+    assert made[0].calls == 3  # the check, then two calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_a_wrong_kernel_is_caught_on_the_first_call(monkeypatch, dtype):
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel", fake_generator(1, made))
+    c = fxlite.compile(relu_add_mul)
+    # Large integers: a relative tolerance would hide an off-by-one.
+    x = rand(4, 8) if dtype.is_floating_point else torch.randint(
+        10**6, 10**7, (4, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match="disagreed with eager"):
+        out = c(x)
+    assert torch.equal(out, relu_add_mul(x))
+    assert torch.equal(c(x), relu_add_mul(x))
+    assert c.kernels == [] and len(c.fallbacks) == 1
+    assert "disagreed with eager" in c.fallbacks[0] and "relu" in c.fallbacks[0]
+    assert made[0].calls == 1  # tried once, never used again
+
+
+def test_a_generator_that_raises_falls_back_to_eager(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("generator exploded")
+
+    monkeypatch.setattr(triton_mod, "generate_kernel", boom)
+    c = fxlite.compile(relu_add_mul)
+    x = rand(4, 8)
+    with pytest.warns(UserWarning, match="generator exploded"):
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert c.kernels == [] and "RuntimeError: generator exploded" in c.fallbacks[0]
+
+
+# ------------------------------------------------------------------ dtypes
+HALF_TOL = {torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_chains(dtype):
+    x = rand(4, 8, dtype=dtype) * 3
+    for fn in (relu_add_mul, softmax):
+        c = one_kernel(fn, x, **HALF_TOL[dtype])
+        assert c(x).dtype == dtype
+
+
+def test_integer_floor_division_and_modulo_are_exact():
+    def fn(x):
+        return x // 3 + x % 3
+
+    x = torch.arange(-10, 10, dtype=torch.int32, device=DEVICE).reshape(4, 5)
+    c = one_kernel(fn, x)
+    out = c(x)
+    assert out.dtype == torch.int32 and torch.equal(out, fn(x))
+
+
+# ------------------------------------------------------------------ on a GPU
+GPU_TOL = {torch.float32: {}, torch.float16: HALF_TOL[torch.float16]}
+
+
+@pytest.mark.gpu
+@native_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gpu_one_kernel_and_direct_launch(dtype):
+    for fn in (relu_add_mul, softmax):
+        x = torch.randn(64, 256, device="cuda", dtype=dtype)
+        c = one_kernel(fn, x, **GPU_TOL[dtype])
+        first = c(x)
+        second = c(x)  # same shapes: the prepared direct launch
+        assert torch.equal(first, second)
+        x2 = torch.randn_like(x)
+        torch.testing.assert_close(c(x2), fn(x2), **GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_misaligned_input_after_aligned():
+    c = fxlite.compile(relu_add_mul)
+    n = 1000
+    aligned = torch.randn(n, device="cuda")
+    torch.testing.assert_close(c(aligned), relu_add_mul(aligned))
+    base = torch.randn(n + 1, device="cuda")
+    sliced = base[1:]
+    assert sliced.data_ptr() % 16 != 0
+    torch.testing.assert_close(c(sliced), relu_add_mul(sliced))
+    torch.testing.assert_close(c(aligned), relu_add_mul(aligned))
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_reduce_overhead_keeps_outputs_the_caller_holds():
+    c = fxlite.compile(relu_add_mul, mode="reduce-overhead")
+    x = torch.randn(32, 32, device="cuda")
+    x2 = torch.randn(32, 32, device="cuda")
+    want1, want2 = relu_add_mul(x), relu_add_mul(x2)
+    y1 = c(x)
+    y2 = c(x2)
+    torch.testing.assert_close(y1, want1)
+    torch.testing.assert_close(y2, want2)
+    for _ in range(3):  # repeated replays, outputs dropped each time
+        torch.testing.assert_close(c(x), want1)
+    # The same input tensor changed in place between calls, earlier outputs kept.
+    a = c(x)
+    x.add_(1)
+    want_b = relu_add_mul(x)
+    b = c(x)
+    x.mul_(-1)
+    want_extra = relu_add_mul(x)
+    extra = c(x)  # y1, a and b hold outputs: whatever runs must not overwrite them
+    torch.testing.assert_close(a, want1)
+    torch.testing.assert_close(b, want_b)
+    torch.testing.assert_close(extra, want_extra)
+    # A detached alias holds the output's memory, too: a replay must not overwrite it.
+    del a, b, extra
+    d = c(x).detach()
+    x.add_(5)
+    e = c(x)
+    f = c(x)
+    torch.testing.assert_close(d, want_extra)
+    torch.testing.assert_close(e, relu_add_mul(x))
+    torch.testing.assert_close(f, relu_add_mul(x))
+    torch.testing.assert_close(y1, want1)
+    torch.testing.assert_close(y2, want2)
