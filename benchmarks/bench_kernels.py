@@ -148,6 +148,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time fxlite with mode='max-autotune'")
     parser.add_argument("--json", default=None, help="also write results to this file")
     parser.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -175,22 +177,31 @@ def main() -> None:
             moved = nbytes(args) + nbytes(expected)
             t_eager, t_ind, t_fxl = bench(fn, args), bench(ind, args), bench(fxl, args)
             gbs = lambda ms, moved=moved: moved / ms / 1e6
+            t_tuned = None
+            if opts.autotune:
+                tuned = fxlite.compile(fn, mode="max-autotune")
+                tuned(*args)
+                t_tuned = bench(tuned, args)
             row = {"case": name, "kernels": len(fxl.kernels), "correct": ok,
                    "eager_ms": t_eager, "inductor_ms": t_ind, "fxlite_ms": t_fxl,
                    "fxlite_GBps": gbs(t_fxl), "fxlite_pct_copy": 100 * gbs(t_fxl) / copy_gbs,
                    "inductor_pct_copy": 100 * gbs(t_ind) / copy_gbs,
                    "speedup_vs_eager": t_eager / t_fxl, "vs_inductor": t_ind / t_fxl,
-                   "inductor_cold_s": ind_cold, "fxlite_cold_s": fxl_cold}
+                   "inductor_cold_s": ind_cold, "fxlite_cold_s": fxl_cold,
+                   "fxlite_autotuned_ms": t_tuned,
+                   "fxlite_autotuned_pct_copy": t_tuned and 100 * gbs(t_tuned) / copy_gbs}
             results["cases"].append(row)
             rows.append([name, row["kernels"], "yes" if ok else "NO", f"{t_eager:.3f}",
                          f"{t_ind:.3f}", f"{t_fxl:.3f}", f"{gbs(t_fxl):.0f}",
                          f"{row['fxlite_pct_copy']:.1f}%", f"{row['inductor_pct_copy']:.1f}%",
                          f"{row['speedup_vs_eager']:.2f}x", f"{row['vs_inductor']:.2f}x",
-                         f"{ind_cold:.2f}", f"{fxl_cold:.2f}"])
+                         f"{ind_cold:.2f}", f"{fxl_cold:.2f}"]
+                        + ([f"{100 * gbs(t_tuned) / copy_gbs:.1f}%"] if t_tuned else []))
         print(tabulate(rows, headers=["case", "kernels", "correct", "eager ms", "inductor ms",
                                       "fxlite ms", "fxlite GB/s", "fxlite %copy",
                                       "inductor %copy", "vs eager", "vs inductor",
-                                      "inductor cold s", "fxlite cold s"],
+                                      "inductor cold s", "fxlite cold s"]
+                       + (["fxlite max-autotune %copy"] if opts.autotune else []),
                        disable_numparse=True))
 
         small = [torch.randn(1024, device="cuda")]

@@ -584,6 +584,8 @@ class TritonKernel:
                 best, best_ms = cfg, ms
         spec.tuned[bucket] = best
         spec._configs.clear()
+        if self._direct is not None:
+            self._direct.clear()  # prepared launches carry the old configuration
         return best
 
 
