@@ -32,15 +32,13 @@ is linted once at the end and the module recompiled.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from .graph import Graph
+from .graph import Graph, gc_paused
 from .graph_module import GraphModule, _copy_attr
 from .matcher import _UNBOUND, InternalMatch, SubgraphMatcher, _fetch, _flatten, _Search
 from .node import Node, _collect_nodes, map_arg
@@ -146,7 +144,7 @@ def replace_pattern_with_filters(
     accept = (lambda m: all(f(m, graph, pgraph) for f in filters)) if filters else None
     if explain:
         print(_report(matcher, graph, module, accept, _name(pattern), 3))
-    with _no_gc():
+    with gc_paused():  # a rewrite allocates a few objects per node: see gc_paused
         search = _Search(matcher, graph, module, accept=accept)
         matches = search.run()
         if not matches:
@@ -159,19 +157,6 @@ def replace_pattern_with_filters(
                                                        "replacement"), module)
             plans.append((m, rep))
         return _Rewrite(graph, module, matcher, search.pos).apply(plans)
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    # A rewrite allocates a few objects per node and frees few; on big graphs the cyclic
-    # collector would rescan the whole heap again and again (a third of the run time).
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def explain_no_match(gm: GraphModule | Graph, pattern: Pattern, *,

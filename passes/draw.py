@@ -36,7 +36,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node, _format_target
 from fxlite.ops import lookup
 
-from .networkx import node_input_counts, node_shape_dtype
+from .networkx import node_input_counts, node_shape_dtype, sub_graphmodule
 
 __all__ = ["draw", "to_dot"]
 
@@ -82,16 +82,6 @@ def _meta_line(node: Node) -> str:
     return f"{shape} {dtype_s}".strip()
 
 
-def _sub_graphmodule(node: Node, module: torch.nn.Module | None) -> GraphModule | None:
-    if node.op != "call_module" or module is None:
-        return None
-    try:
-        sub = module.get_submodule(node.target)
-    except AttributeError:
-        return None
-    return sub if isinstance(sub, GraphModule) else None
-
-
 class _DotWriter:
     """Accumulates DOT lines; edges are written last, at the top level."""
 
@@ -131,7 +121,7 @@ class _DotWriter:
         """
         for node in graph.nodes:
             ident = prefix + node.name
-            sub = _sub_graphmodule(node, module) if depth < _MAX_DEPTH else None
+            sub = sub_graphmodule(node, module) if depth < _MAX_DEPTH else None
             if sub is not None:
                 self.cluster(node, sub, module, prefix, indent, depth)
                 continue
@@ -182,7 +172,7 @@ class _DotWriter:
             head = op
         else:
             head = f"{op}[{_format_target(node.target)}]"
-        sub = _sub_graphmodule(node, module)
+        sub = sub_graphmodule(node, module)
         if sub is not None and sub.meta.get("fused_kind"):
             kind = f"fused {sub.meta['fused_kind']}"
         return _label(node.name, head, kind or "", _meta_line(node))

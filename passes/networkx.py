@@ -76,15 +76,21 @@ def _owner(graph_or_gm: Graph | GraphModule) -> tuple[Graph, torch.nn.Module | N
     raise TypeError(f"expected a fxlite Graph or GraphModule, not {type(graph_or_gm).__name__}")
 
 
-def _fused_kind(node: Node, module: torch.nn.Module | None) -> str | None:
-    """``meta['fused_kind']`` of a ``call_module`` node's GraphModule target, if any."""
+def sub_graphmodule(node: Node, module: torch.nn.Module | None) -> GraphModule | None:
+    """The GraphModule a ``call_module`` node calls (a fused group, say), or None."""
     if node.op != "call_module" or module is None:
         return None
     try:
         sub = module.get_submodule(node.target)
     except AttributeError:
         return None
-    return sub.meta.get("fused_kind") if isinstance(sub, GraphModule) else None
+    return sub if isinstance(sub, GraphModule) else None
+
+
+def _fused_kind(node: Node, module: torch.nn.Module | None) -> str | None:
+    """``meta['fused_kind']`` of a ``call_module`` node's GraphModule target, if any."""
+    sub = sub_graphmodule(node, module)
+    return sub.meta.get("fused_kind") if sub is not None else None
 
 
 def to_networkx(graph_or_gm: Graph | GraphModule) -> nx.DiGraph:
