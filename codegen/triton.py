@@ -40,6 +40,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 
+from .triton_binaries import binary_key, load_binary, save_binary
 from .triton_common import (
     Plan,
     analyze,
@@ -149,6 +150,7 @@ def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = T
 
 # ------------------------------------------------------------------------------ loading
 _LOAD_LOCK = threading.Lock()
+_BINARIES: dict[str, Any] = {}  # binary_key -> CompiledKernel, for this process
 _INTERPRETER_LOCK = threading.Lock()
 
 
@@ -280,8 +282,19 @@ class _Spec:
             # so two threads interpreting at once break each other: take turns.
             with _INTERPRETER_LOCK:
                 compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
+            self.last_launch = (compiled, fn, grid, args, constexprs)
+            return
+        # A binary compiled before (maybe by another process) skips Triton's JIT.
+        key = binary_key(self.src.text, variant, args, constexprs, num_warps)
+        compiled = _BINARIES.get(key) or load_binary(_cache_dir(), key, fn)
+        if compiled is not None:
+            _BINARIES[key] = compiled
+            values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*values)  # it wants all 3 dims
         else:
             compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
+            _BINARIES[key] = compiled
+            save_binary(_cache_dir(), key, compiled)
         # Remember how to repeat this exact launch without Triton's dispatcher.
         self.last_launch = (compiled, fn, grid, args, constexprs)
 
