@@ -34,8 +34,8 @@ def binary_key(source: str, variant: str, args: Sequence[Any], constexprs: dict[
     parts: list[Any] = [triton.__version__, source, variant, num_warps, sorted(constexprs.items())]
     for a in args:
         if isinstance(a, torch.Tensor):
-            parts.append((str(a.dtype), a.data_ptr() % 16 == 0,
-                          torch.cuda.get_device_capability(a.device)))
+            arch = torch.cuda.get_device_capability(a.device) if a.is_cuda else a.device.type
+            parts.append((str(a.dtype), a.data_ptr() % 16 == 0, arch))
         elif isinstance(a, bool) or isinstance(a, int):
             parts.append(a)  # exact: Triton specializes on 1, on multiples of 16, and on range
         else:
