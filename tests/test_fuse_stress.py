@@ -140,7 +140,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
     return torch.randn(R, C), torch.randn(R, C), torch.randn(R, 1), torch.randn(C)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)  # same examples in every CI run
 @given(n_nodes=st.integers(50, 500), seed=st.integers(0, 2**31),
        p_extern=st.sampled_from((0.0, 0.05, 0.15, 0.3)), p_reduce=st.sampled_from((0.0, 0.1, 0.25)))
 def test_random_dags(n_nodes: int, seed: int, p_extern: float, p_reduce: float) -> None:

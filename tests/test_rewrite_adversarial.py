@@ -209,7 +209,7 @@ BLOCKS = {  # name -> (block, whether it is a rewritable match of relu(x + 1.0))
 }
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)  # same examples in every CI run
 @given(st.lists(st.tuples(st.sampled_from(sorted(BLOCKS)), st.booleans()), min_size=1, max_size=12))
 def test_random_chains_rewrite_exactly_the_safe_matches(blocks):
     def model(x):
