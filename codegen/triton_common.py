@@ -357,12 +357,12 @@ class _Builder:
         self.values.append(v)
         return v
 
-    def operand(self, a: Any, node: Node) -> Any:
+    def operand(self, a: Any, node: Node, any_dims: bool = False) -> Any:
         if isinstance(a, Node):
             v = self.env.get(a)
             if v is None:
                 raise Unsupported(f"{node.name}: argument {a.name} is not a group value")
-            if v.kind not in ("scalar",) and v.dims != _natural(len(v.dims), self.r):
+            if not any_dims and v.kind not in ("scalar",) and v.dims != _natural(len(v.dims), self.r):
                 raise Unsupported(f"{node.name}: uses a keepdim=False reduction elementwise")
             return v
         if isinstance(a, (list, tuple, dict, slice)) or isinstance(a, torch.Tensor):
@@ -419,13 +419,22 @@ class _Builder:
             if bound.get(k) not in (False, None):
                 raise Unsupported(f"{node.name}: {k}={bound[k]!r}")
             bound.pop(k, None)
-        args = {k: self.operand(a, node) for k, a in bound.items()}
+        args = {k: self.operand(a, node, any_dims=True) for k, a in bound.items()}
         tm = self.meta(node)
         ops = [a for a in args.values() if isinstance(a, Value)]
         if not ops:
             raise Unsupported(f"{node.name}: no tensor operand")
+        dims = _natural(len(tm.shape), self.r)
+        tensors = [a for a in ops if a.kind != "scalar"]
+        if any(a.dims != _natural(len(a.dims), self.r) for a in tensors):
+            # A keepdim=False reduction's result sits at its kept dims, not right-aligned:
+            # fine when every tensor operand sits there too (``sum(x, -1) / n``), since
+            # torch's broadcasting would otherwise align them differently.
+            if len({a.dims for a in tensors}) != 1:
+                raise Unsupported(f"{node.name}: uses a keepdim=False reduction elementwise")
+            dims = tensors[0].dims
         span = frozenset().union(*(a.span for a in ops))
-        v = Value(self.fresh(node.name), "pw", tm.dtype, _natural(len(tm.shape), self.r), span,
+        v = Value(self.fresh(node.name), "pw", tm.dtype, dims, span,
                   op=name, args=args, node=node.name, exact=name == "to")
         self.check_shape(v, node)
         self.env[node] = self.add(v)

@@ -236,10 +236,24 @@ def test_element_counts_are_read_at_run_time():
         x, w, b = rand(*shape), rand(shape[-1]), rand(shape[-1])
         torch.testing.assert_close(c_ln(x, w, b), layer_norm(x, w, b))
         torch.testing.assert_close(c_centre(x), centre(x))
-        out, _ = run_quiet(c_mean, x)
-        torch.testing.assert_close(out, row_mean(x))
-        kernels = kernels or (c_ln.kernels, c_centre.kernels)
-        assert (c_ln.kernels, c_centre.kernels) == kernels
+        torch.testing.assert_close(c_mean(x), row_mean(x))
+        kernels = kernels or (c_ln.kernels, c_centre.kernels, c_mean.kernels)
+        assert (c_ln.kernels, c_centre.kernels, c_mean.kernels) == kernels
+
+
+@pytest.mark.parametrize("fn", [row_mean, lambda x: x.sum(-1) * 2 + 1,
+                                lambda x: x.amax(-1) - x.amin(-1),
+                                lambda x: torch.sqrt(x.var(-1) + 1e-5),
+                                lambda x: x.mean((0, 2)) + 1],
+                         ids=["mean", "sum_epilogue", "range", "std", "mean_dims"])
+def test_reductions_without_keepdim_are_one_kernel(fn):
+    # Regression: a keepdim=False result used elementwise (mean = sum / n) ran in eager.
+    x = rand(3, 4, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        c = fxlite.compile(fn)
+        torch.testing.assert_close(c(x), fn(x))
+    assert len(c.kernels) == 1 and c.fallbacks == []
 
 
 def test_new_rank_or_dtype_compiles_again_and_is_right():
