@@ -92,10 +92,17 @@ class ShapeProp(Interpreter):
 
     Example::
 
-        gm = fxlite.symbolic_trace(model)
+        gm = fxlite.symbolic_trace(lambda x: torch.relu(x) + 1)
         ShapeProp(gm).propagate(torch.randn(2, 3))
-        for node in gm.graph.nodes:
-            print(node.name, node.meta["tensor_meta"].shape)
+        gm.graph.print_tabular()
+
+        # before: opcode, name, target, args, kwargs
+        # after:  the same columns plus shape and dtype
+        # opcode         name    target                   args       kwargs    shape    dtype
+        # placeholder    x       x                        ()         {}        (2, 3)   float32
+        # call_function  relu    <built-in method relu>   (x,)       {}        (2, 3)   float32
+        # call_function  add     <built-in function add>  (relu, 1)  {}        (2, 3)   float32
+        # output         output  output                   (add,)     {}        (2, 3)   float32
     """
 
     def run_node(self, n: Node) -> Any:
