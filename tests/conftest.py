@@ -1,4 +1,5 @@
-"""Shared pytest setup: import paths, a fixed random seed, and the ``gpu`` marker.
+"""Shared pytest setup: import paths, the Triton interpreter on CPU-only machines, a
+fixed random seed, and the ``gpu`` marker.
 
 CI installs the package in editable mode (``pip install -e .``), which maps the folders
 ``passes/`` and ``codegen/`` to ``fxlite.passes`` and ``fxlite.codegen``. So that a plain
@@ -11,11 +12,17 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, generated kernels run through Triton's interpreter. It must be chosen
+# before anything imports triton, so it is set here, ahead of every test module.
+if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
 _FOLDERS = {"fxlite.passes": ROOT / "passes", "fxlite.codegen": ROOT / "codegen"}

@@ -7,18 +7,6 @@ interpreter off. Shapes are tiny: the interpreter is slow.
 
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("TRITON_INTERPRET"):
-    try:
-        import torch as _torch
-
-        _gpu = _torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        _gpu = False
-    if not _gpu:
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import copy
 import inspect
 import re

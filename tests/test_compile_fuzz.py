@@ -10,14 +10,6 @@ vectorized float32 CPU kernel gives NaN (see the reference below).
 
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("TRITON_INTERPRET"):
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import warnings
 
 import pytest

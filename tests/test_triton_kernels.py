@@ -8,17 +8,6 @@ run natively on the GPU. Shapes are small so the interpreter stays fast.
 from __future__ import annotations
 
 import os
-
-if not os.environ.get("TRITON_INTERPRET"):
-    try:
-        import torch as _torch
-
-        _gpu = _torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        _gpu = False
-    if not _gpu:
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import re
 from pathlib import Path
 
