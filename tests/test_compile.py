@@ -1,7 +1,7 @@
 """Tests of ``fxlite.compile``: one fused kernel per group, checked fallbacks, guards.
 
 On a CPU-only machine the kernels run through Triton's interpreter (TRITON_INTERPRET=1,
-set below before anything imports triton); tests marked ``gpu`` need CUDA with the
+set by conftest.py before anything imports triton); tests marked ``gpu`` need CUDA with the
 interpreter off. Shapes are tiny: the interpreter is slow.
 """
 

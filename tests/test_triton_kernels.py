@@ -1,7 +1,7 @@
 """Differential tests of the Triton kernel generator against eager PyTorch.
 
 On a CPU-only machine kernels run through Triton's interpreter (TRITON_INTERPRET=1, set
-below unless the environment says otherwise); with CUDA and TRITON_INTERPRET unset they
+by conftest.py unless the environment says otherwise); with CUDA and TRITON_INTERPRET unset they
 run natively on the GPU. Shapes are small so the interpreter stays fast.
 """
 
