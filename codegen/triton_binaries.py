@@ -26,12 +26,17 @@ import torch
 __all__ = ["binary_key", "load_binary", "save_binary"]
 
 
-def binary_key(source: str, variant: str, args: Sequence[Any], constexprs: dict[str, Any],
+def binary_key(source_id: str, variant: str, args: Sequence[Any], constexprs: dict[str, Any],
                num_warps: int) -> str:
-    """What a compiled binary depends on: Triton specializes on all of these."""
+    """What a compiled binary depends on: Triton specializes on all of these.
+
+    ``source_id`` names the kernel source (its module name, which holds a digest of the
+    text), so the source itself is not re-hashed on every launch that reaches here.
+    """
     import triton
 
-    parts: list[Any] = [triton.__version__, source, variant, num_warps, sorted(constexprs.items())]
+    parts: list[Any] = [triton.__version__, source_id, variant, num_warps,
+                        sorted(constexprs.items())]
     for a in args:
         if isinstance(a, torch.Tensor):
             arch = torch.cuda.get_device_capability(a.device) if a.is_cuda else a.device.type
