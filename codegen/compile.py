@@ -20,7 +20,6 @@ import functools
 import inspect
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +73,6 @@ class _Entry:
     kernels: list[Any] = field(default_factory=list)
     records: list[KernelRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
-    compile_seconds: float = 0.0
 
 
 class _KernelCheck(Interpreter):
@@ -219,7 +217,6 @@ class CompiledFunction:
 
     # ------------------------------------------------------------------ compiling
     def _compile(self, args: tuple) -> _Entry:
-        start = time.perf_counter()
         try:
             gm = symbolic_trace(self._fn)
         except TraceError as e:
@@ -230,12 +227,10 @@ class CompiledFunction:
             _warn_once(f"fxlite.compile: {reason}\n{e}")
             return _Entry(run=self._fn, fallbacks=[reason])
         if callable(self._backend):
-            return _Entry(run=self._backend(gm, list(args)), gm=gm,
-                          compile_seconds=time.perf_counter() - start)
+            return _Entry(run=self._backend(gm, list(args)), gm=gm)
         entry = _Entry(run=_direct_forward(gm), gm=gm)
         if self._backend == "triton":
             entry = self._compile_triton(gm, args) or entry
-        entry.compile_seconds = time.perf_counter() - start
         return entry
 
     def _compile_triton(self, gm: GraphModule, args: tuple) -> _Entry | None:
