@@ -77,6 +77,18 @@ def _warps(elements: int) -> int:
 
 
 
+def _row_block(cols: int) -> int:
+    """The block for a pointwise rows launch over rows of ``cols`` elements; 0: don't.
+
+    The largest power of two up to 1024 that pads a row by at most 1/8, and leaves at
+    most 65,535 blocks per row (CUDA's limit on grid axis 1).
+    """
+    for block in (1024, 512, 256, 128):
+        if triton_cdiv(cols, block) * block * 8 <= cols * 9 and triton_cdiv(cols, block) <= 65535:
+            return block
+    return 0
+
+
 def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
                   max_block: int = DEFAULT_MAX_BLOCK) -> dict[str, Any]:
     """The heuristic launch configuration.
@@ -84,7 +96,8 @@ def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
     Args:
         kind: ``"pointwise"`` (``rows`` is the element count) or ``"reduction"``.
         rows: rows of a reduction (elements of a pointwise kernel).
-        cols: elements per row.
+        cols: elements per row; for a pointwise kernel with a rows variant, the length of
+            the innermost dim (1 otherwise: the flat variant runs).
         trailing: the reduced dims are the innermost ones (rows are contiguous).
         max_block: the longest row kept in registers; longer rows loop.
 
@@ -95,8 +108,13 @@ def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
 
         launch_config("reduction", 8192, 8192)
         # {'variant': 'persistent', 'ROWS': 1, 'BLOCK_C': 8192, 'num_warps': 16, ...}
+        launch_config("pointwise", 8192 * 768, 768)
+        # {'variant': 'rows', 'BLOCK': 256, 'num_warps': 1}
     """
     if kind == "pointwise":
+        block = _row_block(cols) if rows // max(cols, 1) < 2**31 else 0
+        if block:  # the kernel's rows variant: no per-element index division
+            return {"variant": "rows", "BLOCK": block, "num_warps": max(1, min(4, block // 256))}
         return {"variant": "pointwise", "BLOCK": POINTWISE_BLOCK, "num_warps": 4}
     width = _np2(cols)
     if trailing:
@@ -134,6 +152,11 @@ def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = T
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8):
                 out.append({"variant": "pointwise", "BLOCK": block, "num_warps": warps})
+        if base["variant"] == "rows":
+            for block in (256, 512, 1024, 2048):
+                if block <= 2 * base["BLOCK"]:
+                    for warps in (1, 2, 4, 8):
+                        out.append({"variant": "rows", "BLOCK": block, "num_warps": warps})
     else:
         for warps in (2, 4, 8, 16, 32):
             out.append({**base, "num_warps": warps})
@@ -198,6 +221,7 @@ class _Spec:
         self.results = [("in", v.index) if v.kind == "input" else ("out", slot[id(v)])
                         for v in plan.outputs]
         nt = [d for d in range(plan.rank) if d not in plan.trivial]
+        self.inner = nt[-1] if nt else 0  # a pointwise rows launch runs along this dim
         self.red = [d for d in nt if d in plan.reduced]
         self.kept = [d for d in range(plan.rank) if d not in plan.reduced]
         kept_nt = [d for d in nt if d not in plan.reduced]
@@ -243,7 +267,9 @@ class _Spec:
             return found
         if self.pointwise:
             n = math.prod(shape)
-            found = {"numel": n}, self.tuned.get(None) or launch_config("pointwise", n)
+            cols = shape[self.inner] if "rows" in self.fns and n else 1
+            found = {"numel": n, "cols": cols}, self.tuned.get(None) or launch_config(
+                "pointwise", n, cols)
         else:
             rows = math.prod(shape[d] for d in self.kept)
             cols = math.prod(shape[d] for d in self.red)
@@ -263,8 +289,11 @@ class _Spec:
         if self.pointwise:
             n = counts["numel"]
             if n:
-                grid = (triton_cdiv(n, cfg["BLOCK"]),)
-                self._launch("pointwise", grid, self.args(inputs, outs, shape, counts),
+                if cfg["variant"] == "rows":
+                    grid = (n // counts["cols"], triton_cdiv(counts["cols"], cfg["BLOCK"]))
+                else:
+                    grid = (triton_cdiv(n, cfg["BLOCK"]),)
+                self._launch(cfg["variant"], grid, self.args(inputs, outs, shape, counts),
                              {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
             return outs
         if counts["cols"] == 0 and self.needs_nonempty:

@@ -1,4 +1,4 @@
-"""Pointwise kernels: a 1-D grid over the iteration space, one element per lane.
+"""Pointwise kernels: one element per lane, over a flat or a rows grid.
 
 Generated source for ``relu(x + 1) * 2`` on a contiguous f32 input::
 
@@ -16,6 +16,21 @@ Generated source for ``relu(x + 1) * 2`` on a contiguous f32 input::
 Inputs that are dense with the iteration space's shape use the linear index ``offs``;
 any other input (broadcast, transposed, sliced, expanded) splits ``offs`` into per-dim
 indices with the runtime sizes and dots them with its runtime strides.
+
+That split costs an integer division per element and dim, which is measurable at full
+memory bandwidth. So a kernel that needs it also gets a *rows* variant (``<name>_rows``):
+grid axis 0 runs over the rows of the innermost dim and axis 1 over blocks of a row, so
+the inner index is the lane's column and the outer indices are split once per program
+from the row number. The launcher picks the rows variant when a row is wide enough to
+fill blocks without much padding (:func:`~fxlite.codegen.triton.launch_config`)::
+
+    pid = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < cols
+    offs = pid * cols + c
+    i1 = c
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    b = tl.load(b_ptr + i1 * b_stride1, mask=mask, other=0)
 """
 
 from __future__ import annotations
@@ -40,6 +55,11 @@ __all__ = ["build_pointwise"]
 def _strided(name: str, dims: list[int]) -> tuple[str, tuple[tuple[int, str], ...]]:
     strides = tuple((d, f"{name}_stride{d}") for d in dims)
     return " + ".join(f"i{d} * {s}" for d, s in strides), strides
+
+
+def _along(acc: Access, dim: int) -> bool:
+    """Whether ``acc``'s offset varies along iteration dim ``dim``."""
+    return acc.offset == "offs" or any(d == dim for d, _ in acc.strides)
 
 
 def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
@@ -82,27 +102,52 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             needed |= every
         stores.append((j, v, acc))
 
-    e = Emitter(libdevice=libdevice)
-    ind = "    "
     pid = "tl.program_id(0).to(tl.int64)" if plan.int64 else "tl.program_id(0)"
-    e.lines += [f"{ind}pid = {pid}", f"{ind}offs = pid * BLOCK + tl.arange(0, BLOCK)",
-                f"{ind}mask = offs < numel"]
-    decompose(e.lines, "offs", nt, needed, ind, "rem")
-    e.lines += scalar_lines(plan, used, "[BLOCK]", ind)
-    for v, acc in loads:
-        e.lines.append(ind + load_line(v, acc, "mask", "[BLOCK]"))
-    for v in plan.values:
-        if v.kind in ("pw", "count"):
-            emit_value(e, v, ind)
-    for j, v, acc in stores:
-        pad = "" if acc.offset else " + 0 * offs"
-        e.lines.append(ind + store_line(e, f"out{j}_ptr", v, acc, "mask", pad))
-    body = "\n".join(e.lines)
-    fn = plan.name
-    sig, args, nospec = signature(plan, body, used, loads, stores, ["numel"])
+    ind = "    "
+    flat = [f"{ind}pid = {pid}", f"{ind}offs = pid * BLOCK + tl.arange(0, BLOCK)",
+            f"{ind}mask = offs < numel"]
+    decompose(flat, "offs", nt, needed, ind, "rem")
+    variants = [("pointwise", plan.name, flat)]
+    if needed and len(nt) >= 2:
+        # Rows of the innermost dim on grid axis 0, blocks of it on axis 1: the outer
+        # indices come from one scalar per program, so no lane divides by a size.
+        inner = nt[-1]
+        col = "tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)"
+        rows = [f"{ind}pid = {pid}",
+                f"{ind}c = ({col}).to(tl.int64)" if plan.int64 else f"{ind}c = {col}",
+                f"{ind}mask = c < cols", f"{ind}offs = pid * cols + c"]
+        if inner in needed:
+            rows.append(f"{ind}i{inner} = c")
+        decompose(rows, "pid", nt[:-1], needed - {inner}, ind, "rem")
+        variants.append(("rows", f"{plan.name}_rows", rows))
+
+    helpers: set[str] = set()
+    bodies = []
+    for variant, _, prologue in variants:
+        e = Emitter(libdevice=libdevice)
+        e.lines += prologue
+        e.lines += scalar_lines(plan, used, "[BLOCK]", ind)
+        for v, acc in loads:
+            if variant == "rows" and not _along(acc, nt[-1]):
+                acc = Access(acc.offset, frozenset(), acc.strides)  # one element per row
+            e.lines.append(ind + load_line(v, acc, "mask", "[BLOCK]"))
+        for v in plan.values:
+            if v.kind in ("pw", "count"):
+                emit_value(e, v, ind)
+        for j, v, acc in stores:
+            if variant == "rows":
+                pad = "" if _along(acc, nt[-1]) else " + 0 * c"
+                line = store_line(e, f"out{j}_ptr", v, acc, "mask", pad, " + 0 * c")
+            else:
+                pad = "" if acc.offset else " + 0 * offs"
+                line = store_line(e, f"out{j}_ptr", v, acc, "mask", pad)
+            e.lines.append(ind + line)
+        helpers |= e.helpers
+        bodies.append("\n".join(e.lines))
+    counts = ["numel", "cols"] if len(variants) > 1 else ["numel"]
+    sig, args, nospec = signature(plan, "\n".join(bodies), used, loads, stores, counts)
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
-    text = (header(body, e.helpers) + f"\n\n{deco}\ndef {fn}({', '.join(sig)}, "
-            f"BLOCK: tl.constexpr):\n{body}\n")
-    return KernelSource(text, {"pointwise": fn}, args)
-
-
+    text = header("\n".join(bodies), helpers)
+    for (_, fn, _), body in zip(variants, bodies):
+        text += f"\n\n{deco}\ndef {fn}({', '.join(sig)}, BLOCK: tl.constexpr):\n{body}\n"
+    return KernelSource(text, {variant: fn for variant, fn, _ in variants}, args)

@@ -266,26 +266,31 @@ def scalar_dtype(v: Value) -> torch.dtype:
 def load_line(v: Value, acc: Access, mask: str, block: str) -> str:
     """``v = tl.load(...)``, converted to its compute dtype.
 
-    A single element is broadcast to ``block`` (a shape such as ``"[BLOCK]"``) so that no
-    0-d value is splat later (see HELPERS).
+    A single element (an offset that varies with no block index) is broadcast to
+    ``block`` (a shape such as ``"[BLOCK]"``) so that no 0-d value is splat later (see
+    HELPERS).
     """
     cvt = "" if compute_dtype(v.dtype) == v.dtype else f".to({tl_dtype(compute_dtype(v.dtype))})"
-    if not acc.deps:
-        return f"{v.name} = tl.broadcast_to(tl.load({v.name}_ptr){cvt}, {block})"
+    if not acc.deps:  # one element (at a per-program offset) for the whole block
+        ptr = f"{v.name}_ptr + {acc.offset}" if acc.offset else f"{v.name}_ptr"
+        return f"{v.name} = tl.broadcast_to(tl.load({ptr}){cvt}, {block})"
     return f"{v.name} = tl.load({v.name}_ptr + {acc.offset}, mask={mask}, other=0){cvt}"
 
 
-def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str) -> str:
+def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str,
+               index_pad: str = "") -> str:
     """``tl.store(...)`` of ``v``, rounded once to its storage dtype.
 
-    ``pad`` (such as ``" + 0 * r"``) broadcasts the address to the block the mask covers.
+    ``pad`` (such as ``" + 0 * r"``) broadcasts the address to the block the mask covers;
+    ``index_pad`` does the same for the indices of ``acc.mask_dims`` (per-program scalars
+    in a pointwise rows kernel).
     """
     val = v.name
     if compute_dtype(v.dtype) != v.dtype:
         if v.dtype == torch.bfloat16 and not e.libdevice:
             val = round_half(e, val, v.dtype)
         val += f".to({tl_dtype(v.dtype)})"
-    extra = "".join(f" & (i{d} == 0)" for d in acc.mask_dims)
+    extra = "".join(f" & (i{d}{index_pad} == 0)" for d in acc.mask_dims)
     off = acc.offset or "0"
     return f"tl.store({ptr} + {off}{pad}, {val}, mask={mask}{extra})"
 

@@ -343,9 +343,41 @@ def test_libdevice_path_is_emitted_for_gpus():
     assert "libdevice" not in cpu
 
 
+def test_rows_variant_for_wide_inner_dims():
+    """Broadcast or strided inputs with a wide innermost dim launch the rows variant (no
+    per-element division); narrow ones keep the flat variant. Both come from one spec."""
+    f = lambda a, b: torch.relu(a + 1) * b  # noqa: E731
+    k = check(f, rand(3, 256), rand(256))
+    assert "def k_rows(" in k.source and "i1 = c" in k.source and "% size" not in \
+        k.source.split("def k_rows(")[1]
+    spec = k._current
+    assert spec.config((3, 256))[1]["variant"] == "rows"
+    for a, b in [(rand(5, 128), rand(128)),                      # pads by nothing
+                 (rand(2, 3, 384), rand(3, 1)),                   # outer dims from the row id
+                 (rand(4, 3, 129), rand(1, 3, 129)),              # a ragged last block
+                 (rand(7, 5), rand(5)),                           # narrow: the flat variant
+                 (rand(256, 6).t(), rand(6, 1)),                  # transposed, wide rows
+                 (rand(3, 1).expand(3, 640), rand(640)),          # expanded
+                 (rand(2, 3, 200)[:, :, ::2], rand(3, 100)),     # sliced inner dim
+                 (torch.empty(0, 256, device=DEVICE), rand(256))]:
+        same(k(a, b), f(a, b))
+    before = k.compilations
+    for a, b in [(rand(9, 512), rand(512)), (rand(4, 7), rand(7))]:  # rows, then flat
+        same(k(a, b), f(a, b))
+    assert k.compilations == before  # the variant is picked per launch, not per key
+    k2 = check(lambda a, c: (a * c, torch.relu(a * c), c * 2), rand(4, 1024), rand(1024))
+    assert k2._current.config((4, 1024))[1]["variant"] == "rows"
+    check(lambda a, c: a // c, rand(2, 256, dtype=torch.int32), rand(256, dtype=torch.int32)
+          .abs() + 1)
+    check(lambda a, c: a * c, rand(3, 256, dtype=torch.float16), rand(256))
+
+
 def test_launch_heuristic():
     assert launch_config("pointwise", 10**6) == {"variant": "pointwise", "BLOCK": 1024,
                                                   "num_warps": 4}
+    assert launch_config("pointwise", 8192 * 8192, 8192)["variant"] == "rows"
+    assert launch_config("pointwise", 64 * 768, 768)["BLOCK"] == 256  # 3 blocks, no padding
+    assert launch_config("pointwise", 64 * 100, 100)["variant"] == "pointwise"
     cfg = launch_config("reduction", 8192, 8192)
     assert cfg["variant"] == "persistent" and cfg["BLOCK_C"] == 8192 and cfg["num_warps"] == 16
     assert launch_config("reduction", 4096, 32)["ROWS"] == 64
