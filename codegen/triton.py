@@ -49,7 +49,7 @@ from .triton_common import (
     iteration_space,
     key_and_shape,
 )
-from .triton_launch import _DirectLaunch, _fingerprint
+from .triton_launch import Binary, _DirectLaunch, _fingerprint
 from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
@@ -80,11 +80,10 @@ def _warps(elements: int) -> int:
 def _row_block(cols: int) -> int:
     """The block for a pointwise rows launch over rows of ``cols`` elements; 0: don't.
 
-    The largest power of two up to 1024 that pads a row by at most 1/8, and leaves at
-    most 65,535 blocks per row (CUDA's limit on grid axis 1).
+    The largest power of two up to 1024 that pads a row by at most 1/8.
     """
     for block in (1024, 512, 256, 128):
-        if triton_cdiv(cols, block) * block * 8 <= cols * 9 and triton_cdiv(cols, block) <= 65535:
+        if triton_cdiv(cols, block) * block * 8 <= cols * 9:
             return block
     return 0
 
@@ -112,7 +111,7 @@ def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
         # {'variant': 'rows', 'BLOCK': 256, 'num_warps': 1}
     """
     if kind == "pointwise":
-        block = _row_block(cols) if rows // max(cols, 1) < 2**31 else 0
+        block = _row_block(cols)
         if block:  # the kernel's rows variant: no per-element index division
             return {"variant": "rows", "BLOCK": block, "num_warps": max(1, min(4, block // 256))}
         return {"variant": "pointwise", "BLOCK": POINTWISE_BLOCK, "num_warps": 4}
@@ -174,7 +173,7 @@ def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = T
 
 # ------------------------------------------------------------------------------ loading
 _LOAD_LOCK = threading.Lock()
-_BINARIES: dict[str, Any] = {}  # binary_key -> CompiledKernel, for this process
+_BINARIES: dict[str, Binary] = {}  # binary_key -> Binary, for this process
 _INTERPRETER_LOCK = threading.Lock()
 
 
@@ -290,7 +289,7 @@ class _Spec:
             n = counts["numel"]
             if n:
                 if cfg["variant"] == "rows":
-                    grid = (n // counts["cols"], triton_cdiv(counts["cols"], cfg["BLOCK"]))
+                    grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
                 else:
                     grid = (triton_cdiv(n, cfg["BLOCK"]),)
                 self._launch(cfg["variant"], grid, self.args(inputs, outs, shape, counts),
@@ -317,17 +316,19 @@ class _Spec:
             return
         # A binary compiled before (maybe by another process) skips Triton's JIT.
         key = binary_key(self.source_id, variant, args, constexprs, num_warps)
-        compiled = _BINARIES.get(key) or load_binary(_cache_dir(), key, fn)
-        if compiled is not None:
-            _BINARIES[key] = compiled
-            values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
-            compiled[tuple(grid) + (1,) * (3 - len(grid))](*values)  # it wants all 3 dims
-        else:
-            compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
-            _BINARIES[key] = compiled
-            save_binary(_cache_dir(), key, compiled)
+        binary = _BINARIES.get(key)
+        if binary is None:
+            found = load_binary(_cache_dir(), key, fn)
+            if found is None:  # compile only: launching through Triton would build its launcher
+                compiled = fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps)
+                save_binary(_cache_dir(), key, compiled)
+                found = compiled, False
+            binary = _BINARIES[key] = Binary(*found, key=key)
+        values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
+        device = next(a.device.index or 0 for a in args if isinstance(a, torch.Tensor))
+        binary.launch(tuple(grid) + (1,) * (3 - len(grid)), values, device)
         # Remember how to repeat this exact launch without Triton's dispatcher.
-        self.last_launch = (compiled, fn, grid, args, constexprs)
+        self.last_launch = (binary, fn, grid, args, constexprs)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -409,7 +410,10 @@ class TritonKernel:
         outs = spec.run(inputs, shape)
         if self._direct is not None:
             direct = _DirectLaunch.build(spec, inputs, outs)
-            if direct is not None and _DirectLaunch.agrees(direct, inputs, spec, outs):
+            # A binary checked before (this process or an earlier one) had its direct
+            # launch compared then; the comparison costs a first call tens of ms.
+            if direct is not None and (direct.binary.checked or _DirectLaunch.agrees(
+                    direct, inputs, spec, outs)):
                 if len(self._direct) > 64:
                     self._direct.clear()
                 self._direct[_fingerprint(inputs)] = direct
@@ -418,6 +422,25 @@ class TritonKernel:
         if structure == "single":
             return results[0]
         return tuple(results) if structure == "tuple" else results
+
+    @property
+    def checked(self) -> bool:
+        """Whether the binary of the latest launch has matched eager PyTorch before.
+
+        fxlite.compile checks each kernel's first result against eager and records the
+        outcome in the disk index of binaries, so a new process can skip the eager run.
+        Always False under the interpreter (nothing is cached there).
+        """
+        record = self._current.last_launch
+        return isinstance(record, tuple) and isinstance(record[0], Binary) and record[0].checked
+
+    def mark_checked(self) -> None:
+        """Record that the binary of the latest launch matched eager PyTorch."""
+        record = self._current.last_launch
+        if isinstance(record, tuple) and isinstance(record[0], Binary) and not record[0].checked:
+            binary = record[0]
+            binary.checked = True
+            save_binary(_cache_dir(), binary.key, binary.compiled, checked=True)
 
     def bytes_moved(self, *inputs: Any) -> int:
         """Bytes read (each input element once, broadcasts not repeated) plus written."""

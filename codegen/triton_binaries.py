@@ -6,8 +6,9 @@ compiler stack. A kernel fxlite has compiled before is fully described by its so
 its launch configuration and its arguments' types, alignments and integer values, so
 fxlite records where Triton stored the binary and loads it from there directly.
 
-Each entry is one JSON file under ``$FXLITE_CACHE_DIR/triton/binaries``. Loading is
-best-effort: a missing file, another Triton version or any error means the normal JIT
+Each entry is one JSON file under ``$FXLITE_CACHE_DIR/triton/binaries``; it also records
+whether the binary's output has been checked against eager PyTorch, so that a new process
+need not run the eager reference again. Loading is best-effort: a missing file, another Triton version or any error means the normal JIT
 path runs (and refreshes the entry).
 """
 
@@ -52,25 +53,37 @@ def _entry(cache_dir: Path, key: str) -> Path:
     return cache_dir / "binaries" / f"{key}.json"
 
 
-def save_binary(cache_dir: Path, key: str, compiled: Any) -> None:
-    """Record where Triton stored ``compiled`` (a CompiledKernel), if it can be described."""
+def save_binary(cache_dir: Path, key: str, compiled: Any, checked: bool = False) -> None:
+    """Record where Triton stored ``compiled`` (a CompiledKernel), if it can be described.
+
+    ``checked``: the binary's output has matched eager PyTorch (see :func:`load_binary`).
+    """
     try:
         record = {"hash": compiled.hash, "metadata_group": dict(compiled.metadata_group),
                   "signature": list(compiled.src.signature.items()),
                   "constants": [[list(k) if isinstance(k, tuple) else k, v]
-                                for k, v in compiled.src.constants.items()]}
+                                for k, v in compiled.src.constants.items()],
+                  "checked": bool(checked)}
         text = json.dumps(record)
     except Exception:  # an unexpected Triton version or value: just don't cache it
         return
     path = _entry(cache_dir, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full cache folder: the index is only an optimization
+        pass
 
 
-def load_binary(cache_dir: Path, key: str, fn: Any) -> Any | None:
-    """The CompiledKernel recorded under ``key`` for the JIT function ``fn``, or None."""
+def load_binary(cache_dir: Path, key: str, fn: Any) -> tuple[Any, bool] | None:
+    """The CompiledKernel recorded under ``key`` for the JIT function ``fn``, or None.
+
+    Returns ``(compiled, checked)``: ``checked`` says that this binary's output matched
+    eager PyTorch in an earlier process, so fxlite.compile need not check it again.
+    Nothing is loaded onto a GPU yet.
+    """
     path = _entry(cache_dir, key)
     if not path.exists():
         return None
@@ -83,8 +96,7 @@ def load_binary(cache_dir: Path, key: str, fn: Any) -> Any | None:
         src = types.SimpleNamespace(
             fn=fn, signature=dict(record["signature"]), attrs={},
             constants={tuple(k) if isinstance(k, list) else k: v for k, v in record["constants"]})
-        compiled = CompiledKernel(src, record["metadata_group"], record["hash"])
-        compiled.run  # noqa: B018  (loads the binary and its launcher now, so errors show here)
-        return compiled
+        return CompiledKernel(src, record["metadata_group"], record["hash"]), bool(
+            record.get("checked"))
     except Exception:
         return None

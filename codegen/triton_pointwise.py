@@ -19,15 +19,16 @@ indices with the runtime sizes and dots them with its runtime strides.
 
 That split costs an integer division per element and dim, which is measurable at full
 memory bandwidth. So a kernel that needs it also gets a *rows* variant (``<name>_rows``):
-grid axis 0 runs over the rows of the innermost dim and axis 1 over blocks of a row, so
-the inner index is the lane's column and the outer indices are split once per program
-from the row number. The launcher picks the rows variant when a row is wide enough to
-fill blocks without much padding (:func:`~fxlite.codegen.triton.launch_config`)::
+each program covers one block of one row of the innermost dim, so the inner index is the
+lane's column and the outer indices are split once per program from the row number. The
+launcher picks the rows variant when a row is wide enough to fill blocks without much
+padding (:func:`~fxlite.codegen.triton.launch_config`)::
 
     pid = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    r = pid // tl.cdiv(cols, BLOCK)
+    c = (pid - r * tl.cdiv(cols, BLOCK)) * BLOCK + tl.arange(0, BLOCK)
     mask = c < cols
-    offs = pid * cols + c
+    offs = r * cols + c
     i1 = c
     x = tl.load(x_ptr + offs, mask=mask, other=0)
     b = tl.load(b_ptr + i1 * b_stride1, mask=mask, other=0)
@@ -109,16 +110,16 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     decompose(flat, "offs", nt, needed, ind, "rem")
     variants = [("pointwise", plan.name, flat)]
     if needed and len(nt) >= 2:
-        # Rows of the innermost dim on grid axis 0, blocks of it on axis 1: the outer
-        # indices come from one scalar per program, so no lane divides by a size.
+        # Each program takes one block of one row of the innermost dim (consecutive
+        # programs walk along a row): the row number and the outer indices are split
+        # once per program, so no lane divides by a size.
         inner = nt[-1]
-        col = "tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)"
-        rows = [f"{ind}pid = {pid}",
-                f"{ind}c = ({col}).to(tl.int64)" if plan.int64 else f"{ind}c = {col}",
-                f"{ind}mask = c < cols", f"{ind}offs = pid * cols + c"]
+        rows = [f"{ind}pid = {pid}", f"{ind}r = pid // tl.cdiv(cols, BLOCK)",
+                f"{ind}c = (pid - r * tl.cdiv(cols, BLOCK)) * BLOCK + tl.arange(0, BLOCK)",
+                f"{ind}mask = c < cols", f"{ind}offs = r * cols + c"]
         if inner in needed:
             rows.append(f"{ind}i{inner} = c")
-        decompose(rows, "pid", nt[:-1], needed - {inner}, ind, "rem")
+        decompose(rows, "r", nt[:-1], needed - {inner}, ind, "rem")
         variants.append(("rows", f"{plan.name}_rows", rows))
 
     helpers: set[str] = set()

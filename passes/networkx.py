@@ -8,15 +8,17 @@ grouping acyclic (``nx.is_directed_acyclic_graph``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import torch
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, _format_target, map_arg
 from fxlite.ops import lookup
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["node_input_counts", "node_shape_dtype", "to_networkx"]
 
@@ -135,6 +137,8 @@ def to_networkx(graph_or_gm: Graph | GraphModule) -> nx.DiGraph:
         list(nx.topological_sort(g))  # ['x', 'add', 'relu', 'output']
     """
     graph, module = _owner(graph_or_gm)
+    import networkx as nx  # here, not at import: it takes ~0.5 s to import, compile needs none
+
     out = nx.DiGraph()
     for node in graph.nodes:
         info = lookup(node, module)

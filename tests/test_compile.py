@@ -518,9 +518,14 @@ class FakeKernel:
 
     kind = "pointwise"
 
-    def __init__(self, group, name, offset):
+    def __init__(self, group, name, offset, checked=False):
         self.group, self.name, self.offset, self.calls = group, name, offset, 0
         self.nodes = [n.name for n in group.graph.nodes if n.op == "call_function"]
+        self.checked, self.marked = checked, 0
+
+    def mark_checked(self):
+        self.checked = True
+        self.marked += 1
 
     @property
     def __name__(self):
@@ -534,9 +539,9 @@ class FakeKernel:
         return 0
 
 
-def fake_generator(offset, made):
+def fake_generator(offset, made, checked=False):
     def generate(group, example_inputs, name="kernel", **kw):
-        made.append(FakeKernel(group, name, offset))
+        made.append(FakeKernel(group, name, offset, checked))
         return made[-1]
     return generate
 
@@ -550,6 +555,26 @@ def test_a_right_kernel_passes_the_check(monkeypatch):
     torch.testing.assert_close(c(x), relu_add_mul(x))
     assert c.kernels == made and c.fallbacks == []
     assert made[0].calls == 3  # the check, then two calls
+    assert made[0].marked == 1  # the disk index records that it passed
+
+
+def test_a_kernel_checked_in_an_earlier_process_skips_the_eager_run(monkeypatch):
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel", fake_generator(0, made, checked=True))
+    group_calls = []
+    real_call = fxlite.GraphModule.__call__
+
+    def counting_call(self, *args, **kwargs):
+        if self.meta.get("fused_kind"):
+            group_calls.append(self)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(fxlite.GraphModule, "__call__", counting_call)
+    c = fxlite.compile(relu_add_mul)
+    x = rand(4, 8)
+    torch.testing.assert_close(c(x), relu_add_mul(x))
+    # every run of the group was the fake kernel's own: eager never ran it for a check
+    assert c.kernels == made and made[0].marked == 0 and len(group_calls) == made[0].calls == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)

@@ -460,11 +460,12 @@ def test_both_expression_paths_compile_natively(libdevice):
 def test_resizes_compile_once_on_the_gpu():
     """Sizes never recompile; only a change in multiple-of-16 alignment may (see signature)."""
     x, b = rand(64, 128), rand(128)
-    k = check(lambda a, c: torch.relu(a + c) * 2, x, b)
-    fn = k._current.fns["pointwise"]  # shared with earlier tests of the same source
+    k = check(lambda a, c: torch.relu(a + c) * 2, x, b)  # the rows variant
+    check(lambda a, c: torch.relu(a + c) * 2, rand(4, 16), rand(16))  # the flat one
+    fns = k._current.fns.values()  # shared with earlier tests of the same source
 
     def compiled():
-        return sum(len(cache[0]) for cache in fn.device_caches.values())
+        return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
     before = compiled()
     for rows, cols in ((32, 48), (256, 1024), (5, 16), (3, 4096)):

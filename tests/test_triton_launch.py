@@ -8,14 +8,48 @@ from __future__ import annotations
 
 import torch
 from fxlite.codegen.triton_binaries import binary_key
-from fxlite.codegen.triton_launch import _DirectLaunch, _fingerprint
+from fxlite.codegen.triton_launch import Binary, _DirectLaunch, _fingerprint
 
 
-def _launch(structure: str, results: list, template: list, slots: list) -> tuple[_DirectLaunch, list]:
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records launches through its launcher."""
+
+    def __init__(self, calls: list) -> None:
+        self.function, self.packed_metadata, self.calls = "function", "packed", calls
+
+    def run(self, *args: object) -> None:
+        self.calls.append(("triton-launcher",) + args)
+
+    def __getitem__(self, grid: tuple):  # Triton's own launch path, hooks and all
+        return lambda *args: self.calls.append(("triton", grid) + args)
+
+
+class _StaticStandIn:
+    """Stands in for torch's static launcher with a kernel of params (x, out, n, BLOCK)."""
+
+    keep, extra, num_warps, shared, codes = [0, 1, 2], 1, 4, 0, "OOiO"
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def launch_kernel(self, *args: object) -> None:
+        self.calls.append(("static",) + args)
+
+    def function(self, device: int) -> str:
+        return f"function{device}"
+
+    def arguments(self, values):
+        return tuple(values[i] for i in self.keep) + (None,) * self.extra
+
+
+def _launch(structure: str, results: list, template: list, slots: list,
+            static: bool = False) -> tuple[_DirectLaunch, list]:
     calls: list[tuple] = []
+    binary = object.__new__(Binary)
+    binary.compiled, binary.checked, binary.key = _Compiled(calls), False, "k"
+    binary.static = _StaticStandIn(calls) if static else None
     d = _DirectLaunch()
-    d.run = lambda *a: calls.append(a)
-    d.function, d.packed, d.hooks, d.compiled = "function", "packed", (None, None), None
+    d.binary, d.hooks = binary, (None, None)
     d.grid, d.device, d.stream_of = (8, 1, 1), 0, lambda device: 1234
     d.template, d.tensor_slots = template, slots
     d.out_specs = [((4,), torch.float32, torch.device("cpu"))]
@@ -31,12 +65,32 @@ def test_generated_launcher_passes_current_inputs_and_fresh_outputs() -> None:
     first = d.fast([x, 0.5])
     second = d.fast([y, 1.5])
     assert first is not second and first.shape == (4,)
-    grid_and_handles = calls[0][:9]
+    grid_and_handles = calls[0][1:10]
     assert grid_and_handles == (8, 1, 1, 1234, "function", "packed", None, None, None)
     # inputs and scalars come from the call, outputs are new, the rest is fixed
-    assert calls[0][9] is x and calls[0][10] is first and calls[0][13] == 0.5
-    assert calls[1][9] is y and calls[1][10] is second and calls[1][13] == 1.5
-    assert calls[0][11:13] == (1024, 7) and calls[0][14] == float("inf")
+    assert calls[0][10] is x and calls[0][11] is first and calls[0][14] == 0.5
+    assert calls[1][10] is y and calls[1][11] is second and calls[1][14] == 1.5
+    assert calls[0][12:14] == (1024, 7) and calls[0][15] == float("inf")
+
+
+def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> None:
+    import fxlite.codegen.triton_launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_hooks", lambda: (None, None))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234,
+                        raising=False)
+    x, y = torch.randn(4), torch.randn(4)
+    d, calls = _launch("single", [("out", 0)], [x, None, 1024, 256],
+                       [(0, "in", 0), (1, "out", 0)], static=True)
+    first = d.fast([x])
+    d.fast([y])
+    # function, grid, warps, shared memory, codes, arguments (constexpr BLOCK dropped,
+    # a null scratch pointer added), stream
+    assert calls[0][:8] == ("static", "function0", 8, 1, 1, 4, 0, "OOiO")
+    assert calls[0][8][0] is x and calls[0][8][1] is first and calls[0][8][2:] == (1024, None)
+    assert calls[0][9] == 1234 and calls[1][8][0] is y
+    general = d([x])  # the general path launches the same way
+    assert calls[2][:8] == calls[0][:8] and calls[2][8][0] is x and calls[2][8][1] is general
 
 
 def test_generated_launcher_returns_the_group_structure() -> None:
@@ -46,17 +100,21 @@ def test_generated_launcher_returns_the_group_structure() -> None:
     assert same is x and out.shape == (4,)
 
 
-def test_hooks_take_the_general_path() -> None:
+def test_hooks_take_the_general_path(monkeypatch) -> None:
     class Chain:  # Triton's HookChain: a non-empty chain wants every launch
         calls = [lambda *a: None]
 
+    import fxlite.codegen.triton_launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_hooks", lambda: (Chain(), Chain()))
     x = torch.randn(4)
-    d, calls = _launch("single", [("out", 0)], [x, None], [(0, "in", 0), (1, "out", 0)])
-    d.hooks = (Chain(), Chain())
-    d.compiled = type("K", (), {"launch_metadata": lambda self, *a: "meta"})()
-    d.fast = d._generate()
-    d.fast([x])
-    assert calls[0][6] == "meta" and isinstance(calls[0][7], Chain)
+    for static in (False, True):
+        d, calls = _launch("single", [("out", 0)], [x, None, 1024, 256],
+                           [(0, "in", 0), (1, "out", 0)], static=static)
+        d.hooks = (Chain(), Chain())
+        d.fast = d._generate()
+        d.fast([x])
+        assert calls[0][:2] == ("triton", (8, 1, 1)) and calls[0][2] is x
 
 
 def test_fingerprint_tracks_what_specialization_depends_on() -> None:
