@@ -1,7 +1,9 @@
 """CUDA-graph replay for ``mode="reduce-overhead"``: one replay instead of N launches.
 
-A graph is captured per (input addresses, shapes) for small inputs, reading the caller's
-tensors in place, so a replay needs no input copies and reads their current contents.
+A graph is captured per (input addresses, sizes, strides, dtypes, grad mode) for small
+inputs, reading the caller's tensors in place, so a replay needs no input copies and
+reads their current contents. The compiled function looks the key up before anything
+else, so a replay costs one key, one lookup and the graph launch.
 Its outputs live in the graph's memory and would be overwritten by the next replay, so
 each key keeps two graphs and replays one whose previous outputs nobody holds any more
 (``sys.getrefcount``, where a view holds its base, plus the storage's use count, which
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CUDAGraphRunner"]
+__all__ = ["GraphReplays"]
 
 SMALL_NUMEL = 1 << 20  # inputs above this gain little from replay and cost memory
 MAX_KEYS = 16
@@ -47,51 +49,72 @@ class _Captured:
         return self._counts() == self.base
 
 
-class CUDAGraphRunner:
-    """Wraps a compiled forward; replays captured CUDA graphs for small CUDA inputs.
+class GraphReplays:
+    """The captured CUDA graphs of one compiled function (``mode="reduce-overhead"``).
 
-    Args:
-        fn: the forward to capture (its kernels must already be compiled).
+    A key holds everything a replay depends on: grad mode, the train/eval flags of the
+    model's modules, and each argument (a tensor's address, sizes, strides, dtype and
+    requires_grad; any other argument's value). So a hit can replay without the
+    compiled function's own guard.
 
     Example::
 
-        run = CUDAGraphRunner(forward)
-        out = run(x)      # first call for this input: warm up and capture
-        out = run(x)      # replay
+        graphs = GraphReplays()
+        key = graphs.key(args, flags)
+        out = graphs.replay(key)            # MISS unless captured and an output pair is free
+        if out is MISS:
+            out = graphs.run(key, forward, args)   # captures when it may, else runs forward
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
+    MISS = object()
+
+    def __init__(self) -> None:
         self._graphs: dict[tuple, list[_Captured]] = {}
         self._pool: Any = None
 
-    def __call__(self, *args: Any) -> Any:
-        key = []
+    @staticmethod
+    def key(args: tuple, flags: tuple = ()) -> tuple | None:
+        """The replay key of ``args``, or None when an argument cannot be part of one."""
+        key: list[Any] = [torch.is_grad_enabled(), flags]
         for a in args:
             if isinstance(a, torch.Tensor):
-                if not a.is_cuda or a.numel() > SMALL_NUMEL:
-                    return self._fn(*args)
-                key.append((a.data_ptr(), a.shape, a.stride()))
+                key.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.requires_grad))
+            elif a is None or type(a) in (int, float, bool, str):
+                key.append((type(a), a))
             else:
-                key.append(a)
-        k = tuple(key)
-        pair = self._graphs.get(k)
-        if pair is None:
-            if len(self._graphs) >= MAX_KEYS or torch.cuda.is_current_stream_capturing():
-                return self._fn(*args)
-            pair = self._graphs[k] = self._capture_pair(args)
-        for cap in pair:
-            if cap.free():
-                cap.graph.replay()
-                return cap.outputs
-        return self._fn(*args)
+                return None
+        return tuple(key)
 
-    def _capture_pair(self, args: tuple) -> list[_Captured]:
+    def replay(self, key: tuple | None) -> Any:
+        """Replay the graph captured for ``key`` whose outputs nobody holds, or MISS."""
+        pair = self._graphs.get(key) if key is not None else None
+        if pair is not None:
+            for cap in pair:
+                if cap.free():
+                    cap.graph.replay()
+                    return cap.outputs
+        return GraphReplays.MISS
+
+    def run(self, key: tuple | None, fn: Callable[..., Any], args: tuple) -> Any:
+        """Capture ``fn`` for ``key`` and replay it when the inputs allow; else call it."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if (key is None or key in self._graphs or len(self._graphs) >= MAX_KEYS or not tensors
+                or not all(a.is_cuda and a.numel() <= SMALL_NUMEL for a in tensors)
+                or torch.cuda.is_current_stream_capturing()):
+            return fn(*args)
+        self._graphs[key] = self._capture_pair(fn, args)
+        out = self.replay(key)
+        return fn(*args) if out is GraphReplays.MISS else out
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def _capture_pair(self, fn: Callable[..., Any], args: tuple) -> list[_Captured]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._fn(*args)  # warm-up outside capture: allocator and lazy init
+            fn(*args)  # warm-up outside capture: allocator and lazy init
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return [_Captured(self._fn, args, self._pool), _Captured(self._fn, args, self._pool)]
+        return [_Captured(fn, args, self._pool), _Captured(fn, args, self._pool)]

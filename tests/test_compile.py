@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 import fxlite.codegen.compile as compile_mod
 import fxlite.codegen.triton as triton_mod
 from _golden import assert_golden
-from fxlite.codegen.cudagraphs import CUDAGraphRunner, _Captured
+from fxlite.codegen.cudagraphs import GraphReplays, _Captured
 from fxlite.codegen.triton import interpreting
 
 import fxlite
@@ -388,7 +388,27 @@ def test_reduce_overhead_on_cpu_is_like_default():
     for _ in range(3):
         torch.testing.assert_close(c(x), relu_add_mul(x))
     assert len(c.kernels) == 1 and c.fallbacks == []
-    assert not isinstance(c._last.run, CUDAGraphRunner)  # CUDA graphs: CUDA tensors only
+    assert c._graphs is None or len(c._graphs) == 0  # CUDA graphs: CUDA tensors only
+
+
+def test_graph_replay_keys_hold_what_a_replay_depends_on():
+    x = rand(4, 8)
+    key = GraphReplays.key((x, 2), ())
+    assert key == GraphReplays.key((x, 2), ())
+    assert key != GraphReplays.key((x.clone(), 2), ())          # another address
+    assert key != GraphReplays.key((x.view(8, 4), 2), ())       # same address, other shape
+    assert key != GraphReplays.key((x.t(), 2), ())              # other strides
+    assert key != GraphReplays.key((x.view(torch.int32), 2), ())  # other dtype
+    assert key != GraphReplays.key((x, 3), ())                   # another scalar value
+    assert key != GraphReplays.key((x, 2), (False,))             # train/eval flags
+    with torch.no_grad():
+        assert key != GraphReplays.key((x, 2), ())               # grad mode
+    assert GraphReplays.key((x, [1, 2]), ()) is None             # a list: never replayed
+    graphs = GraphReplays()
+    assert graphs.replay(key) is GraphReplays.MISS and graphs.replay(None) is GraphReplays.MISS
+    out = graphs.run(key, relu_add_mul, (x,))                    # CPU inputs: no capture
+    torch.testing.assert_close(out, relu_add_mul(x))
+    assert len(graphs) == 0
 
 
 def test_graph_replay_sees_detached_and_viewed_outputs():
