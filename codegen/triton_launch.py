@@ -162,7 +162,7 @@ class _DirectLaunch:
     """
 
     __slots__ = ("binary", "grid", "stream_of", "device", "template", "tensor_slots",
-                 "out_specs", "results", "structure", "hooks", "fast")
+                 "out_specs", "results", "structure", "hooks", "fast", "like")
 
     @classmethod
     def build(cls, spec: _Spec, inputs: Sequence[Any], outs: list[torch.Tensor]
@@ -194,6 +194,16 @@ class _DirectLaunch:
                              for k, desc in enumerate(spec.src.args)
                              if desc[0] in ("in", "scalar", "out")]
         self.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in outs]
+        # An output laid out exactly like an input is allocated with empty_like(input):
+        # about half the host time of torch.empty(shape, dtype=, device=).
+        self.like = {}
+        for j, o in enumerate(outs):
+            for i, t in enumerate(inputs):
+                if (isinstance(t, torch.Tensor) and t.shape == o.shape and t.dtype == o.dtype
+                        and t.device == o.device and t.stride() == o.stride()
+                        and t.is_contiguous()):
+                    self.like[j] = i
+                    break
         self.results = spec.results
         self.structure = spec.plan.structure
         self.fast = self._generate()
@@ -207,7 +217,7 @@ class _DirectLaunch:
             def launch(inputs):
                 if _enter is not None and getattr(_enter, 'calls', True):
                     return _general(inputs)
-                o0 = _empty(_shape0, dtype=_dtype0, device=_device0)
+                o0 = _empty_like(inputs[0])
                 _launch(_function, 8, 1, 1, 4, 0, 'OOi', (inputs[0], o0, 1024), _stream(0))
                 return o0
 
@@ -219,7 +229,11 @@ class _DirectLaunch:
         lines = ["def launch(inputs):",
                  "    if _enter is not None and getattr(_enter, 'calls', True):",
                  "        return _general(inputs)"]
+        env["_empty_like"] = torch.empty_like
         for j, (shape, dtype, device) in enumerate(self.out_specs):
+            if j in self.like:  # the fingerprint fixes that input's layout
+                lines.append(f"    o{j} = _empty_like(inputs[{self.like[j]}])")
+                continue
             env[f"_shape{j}"], env[f"_dtype{j}"], env[f"_device{j}"] = shape, dtype, device
             lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
         slots = {k: (f"inputs[{i}]" if tag == "in" else f"o{i}") for k, tag, i in self.tensor_slots}

@@ -53,7 +53,7 @@ def _launch(structure: str, results: list, template: list, slots: list,
     d.grid, d.device, d.stream_of = (8, 1, 1), 0, lambda device: 1234
     d.template, d.tensor_slots = template, slots
     d.out_specs = [((4,), torch.float32, torch.device("cpu"))]
-    d.results, d.structure = results, structure
+    d.results, d.structure, d.like = results, structure, {}
     d.fast = d._generate()
     return d, calls
 
@@ -91,6 +91,16 @@ def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> N
     assert calls[0][9] == 1234 and calls[1][8][0] is y
     general = d([x])  # the general path launches the same way
     assert calls[2][:8] == calls[0][:8] and calls[2][8][0] is x and calls[2][8][1] is general
+
+
+def test_outputs_shaped_like_an_input_use_empty_like() -> None:
+    x = torch.randn(4)
+    d, calls = _launch("single", [("out", 0)], [x, None], [(0, "in", 0), (1, "out", 0)])
+    d.like = {0: 0}
+    d.fast = d._generate()
+    out = d.fast([x])
+    assert out.shape == x.shape and out.stride() == x.stride() and out is not x
+    assert calls[0][11] is out
 
 
 def test_generated_launcher_returns_the_group_structure() -> None:
