@@ -381,6 +381,13 @@ def test_launch_heuristic():
     cfg = launch_config("reduction", 8192, 8192)
     assert cfg["variant"] == "persistent" and cfg["BLOCK_C"] == 8192 and cfg["num_warps"] == 16
     assert launch_config("reduction", 4096, 32)["ROWS"] == 64
+    assert launch_config("reduction", 8192, 8192, row_inputs=2)["num_warps"] == 4
+    x, r, w = rand(4, 16), rand(4, 16), rand(16)
+    ln = fxlite.compile(lambda a, c: F.layer_norm(a, (16,), c, c))
+    add_ln = fxlite.compile(lambda a, b, c: F.layer_norm(a + b, (16,), c, c))
+    ln(x, w), add_ln(x, r, w)
+    assert ln.kernels[0]._current.row_inputs == 1  # x (w is one row for all)
+    assert add_ln.kernels[0]._current.row_inputs == 2  # x and r
     assert launch_config("reduction", 8, 100_000)["variant"] == "looped"
     assert launch_config("reduction", 8, 100, max_block=16)["variant"] == "looped"
 
