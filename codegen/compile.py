@@ -264,17 +264,17 @@ class CompiledFunction:
                        "or torch.inference_mode() to use kernels")
             return _Entry(run=_direct_forward(gm), gm=gm,
                           fallbacks=["autograd is enabled: the Python forward runs"])
+        from fxlite.codegen.cache import propagate_shapes
         from fxlite.passes.decompose import decompose
         from fxlite.passes.fuse import fuse
         from fxlite.passes.normalize import normalize
-        from fxlite.passes.shape_prop import ShapeProp
 
         with _sandbox(gm, args) as sample:
-            ShapeProp(gm).propagate(*sample)
+            propagate_shapes(gm, sample)  # ShapeProp, or what it gave an earlier process
             gm = decompose(normalize(gm))
             gm.graph.eliminate_dead_code()
             gm.recompile()
-            ShapeProp(gm).propagate(*sample)
+            propagate_shapes(gm, sample)
             fused = fuse(gm)
             check = _KernelCheck(fused, self._mode)
             check.run(*sample)

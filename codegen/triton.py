@@ -30,7 +30,6 @@ import importlib.util
 import math
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 
+from .cache import cache_root
 from .triton_binaries import binary_key, load_binary, save_binary
 from .triton_common import (
     Plan,
@@ -183,9 +183,7 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("FXLITE_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"fxlite-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-    path = Path(root) / "triton"
+    path = cache_root() / "triton"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,5 +1,5 @@
 """Shared pytest setup: import paths, the Triton interpreter on CPU-only machines, a
-fixed random seed, and the ``gpu`` marker.
+fresh fxlite cache folder, a fixed random seed, and the ``gpu`` marker.
 
 CI installs the package in editable mode (``pip install -e .``). So that a plain
 ``pytest`` from a fresh checkout works too, the checkout is put on ``sys.path`` when no
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,11 @@ import torch
 # before anything imports triton, so it is set here, ahead of every test module.
 if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Kernel sources, binaries and shape records go to a fresh folder per run: a test must
+# not pass because of what an earlier run left behind.
+if not os.environ.get("FXLITE_CACHE_DIR"):
+    os.environ["FXLITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxlite-tests-")
 
 ROOT = Path(__file__).resolve().parent.parent
 # A checkout that is not installed: put it on the path. fxlite itself then maps the
