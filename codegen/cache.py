@@ -50,7 +50,11 @@ def cache_root() -> Path:
 def _key(gm: GraphModule, args: Sequence[Any]) -> str | None:
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         return None
-    parts: list[Any] = [torch.__version__, torch.is_grad_enabled(), gm.code]
+    # Whether autograd records anything decides requires_grad of every value (the graph
+    # holds no parameters); grad mode alone does not.
+    autograd = torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    parts: list[Any] = [torch.__version__, autograd, gm.code]
     for a in args:
         if isinstance(a, torch.Tensor):
             if a.layout != torch.strided or a.is_quantized:
