@@ -377,6 +377,7 @@ def test_launch_heuristic():
                                                   "num_warps": 4}
     assert launch_config("pointwise", 8192 * 8192, 8192)["variant"] == "rows"
     assert launch_config("pointwise", 64 * 768, 768)["BLOCK"] == 256  # 3 blocks, no padding
+    assert launch_config("pointwise", 64 * 200, 200)["variant"] == "pointwise"  # 28% padding
     assert launch_config("pointwise", 64 * 100, 100)["variant"] == "pointwise"
     cfg = launch_config("reduction", 8192, 8192)
     assert cfg["variant"] == "persistent" and cfg["BLOCK_C"] == 8192 and cfg["num_warps"] == 16
@@ -465,17 +466,19 @@ def test_both_expression_paths_compile_natively(libdevice):
 
 @pytest.mark.gpu
 def test_resizes_compile_once_on_the_gpu():
-    """Sizes never recompile; only a change in multiple-of-16 alignment may (see signature)."""
-    x, b = rand(64, 128), rand(128)
-    k = check(lambda a, c: torch.relu(a + c) * 2, x, b)  # the rows variant
-    check(lambda a, c: torch.relu(a + c) * 2, rand(4, 16), rand(16))  # the flat one
+    """Sizes never recompile; only a change in multiple-of-16 alignment may (see signature),
+    or a launch configuration not used before (the flat variant, or rows of 1024 or 256)."""
+    f = lambda a, c: torch.relu(a + c) * 2  # noqa: E731
+    k = check(f, rand(64, 1024), rand(1024))      # the rows variant, blocks of 1024
+    check(f, rand(64, 256), rand(256))            # blocks of 256
+    check(f, rand(4, 16), rand(16))               # the flat variant
     fns = k._current.fns.values()  # shared with earlier tests of the same source
 
     def compiled():
         return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
     before = compiled()
-    for rows, cols in ((32, 48), (256, 1024), (5, 16), (3, 4096)):
+    for rows, cols in ((32, 48), (256, 2048), (5, 16), (3, 4096), (7, 768)):
         x2, b2 = rand(rows, cols), rand(cols)
         same(k(x2, b2), torch.relu(x2 + b2) * 2)
     assert k.compilations == 1 and compiled() == before
