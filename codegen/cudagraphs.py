@@ -26,7 +26,7 @@ MAX_KEYS = 16
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs", "flat", "base")
+    __slots__ = ("graph", "outputs", "flat", "storages", "base")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, pool: Any) -> None:
         self.graph = torch.cuda.CUDAGraph()
@@ -36,14 +36,20 @@ class _Captured:
         self.flat = [t for t in (out if isinstance(out, (tuple, list)) else [out])
                      if isinstance(t, torch.Tensor)]
         del out  # a local reference would inflate the baseline below
-        self.base = self._counts()  # our own references, before anyone else holds one
+        self.watch()
+
+    def watch(self) -> None:
+        """Take the baseline of references: ours, before anyone else holds an output."""
+        # The storages' addresses stay valid while self.flat holds the tensors.
+        self.storages = [t.untyped_storage()._cdata for t in self.flat]
+        self.base = self._counts()
 
     def _counts(self) -> list[int]:
         # Python references to the output tensors (views hold their base), plus the
         # references to their storages: ``y.detach()`` shares the memory through a new
         # tensor that does not reference ``y``.
-        return [sys.getrefcount(t) for t in self.flat] + [
-            torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in self.flat]
+        use_count = torch._C._storage_Use_Count
+        return [sys.getrefcount(t) for t in self.flat] + [use_count(s) for s in self.storages]
 
     def free(self) -> bool:
         return self._counts() == self.base
