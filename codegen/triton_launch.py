@@ -25,7 +25,8 @@ import torch
 if TYPE_CHECKING:
     from .triton import _Spec
 
-__all__ = ["DIRECT_LAUNCH_PROBLEM", "Binary", "_DirectLaunch", "_fingerprint"]
+__all__ = ["DIRECT_LAUNCH_PROBLEM", "Binary", "_DirectLaunch", "_fingerprint", "fast_key",
+           "only_kernels", "straight_line"]
 
 # Why the last attempt at a direct launch fell back to Triton's dispatcher, if one did.
 DIRECT_LAUNCH_PROBLEM: str | None = None
@@ -304,3 +305,123 @@ class _DirectLaunch:
         if self.structure == "single":
             return results[0]
         return tuple(results) if self.structure == "tuple" else results
+
+
+def fast_key(args: Sequence[Any]) -> tuple | None:
+    """What :func:`straight_line` functions are specialized on, or None (no fast path).
+
+    The launch fingerprint of every argument plus ``requires_grad``: with grad mode and
+    the model's train/eval flags (added by the caller) it fixes the compiled entry too.
+    """
+    key: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+                        a.requires_grad))
+        elif type(a) is int:
+            key.append((int, -(2**31) <= a < 2**31))
+        elif type(a) in (float, bool) or a is None:
+            key.append(type(a))
+        else:
+            return None
+    return tuple(key)
+
+
+class _NoFastPath(Exception):
+    pass
+
+
+def _kernel_call(node: Any) -> bool:
+    return (node.op == "call_function" and isinstance(getattr(node.target, "_direct", None), dict)
+            and not node.kwargs and bool(node.args))
+
+
+def only_kernels(gm: Any) -> bool:
+    """Whether ``gm``'s graph holds only kernel calls, ``getitem`` of them and its ends:
+    the graphs :func:`straight_line` can serve."""
+    import operator
+
+    return all(n.op in ("placeholder", "output") or _kernel_call(n) or (
+        n.op == "call_function" and n.target is operator.getitem) for n in gm.graph.nodes)
+
+
+def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any] | None:
+    """A forward that calls the kernels' prepared direct launches one after another.
+
+    It is valid for arguments with the :func:`fast_key` of ``args``: each kernel's inputs
+    are then arguments, other kernels' fresh outputs or literals, whose fingerprints the
+    key fixes, so no kernel needs to look its launch up again. Returns the function and
+    its result on ``args``; None when the graph holds anything else (extern ops, whose
+    outputs' layout the key does not fix) or a kernel has no launch prepared yet.
+
+    Example of what it writes for ``relu(x + 1) * 2``::
+
+        def forward(a0):
+            v1 = _L1((a0,))
+            return v1
+    """
+    import operator
+
+    from fxlite.node import Node
+
+    env: dict[Node, Any] = {}
+    names: dict[Node, str] = {}
+    namespace: dict[str, Any] = {}
+    params: list[str] = []
+    lines: list[str] = []
+
+    def expr(a: Any) -> str:
+        if isinstance(a, Node):
+            return names[a]
+        if isinstance(a, (tuple, list)):
+            inner = ", ".join(expr(x) for x in a) + ("," if len(a) == 1 else "")
+            return f"({inner})" if isinstance(a, tuple) else f"[{inner}]"
+        if a is None or type(a) in (bool, int) or (type(a) is float and math.isfinite(a)):
+            return repr(a)
+        raise _NoFastPath
+
+    def value(a: Any) -> Any:
+        if isinstance(a, Node):
+            return env[a]
+        if isinstance(a, (tuple, list)):
+            return type(a)(value(x) for x in a)
+        return a
+
+    try:
+        for node in gm.graph.nodes:
+            name = f"v{len(names)}"
+            if node.op == "placeholder":
+                if len(params) >= len(args):
+                    return None
+                name = f"a{len(params)}"
+                env[node] = args[len(params)]
+                params.append(name)
+            elif _kernel_call(node):
+                inputs = [value(a) for a in node.args]
+                launch = node.target._direct.get(_fingerprint(inputs))
+                if launch is None:
+                    return None
+                namespace[f"_L{len(names)}"] = launch.fast
+                joined = ", ".join(expr(a) for a in node.args)
+                lines.append(f"    {name} = _L{len(names)}(({joined},))")
+                env[node] = launch.fast(inputs)
+            elif (node.op == "call_function" and node.target is operator.getitem
+                  and not node.kwargs and type(node.args[1]) is int):
+                lines.append(f"    {name} = {expr(node.args[0])}[{node.args[1]}]")
+                env[node] = value(node.args[0])[node.args[1]]
+            elif node.op == "output":
+                lines.append(f"    return {expr(node.args[0])}")
+                result = value(node.args[0])
+                break
+            else:
+                return None
+            names[node] = name
+        else:
+            return None
+    except (_NoFastPath, KeyError, IndexError, TypeError):
+        return None
+    if len(params) != len(args):
+        return None
+    source = f"def forward({', '.join(params)}):\n" + "\n".join(lines) + "\n"
+    exec(compile(source, "<fxlite-straight-line>", "exec"), namespace)
+    return namespace["forward"], result

@@ -716,3 +716,22 @@ def test_gpu_reduce_overhead_keeps_outputs_the_caller_holds():
     torch.testing.assert_close(f, relu_add_mul(x))
     torch.testing.assert_close(y1, want1)
     torch.testing.assert_close(y2, want2)
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_fast_path():
+    c = fxlite.compile(relu_add_mul)
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert c._fast is not None and len(c._fast) == 1
+    for other in (torch.randn(64, 256, device="cuda"), torch.randn(256, 64, device="cuda").t(),
+                  torch.randn(64 * 256 + 1, device="cuda")[1:].view(64, 256),
+                  torch.randn(3, 5, device="cuda")):
+        for _ in range(2):
+            torch.testing.assert_close(c(other), relu_add_mul(other))
+    with_extern = fxlite.compile(lambda a: torch.relu(a.flatten(1) + 1).cumsum(1))
+    for _ in range(3):
+        torch.testing.assert_close(with_extern(x), torch.relu(x + 1).cumsum(1))
+    assert with_extern._fast is None
