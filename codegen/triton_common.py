@@ -15,20 +15,18 @@ expanded) and whether 64-bit indexing is needed. Sizes and strides are runtime a
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node
 
-from .triton_ops import REDUCTIONS, TRITON_OPS, Unsupported, compute_dtype
+from .triton_ops import REDUCTIONS, Unsupported, compute_dtype
 
 __all__ = ["Plan", "Value", "analyze", "computed_outputs", "guard_key", "iteration_space",
            "key_and_shape", "resolve", "used_values"]
@@ -42,80 +40,26 @@ _OVERSHOOT = 2**17
 IDENTITY_VIEWS = frozenset({"view", "reshape", "expand", "contiguous", "flatten", "squeeze",
                             "unsqueeze", "clone", "detach"})
 
-# Targets of ops the op table does not (yet) list, by triton_ops' canonical names.
-T = torch.Tensor
-_BY_TARGET: dict[Any, str] = {}
-for _name, _fns in {
-    "add": (torch.add, operator.add, T.add), "sub": (torch.sub, operator.sub, T.sub),
-    "rsub": (torch.rsub,), "mul": (torch.mul, operator.mul, T.mul),
-    "truediv": (torch.div, operator.truediv, T.div, torch.true_divide),
-    "floordiv": (torch.floor_divide, operator.floordiv, T.floor_divide),
-    "remainder": (torch.remainder, operator.mod, T.remainder), "fmod": (torch.fmod, T.fmod),
-    "pow": (torch.pow, operator.pow, T.pow), "neg": (torch.neg, operator.neg, T.neg),
-    "abs": (torch.abs, operator.abs, T.abs), "relu": (torch.relu, F.relu, T.relu),
-    "sigmoid": (torch.sigmoid, T.sigmoid), "tanh": (torch.tanh, T.tanh),
-    "exp": (torch.exp, T.exp), "exp2": (torch.exp2, T.exp2), "log": (torch.log, T.log),
-    "log2": (torch.log2, T.log2), "log1p": (torch.log1p, T.log1p),
-    "expm1": (torch.expm1, T.expm1), "sqrt": (torch.sqrt, T.sqrt),
-    "rsqrt": (torch.rsqrt, T.rsqrt), "sin": (torch.sin, T.sin), "cos": (torch.cos, T.cos),
-    "erf": (torch.erf, torch.special.erf, T.erf), "floor": (torch.floor, T.floor),
-    "ceil": (torch.ceil, T.ceil), "trunc": (torch.trunc, T.trunc),
-    "round": (torch.round, T.round), "sign": (torch.sign, T.sign),
-    "reciprocal": (torch.reciprocal, T.reciprocal), "square": (torch.square, T.square),
-    "gelu": (F.gelu,), "silu": (F.silu,), "softplus": (F.softplus,), "mish": (F.mish,),
-    "leaky_relu": (F.leaky_relu,), "elu": (F.elu,), "hardtanh": (F.hardtanh,),
-    "relu6": (F.relu6,), "hardsigmoid": (F.hardsigmoid,), "hardswish": (F.hardswish,),
-    "clamp": (torch.clamp, torch.clip, T.clamp, T.clip),
-    "clamp_min": (torch.clamp_min, T.clamp_min), "clamp_max": (torch.clamp_max, T.clamp_max),
-    "maximum": (torch.maximum, T.maximum), "minimum": (torch.minimum, T.minimum),
-    "where": (torch.where, T.where),
-    "eq": (torch.eq, operator.eq, T.eq), "ne": (torch.ne, operator.ne, T.ne),
-    "lt": (torch.lt, operator.lt, T.lt), "le": (torch.le, operator.le, T.le),
-    "gt": (torch.gt, operator.gt, T.gt), "ge": (torch.ge, operator.ge, T.ge),
-    "logical_and": (torch.logical_and, T.logical_and),
-    "logical_or": (torch.logical_or, T.logical_or),
-    "logical_xor": (torch.logical_xor, T.logical_xor),
-    "logical_not": (torch.logical_not, T.logical_not),
-    "bitwise_and": (torch.bitwise_and, operator.and_, T.bitwise_and),
-    "bitwise_or": (torch.bitwise_or, operator.or_, T.bitwise_or),
-    "bitwise_xor": (torch.bitwise_xor, operator.xor, T.bitwise_xor),
-    "bitwise_not": (torch.bitwise_not, operator.invert, T.bitwise_not),
-    "isnan": (torch.isnan, T.isnan), "isinf": (torch.isinf, T.isinf),
-    "isfinite": (torch.isfinite, T.isfinite),
-    "to": (T.to, T.float, T.half, T.bfloat16, T.double, T.int, T.long, T.short, T.char,
-           T.byte, T.bool, T.type_as),
-    "sum": (torch.sum, T.sum), "mean": (torch.mean, T.mean), "prod": (torch.prod, T.prod),
-    "amax": (torch.amax, T.amax), "amin": (torch.amin, T.amin), "var": (torch.var, T.var),
-    "std": (torch.std, T.std),
-    **{v: (getattr(T, v),) for v in ("view", "reshape", "expand", "contiguous", "flatten",
-                                     "squeeze", "unsqueeze", "clone", "detach")},
-}.items():
-    for _fn in _fns:
-        _BY_TARGET[_fn] = _name
-del T
+# Copies that move no data a kernel could see: a group's kernel reads the same values.
+_COPIES = {torch.Tensor.clone: "clone", torch.Tensor.detach: "detach"}
 
 
 def resolve(node: Node) -> str | None:
-    """The canonical name under which this module knows ``node``'s op, or None.
-
-    The op table is asked first; targets it does not list are looked up here.
+    """The op-table name of ``node``'s op when this module can emit it, else None.
 
     Example::
 
         resolve(node)  # "add" for torch.add, operator.add and x.add(...)
     """
     info = op_table.lookup(node)
-    known = set(TRITON_OPS) | set(REDUCTIONS) | IDENTITY_VIEWS
-    if info is not None and info.name in known:
-        return info.name
-    target: Any = node.target
-    if node.op == "call_method":
-        target = getattr(torch.Tensor, node.target, None)
-    elif node.op != "call_function":
-        return None
+    if info is not None:
+        known = info.triton is not None or info.name in REDUCTIONS or info.name in IDENTITY_VIEWS
+        return info.name if known else None
+    if node.op == "call_method" and node.target in ("clone", "detach"):
+        return node.target
     try:
-        return _BY_TARGET.get(target)
-    except TypeError:
+        return _COPIES.get(node.target) if node.op == "call_function" else None
+    except TypeError:  # an unhashable target
         return None
 
 
@@ -239,6 +183,20 @@ def guard_key(inputs: Sequence[Any]) -> tuple:
 
 
 # ------------------------------------------------------------------------------ analysis
+def _table_args(node: Node, info: op_table.OpInfo) -> dict[str, Any]:
+    """``node``'s arguments by the op table's parameter names, defaults filled in."""
+    args = op_table.canonical_args(node, info)
+    defaults = dict(info.defaults)
+    extra = [k for k in args if k not in info.params and k not in defaults]
+    if extra:
+        raise Unsupported(f"{node.name}: arguments {extra}")
+    bound = {**defaults, **args}
+    missing = [p for p in info.params if p not in bound]
+    if missing:
+        raise Unsupported(f"{node.name}: missing {missing}")
+    return bound
+
+
 def _bind(params: tuple[str, ...], defaults: dict[str, Any], node: Node) -> dict[str, Any]:
     if len(node.args) > len(params):
         raise Unsupported(f"{node.name}: too many arguments")
@@ -410,11 +368,9 @@ class _Builder:
         if name in REDUCTIONS:
             self.reduction(node, name)
             return
-        spec = TRITON_OPS[name]
-        if name == "to":
-            bound = self.to_args(node)
-        else:
-            bound = _bind(spec.params, spec.defaults, node)
+        info = op_table.lookup(node)
+        spec = info.triton
+        bound = self.to_args(node) if name == "to" else _table_args(node, info)
         for k in spec.ignore:
             if bound.get(k) not in (False, None):
                 raise Unsupported(f"{node.name}: {k}={bound[k]!r}")

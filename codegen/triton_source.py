@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from fxlite import ops as op_table
+
 from .triton_common import Plan, Value
-from .triton_ops import TRITON_OPS, Emitter, Operand, compute_dtype, tl_dtype
+from .triton_ops import Emitter, Operand, compute_dtype, tl_dtype
 
 __all__ = ["HELPERS", "Access", "KernelSource", "decompose", "emit_value", "header", "load_line",
            "scalar_dtype", "scalar_lines", "signature", "store_line"]
@@ -238,7 +240,7 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
         args = {k: operand(a, v, e) if isinstance(a, Value) else a for k, a in v.args.items()}
         if v.op == "to":
             args["_out_dtype"] = v.dtype
-        expr = TRITON_OPS[v.op].emit(e, args, ct)
+        expr = op_table.OPS[v.op].triton.emit(e, args, ct)
     e.lines.append(f"{v.name} = {expr}")
     for i in range(start, len(e.lines)):
         e.lines[i] = indent + e.lines[i]

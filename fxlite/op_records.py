@@ -87,6 +87,8 @@ _op("rsub", "pointwise", torch.rsub, (), (), params=(*_BINARY, "alpha"), default
     positional=2, swapped="sub", dtype_rule="promote")
 _op("remainder", "pointwise", torch.remainder, (operator.mod, T.remainder), ("remainder",),
     params=_BINARY, positional=2, dtype_rule="promote")
+_op("fmod", "pointwise", torch.fmod, (T.fmod,), ("fmod",), params=_BINARY, positional=2,
+    dtype_rule="promote")
 _op("maximum", "pointwise", torch.maximum, (T.maximum,), ("maximum",), params=_BINARY,
     positional=2, swapped="maximum", dtype_rule="promote")
 _op("minimum", "pointwise", torch.minimum, (T.minimum,), ("minimum",), params=_BINARY,
@@ -96,6 +98,11 @@ for _name in ("clamp_min", "clamp_max"):
         params=("input", _name[-3:]), dtype_rule="promote")
 _op("where", "pointwise", torch.where, (), (), params=("condition", *_BINARY),
     dtype_rule=lambda a: promote([a.get("input"), a.get("other")]))
+# x.where(c, y) is torch.where(c, x, y): the tensor is the input, not the condition
+_op("Tensor.where", "extern", None, (T.where,), ("where",), params=("input", "condition", "other"),
+    refine=lambda a: ("where", {"condition": a["condition"], "input": a["input"],
+                                "other": a["other"]}) if set(a) == {"input", "condition", "other"}
+    else None)
 
 # ---------------------------------------------------------------------- comparisons, logic
 # x < y, torch.lt(x, y), x.lt(y), torch.less(x, y); 2 < x swaps to x > 2.
@@ -133,6 +140,14 @@ for _name, _special in (("exp2", torch.special.exp2), ("log1p", torch.special.lo
                         ("erf", torch.special.erf), ("reciprocal", None)):
     _op(_name, "pointwise", getattr(torch, _name), (_special, getattr(T, _name)), (_name,),
         params=_UNARY, dtype_rule="float")
+_op("expm1", "pointwise", torch.expm1, (torch.special.expm1, T.expm1), ("expm1",),
+    params=_UNARY, dtype_rule="float")
+# square is pow(x, 2): bools become int64, as torch.pow(True, 2) does
+_op("square", "pointwise", torch.square, (T.square,), ("square",), params=_UNARY,
+    dtype_rule=lambda a: torch.int64 if a.get("input") == torch.bool else _input_dtype(a))
+for _name in ("isnan", "isinf", "isfinite"):
+    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=_UNARY, dtype_rule="bool")
 for _name in ("floor", "ceil", "trunc", "sign"):
     _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
         params=_UNARY, dtype_rule="same")
@@ -146,6 +161,22 @@ _amend("silu", dtype_rule="same")
 _op("softplus", "pointwise", F.softplus, (), (), modules=(nn.Softplus,),
     params=("input", "beta", "threshold"), defaults=(("beta", 1), ("threshold", 20)),
     module_kwargs=lambda m: {"beta": m.beta, "threshold": m.threshold}, dtype_rule="same")
+_INPLACE = (("inplace", False),)
+for _fn, _module in ((F.mish, nn.Mish), (F.relu6, nn.ReLU6), (F.hardsigmoid, nn.Hardsigmoid),
+                     (F.hardswish, nn.Hardswish)):
+    _op(_fn.__name__, "pointwise", _fn, (), (), modules=(_module,), params=("input", "inplace"),
+        defaults=_INPLACE, module_kwargs=lambda m: {"inplace": m.inplace}, dtype_rule="same")
+_op("leaky_relu", "pointwise", F.leaky_relu, (), (), modules=(nn.LeakyReLU,),
+    params=("input", "negative_slope", "inplace"),
+    defaults=(("negative_slope", 0.01), *_INPLACE), dtype_rule="same",
+    module_kwargs=lambda m: {"negative_slope": m.negative_slope, "inplace": m.inplace})
+_op("elu", "pointwise", F.elu, (), (), modules=(nn.ELU,), params=("input", "alpha", "inplace"),
+    defaults=(("alpha", 1.0), *_INPLACE), dtype_rule="same",
+    module_kwargs=lambda m: {"alpha": m.alpha, "inplace": m.inplace})
+_op("hardtanh", "pointwise", F.hardtanh, (), (), modules=(nn.Hardtanh,),
+    params=("input", "min_val", "max_val", "inplace"),
+    defaults=(("min_val", -1.0), ("max_val", 1.0), *_INPLACE), dtype_rule="same",
+    module_kwargs=lambda m: {"min_val": m.min_val, "max_val": m.max_val, "inplace": m.inplace})
 
 # ---------------------------------------------------------------------- casts
 # x.to(torch.float16), x.half(), x.type(torch.float16): all torch.Tensor.to(x, torch.float16).

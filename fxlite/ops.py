@@ -11,6 +11,7 @@ never grow ``if target == ...`` chains.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ class OpInfo:
             default float), ``"bool"``, ``"same"`` (the input's dtype), ``"index"`` (int64),
             or a callable ``rule(args) -> dtype`` over canonical args whose tensors are given
             as their dtypes. A ``dtype=`` argument overrides it. None: unknown.
-        triton: the Triton expression, filled in by the Triton code generator.
+        triton: how the Triton code generator emits the op (a ``TritonOp``), set by
+            :func:`amend` when ``fxlite.codegen.triton_ops`` is imported; None for ops it
+            cannot emit and before that import (the core does not import codegen).
         positional: how many leading ``params`` the canonical call passes positionally
             (the rest go by keyword); None for all of them.
         swapped: the op computing this one with ``input`` and ``other`` exchanged (``"add"``
@@ -100,6 +103,27 @@ def register(info: OpInfo) -> OpInfo:
     for t in info.modules:
         _BY_MODULE[t] = info
     return info
+
+
+def amend(updates: dict[str, dict[str, Any]]) -> None:
+    """Replace fields of registered records; every spelling keeps pointing at its record.
+
+    Code generators fill their column of the table this way: ``fxlite.codegen.triton_ops``
+    sets each op's ``triton`` emitter when it is imported.
+
+    Example::
+
+        amend({"relu": {"triton": TritonOp(_relu, ("inplace",))}})
+        OPS["relu"].triton.emit  # the emitter
+    """
+    swap: dict[int, OpInfo] = {}
+    for name, fields in updates.items():
+        old = OPS[name]
+        OPS[name] = swap[id(old)] = dataclasses.replace(old, **fields)
+    for index in (_BY_FUNCTION, _BY_METHOD, _BY_MODULE):
+        for key, info in index.items():
+            if id(info) in swap:
+                index[key] = swap[id(info)]
 
 
 def lookup(node: Node, module: torch.nn.Module | None = None) -> OpInfo | None:

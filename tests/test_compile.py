@@ -735,3 +735,16 @@ def test_gpu_straight_line_fast_path():
     for _ in range(3):
         torch.testing.assert_close(with_extern(x), torch.relu(x + 1).cumsum(1))
     assert with_extern._fast is None
+
+
+@cpu_interpreter
+def test_activation_modules_fuse_into_one_kernel():
+    # Each of these is a pointwise record of the op table, so the partitioner groups them.
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Mish(), torch.nn.Hardswish(),
+                            torch.nn.LeakyReLU(0.2), torch.nn.ELU(), torch.nn.Hardtanh(-0.5, 0.5),
+                            torch.nn.ReLU6(), torch.nn.Hardsigmoid()).eval()
+    c = fxlite.compile(m)
+    x = rand(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    assert len(c.kernels) == 1 and len(c.kernels[0].nodes) == 7 and c.fallbacks == []

@@ -202,6 +202,26 @@ def test_floor_division_and_remainder_with_negatives(dtype):
     check(lambda a, b: a % 3, signs, divisors)  # a literal divisor
 
 
+def test_the_op_table_holds_the_triton_column():
+    from fxlite.codegen.triton_ops import REDUCTIONS, TRITON_OPS
+
+    from fxlite.ops import OPS
+
+    for name, spec in TRITON_OPS.items():
+        assert OPS[name].triton is spec  # one record per op, its Triton emitter included
+    lacking = {name for name, info in OPS.items() if info.kind == "pointwise"
+               and info.triton is None and name not in REDUCTIONS}
+    # Pointwise ops with no kernel form yet: they run in eager PyTorch.
+    assert lacking == {"bitwise_left_shift", "bitwise_right_shift"}
+
+
+def test_tensor_where_takes_the_tensor_as_input():
+    # x.where(c, y) is torch.where(c, x, y); the generator once bound x as the condition.
+    x, c = rand(3, 4), rand(3, 4)
+    check(lambda a, b: a.where(b > 0, 0.0), x, c)
+    check(lambda a, b: a.where(b > 0, b), x, c)
+
+
 def test_type_promotion():
     f16, f32 = rand(3, 4, dtype=torch.float16), rand(3, 4)
     i32, i64 = rand(3, 4, dtype=torch.int32), rand(3, 4, dtype=torch.int64)
