@@ -245,7 +245,9 @@ def _looped(k: _Kernel, e: Emitter) -> None:
             if not k.full(v) and level[v] == lvl:
                 e.lines.append(ind + _store(e, k, j, v, acc))
 
-    def emit_loop(roots: list[Value], body_tail: list[str]) -> None:
+    def emit_loop(roots: list[Value], body_tail: list[str], last: bool) -> None:
+        # Cache hints: rows read again by a later loop stay in L2 (evict_last) until the
+        # last loop (evict_first); a row vector (a weight) every program reads stays too.
         cone = _cone(k, roots)
         e.lines.append(f"{ind}for c0 in range(0, cols, BLOCK_C):")
         e.lines += _col_prelude(k, "c0 + ", inner)
@@ -253,7 +255,9 @@ def _looped(k: _Kernel, e: Emitter) -> None:
             if v not in cone:
                 continue
             if v.kind == "input":
-                e.lines.append(inner + load_line(v, loads[v], _load_mask(loads[v]), "[ROWS, 1]"))
+                acc = loads[v]
+                hint = "evict_first" if last and "row" in acc.deps else "evict_last"
+                e.lines.append(inner + load_line(v, acc, _load_mask(acc), "[ROWS, 1]", hint))
             elif v.kind in ("pw", "count"):
                 emit_value(e, v, inner)
         e.lines.extend(inner + t for t in body_tail)
@@ -270,7 +274,7 @@ def _looped(k: _Kernel, e: Emitter) -> None:
             block = _reduce_input(e, v)
             comb = _combine(v.op, _reduce_ct(v), e).format(a=f"{v.name}_acc", b=block)
             tail.append(f"{v.name}_acc = {comb}")
-        emit_loop([v.args["input"] for v in reds], tail)
+        emit_loop([v.args["input"] for v in reds], tail, False)
         for v in reds:
             red = _final(v.op, _reduce_ct(v), f"{v.name}_acc", e)
             if compute_dtype(v.dtype) == torch.bool:
@@ -279,7 +283,8 @@ def _looped(k: _Kernel, e: Emitter) -> None:
         emit_rows(lvl)
     full_out = [(j, v, acc) for j, v, acc in k.stores if k.full(v)]
     if full_out:
-        emit_loop([v for _, v, _ in full_out], [_store(e, k, j, v, acc) for j, v, acc in full_out])
+        emit_loop([v for _, v, _ in full_out], [_store(e, k, j, v, acc) for j, v, acc in full_out],
+                  True)
 
 
 def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:

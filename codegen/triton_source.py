@@ -265,18 +265,19 @@ def scalar_dtype(v: Value) -> torch.dtype:
     return {bool: torch.bool, int: torch.int64}.get(v.pytype, torch.float32)
 
 
-def load_line(v: Value, acc: Access, mask: str, block: str) -> str:
+def load_line(v: Value, acc: Access, mask: str, block: str, eviction: str = "") -> str:
     """``v = tl.load(...)``, converted to its compute dtype.
 
     A single element (an offset that varies with no block index) is broadcast to
     ``block`` (a shape such as ``"[BLOCK]"``) so that no 0-d value is splat later (see
-    HELPERS).
+    HELPERS). ``eviction`` is a cache hint for the load (``"evict_last"``, ``"evict_first"``).
     """
     cvt = "" if compute_dtype(v.dtype) == v.dtype else f".to({tl_dtype(compute_dtype(v.dtype))})"
     if not acc.deps:  # one element (at a per-program offset) for the whole block
         ptr = f"{v.name}_ptr + {acc.offset}" if acc.offset else f"{v.name}_ptr"
         return f"{v.name} = tl.broadcast_to(tl.load({ptr}){cvt}, {block})"
-    return f"{v.name} = tl.load({v.name}_ptr + {acc.offset}, mask={mask}, other=0){cvt}"
+    hint = f", eviction_policy={eviction!r}" if eviction else ""
+    return f"{v.name} = tl.load({v.name}_ptr + {acc.offset}, mask={mask}, other=0{hint}){cvt}"
 
 
 def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str,
