@@ -178,7 +178,7 @@ class CompiledFunction:
             self._graphs = GraphReplays()
         # fast_key -> a forward of straight direct launches (GPU kernels only); None once
         # an entry turns out to hold other ops
-        self._fast: dict[tuple, Callable[..., Any]] | None = None
+        self._fast: dict[tuple, tuple[Callable[..., Any], _Entry]] | None = None
         self._fast_misses = 0
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
@@ -195,15 +195,17 @@ class CompiledFunction:
         graphs = self._graphs
         if graphs is not None:  # a captured CUDA graph for these very inputs: replay it
             replay_key = graphs.key(args, flags)
-            out = graphs.replay(replay_key)
-            if out is not graphs.MISS:
-                return out
+            found = graphs.replay(replay_key)
+            if found is not graphs.MISS:
+                self._last = found[1]
+                return found[0]
         fast = self._fast
         if fast is not None:  # inputs laid out as seen before: launch the kernels directly
             fkey = fast_key(args)
-            run = fast.get((torch.is_grad_enabled(), flags, fkey))
-            if run is not None:
-                return run(*args)
+            found = fast.get((torch.is_grad_enabled(), flags, fkey))
+            if found is not None:
+                self._last = found[1]
+                return found[0](*args)
         key = _guard_key(args) + flags
         entry = self._entries.get(key)
         if entry is None:
@@ -214,11 +216,11 @@ class CompiledFunction:
                     self._entries[key] = entry
         self._last = entry
         if graphs is not None and entry.kernels:
-            return graphs.run(replay_key, entry.run, args)
+            return graphs.run(replay_key, entry.run, args, entry)
         if fast is not None and entry.kernels and fkey is not None and len(fast) < 64:
             made = straight_line(entry.gm, args)
             if made is not None:
-                fast[(torch.is_grad_enabled(), flags, fkey)] = made[0]
+                fast[(torch.is_grad_enabled(), flags, fkey)] = made[0], entry
                 return made[1]
             self._fast_misses += 1  # a kernel without a prepared launch (yet)
             if not only_kernels(entry.gm) or self._fast_misses > 8:

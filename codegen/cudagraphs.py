@@ -67,15 +67,14 @@ class GraphReplays:
 
         graphs = GraphReplays()
         key = graphs.key(args, flags)
-        out = graphs.replay(key)            # MISS unless captured and an output pair is free
-        if out is MISS:
-            out = graphs.run(key, forward, args)   # captures when it may, else runs forward
+        found = graphs.replay(key)   # (outputs, tag), or MISS unless captured and one is free
+        out = graphs.run(key, forward, args) if found is MISS else found[0]
     """
 
     MISS = object()
 
     def __init__(self) -> None:
-        self._graphs: dict[tuple, list[_Captured]] = {}
+        self._graphs: dict[tuple, tuple[Any, list[_Captured]]] = {}  # key -> (tag, pair)
         self._pool: Any = None
 
     @staticmethod
@@ -92,25 +91,30 @@ class GraphReplays:
         return tuple(key)
 
     def replay(self, key: tuple | None) -> Any:
-        """Replay the graph captured for ``key`` whose outputs nobody holds, or MISS."""
-        pair = self._graphs.get(key) if key is not None else None
-        if pair is not None:
-            for cap in pair:
+        """Replay the graph captured for ``key`` whose outputs nobody holds.
+
+        Returns ``(outputs, tag)`` (the tag given to :meth:`run`), or MISS.
+        """
+        found = self._graphs.get(key) if key is not None else None
+        if found is not None:
+            for cap in found[1]:
                 if cap.free():
                     cap.graph.replay()
-                    return cap.outputs
+                    return cap.outputs, found[0]
         return GraphReplays.MISS
 
-    def run(self, key: tuple | None, fn: Callable[..., Any], args: tuple) -> Any:
-        """Capture ``fn`` for ``key`` and replay it when the inputs allow; else call it."""
+    def run(self, key: tuple | None, fn: Callable[..., Any], args: tuple, tag: Any = None) -> Any:
+        """Capture ``fn`` for ``key`` and replay it when the inputs allow; else call it.
+
+        ``tag`` comes back with every replay of this capture (the compiled entry)."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if (key is None or key in self._graphs or len(self._graphs) >= MAX_KEYS or not tensors
                 or not all(a.is_cuda and a.numel() <= SMALL_NUMEL for a in tensors)
                 or torch.cuda.is_current_stream_capturing()):
             return fn(*args)
-        self._graphs[key] = self._capture_pair(fn, args)
+        self._graphs[key] = tag, self._capture_pair(fn, args)
         out = self.replay(key)
-        return fn(*args) if out is GraphReplays.MISS else out
+        return fn(*args) if out is GraphReplays.MISS else out[0]
 
     def __len__(self) -> int:
         return len(self._graphs)
