@@ -32,7 +32,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 
-__all__ = ["cache_root", "propagate_shapes"]
+__all__ = ["cache_root", "propagate_shapes", "write_atomic"]
 
 _TYPES: dict[str, type] = {"Tensor": torch.Tensor, "int": int, "float": float, "bool": bool,
                            "NoneType": type(None), "Size": torch.Size}
@@ -45,6 +45,15 @@ def cache_root() -> Path:
     root = os.environ.get("FXLITE_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"fxlite-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     return Path(root)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (creating its folder) so that no reader, in this process
+    or another, ever sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _key(gm: GraphModule, args: Sequence[Any]) -> str | None:
@@ -129,9 +138,6 @@ def propagate_shapes(gm: GraphModule, args: Sequence[Any]) -> None:
     if record is None:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(record))
     except OSError:  # a read-only or full cache folder: the record is only an optimization
         pass

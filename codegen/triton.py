@@ -39,7 +39,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 
-from .cache import cache_root
+from .cache import cache_root, write_atomic
 from .triton_binaries import binary_key, load_binary, save_binary
 from .triton_common import (
     Plan,
@@ -199,9 +199,7 @@ def load_module(text: str, name: str) -> Any:
             return sys.modules[modname]
         path = _cache_dir() / f"{modname}.py"
         if not path.exists() or path.read_text() != text:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            write_atomic(path, text)
         spec = importlib.util.spec_from_file_location(modname, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -8,8 +8,8 @@ fxlite records where Triton stored the binary and loads it from there directly.
 
 Each entry is one JSON file under ``$FXLITE_CACHE_DIR/triton/binaries``; it also records
 whether the binary's output has been checked against eager PyTorch, so that a new process
-need not run the eager reference again. Loading is best-effort: a missing file, another Triton version or any error means the normal JIT
-path runs (and refreshes the entry).
+need not run the eager reference again. Loading is best-effort: a missing file, another
+Triton version or any error means the normal JIT path runs (and refreshes the entry).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .cache import write_atomic
 
 __all__ = ["binary_key", "load_binary", "save_binary"]
 
@@ -67,12 +69,8 @@ def save_binary(cache_dir: Path, key: str, compiled: Any, checked: bool = False)
         text = json.dumps(record)
     except Exception:  # an unexpected Triton version or value: just don't cache it
         return
-    path = _entry(cache_dir, key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(_entry(cache_dir, key), text)
     except OSError:  # a read-only or full cache folder: the index is only an optimization
         pass
 
