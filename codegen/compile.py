@@ -202,7 +202,8 @@ class CompiledFunction:
         fast = self._fast
         if fast is not None:  # inputs laid out as seen before: launch the kernels directly
             fkey = fast_key(args)
-            found = fast.get((torch.is_grad_enabled(), flags, fkey))
+            fast_id = (torch.is_grad_enabled(), flags, fkey)
+            found = fast.get(fast_id)
             if found is not None:
                 self._last = found[1]
                 return found[0](*args)
@@ -220,7 +221,7 @@ class CompiledFunction:
         if fast is not None and entry.kernels and fkey is not None and len(fast) < 64:
             made = straight_line(entry.gm, args)
             if made is not None:
-                fast[(torch.is_grad_enabled(), flags, fkey)] = made[0], entry
+                fast[fast_id] = made[0], entry
                 return made[1]
             self._fast_misses += 1  # a kernel without a prepared launch (yet)
             if not only_kernels(entry.gm) or self._fast_misses > 8:

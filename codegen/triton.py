@@ -236,7 +236,8 @@ class _Spec:
         self.pointwise = plan.kind == "pointwise"
         self.out_layout = [(tuple(v.dims), v.span, v.dtype) for _, v in self.outs]
         self.tuned: dict[Any, dict[str, Any]] = {}
-        self.last_launch: tuple | None = None
+        # (binary, grid, every argument value) of the latest GPU launch, for direct launches
+        self.last_launch: tuple[Binary, tuple[int, int, int], list[Any]] | None = None
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
     def allocate(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
@@ -318,8 +319,7 @@ class _Spec:
             # Triton's interpreter patches triton.language globally while a kernel runs,
             # so two threads interpreting at once break each other: take turns.
             with _INTERPRETER_LOCK:
-                compiled = fn[grid](*args, **constexprs, num_warps=num_warps)
-            self.last_launch = (compiled, fn, grid, args, constexprs)
+                fn[grid](*args, **constexprs, num_warps=num_warps)
             return
         # A binary compiled before (maybe by another process) skips Triton's JIT.
         key = binary_key(self.source_id, variant, args, constexprs, num_warps)
@@ -333,9 +333,10 @@ class _Spec:
             binary = _BINARIES[key] = Binary(*found, key=key)
         values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
         device = next(a.device.index or 0 for a in args if isinstance(a, torch.Tensor))
-        binary.launch(tuple(grid) + (1,) * (3 - len(grid)), values, device)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the launchers want all 3 dims
+        binary.launch(grid3, values, device)
         # Remember how to repeat this exact launch without Triton's dispatcher.
-        self.last_launch = (binary, fn, grid, args, constexprs)
+        self.last_launch = (binary, grid3, values)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -439,12 +440,12 @@ class TritonKernel:
         Always False under the interpreter (nothing is cached there).
         """
         record = self._current.last_launch
-        return isinstance(record, tuple) and isinstance(record[0], Binary) and record[0].checked
+        return record is not None and record[0].checked
 
     def mark_checked(self) -> None:
         """Record that the binary of the latest launch matched eager PyTorch."""
         record = self._current.last_launch
-        if isinstance(record, tuple) and isinstance(record[0], Binary) and not record[0].checked:
+        if record is not None and not record[0].checked:
             binary = record[0]
             binary.checked = True
             save_binary(_cache_dir(), binary.key, binary.compiled, checked=True)

@@ -172,10 +172,8 @@ class _DirectLaunch:
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
         if record is None or not tensors or not tensors[0].is_cuda:
             return None
-        binary, fn, grid, args, constexprs = record
+        binary, grid, values = record
         try:
-            names = list(fn.arg_names)
-            values = list(args) + [constexprs[n] for n in names[len(args):]]
             self = cls()
             self.hooks = _hooks()
             if binary.static is None:  # Triton's launcher: check that its handles load
@@ -185,7 +183,7 @@ class _DirectLaunch:
             DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return None
         self.binary = binary
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.grid = grid
         self.device = tensors[0].device.index or 0
         self.stream_of = torch._C._cuda_getCurrentRawStream
         # Inputs (tensors and scalars) and outputs change per call; sizes, strides and
