@@ -1,250 +1,270 @@
-"""fxlite.compile: trace a function or module, fuse it, and run Triton kernels.
+"""fxlite.compile: record a function's torch calls, compile them into kernels, replay them.
 
-On the first call with a new guard key (dtypes, ranks, devices, stride patterns, grad
-mode), the pipeline runs once::
+    call ─► key (guards.py) ─► segment tree (segments.py) ─► compiled segments ─► result
+              │ a new key, or a value read that no path has seen
+              ▼
+           record (capture.py): run the Python for real ─► cut at reads ─► compile each
+           segment (pipeline.py: functionalize, decompose, fuse, Triton, checks)
 
-    trace -> ShapeProp on the real inputs -> normalize -> decompose -> ShapeProp -> fuse
-          -> one Triton kernel per fused group (checked against eager on that call)
-          -> a regenerated Python forward that calls the kernels and torch for the rest
+The first call with a new key runs the user's function itself under the recorder, so its
+result is eager PyTorch's own. Later calls with that key replay the compiled segments;
+where Python read a tensor's value (``if x.sum() > 0``), the call reads it too and follows
+the path recorded for that value, or records the new path from that point on.
 
-Anything that cannot be compiled runs in eager PyTorch: a graph that cannot be traced,
-a group the kernel generator declines, a kernel whose first result disagrees with eager,
-and any call that needs autograd (kernels are inference-only). Each fallback is recorded
-in ``.fallbacks`` and warned about once.
+Falls back to eager PyTorch, with one warning naming the user's line, when: the function
+formats tensors as text, reads their addresses, reseeds the generator, enters inference
+mode, or changes Python state it reads (a module attribute such as a step counter); a
+function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
+and, per segment, when a pass or kernel fails or its results disagree with eager.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
-import os
+import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.report import KernelRecord, kernel_report
-from fxlite.codegen.triton_launch import fast_key, only_kernels, straight_line
+from fxlite.codegen.capture import format_site, record, recording_thread
+from fxlite.codegen.guards import StateGuard, ambient_key, input_key
+from fxlite.codegen.pipeline import compile_segment
+from fxlite.codegen.report import kernel_report
+from fxlite.codegen.segments import Segment, read_key, split
+from fxlite.codegen.structure import flatten
 
 from fxlite.graph_module import GraphModule
-from fxlite.interpreter import Interpreter
-from fxlite.node import Opcode
 from fxlite.proxy import TraceError
-from fxlite.tracer import symbolic_trace
 
-__all__ = ["CompiledFunction", "compile"]
+__all__ = ["CompiledFunction", "CompiledModule", "compile"]
 
 Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
 _warned: set[str] = set()
+_EAGER = object()  # a key or read value whose path runs in eager PyTorch
+_MODES = (None, "default", "reduce-overhead", "max-autotune")
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _guard_key(args: Sequence[Any]) -> tuple:
-    """What a compiled entry is specialized on: never sizes, so resizes reuse kernels."""
-    key: list[Any] = [torch.is_grad_enabled()]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            contiguous = a.is_contiguous()
-            key.append((a.dtype, a.device, a.dim(), contiguous, a.requires_grad,
-                        a.data_ptr() % 16 == 0,
-                        None if contiguous else tuple(s == 0 for s in a.stride())))
-        else:
-            key.append(type(a))
-    return tuple(key)
-
-
-@dataclass
-class _Entry:
-    """One compiled specialization: the function to call plus what went into it."""
-
-    run: Callable[..., Any]
-    gm: GraphModule | None = None
-    kernels: list[Any] = field(default_factory=list)
-    records: list[KernelRecord] = field(default_factory=list)
-    fallbacks: list[str] = field(default_factory=list)
-
-
-class _KernelCheck(Interpreter):
-    """Runs the fused module once, building and checking a kernel for each fused group."""
-
-    def __init__(self, gm: GraphModule, mode: str | None) -> None:
-        super().__init__(gm)
-        self.kernels: dict[str, Any] = {}
-        self.records: list[KernelRecord] = []
-        self.fallbacks: list[str] = []
-        self._mode = mode
-
-    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
-        sub = self.fetch_attr(target)
-        if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
-            return sub(*args, **kwargs)
-        from fxlite.codegen.triton import generate_kernel
-
-        try:
-            kernel = generate_kernel(sub, list(args), name=f"triton_{target}")
-        except Exception as e:  # the generator must never break a model: fall back
-            kernel, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "the kernel generator does not support it"
-        got = expected = None
-        if kernel is not None:
-            try:
-                if self._mode == "max-autotune":
-                    kernel.autotune(*args)  # time candidate block sizes and warps, keep the best
-                got = kernel(*args)
-                if not kernel.checked:  # else it matched eager before (the disk index says)
-                    expected = sub(*args)
-                    _assert_same(got, expected)
-                    kernel.mark_checked()
-            except Exception as e:
-                kernel, reason = None, f"its kernel disagreed with eager: {e}"
-        if kernel is None:
-            self.fallbacks.append(f"{target} ({', '.join(sub.meta.get('nodes', []))}) runs in "
-                                  f"eager: {reason}")
-            return sub(*args) if expected is None else expected
-        self.kernels[target] = kernel
-        result = got if expected is None else expected
-        self.records.append(KernelRecord.of(kernel, args, result))
-        return result
-
-
-def _assert_same(got: Any, expected: Any) -> None:
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError("output structure differs")
-        for g, e in zip(got, expected):
-            _assert_same(g, e)
+def warn_user(message: str) -> None:
+    """Warn once per message, attributed to the innermost frame of the user's code."""
+    if message in _warned:
         return
-    if isinstance(expected, torch.Tensor):
-        if not (expected.is_floating_point() or expected.is_complex()):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)  # integers, bool
-            return
-        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(expected.dtype, 1.3e-6)
-        atol = 1e-5 if expected.dtype == torch.float32 else tol
-        torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol, equal_nan=True)
-    elif got != expected:
-        raise AssertionError(f"{got!r} != {expected!r}")
+    _warned.add(message)
+    from fxlite.codegen.capture import _LIB_DIRS
 
-
-def _swap_in_kernels(gm: GraphModule, kernels: dict[str, Any]) -> None:
-    """Turn each ``call_module fused_i`` into a direct call of its kernel."""
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target in kernels:
-            target = node.target
-            node.op, node.target = Opcode.CALL_FUNCTION, kernels[target]
-            gm.delete_submodule(target)
-    gm.recompile()
+    level, f = 2, sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_LIB_DIRS)
+                             or f.f_code.co_filename.startswith("<")):
+        level, f = level + 1, f.f_back
+    warnings.warn(message, stacklevel=level)
 
 
 class CompiledFunction:
     """What :func:`compile` returns for a function: call it like the original.
 
     Attributes:
-        kernels: the Triton kernels of the most recent specialization (after a call).
+        kernels: the Triton kernels the latest call ran.
         fallbacks: why parts of it run in eager PyTorch.
-        code: the generated Python forward of that specialization.
+        code: the generated Python of each segment the latest call ran.
+        recompile_limit: how many paths and keys are recorded before new ones run eagerly.
     """
+
+    recompile_limit = 8
 
     def __init__(self, fn: Callable[..., Any], backend: Backend = "triton",
                  fullgraph: bool = False, mode: str | None = None) -> None:
-        if mode not in (None, "default", "reduce-overhead", "max-autotune"):
-            raise ValueError(f"unknown mode {mode!r}; expected None, 'default', "
-                             "'reduce-overhead' or 'max-autotune'")
-        if isinstance(backend, str) and backend not in ("triton", "python"):
-            raise ValueError(f"unknown backend {backend!r}; expected 'triton', 'python' or a "
-                             "callable backend(gm, example_inputs)")
+        _check_options(fn, backend, fullgraph, mode)
         self._fn, self._backend, self._fullgraph, self._mode = fn, backend, fullgraph, mode
-        self._signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
-        self._entries: dict[tuple, _Entry] = {}
-        self._lock = threading.Lock()
-        self._last: _Entry | None = None
-        self._submodules = list(fn.modules()) if isinstance(fn, torch.nn.Module) else []
+        self._guard = StateGuard(fn)
+        self._trees: dict[tuple, Any] = {}  # key -> root Segment, or _EAGER
+        self._sized: set[tuple] = set()  # keys whose recordings read sizes
+        self._recordings = 0
+        self._all_eager: str | None = None
+        self._lock = threading.RLock()
+        self._last: list[Segment] = []
+        self._alias = False  # keys hold storage sharing once a recording writes tensors
         self._graphs: Any = None  # GraphReplays, for mode="reduce-overhead" on CUDA
         if mode == "reduce-overhead" and backend == "triton" and torch.cuda.is_available():
             from fxlite.codegen.cudagraphs import GraphReplays
 
             self._graphs = GraphReplays()
-        # fast_key -> a forward of straight direct launches (GPU kernels only); None once
-        # an entry turns out to hold other ops
-        self._fast: dict[tuple, tuple[Callable[..., Any], _Entry]] | None = None
-        self._fast_misses = 0
-        if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
-            self._fast = {}
         if not isinstance(fn, torch.nn.Module):
-            functools.update_wrapper(self, fn)
+            try:
+                functools.update_wrapper(self, fn)
+            except AttributeError:  # builtins such as torch.relu have no __dict__
+                pass
 
+    # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:  # positional, in signature order; skipped defaults filled in
-            bound = self._signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            args = tuple(bound.arguments.values())
-        # kernels bake in train/eval behaviour (dropout, batch_norm)
-        flags = tuple(m.training for m in self._submodules) if self._submodules else ()
-        graphs = self._graphs
-        if graphs is not None:  # a captured CUDA graph for these very inputs: replay it
-            replay_key = graphs.key(args, flags)
-            found = graphs.replay(replay_key)
-            if found is not graphs.MISS:
-                self._last = found[1]
-                return found[0]
-        fast = self._fast
-        if fast is not None:  # inputs laid out as seen before: launch the kernels directly
-            fkey = fast_key(args)
-            fast_id = (torch.is_grad_enabled(), flags, fkey)
-            found = fast.get(fast_id)
-            if found is not None:
-                self._last = found[1]
-                return found[0](*args)
-        key = _guard_key(args) + flags
-        entry = self._entries.get(key)
-        if entry is None:
-            with self._lock:  # threads racing on a first call compile once
-                entry = self._entries.get(key)
-                if entry is None:
-                    entry = self._compile(args)
-                    self._entries[key] = entry
-        self._last = entry
-        if graphs is not None and entry.kernels:
-            return graphs.run(replay_key, entry.run, args, entry)
-        if fast is not None and entry.kernels and fkey is not None and len(fast) < 64:
-            made = straight_line(entry.gm, args)
-            if made is not None:
-                fast[fast_id] = made[0], entry
-                return made[1]
-            self._fast_misses += 1  # a kernel without a prepared launch (yet)
-            if not only_kernels(entry.gm) or self._fast_misses > 8:
-                self._fast = None  # extern ops: their outputs' layouts are not in the key
-        return entry.run(*args)
+        if self._all_eager is not None:
+            return self._fn(*args, **kwargs)
+        rec = recording_thread()
+        if rec is not None and not rec.off:  # inside another recording: be recorded
+            return self._fn(*args, **kwargs)
+        leaves, spec = flatten((args, kwargs))
+        arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
+        base = (spec, ambient_key(), input_key(leaves, False, self._alias),
+                self._guard.key(arg_modules))
+        key = base + (input_key(leaves, True),) if base in self._sized else base
+        root = self._trees.get(key)
+        if root is None:
+            with self._lock:
+                root = self._trees.get(key)
+                if root is None:
+                    return self._first(key, base, leaves, args, kwargs)
+        if root is _EAGER:
+            self._last = []
+            return self._fn(*args, **kwargs)
+        return self._walk(root, leaves, args, kwargs)
+
+    def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
+        rec = seg.recording
+        env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
+        path = []
+        while True:
+            outs = seg.run(*seg.arguments(env))
+            path.append(seg)
+            if seg.read is None:
+                self._last = path
+                return seg.result(outs)
+            env.update(zip(seg.outputs, outs))
+            child = seg.children.get(read_key(outs[0]))
+            if child is None or child is _EAGER:
+                self._last = path
+                with self._lock:
+                    return self._miss(seg, outs[0], env, leaves, args, kwargs,
+                                      eager=child is _EAGER)
+            seg = child
+
+    # ------------------------------------------------------------------ recording
+    def _first(self, key: tuple, base: tuple, leaves: list[Any], args: tuple,
+               kwargs: dict) -> Any:
+        if self._recordings >= self.recompile_limit:
+            self._over_limit(f"its inputs or state keep changing (the key differs from all "
+                             f"{len(self._trees)} recorded)")
+            return self._fn(*args, **kwargs)
+        self._recordings += 1
+        arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
+        result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
+                             fullgraph=self._fullgraph)
+        if self._stays_eager(rec, base, arg_modules, key):
+            return result
+        segments = split(rec)
+        self._compile(segments, rec, 0, _sample_env(rec, leaves))
+        _link(segments)
+        if rec.sizes_read:
+            self._sized.add(base)
+            key = base + (input_key(leaves, True),)
+        self._trees[key] = segments[0]
+        self._last = segments
+        return result
+
+    def _stays_eager(self, rec: Any, base: tuple, arg_modules: tuple, key: tuple) -> bool:
+        """Whether a recording cannot be replayed; if so, mark what runs eagerly instead."""
+        if rec.unsupported is not None:
+            if self._fullgraph:
+                raise TraceError(f"fullgraph=True, but the function cannot be captured: "
+                                 f"it {rec.unsupported}")
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: it "
+                      f"{rec.unsupported}")
+            self._trees[key] = _EAGER
+            self._last = []
+            return True
+        if self._guard.key(arg_modules) != base[3]:
+            self._all_eager = ("it changes Python state that it reads (a module attribute, "
+                               "flag or parameter)")
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: "
+                      f"{self._all_eager}; fxlite cannot replay Python side effects")
+            return True
+        if any(n.meta.get("mutated") for n in rec.graph.nodes):
+            self._alias = True
+        return False
+
+    def _miss(self, seg: Segment, value: Any, env: dict[str, Any], leaves: list[Any],
+              args: tuple, kwargs: dict, eager: bool) -> Any:
+        """A read value no recorded path has: record the rest of the path from the read."""
+        over = self._recordings >= self.recompile_limit
+        if over:
+            site = format_site(seg.read.site) if seg.read is not None else ""
+            self._over_limit(f"the value read at\n  {site}\nkeeps changing")
+        roots = self._guard.roots(leaves)
+        result, rec = record(self._fn, args, kwargs, roots=roots, prefix=seg.recording,
+                             upto=seg.index, values=env, read_value=value,
+                             record_rest=not (eager or over))
+        if eager or over:
+            return result
+        self._recordings += 1
+        key = read_key(value)
+        if rec.unsupported is not None:
+            warn_user(f"fxlite.compile: a path of {_name(self._fn)} runs in eager PyTorch: "
+                      f"it {rec.unsupported}")
+            seg.children[key] = _EAGER
+            return result
+        segments = split(rec)
+        new = segments[seg.index + 1:]
+        available = set(env) | {n for n in rec.placeholders if n}
+        for s in new:
+            missing = [n for n in s.inputs if n not in available and n not in s.seeds]
+            if missing:
+                warn_user(f"fxlite.compile: a path of {_name(self._fn)} runs in eager PyTorch: "
+                          f"it needs values ({', '.join(missing)}) the earlier segments did "
+                          "not keep")
+                seg.children[key] = _EAGER
+                return result
+            available.update(s.outputs)
+        sample = dict(env)
+        self._compile(segments, rec, seg.index + 1, sample)
+        _link(new)
+        seg.children[key] = new[0]
+        self._last = self._last + new
+        return result
+
+    def _over_limit(self, why: str) -> None:
+        warn_user(f"fxlite.compile: {_name(self._fn)} was recorded "
+                  f"{self.recompile_limit} times (recompile_limit), because {why}; new "
+                  "inputs and paths now run in eager PyTorch")
+
+    def _compile(self, segments: list[Segment], rec: Any, start: int,
+                 env: dict[str, Any]) -> None:
+        """Compile ``segments[start:]`` in path order, each checked on the values the
+        recording (or the segments before it) gave its inputs."""
+        cpu_state, devices, cuda_states = rec.rng_state
+        name = _name(self._fn)
+        warn = lambda reason: warn_user(f"fxlite.compile: in {name}, {reason}")
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(cpu_state)
+            for d, state in zip(devices, cuda_states):
+                torch.cuda.set_rng_state(state, d)
+            for seg in segments[start:]:
+                sample = []
+                for n in seg.inputs:
+                    if n in rec.pre_state:
+                        sample.append(rec.pre_state[n].clone())
+                    else:
+                        sample.append(seg.seeds[n] if n in seg.seeds else env[n])
+                backend = self._backend if not rec.unknown_pre_state else "python"
+                compiled = compile_segment(seg.gm, sample, backend=backend, mode=self._mode,
+                                           expected=_expected(rec, seg), warn=warn)
+                seg.compiled, seg.run = compiled, compiled.run
+                env.update(zip(seg.outputs, compiled.outputs or ()))
 
     # ------------------------------------------------------------------ introspection
     @property
     def kernels(self) -> list[Any]:
-        """The Triton kernels of the latest specialization."""
-        return list(self._last.kernels) if self._last else []
+        """The Triton kernels of the segments the latest call ran."""
+        return [k for seg in self._last for k in (seg.compiled.kernels if seg.compiled else [])]
 
     @property
     def fallbacks(self) -> list[str]:
-        """Why parts of the latest specialization run in eager PyTorch."""
-        return list(self._last.fallbacks) if self._last else []
+        """Why parts of the latest call run in eager PyTorch."""
+        return [f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
 
     @property
     def code(self) -> str:
-        """The generated Python forward of the latest specialization."""
-        if self._last is None or self._last.gm is None:
-            return ""
-        return self._last.gm.code
+        """The generated Python of the segments the latest call ran."""
+        parts = [seg.compiled.gm.code for seg in self._last if seg.compiled is not None]
+        return "\n".join(parts)
 
     def report(self, benchmark: bool = False) -> str:
         """Print and return a table of the kernels: name, fused ops, shapes, bytes moved.
@@ -252,98 +272,54 @@ class CompiledFunction:
         With ``benchmark=True`` each kernel is also timed on fresh inputs of the recorded
         shapes, with its GB/s and its share of a device-to-device copy of as many bytes.
         """
-        text = kernel_report(self._last.records if self._last else [], benchmark=benchmark)
+        records = [r for seg in self._last for r in (seg.compiled.records if seg.compiled else [])]
+        text = kernel_report(records, benchmark=benchmark)
         print(text)
         return text
 
-    # ------------------------------------------------------------------ compiling
-    def _compile(self, args: tuple) -> _Entry:
-        try:
-            gm = symbolic_trace(self._fn)
-        except TraceError as e:
-            if self._fullgraph:
-                raise TraceError(f"fullgraph=True, but the function cannot be captured as one "
-                                 f"graph:\n{e}") from None
-            reason = f"graph break: {str(e).splitlines()[0]}; the whole call runs in eager"
-            _warn_once(f"fxlite.compile: {reason}\n{e}")
-            return _Entry(run=self._fn, fallbacks=[reason])
-        if callable(self._backend):
-            return _Entry(run=self._backend(gm, list(args)), gm=gm)
-        entry = _Entry(run=_direct_forward(gm), gm=gm)
-        if self._backend == "triton":
-            entry = self._compile_triton(gm, args) or entry
-        return entry
 
-    def _compile_triton(self, gm: GraphModule, args: tuple) -> _Entry | None:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        on_gpu = any(t.is_cuda for t in tensors)
-        if not on_gpu and not _interpreting():
-            _warn_once("fxlite.compile: no GPU tensors and TRITON_INTERPRET is not set, so "
-                       "backend='triton' runs the regenerated Python forward instead")
-            return None
-        if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or any(
-                p.requires_grad for p in gm.parameters())):
-            _warn_once("fxlite.compile: Triton kernels are inference-only and this call needs "
-                       "autograd, so it runs the Python forward; wrap calls in torch.no_grad() "
-                       "or torch.inference_mode() to use kernels")
-            return _Entry(run=_direct_forward(gm), gm=gm,
-                          fallbacks=["autograd is enabled: the Python forward runs"])
-        from fxlite.codegen.cache import propagate_shapes
-        from fxlite.passes.decompose import decompose
-        from fxlite.passes.fuse import fuse
-        from fxlite.passes.normalize import normalize
-
-        with _sandbox(gm, args) as sample:
-            propagate_shapes(gm, sample)  # ShapeProp, or what it gave an earlier process
-            gm = decompose(normalize(gm))
-            gm.graph.eliminate_dead_code()
-            gm.recompile()
-            propagate_shapes(gm, sample)
-            fused = fuse(gm)
-            check = _KernelCheck(fused, self._mode)
-            check.run(*sample)
-        for reason in check.fallbacks:
-            _warn_once(f"fxlite.compile: {reason}")
-        _swap_in_kernels(fused, check.kernels)
-        run = _direct_forward(fused)
-        return _Entry(run=run, gm=fused, kernels=list(check.kernels.values()),
-                      records=check.records, fallbacks=check.fallbacks)
+def _sample_env(rec: Any, leaves: list[Any]) -> dict[str, Any]:
+    return {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
 
 
-def _private_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its own storage but the same offset, sizes and strides."""
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
-    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+def _expected(rec: Any, seg: Segment) -> list[Any]:
+    """Per output of ``seg``, the tensor eager PyTorch computed (None where unknown)."""
+    out: list[Any] = []
+    for i, name in enumerate(seg.outputs):
+        found = rec.expected.get(name)
+        value = found[0]() if found is not None and (i > 0 or seg.read is None) else None
+        out.append(value if value is not None and value._version == found[1] else None)
+    return out
 
 
-@contextlib.contextmanager
-def _sandbox(gm: GraphModule, args: tuple) -> Iterator[tuple]:
-    """Inputs for the compile-time runs (ShapeProp twice, the kernel check), which must
-    leave no trace: the first call would otherwise apply in-place ops on the caller's
-    tensors several times, update module buffers (BatchNorm statistics in training mode)
-    several times, and advance the random generators that the real run then uses."""
-    from fxlite.ops import is_impure
-
-    mutates = any(is_impure(n, gm) or n.op == Opcode.CALL_MODULE and getattr(
-        gm.get_submodule(n.target), "inplace", False) is True for n in gm.graph.nodes
-        if n.op not in (Opcode.PLACEHOLDER, Opcode.OUTPUT))
-    sample = tuple(_private_copy(a) if mutates and isinstance(a, torch.Tensor) else a
-                   for a in args)
-    saved = [(b, b.clone()) for b in gm.buffers()]
-    devices = sorted({a.device.index or 0 for a in args
-                      if isinstance(a, torch.Tensor) and a.is_cuda})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield sample
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+def _link(segments: list[Segment]) -> None:
+    for seg, nxt in zip(segments, segments[1:]):
+        assert seg.read is not None
+        seg.children[read_key(seg.read.value)] = nxt
 
 
-def _direct_forward(gm: GraphModule) -> Callable[..., Any]:
-    # Calling forward directly skips nn.Module.__call__ and its hook checks: host time.
-    return functools.partial(type(gm).forward, gm)
+def _name(fn: Any) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _check_options(fn: Any, backend: Any, fullgraph: Any, mode: Any) -> None:
+    if isinstance(fn, type):
+        raise TypeError(f"fxlite.compile expects a function or a module instance, got the "
+                        f"class {fn.__name__}; create the module first: "
+                        f"fxlite.compile({fn.__name__}(...))")
+    if not callable(fn):
+        raise TypeError(f"fxlite.compile expects a function or an nn.Module, got "
+                        f"{type(fn).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected None, 'default', "
+                         "'reduce-overhead' or 'max-autotune'")
+    if not (callable(backend) or backend in ("triton", "python")):
+        raise ValueError(f"unknown backend {backend!r}; expected 'triton', 'python' or a "
+                         "callable backend(gm, example_inputs)")
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"fullgraph must be True or False, not {fullgraph!r}")
 
 
 class CompiledModule(torch.nn.Module):
@@ -372,11 +348,30 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
             mode: str | None = None) -> Any:
     """Compile a function or module, as ``torch.compile`` does.
 
+    The first call with new inputs runs ``fn`` eagerly while recording its torch calls;
+    later calls replay them as fused Triton kernels (the ``"triton"`` backend) and
+    regenerated Python. Python control flow on tensor values splits the recording into
+    segments, each compiled; a value not seen before records the rest of that path.
+
+    What is guarded (checked on every call): argument structure, tensor dtypes, devices,
+    ranks, layouts and ``requires_grad`` (and sizes, once the code reads one); other
+    arguments by value or identity; the state of reachable modules (training flag,
+    parameters, buffers, hooks, plain attributes); closure cells, defaults and the
+    globals the function's own code names; grad mode, autocast and the default dtype.
+    Not guarded: globals read by other functions, attributes of non-module objects.
+
+    What falls back to eager PyTorch, with one warning naming the line: formatting a
+    tensor as text, reading its address, reseeding, changing Python state the function
+    reads; more than ``CompiledFunction.recompile_limit`` recordings; and any segment
+    whose passes or kernels fail or disagree with eager on the recording's inputs.
+    Calls that need autograd run the recorded ops (kernels are inference-only).
+
     Args:
         fn: a function or ``nn.Module``; omit it to use ``@fxlite.compile(...)``.
-        backend: ``"triton"`` (fused kernels), ``"python"`` (the regenerated forward only),
-            or a callable ``backend(gm, example_inputs) -> callable``.
-        fullgraph: raise instead of falling back to eager when tracing fails.
+        backend: ``"triton"`` (fused kernels), ``"python"`` (the recorded ops as Python),
+            or a callable ``backend(gm, example_inputs) -> callable`` given each segment.
+        fullgraph: raise :class:`fxlite.TraceError` (naming the line) instead of splitting
+            the function where it reads a tensor's value, or falling back to eager.
         mode: None, ``"reduce-overhead"`` (replay CUDA graphs for small inputs) or
             ``"max-autotune"`` (try several block sizes per kernel).
 
@@ -393,8 +388,10 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         print(f.kernels[0].source)
     """
     if fn is None:
+        _check_options(lambda: None, backend, fullgraph, mode)
         return functools.partial(compile, backend=backend, fullgraph=fullgraph, mode=mode)
     compiled = CompiledFunction(fn, backend, fullgraph, mode)
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, compiled)
     return compiled
+

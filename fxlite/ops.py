@@ -232,6 +232,8 @@ def is_impure(node: Node, module: torch.nn.Module | None = None) -> bool:
     """
     if node.op in ("placeholder", "output"):
         return True
+    if node.meta.get("impure"):  # the capture saw it write, draw random numbers, or act
+        return True
     if "out" in node.kwargs or node.kwargs.get("inplace") is True:
         return True
     info = lookup(node, module)

@@ -124,7 +124,7 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
 def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule]
            ) -> tuple[Rule, tuple, dict[str, Any]] | None:
     """The rule for ``node`` and the arguments of its canonical call, or None."""
-    if node.op not in ("call_function", "call_method", "call_module"):
+    if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
         return None
     found = resolve(node, gm)
     if found is None:

@@ -110,7 +110,7 @@ def _plain(tm: TensorMetadata) -> bool:
 
 def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     """The node's fusion class, or None when it must stay outside every group."""
-    if node.op not in ("call_function", "call_method", "call_module"):
+    if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
         return None
     info = lookup(node, module)
     if info is None or info.kind not in ("pointwise", "reduction", "view"):

@@ -44,9 +44,14 @@ def _fresh_warnings(monkeypatch):
 
 @pytest.fixture
 def traces(monkeypatch):
-    """The functions fxlite.compile traced, in order (one entry per trace)."""
-    seen, real = [], compile_mod.symbolic_trace
-    monkeypatch.setattr(compile_mod, "symbolic_trace", lambda fn: seen.append(fn) or real(fn))
+    """The functions fxlite.compile recorded, in order (one entry per recording)."""
+    seen, real = [], compile_mod.record
+
+    def counting(fn, *args, **kwargs):
+        seen.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(compile_mod, "record", counting)
     return seen
 
 
@@ -216,17 +221,22 @@ def test_resize_keeps_one_specialization_per_guard_key():
         assert len(c.kernels) == 1 and c.kernels[0].compilations == 1
 
 
-def test_element_counts_are_read_at_run_time():
-    # layer_norm and mean divide by the row length: it must come from the new shape.
+def test_element_counts_are_read_at_run_time(traces):
+    # mean divides by the row length: it must come from the new shape. These functions
+    # read no size in Python, so one recording serves every size; layer_norm here reads
+    # x.shape[-1], so each size is a recording of its own.
     c_ln, c_mean, c_centre = (fxlite.compile(f) for f in (layer_norm, row_mean, centre))
     kernels = None
     for shape in [(4, 8), (6, 16), (3, 32), (5, 7)]:
         x, w, b = rand(*shape), rand(shape[-1]), rand(shape[-1])
-        torch.testing.assert_close(c_ln(x, w, b), layer_norm(x, w, b))
-        torch.testing.assert_close(c_centre(x), centre(x))
-        torch.testing.assert_close(c_mean(x), row_mean(x))
-        kernels = kernels or (c_ln.kernels, c_centre.kernels, c_mean.kernels)
-        assert (c_ln.kernels, c_centre.kernels, c_mean.kernels) == kernels
+        for _ in range(2):  # the recording, then a replay
+            torch.testing.assert_close(c_ln(x, w, b), layer_norm(x, w, b))
+            torch.testing.assert_close(c_centre(x), centre(x))
+            torch.testing.assert_close(c_mean(x), row_mean(x))
+        assert len(c_ln.kernels) == 1
+        kernels = kernels or (c_centre.kernels, c_mean.kernels)
+        assert (c_centre.kernels, c_mean.kernels) == kernels
+    assert traces.count(layer_norm) == 4 and traces.count(centre) == traces.count(row_mean) == 1
 
 
 @pytest.mark.parametrize("fn", [row_mean, lambda x: x.sum(-1) * 2 + 1,
@@ -311,17 +321,18 @@ def test_keyword_arguments_and_defaults():
     torch.testing.assert_close(c(x), affine(x))
 
 
-def test_non_tensor_argument_changes_without_recompiling(traces):
+def test_non_tensor_arguments_are_guarded_by_value(traces):
+    # The tutorial's f2(x, y) with y an int: a new value records again, an old one replays.
     def scaled(x, alpha):
         return torch.relu(x) * alpha + 1
 
     c = fxlite.compile(scaled)
     x = rand(4, 8)
-    torch.testing.assert_close(c(x, 0.5), scaled(x, 0.5))
-    (kernel,) = c.kernels
-    for alpha in (3.0, -2.25):
-        torch.testing.assert_close(c(x, alpha), scaled(x, alpha))
-    assert c.kernels == [kernel] and kernel.compilations == 1 and len(traces) == 1
+    for alpha in (0.5, 3.0, 0.5, -2.25, 3.0, 3):
+        for _ in range(2):
+            torch.testing.assert_close(c(x, alpha), scaled(x, alpha))
+        assert len(c.kernels) == 1
+    assert len(traces) == 4  # 0.5, 3.0, -2.25 and the int 3
 
 
 # ------------------------------------------------------------------ backends and forms
@@ -441,15 +452,14 @@ def test_fullgraph_raises_naming_the_line():
     assert f"line {lineno}" in str(info.value) and "if x.sum() > 0" in str(info.value)
 
 
-def test_graph_break_falls_back_to_eager_with_one_warning():
+def test_graph_break_compiles_each_branch(traces):
     c = fxlite.compile(branchy)
     pos, neg = rand(4).abs() + 1, -rand(4).abs() - 1
-    with pytest.warns(UserWarning, match="graph break") as record:
-        torch.testing.assert_close(c(pos), pos + 1)
-        torch.testing.assert_close(c(neg), neg - 1)
-        torch.testing.assert_close(c(pos), pos + 1)
-    assert len(compiled_warnings(record)) == 1
-    assert c.kernels == [] and len(c.fallbacks) == 1 and "graph break" in c.fallbacks[0]
+    for x, want in [(pos, pos + 1), (neg, neg - 1), (pos, pos + 1), (neg, neg - 1)]:
+        out, warned = run_quiet(c, x)
+        torch.testing.assert_close(out, want)
+        assert warned == [] and c.fallbacks == [] and len(c.kernels) == 1
+    assert len(traces) == 2  # one recording per branch, then replays
 
 
 @cpu_interpreter
@@ -575,7 +585,7 @@ def test_a_right_kernel_passes_the_check(monkeypatch):
     torch.testing.assert_close(c(x), relu_add_mul(x))
     torch.testing.assert_close(c(x), relu_add_mul(x))
     assert c.kernels == made and c.fallbacks == []
-    assert made[0].calls == 3  # the check, then two calls
+    assert made[0].calls == 2  # the first call is the eager recording; the check, one replay
     assert made[0].marked == 1  # the disk index records that it passed
 
 
@@ -593,6 +603,7 @@ def test_a_kernel_checked_in_an_earlier_process_skips_the_eager_run(monkeypatch)
     monkeypatch.setattr(fxlite.GraphModule, "__call__", counting_call)
     c = fxlite.compile(relu_add_mul)
     x = rand(4, 8)
+    torch.testing.assert_close(c(x), relu_add_mul(x))
     torch.testing.assert_close(c(x), relu_add_mul(x))
     # every run of the group was the fake kernel's own: eager never ran it for a check
     assert c.kernels == made and made[0].marked == 0 and len(group_calls) == made[0].calls == 2

@@ -1,0 +1,221 @@
+"""Guards: what a compiled function checks on every call before it replays a recording.
+
+A recording is valid for calls that look like the one it was made on. The key of a call
+holds, flat in one tuple:
+
+- grad mode, autocast state and the default dtype;
+- the structure of the arguments (positions, keyword names, containers);
+- per tensor: dtype, device, rank, requires_grad, contiguity, 16-byte alignment, which
+  dims broadcast (stride 0), and, once the Python code read a size, all sizes and strides;
+  which arguments are the same tensor (and, for functions that write tensors, which share
+  memory);
+- per other argument: its value (numbers, strings, dtypes, enums), or its identity;
+- the state of every module the function can reach (the module itself, its arguments,
+  closure cells, globals its code names): training flags, the identity and requires_grad
+  of each parameter, buffers and submodules, hooks, and plain Python attributes (numbers,
+  strings, flags such as a temperature);
+- closure cells, ``functools.partial`` arguments and the globals the function's own code
+  names, by value (numbers, strings) or identity (tensors, other objects).
+
+Not guarded, and so not seen when they change after the first call: globals read by
+other functions than the compiled one, attributes of objects that are not modules
+(a config object, say), and Python state changed by the function itself (which
+``fxlite.compile`` runs in eager when it notices, see ``compile``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from fxlite.codegen.segments import read_key
+
+__all__ = ["StateGuard", "ambient_key", "input_key"]
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+            torch.layout, torch.memory_format, torch.Size, enum.Enum, range, slice)
+_MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_modules",
+                               "_non_persistent_buffers_set", "_is_full_backward_hook",
+                               "_version", "call_super_init", "dump_patches"})
+
+
+def ambient_key() -> tuple:
+    """Global state every recording depends on."""
+    from fxlite.codegen.capture_kinds import autocast_state
+
+    return (torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(),
+            torch.is_inference_mode_enabled())
+
+
+def _scalar_key(v: Any) -> Any:
+    t = type(v)
+    if t is float or t is complex or t is tuple or t is list:
+        return read_key(v)
+    if isinstance(v, enum.Enum):
+        return (t, v.value)
+    if t is slice:
+        return (t, _scalar_key(v.start), _scalar_key(v.stop), _scalar_key(v.step))
+    return (t, v)
+
+
+def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
+    """The key of a call's argument leaves (see the module docstring)."""
+    key: list[Any] = []
+    seen: dict[int, int] = {}
+    storages: dict[int, int] = {}
+    for i, a in enumerate(leaves):
+        if isinstance(a, torch.Tensor):
+            same = seen.setdefault(id(a), i)
+            contiguous = a.is_contiguous()
+            item: tuple = (a.dtype, a.device, a.dim(), a.requires_grad, contiguous,
+                           a.data_ptr() % 16 == 0 if a.device.type != "meta" else True,
+                           None if contiguous else tuple(s == 0 for s in a.stride()),
+                           type(a), same)
+            if sizes:
+                item += (tuple(a.shape), a.stride(), a.storage_offset())
+            if storage:
+                item += (storages.setdefault(a.untyped_storage()._cdata, i),)
+            key.append(item)
+        elif isinstance(a, _SCALARS):
+            key.append(_scalar_key(a))
+        else:
+            key.append(("id", id(a)))
+    return tuple(key)
+
+
+def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """Readers of what a function carries or names: its ``self``, closure cells,
+    ``partial`` arguments, defaults and the globals its own code names. Each reads the
+    current value, since cells and globals can be rebound between calls."""
+    out: list[tuple[str, Callable[[], Any]]] = []
+    seen: set[int] = set()
+    stack = [("", fn)]
+    const = lambda v: (lambda: v)
+    while stack:
+        prefix, f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, torch.nn.Module):
+            out.append((prefix or "self", const(f)))
+            continue
+        if isinstance(f, functools.partial):
+            stack.append((prefix, f.func))
+            out += [(f"{prefix}partial{i}", const(a)) for i, a in enumerate(f.args)]
+            out += [(f"{prefix}{k}", const(v)) for k, v in (f.keywords or {}).items()]
+            continue
+        if isinstance(f, types.MethodType):
+            out.append((f"{prefix}self", const(f.__self__)))
+            stack.append((prefix, f.__func__))
+            continue
+        code = getattr(f, "__code__", None)
+        if code is None:
+            wrapped = getattr(f, "__wrapped__", None)
+            if wrapped is not None:
+                stack.append((prefix, wrapped))
+            continue
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            out.append((f"{prefix}{name}", functools.partial(_cell_value, cell)))
+        glob = getattr(f, "__globals__", {})
+        for name in code.co_names:
+            value = glob.get(name, _EMPTY)
+            if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)):
+                out.append((f"{prefix}{name}", functools.partial(glob.get, name, _EMPTY)))
+        if getattr(f, "__defaults__", None):
+            out.append((f"{prefix}defaults", functools.partial(getattr, f, "__defaults__")))
+    return out
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _EMPTY
+
+
+_EMPTY = object()
+
+
+class StateGuard:
+    """The Python state a function's recordings depend on, as one comparable tuple.
+
+    Example::
+
+        guard = StateGuard(fn)
+        key = guard.key(())          # changes when a module is retrained, a parameter
+                                     # replaced or frozen, a hook added, an attribute set
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._getters = _getters(fn)
+        self._root_ids: tuple[int, ...] | None = None
+        self.modules: list[torch.nn.Module] = []
+        self._attrs: list[tuple[str, ...]] = []
+        self._roots: list[tuple[str, torch.nn.Module]] = []
+
+    def roots(self, leaves: list[Any]) -> list[tuple[str, torch.nn.Module]]:
+        """The modules a call can reach: bound ones, then module arguments."""
+        out: list[tuple[str, torch.nn.Module]] = []
+        seen: set[int] = set()
+        candidates = [(n, g()) for n, g in self._getters]
+        candidates += [(f"arg{i}", leaf) for i, leaf in enumerate(leaves)]
+        for name, value in candidates:
+            if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                seen.add(id(value))
+                out.append((name, value))
+        return out
+
+    def _rebuild(self, roots: list[torch.nn.Module]) -> None:
+        modules: dict[int, torch.nn.Module] = {}
+        for root in roots:
+            for m in root.modules():
+                modules.setdefault(id(m), m)
+        self.modules = list(modules.values())
+        self._attrs = [tuple(k for k, v in m.__dict__.items()
+                             if k not in _MODULE_INTERNALS and not k.endswith("hooks")
+                             and isinstance(v, (*_SCALARS, torch.Tensor)))
+                       for m in self.modules]
+
+    def key(self, arg_modules: tuple[torch.nn.Module, ...] = ()) -> tuple:
+        """The current state, as a tuple equal to an earlier one iff nothing changed."""
+        bound = [g() for _, g in self._getters]
+        roots = [v for v in bound if isinstance(v, torch.nn.Module)] + list(arg_modules)
+        ids = tuple(map(id, roots))
+        if ids != self._root_ids:
+            self._rebuild(roots)
+            self._root_ids = ids
+        out: list[Any] = [ids]
+        append = out.append
+        for m, attrs in zip(self.modules, self._attrs):
+            d = m.__dict__
+            params = d["_parameters"]
+            append(d.get("training"))
+            append(tuple(map(id, params.values())))
+            append(tuple(p is not None and p.requires_grad for p in params.values()))
+            append(tuple(map(id, d["_buffers"].values())))
+            append(tuple(map(id, d["_modules"].values())))
+            for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                         "_backward_pre_hooks"):
+                hooks = d.get(name)
+                append(tuple(map(id, hooks.values())) if hooks else ())
+            for name in attrs:
+                v = d.get(name, _EMPTY)
+                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+        if self.modules:
+            from torch.nn.modules import module as mm
+
+            for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                         "_global_backward_hooks", "_global_backward_pre_hooks"):
+                hooks = getattr(mm, name, None)
+                append(tuple(map(id, hooks.values())) if hooks else ())
+        for v in bound:
+            if isinstance(v, tuple):  # defaults
+                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else id(x) for x in v))
+            else:
+                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+        return tuple(out)

@@ -1,0 +1,346 @@
+"""The compile pipeline of one segment: passes, Triton kernels, and the checks around them.
+
+    recorded segment ─► metadata from the recording ─► functionalize ─► normalize
+        ─► decompose ─► metadata of the new nodes (on meta tensors) ─► fuse
+        ─► one Triton kernel per fused group, each checked against eager on the
+           recording's own inputs ─► a Python forward that calls the kernels
+        ─► the whole segment's results checked against what eager PyTorch returned
+
+Nothing runs twice on the user's data: the metadata comes from the recording, the checks
+run on private copies of what the recording wrote, with the random generators set to
+where the recording started them, and effects on state outside the graph (``backward``,
+``p.grad = None``) are skipped in the check run. Anything that fails, or any result that
+disagrees with eager PyTorch, makes the segment run its recorded ops in Python instead,
+with the reason in ``fallbacks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fxlite.codegen.report import KernelRecord
+
+from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
+from fxlite.node import Node, Opcode, map_aggregate
+
+__all__ = ["CompiledSegment", "assert_same", "compile_segment", "interpreting"]
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class CompiledSegment:
+    """What the pipeline made of one segment."""
+
+    run: Callable[..., Any]
+    gm: GraphModule  # the graph that runs (kernels swapped in), or the recorded one
+    kernels: list[Any] = field(default_factory=list)
+    records: list[KernelRecord] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    outputs: Any = None  # results of the check run: inputs for checking the next segment
+
+
+def direct_forward(gm: GraphModule) -> Callable[..., Any]:
+    """``gm.forward`` without ``nn.Module.__call__`` (no hook checks: host time)."""
+    return functools.partial(type(gm).forward, gm)
+
+
+def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "triton",
+                    mode: str | None = None, expected: list[Any] | None = None,
+                    warn: Callable[[str], None] = lambda m: None) -> CompiledSegment:
+    """Compile a recorded segment, checking it on ``sample`` (its inputs at record time).
+
+    Args:
+        gm: the recorded segment (left unchanged).
+        sample: values for its placeholders; ones the segment writes must be private copies.
+        backend: ``"triton"``, ``"python"`` or a callable ``backend(gm, example_inputs)``.
+        mode: the compile mode (``"max-autotune"`` autotunes each kernel).
+        expected: per output, the tensor eager PyTorch produced (None where unknown).
+        warn: called with the text of each fallback.
+
+    Returns:
+        The compiled segment; ``outputs`` holds what the check run computed.
+    """
+    work = GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
+    if callable(backend):
+        return CompiledSegment(backend(work, list(sample)), work,
+                               outputs=_run_checked(work, sample))
+    _compile_conds(work, backend, mode, warn)
+    python = CompiledSegment(direct_forward(work), work)
+    if backend == "triton" and not _wants_kernels(work, sample):
+        warn("no GPU tensors and TRITON_INTERPRET is not set, so backend='triton' runs the "
+             "recorded ops in Python instead")
+    if backend == "python" or not _wants_kernels(work, sample):
+        python.outputs = _run_checked(work, sample)
+        return python
+    try:
+        compiled = _triton(work, sample, mode)
+    except Exception as e:  # the pipeline must never break a model: run the recorded ops
+        reason = f"the compile pipeline failed ({type(e).__name__}: {e}); its ops run in eager"
+        warn(reason)
+        python.fallbacks.append(reason)
+        python.outputs = _run_checked(work, sample)
+        return python
+    for reason in compiled.fallbacks:
+        warn(reason)
+    if compiled.kernels == [] and compiled.fallbacks == [] and _kept_for_autograd(work):
+        reason = ("Triton kernels are inference-only and this call needs autograd, so its "
+                  "ops run in eager; wrap calls in torch.no_grad() or torch.inference_mode() "
+                  "to use kernels")
+        compiled.fallbacks.append(reason)
+        warn(reason)
+    problem = _disagreement(compiled.outputs, expected)
+    if problem is not None:
+        reason = f"the compiled segment disagreed with eager ({problem}); its ops run in eager"
+        warn(reason)
+        python.fallbacks.append(reason)
+        python.outputs = _run_checked(work, sample)
+        return python
+    return compiled
+
+
+def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
+    tensors = [a for a in sample if isinstance(a, torch.Tensor)]
+    tensors += [t for t in gm.parameters()] + [t for t in gm.buffers()]
+    return interpreting() or any(t.is_cuda for t in tensors)
+
+
+def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
+                   warn: Callable[[str], None]) -> None:
+    from fxlite.codegen.cond import CondOp
+
+    def branch(g: GraphModule, example: list[Any]) -> Callable[..., Any]:
+        return compile_segment(g, example, backend=backend, mode=mode, warn=warn).run
+
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, CondOp):
+            node.target = node.target.compiled(branch)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+# ---------------------------------------------------------------------- the Triton path
+def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSegment:
+    from fxlite.passes.decompose import decompose
+    from fxlite.passes.functionalize import functionalize
+    from fxlite.passes.fuse import fuse
+    from fxlite.passes.normalize import normalize
+
+    fill_meta(gm)
+    _keep_autograd_ops(gm)
+    gm = functionalize(gm)
+    gm = decompose(normalize(gm))
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    propagate_meta(gm)
+    fused = fuse(gm)
+    check = _KernelCheck(fused, mode)
+    with _ambient_restored():
+        outputs = check.run(*sample)
+    _swap_in_kernels(fused, check.kernels)
+    return CompiledSegment(direct_forward(fused), fused, list(check.kernels.values()),
+                           check.records, check.fallbacks, outputs)
+
+
+def fill_meta(gm: GraphModule) -> None:
+    """ShapeProp's ``tensor_meta`` and ``type`` for every node, from the recording."""
+    from fxlite.passes.shape_prop import TensorMetadata
+
+    formats = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+    for node in gm.graph.nodes:
+        rec = node.meta.get("tensor_meta_rec")
+        if rec is None:
+            continue
+        shape, stride, dtype, device, requires_grad = rec
+        probe = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        fmt = next((f for f in formats if probe.is_contiguous(memory_format=f)), None)
+        node.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, requires_grad,
+                                                  tuple(stride), fmt)
+        node.meta["type"] = torch.Tensor
+        node.meta["device"] = device
+
+
+def propagate_meta(gm: GraphModule) -> None:
+    """Metadata for nodes without any (those passes created), computed on meta tensors.
+
+    Nodes with metadata are not run; their values are meta tensors of their layout."""
+    from fxlite.passes.shape_prop import extract_tensor_metadata
+
+    env: dict[Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            break
+        tm = node.meta.get("tensor_meta")
+        if tm is not None and hasattr(tm, "shape"):
+            env[node] = torch.empty_strided(tm.shape, tm.stride or (1,) * len(tm.shape),
+                                            dtype=tm.dtype, device="meta")
+            continue
+        if node.op in ("placeholder", "get_attr") or "type" in node.meta:
+            env[node] = None
+            continue
+        args = map_aggregate(node.args, lambda a: env.get(a) if isinstance(a, Node) else a)
+        kwargs = map_aggregate(node.kwargs, lambda a: env.get(a) if isinstance(a, Node) else a)
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        elif node.op == "call_function":
+            value = node.target(*args, **kwargs)
+        else:
+            raise RuntimeError(f"cannot infer the metadata of {node.format_node()}")
+        env[node] = value
+        node.meta["type"] = type(value)
+        if isinstance(value, torch.Tensor):
+            node.meta["tensor_meta"] = extract_tensor_metadata(value)
+
+
+def _kept_for_autograd(gm: GraphModule) -> bool:
+    return any(n.meta.get("no_fuse") for n in gm.graph.nodes)
+
+
+def _keep_autograd_ops(gm: GraphModule) -> None:
+    """Values autograd must track stay out of fused groups (the kernels are inference-only):
+    their nodes are left as recorded, undecomposed."""
+    for node in gm.graph.nodes:
+        meta = node.meta
+        if (meta.get("requires_grad") and meta.get("grad_enabled")) or meta.get("autocast"):
+            meta["no_fuse"] = True
+
+
+@contextlib.contextmanager
+def _ambient_restored() -> Iterator[None]:
+    """Grad mode and autocast as they were, whatever recorded state changes ran."""
+    from fxlite.codegen.capture_kinds import autocast_state, set_autocast
+
+    grad, state = torch.is_grad_enabled(), autocast_state()
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled(grad)
+        set_autocast(state)
+
+
+class _Replay(Interpreter):
+    """Runs a graph on sample inputs, skipping effects on state outside it."""
+
+    def run_node(self, n: Node) -> Any:
+        if n.meta.get("external"):
+            return None
+        return super().run_node(n)
+
+
+def _run_checked(gm: GraphModule, sample: list[Any]) -> Any:
+    with _ambient_restored():
+        return _Replay(gm).run(*sample)
+
+
+class _KernelCheck(_Replay):
+    """Runs the fused module once, building and checking a kernel for each fused group."""
+
+    def __init__(self, gm: GraphModule, mode: str | None) -> None:
+        super().__init__(gm)
+        self.kernels: dict[str, Any] = {}
+        self.records: list[KernelRecord] = []
+        self.fallbacks: list[str] = []
+        self._mode = mode
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        sub = self.fetch_attr(target)
+        if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
+            return sub(*args, **kwargs)
+        from fxlite.codegen.triton import generate_kernel
+
+        try:
+            kernel = generate_kernel(sub, list(args), name=f"triton_{target}")
+        except Exception as e:  # the generator must never break a model: fall back
+            kernel, reason = None, f"{type(e).__name__}: {e}"
+        else:
+            reason = "the kernel generator does not support it"
+        got = expected = None
+        if kernel is not None:
+            try:
+                if self._mode == "max-autotune":
+                    kernel.autotune(*args)  # time candidate block sizes and warps, keep the best
+                got = kernel(*args)
+                if not kernel.checked:  # else it matched eager before (the disk index says)
+                    expected = sub(*args)
+                    assert_same(got, expected)
+                    kernel.mark_checked()
+            except Exception as e:
+                kernel, reason = None, f"its kernel disagreed with eager: {e}"
+        if kernel is None:
+            where = _site_of(sub)
+            self.fallbacks.append(f"{target} ({', '.join(sub.meta.get('nodes', []))}) runs in "
+                                  f"eager: {reason}{where}")
+            return sub(*args) if expected is None else expected
+        self.kernels[target] = kernel
+        result = got if expected is None else expected
+        self.records.append(KernelRecord.of(kernel, args, result))
+        return result
+
+
+def _site_of(sub: GraphModule) -> str:
+    for node in sub.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            return "\n  " + trace.replace("\n", "\n  ")
+    return ""
+
+
+def assert_same(got: Any, expected: Any) -> None:
+    """Raise AssertionError unless ``got`` matches ``expected`` at the dtype's tolerance."""
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise AssertionError("output structure differs")
+        for g, e in zip(got, expected):
+            assert_same(g, e)
+        return
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise AssertionError(f"expected a tensor, got {type(got).__name__}")
+        got, expected = got.detach(), expected.detach()
+        if not (expected.is_floating_point() or expected.is_complex()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)  # integers, bool
+            return
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(expected.dtype, 1.3e-6)
+        atol = 1e-5 if expected.dtype == torch.float32 else tol
+        torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol,
+                                   equal_nan=True)
+    elif got != expected and not (got is None and expected is None):
+        raise AssertionError(f"{got!r} != {expected!r}")
+
+
+def _disagreement(outputs: Any, expected: list[Any] | None) -> str | None:
+    """Why the check run's outputs differ from eager's, or None."""
+    if expected is None or outputs is None:
+        return None
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if want is None:
+            continue
+        try:
+            assert_same(got, want)
+        except AssertionError as e:
+            return f"output {i}: {str(e).splitlines()[0] if str(e) else 'differs'}"
+    return None
+
+
+def _swap_in_kernels(gm: GraphModule, kernels: dict[str, Any]) -> None:
+    """Turn each ``call_module fused_i`` into a direct call of its kernel."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in kernels:
+            target = node.target
+            node.op, node.target = Opcode.CALL_FUNCTION, kernels[target]
+            gm.delete_submodule(target)
+    gm.recompile()

@@ -1,0 +1,147 @@
+"""functionalize: turn in-place writes into new values plus one write-back, so they fuse.
+
+The capture records an in-place op (``x.add_(1)``, ``x += 1``, ``relu(x, inplace=True)``)
+as a node that writes its first argument; later nodes read the written tensor through
+that node. When nothing else shares the tensor's memory (the capture's
+``meta["aliased"]`` is False), the write becomes a pure op that makes a new value, read by
+every later use. If the written tensor is an input of the graph, whose new value the
+caller must see, one ``copy_`` before the output writes the final value back, and the
+graph returns the input itself where it returned the written tensor::
+
+    # before                                   # after
+    def forward(self, x, y):                   def forward(self, x, y):
+        relu_ = torch.relu_(x)                     relu = torch.relu(x)
+        mul = y * relu_                            mul = y * relu
+        return (mul, relu_)                        copy_ = x.copy_(relu)
+                                                   return (mul, copy_)
+
+Writes through views, into memory another value shares, by ``out=`` arguments, or by ops
+without a pure spelling stay as they are: they are impure nodes, which the fusion
+partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
+without it (graphs from ``symbolic_trace``) are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+
+__all__ = ["functionalize"]
+
+_DUNDERS = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div",
+            "__ifloordiv__": "floor_divide", "__imod__": "remainder", "__ipow__": "pow",
+            "__iand__": "bitwise_and", "__ior__": "bitwise_or", "__ixor__": "bitwise_xor",
+            "__ilshift__": "bitwise_left_shift", "__irshift__": "bitwise_right_shift"}
+# Position of `inplace` in torch.nn.functional activations called positionally.
+_INPLACE_AT = {"relu": 1, "relu6": 1, "elu": 2, "selu": 1, "celu": 2, "leaky_relu": 2,
+               "hardtanh": 3, "threshold": 3, "silu": 1, "mish": 1, "hardswish": 1,
+               "hardsigmoid": 1}
+
+
+def functionalize(gm: GraphModule) -> GraphModule:
+    """Make the graph's plain in-place writes functional (see the module docstring).
+
+    Args:
+        gm: a GraphModule whose nodes carry the capture's ``mutated``/``aliased`` meta.
+
+    Returns:
+        ``gm``, recompiled. A node that cannot be rewritten is left as it was.
+    """
+    graph = gm.graph
+    final: dict[Node, Node] = {}  # input placeholder -> the last pure value written to it
+    root_of: dict[Node, Node] = {}
+    changed = False
+    for node in list(graph.nodes):
+        plan = _pure_form(node)
+        if plan is None:
+            continue
+        target, args, kwargs = plan
+        written = node.args[0]
+        node.target, node.args, node.kwargs = target, args, kwargs
+        node.meta["impure"] = False
+        node.meta.pop("mutated", None)
+        changed = True
+        value = _keep_dtype(node, written)
+        root = root_of.get(written, written)
+        root_of[value] = root
+        if root.op == "placeholder":
+            final[root] = value
+    if final:
+        out = graph.output_node()
+        for root, value in final.items():
+            with graph.inserting_before(out):
+                back = graph.call_method("copy_", (root, value))
+            back.meta.update(impure=True, mutated=[root.name], aliased=False,
+                             stack_trace=value.meta.get("stack_trace"))
+            if "tensor_meta" in root.meta:
+                back.meta["tensor_meta"] = root.meta["tensor_meta"]
+            out.args = (_swap(out.args[0], value, back),)
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _keep_dtype(node: Node, written: Node) -> Node:
+    """An in-place op keeps the written tensor's dtype; its pure form may promote
+    (``half.mul_(float)`` is half, ``half * float`` is float): cast back where it could."""
+    meta = written.meta.get("tensor_meta")
+    dtype = getattr(meta, "dtype", None)
+    if dtype is None:
+        return node
+    others = [a for a in (*node.args[1:], *node.kwargs.values())]
+    promotes = any(getattr(a.meta.get("tensor_meta"), "dtype", dtype) != dtype
+                   for a in others if isinstance(a, Node)) or (
+        not dtype.is_floating_point and any(isinstance(a, float) for a in others))
+    if not promotes:
+        return node
+    graph = node.graph
+    with graph.inserting_after(node):
+        cast = graph.call_method("to", (node, dtype))
+    cast.meta.update({k: v for k, v in node.meta.items() if k != "mutated"})
+    node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+    return cast
+
+
+def _swap(a: Any, old: Node, new: Node) -> Any:
+    if a is old:
+        return new
+    if isinstance(a, tuple):
+        return tuple(_swap(x, old, new) for x in a)
+    if isinstance(a, list):
+        return [_swap(x, old, new) for x in a]
+    return a
+
+
+def _pure_form(node: Node) -> tuple[Any, tuple, dict] | None:
+    """``(target, args, kwargs)`` of the pure op computing what ``node`` writes, or None."""
+    mutated = node.meta.get("mutated")
+    if not mutated or node.meta.get("aliased", True) or not node.args:
+        return None
+    first = node.args[0]
+    if not isinstance(first, Node) or mutated != [first.name] or "out" in node.kwargs:
+        return None
+    if node.op == "call_method":
+        name = _DUNDERS.get(node.target) or (
+            node.target[:-1] if node.target.endswith("_") and not node.target.startswith("_")
+            else None)
+        if name is None or not callable(getattr(torch.Tensor, name, None)):
+            return None
+        if name in ("copy", "set", "resize", "fill", "zero", "random", "uniform", "normal",
+                    "requires_grad", "share_memory", "detach", "resize_as"):
+            return None  # no pure op of that name computes the same value
+        return name, node.args, node.kwargs
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if node.kwargs.get("inplace") is True:
+            return node.target, node.args, {**node.kwargs, "inplace": False}
+        at = _INPLACE_AT.get(name)
+        if at is not None and len(node.args) > at and node.args[at] is True and \
+                getattr(torch.nn.functional, name, None) is node.target:
+            args = list(node.args)
+            args[at] = False
+            return node.target, tuple(args), node.kwargs
+    return None
