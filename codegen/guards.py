@@ -156,7 +156,7 @@ class StateGuard:
         self._root_ids: tuple[int, ...] | None = None
         self.modules: list[torch.nn.Module] = []
         self._attrs: list[tuple[str, ...]] = []
-        self._roots: list[tuple[str, torch.nn.Module]] = []
+        self._children: list[tuple[int, ...]] = []
 
     def roots(self, leaves: list[Any]) -> list[tuple[str, torch.nn.Module]]:
         """The modules a call can reach: bound ones, then module arguments."""
@@ -176,6 +176,7 @@ class StateGuard:
             for m in root.modules():
                 modules.setdefault(id(m), m)
         self.modules = list(modules.values())
+        self._children = [tuple(map(id, m._modules.values())) for m in self.modules]
         self._attrs = [tuple(k for k, v in m.__dict__.items()
                              if k not in _MODULE_INTERNALS and not k.endswith("hooks")
                              and isinstance(v, (*_SCALARS, torch.Tensor)))
@@ -191,14 +192,18 @@ class StateGuard:
             self._root_ids = ids
         out: list[Any] = [ids]
         append = out.append
-        for m, attrs in zip(self.modules, self._attrs):
+        for m, attrs, children in zip(self.modules, self._attrs, self._children):
             d = m.__dict__
             params = d["_parameters"]
             append(d.get("training"))
             append(tuple(map(id, params.values())))
             append(tuple(p is not None and p.requires_grad for p in params.values()))
             append(tuple(map(id, d["_buffers"].values())))
-            append(tuple(map(id, d["_modules"].values())))
+            now = tuple(map(id, d["_modules"].values()))
+            if now != children:  # a submodule was replaced, added or removed: walk again
+                self._root_ids = None
+                return self.key(arg_modules)
+            append(now)
             for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                          "_backward_pre_hooks"):
                 hooks = d.get(name)

@@ -105,7 +105,8 @@ def _tensor_meta(n: Any) -> TensorMetadata | None:
 
 
 def _plain(tm: TensorMetadata) -> bool:
-    return tm.stride != () and not tm.is_quantized and not tm.dtype.is_complex
+    strided = tm.stride != () or len(tm.shape) == 0  # a 0-d tensor has no strides either
+    return strided and not tm.is_quantized and not tm.dtype.is_complex
 
 
 def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:

@@ -1,0 +1,395 @@
+"""fxlite.compile's contract on ordinary PyTorch code: never a crash where eager works,
+never a silently wrong result (issue: "fxlite.compile is never wrong").
+
+Every test calls the compiled function several times with fresh inputs, benign first and
+then the trap, so the first-call checks are never what makes a test pass. Results,
+inputs and module state are compared with eager PyTorch after every call.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import threading
+import warnings
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fxlite.codegen.compile as compile_mod
+from fxlite.codegen.triton import interpreting
+
+import fxlite
+
+DEVICE = "cpu" if interpreting() else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(compile_mod, "_warned", set())
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def same_as_eager(fn, calls, *, grad=False):
+    """Compile ``fn`` (a function, or a module compared with a deep copy of itself) and
+    check every call of ``calls`` (``(args, kwargs)`` pairs) against eager: results,
+    arguments after the call, and module state. Returns the compiled function."""
+    eager = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
+    compiled = fxlite.compile(fn)
+    for i, (args, kwargs) in enumerate(calls):
+        a_eager, a_comp = copy.deepcopy((args, kwargs)), copy.deepcopy((args, kwargs))
+        torch.manual_seed(i)
+        with torch.set_grad_enabled(grad):
+            want = eager(*a_eager[0], **a_eager[1])
+        torch.manual_seed(i)
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = compiled(*a_comp[0], **a_comp[1])
+        torch.testing.assert_close(got, want, msg=lambda m: f"call {i}: {m}")
+        torch.testing.assert_close(a_comp, a_eager, msg=lambda m: f"arguments after call {i}: {m}")
+        if isinstance(fn, nn.Module):
+            torch.testing.assert_close(fn.state_dict(), eager.state_dict(),
+                                       msg=lambda m: f"state after call {i}: {m}")
+    return compiled
+
+
+def repeat(args, n=3, **kwargs):
+    return [(args, kwargs)] * n
+
+
+# ------------------------------------------------------------------ crashes that escaped
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        return nn.CrossEntropyLoss()(self.fc(x), y)  # a module made inside forward
+
+
+def test_module_created_inside_the_function():
+    y = torch.randint(0, 3, (4,), device=DEVICE)
+    same_as_eager(Classifier().to(DEVICE), [((rand(4, 8), y), {}), ((rand(4, 8), y), {})])
+
+
+def test_reshape_by_a_product_of_sizes():
+    def flat(x):
+        return x.reshape(x.shape[0] * x.shape[1]) * 2
+
+    same_as_eager(flat, [((rand(3, 4),), {}), ((rand(5, 2),), {}), ((rand(3, 4),), {})])
+
+
+def test_numpy_inside_the_function_is_a_read():
+    def via_numpy(x):
+        return torch.from_numpy(np.asarray(x.cpu()) * 2).to(x.device) + x
+
+    same_as_eager(via_numpy, [((rand(3),), {}), ((rand(3),), {}), ((rand(3),), {})])
+
+
+def test_partial_and_builtin_callables():
+    def scaled(x, k=1):
+        return x * k + 1
+
+    same_as_eager(functools.partial(scaled, k=2), repeat((rand(5),)))
+    same_as_eager(torch.relu, repeat((rand(5),)))
+
+
+class Mode(enum.Enum):
+    A = 1
+
+
+def annotated(x, mode: Literal[Mode.A] = Mode.A) -> torch.Tensor:
+    return x + 1
+
+
+def test_odd_annotations_are_harmless():
+    same_as_eager(annotated, repeat((rand(4),)))
+
+
+class HFStyle(nn.Module):
+    """A HuggingFace-style forward: keyword arguments with defaults and **kwargs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        h = self.proj(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask
+        if kwargs.get("scale") is not None:
+            h = h * kwargs["scale"]
+        return {"hidden": h}
+
+
+def test_keyword_calls_bind_as_python_binds_them():
+    ids, mask = rand(2, 8), torch.ones(2, 8, device=DEVICE)
+    same_as_eager(HFStyle().to(DEVICE), [
+        ((), {"input_ids": ids, "attention_mask": mask}),
+        ((), {"input_ids": ids, "attention_mask": mask, "scale": 2.0}),
+        ((ids,), {}), ((), {"input_ids": ids, "attention_mask": mask})])
+
+
+def test_star_args_with_keyword_only_arguments():
+    def total(x, *rest, scale=1.0, **extra):
+        return (x + sum(rest)) * scale
+
+    same_as_eager(total, [((rand(3), rand(3)), {"scale": 2.0}), ((rand(3),), {}),
+                          ((rand(3), rand(3), rand(3)), {"scale": 3.0}),
+                          ((rand(3), rand(3)), {"scale": 2.0})])
+
+
+def test_missing_argument_raises_pythons_type_error():
+    with pytest.raises(TypeError):
+        fxlite.compile(lambda x, y: x + y)(rand(2))
+
+
+@pytest.mark.parametrize("kwargs", [{"backend": None}, {"fullgraph": "yes"},
+                                    {"mode": "fast"}], ids=["backend", "fullgraph", "mode"])
+def test_bad_options_are_refused(kwargs):
+    with pytest.raises((TypeError, ValueError)):
+        fxlite.compile(lambda x: x, **kwargs)
+    with pytest.raises((TypeError, ValueError)):
+        fxlite.compile(**kwargs)
+
+
+def test_a_class_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"nn\.Linear|Linear\(\.\.\.\)"):
+        fxlite.compile(nn.Linear)
+
+
+def test_recording_in_one_thread_leaves_other_threads_alone():
+    # While one thread records, eager module calls in another thread must run normally.
+    started, done, errors = threading.Event(), threading.Event(), []
+
+    def slow(x):
+        started.set()
+        done.wait(5)
+        return x + 1
+
+    def other():
+        started.wait(5)
+        try:
+            m = nn.Linear(3, 3)
+            m(torch.randn(2, 3))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    torch.testing.assert_close(fxlite.compile(slow)(torch.ones(2)), torch.full((2,), 2.0))
+    t.join()
+    assert errors == []
+
+
+def test_fallback_warnings_name_the_users_file(monkeypatch):
+    import fxlite.codegen.triton as triton_mod
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("generator exploded")
+
+    monkeypatch.setattr(triton_mod, "generate_kernel", boom)
+    c = fxlite.compile(lambda x: torch.relu(x) * 2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        c(rand(4))
+        c(rand(4))
+    ours = [w for w in record if "fxlite.compile" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    assert "generator exploded" in str(ours[0].message)
+
+
+# ------------------------------------------------------------------ writes
+class StepCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        return x * self.steps
+
+
+def test_buffer_updates_happen_on_every_call():
+    same_as_eager(StepCounter().to(DEVICE), repeat((rand(3),), n=4))
+
+
+class ResultUnused(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        self.act(x)  # in-place: only its write matters
+        return x * 2
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(inplace=True), nn.SiLU(inplace=True),
+                                 nn.ELU(inplace=True), nn.Hardtanh(inplace=True),
+                                 nn.LeakyReLU(inplace=True)], ids=lambda a: type(a).__name__)
+def test_in_place_activations_keep_their_writes(act):
+    c = same_as_eager(ResultUnused(act).to(DEVICE), repeat((rand(3, 4),)))
+    assert len(c.kernels) == 1  # functionalized: the write fuses with the mul
+
+
+def test_writes_through_views_and_aliases():
+    def through_view(x):
+        v = x[0]
+        v.mul_(2)  # writes x through a view
+        y = x.view(-1)
+        x.add_(1)
+        return y * 1.0
+
+    same_as_eager(through_view, repeat((rand(3, 4),)))
+
+
+def test_an_input_written_and_returned_keeps_its_identity():
+    def bump(x):
+        x.add_(1)
+        return x
+
+    c = fxlite.compile(bump)
+    for _ in range(3):
+        x = rand(4)
+        before = x.clone()
+        out = c(x)
+        assert out is x and torch.equal(x, before + 1)
+
+
+# ------------------------------------------------------------------ staleness
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_changes_to_the_module_after_compiling_are_seen():
+    m = Hooked().to(DEVICE)
+    c = fxlite.compile(m)
+    x = rand(2, 4)
+    check = lambda: torch.testing.assert_close(c(x), m(x))
+    with torch.no_grad():
+        check(), check()
+        handle = m.register_forward_hook(lambda mod, args, out: out * 10)
+        check(), check()
+        handle.remove()
+        check()
+        m.lin = nn.Linear(4, 4).to(DEVICE)  # a replaced submodule
+        check()
+        m.lin.weight = nn.Parameter(rand(4, 4))  # a replaced parameter
+        check()
+        m.load_state_dict(Hooked().to(DEVICE).state_dict())  # new values in place
+        check(), check()
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("log_scale", torch.zeros(4))
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return x * self.log_scale.exp() / self.temperature
+
+
+def test_values_from_buffers_and_attributes_are_not_baked_in():
+    m = Scaled().to(DEVICE)
+    c = fxlite.compile(m)
+    x = rand(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+        torch.testing.assert_close(c(x), m(x))
+        m.log_scale.fill_(1.0)
+        torch.testing.assert_close(c(x), m(x))
+        m.temperature = 3.0
+        torch.testing.assert_close(c(x), m(x))
+        torch.testing.assert_close(c(x), m(x))
+
+
+def test_closure_values_are_guarded():
+    scale = 2.0
+
+    def f(x):
+        return x * scale
+
+    c = fxlite.compile(f)
+    x = rand(3)
+    torch.testing.assert_close(c(x), f(x))
+    scale = 5.0  # noqa: F841  (rebinding the cell f reads)
+    torch.testing.assert_close(c(x), f(x))
+
+
+def test_a_parameter_unfrozen_after_the_first_call_gets_its_gradient():
+    m = nn.Linear(4, 4).to(DEVICE)
+    m.weight.requires_grad_(False)
+    c = fxlite.compile(m)
+    x = rand(2, 4)
+    c(x).sum().backward()
+    c(x).sum().backward()
+    assert m.weight.grad is None
+    m.weight.requires_grad_(True)
+    c(x).sum().backward()
+    ref = nn.Linear(4, 4).to(DEVICE)
+    ref.load_state_dict(m.state_dict())
+    ref(x).sum().backward()
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad)
+
+
+def test_a_tensor_requiring_grad_inside_a_dict_keeps_autograd():
+    c = fxlite.compile(lambda d: (d["a"] * 2).sum())
+    c({"a": rand(3)})
+    c({"a": rand(3)})
+    a = rand(3).requires_grad_()
+    c({"a": a}).backward()
+    torch.testing.assert_close(a.grad, torch.full_like(a, 2.0))
+
+
+def test_python_state_changed_by_the_function_runs_eagerly():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    m = Counter()
+    c = fxlite.compile(m)
+    x = rand(3)
+    with pytest.warns(UserWarning, match="Python state"):
+        outs = [c(x) for _ in range(3)]
+    for i, out in enumerate(outs, 1):
+        torch.testing.assert_close(out, x * i)
+
+
+# ------------------------------------------------------------------ randomness
+def test_random_ops_draw_new_numbers_on_every_call():
+    c = fxlite.compile(lambda x: x + torch.randn(4, device=x.device))
+    outs = [c(torch.zeros(4, device=DEVICE)) for _ in range(3)]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    g = fxlite.compile(lambda x: torch.rand_like(x) * x)
+    outs = [g(torch.ones(4, device=DEVICE)) for _ in range(3)]
+    assert not torch.equal(outs[1], outs[2])
+
+
+def test_random_ops_follow_the_seed_as_eager_does():
+    def noisy(x):
+        return F.dropout(x, 0.5, training=True) + torch.rand_like(x)
+
+    same_as_eager(noisy, repeat((rand(4, 8),), n=4))
