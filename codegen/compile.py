@@ -151,7 +151,9 @@ class CompiledFunction:
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         segments = split(rec)
-        self._compile(segments, rec, 0, _sample_env(rec, leaves))
+        if not self._compile(segments, rec, 0, _sample_env(rec, leaves)):
+            self._trees[key] = _EAGER
+            return result
         _link(segments)
         if rec.sizes_read:
             self._sized.add(base)
@@ -213,8 +215,9 @@ class CompiledFunction:
                 seg.children[key] = _EAGER
                 return result
             available.update(s.outputs)
-        sample = dict(env)
-        self._compile(segments, rec, seg.index + 1, sample)
+        if not self._compile(segments, rec, seg.index + 1, dict(env)):
+            seg.children[key] = _EAGER
+            return result
         _link(new)
         seg.children[key] = new[0]
         self._last = self._last + new
@@ -226,9 +229,20 @@ class CompiledFunction:
                   "inputs and paths now run in eager PyTorch")
 
     def _compile(self, segments: list[Segment], rec: Any, start: int,
-                 env: dict[str, Any]) -> None:
+                 env: dict[str, Any]) -> bool:
         """Compile ``segments[start:]`` in path order, each checked on the values the
-        recording (or the segments before it) gave its inputs."""
+        recording (or the segments before it) gave its inputs. False (with a warning) if
+        even the recorded ops could not be replayed: that path then runs in eager."""
+        try:
+            self._compile_path(segments, rec, start, env)
+        except Exception as e:  # never a crash where eager works
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: replaying "
+                      f"its recording failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+            return False
+        return True
+
+    def _compile_path(self, segments: list[Segment], rec: Any, start: int,
+                      env: dict[str, Any]) -> None:
         cpu_state, devices, cuda_states = rec.rng_state
         name = _name(self._fn)
         warn = lambda reason: warn_user(f"fxlite.compile: in {name}, {reason}")

@@ -86,7 +86,8 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
         python.outputs = _run_checked(work, sample)
         return python
     try:
-        compiled = _triton(work, sample, mode)
+        compiled = _triton(GraphModule(work, copy.deepcopy(work.graph), type(work).__name__),
+                           sample, mode)
     except Exception as e:  # the pipeline must never break a model: run the recorded ops
         reason = f"the compile pipeline failed ({type(e).__name__}: {e}); its ops run in eager"
         warn(reason)

@@ -39,6 +39,8 @@ _LAZY = {
     "Match": "fxlite.rewrite",
     "ReplacedPatterns": "fxlite.rewrite",
     "compile": "fxlite.codegen.compile",
+    "explain": "fxlite.codegen.explain",
+    "export": "fxlite.codegen.explain",
 }
 
 __all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",

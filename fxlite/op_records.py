@@ -186,13 +186,17 @@ _op("hardtanh", "pointwise", F.hardtanh, (), (), modules=(nn.Hardtanh,),
 def _to_refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     if set(args) == {"input", "dtype"} and isinstance(args["dtype"], torch.dtype):
         return None
-    return "to_other", args
+    out = dict(args)
+    if "dtype" in out and not isinstance(out["dtype"], torch.dtype):
+        out["#1"] = out.pop("dtype")  # x.to(device) or x.to(other): positional, not a dtype
+    return "to_other", out
 
 
 _TO_DEFAULTS = (("non_blocking", False), ("copy", False))
 _op("to", "pointwise", T.to, (), ("to",), params=("input", "dtype"), defaults=_TO_DEFAULTS,
     refine=_to_refine, dtype_rule="same")
-register(OpInfo("to_other", "extern", T.to, params=("input", "dtype"), defaults=_TO_DEFAULTS))
+# Everything but the tensor keeps its spelling: to(x, device, dtype) or to(x, dtype=, device=).
+register(OpInfo("to_other", "extern", T.to, params=("input",), defaults=_TO_DEFAULTS))
 
 
 def _cast_refine(dtype: torch.dtype) -> Callable[[dict[str, Any]], Any]:
