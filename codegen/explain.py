@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from fxlite.codegen.capture import record
 from fxlite.codegen.guards import StateGuard
 from fxlite.codegen.segments import split
 from fxlite.codegen.structure import flatten, unflatten
+
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, _format_target
 from fxlite.proxy import TraceError
