@@ -722,7 +722,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             else:
                 rec.placeholders.append(None)
     else:
-        rec = _continue(prefix, upto)
+        rec = _continue(prefix, upto, read_value)
         recorder = Recorder(rec, fullgraph, rec.steps, values, read_value)
         recorder.record_rest = record_rest
         recorder.adopt_externals()
@@ -751,8 +751,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     return result, rec
 
 
-def _continue(prefix: Recording, upto: int) -> Recording:
-    """A new recording that starts as a copy of ``prefix`` up to its read ``upto``.
+def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
+    """A new recording that starts as a copy of ``prefix`` up to its read ``upto``, whose
+    value in the new path is ``read_value``.
 
     Node names stay the same, so values computed by the prefix's segments can be found
     by name in the new path."""
@@ -770,12 +771,15 @@ def _continue(prefix: Recording, upto: int) -> Recording:
         graph.erase_node(node)
     steps: list[Step] = []
     for step in prefix.steps:
-        steps.append(step)
         if step.node == stop:
+            steps.append(Step(step.func, step.node, ("v", read_value), read=True))
             break
+        steps.append(step)
+    old = prefix.reads[upto]
+    reads = [*prefix.reads[:upto], Read(old.node, read_value, old.site, old.live)]
     kept = {n.name for n in graph.nodes}
     rec = Recording(graph, prefix.holder, prefix.in_spec, list(prefix.placeholders),
-                    steps=steps, reads=list(prefix.reads[:upto + 1]),
+                    steps=steps, reads=reads,
                     sizes_read=prefix.sizes_read, pre_state=dict(prefix.pre_state),
                     unknown_pre_state=prefix.unknown_pre_state,
                     externals=dict(prefix.externals),

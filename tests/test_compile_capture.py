@@ -1,0 +1,288 @@
+"""Capture for fxlite.compile: ordinary Python, graph breaks that keep compiling, explain,
+export and fullgraph (the compile tutorial's examples, then the wider cases).
+
+Each compiled function is called several times with inputs that take different paths,
+and compared with eager PyTorch every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fxlite.codegen.compile as compile_mod
+from fxlite.codegen.triton import interpreting
+
+import fxlite
+
+DEVICE = "cpu" if interpreting() else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(compile_mod, "_warned", set())
+
+
+@pytest.fixture
+def recordings(monkeypatch):
+    """The recordings fxlite.compile made (a new key or a new path): the read each one
+    started from (None for a whole new recording). Calls that only finish eagerly after
+    the recompile limit are not recordings."""
+    seen, real = [], compile_mod.record
+
+    def counting(fn, *args, **kwargs):
+        if kwargs.get("record_rest", True):
+            seen.append(kwargs.get("upto"))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(compile_mod, "record", counting)
+    return seen
+
+
+def rand(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+def line_of(fn, text):
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, s in enumerate(lines) if text in s)
+
+
+# ------------------------------------------------------------------ the tutorial
+def f1(x, y):
+    if x.sum() < 0:
+        return -y
+    return y
+
+
+def bar(a, b):
+    x = a / (torch.abs(a) + 1)
+    if b.sum() < 0:
+        b = b * -1
+    return x * b
+
+
+def bar_fixed(a, b):
+    x = a / (torch.abs(a) + 1)
+
+    def true_branch(y):
+        return y * -1
+
+    def false_branch(y):
+        return y.clone()  # torch.cond does not allow aliased outputs
+
+    x = torch.cond(b.sum() < 0, true_branch, false_branch, (b,))
+    return x * b
+
+
+def f2(x, y):
+    return x + y
+
+
+def test_f1_is_right_on_each_branch_in_alternation():
+    c = fxlite.compile(f1)
+    x, y = rand(5, 5), rand(5, 5)
+    for sign in (1, -1, 1, -1, -1, 1):
+        torch.testing.assert_close(c(sign * x, y), f1(sign * x, y))
+
+
+def test_bar_runs_kernels_on_both_branches(recordings):
+    c = fxlite.compile(bar)
+    a, b = rand(10), rand(10).abs() + 0.1
+    for sign in (1, -1, 1, -1):
+        torch.testing.assert_close(c(a, sign * b), bar(a, sign * b))
+        assert len(c.kernels) >= 2 and c.fallbacks == []  # before and after the break
+    assert len(recordings) == 2  # one recording per branch, then replays
+
+
+def test_explain_bar_reports_the_break_and_its_line():
+    report = fxlite.explain(bar, rand(10), rand(10))
+    assert report.graph_count >= 2 and report.graph_break_count == 1
+    reason = report.break_reasons[0]
+    assert reason.line == line_of(bar, "if b.sum() < 0") and reason.file == __file__
+    assert reason.source == "if b.sum() < 0:"
+    text = str(report)
+    assert "if b.sum() < 0:" in text and "graph breaks: 1" in text
+    assert len(report.ops_per_graph) == report.graph_count
+    assert any("torch.abs" in op for op in report.ops_per_graph[0])
+    assert report.guards and "<table>" in report._repr_html_()
+
+
+def test_fullgraph_bar_raises_at_the_line():
+    with pytest.raises(fxlite.TraceError) as info:
+        fxlite.compile(bar, fullgraph=True)(rand(10), rand(10))
+    text = str(info.value)
+    assert f"line {line_of(bar, 'if b.sum() < 0')}" in text and "if b.sum() < 0:" in text
+    assert "torch.cond" in text and "torch.where" in text
+
+
+def test_bar_fixed_compiles_as_one_graph_under_fullgraph():
+    c = fxlite.compile(bar_fixed, fullgraph=True)
+    a, b = rand(10), rand(10).abs() + 0.1
+    for sign in (1, -1, -1, 1):
+        torch.testing.assert_close(c(a, sign * b), bar_fixed(a, sign * b))
+        assert c.kernels and c.fallbacks == []
+    report = fxlite.explain(bar_fixed, a, b)
+    assert report.graph_count == 1 and report.graph_break_count == 0
+
+
+def test_f2_retraces_when_its_int_changes(recordings):
+    c = fxlite.compile(f2)
+    x = rand(5, 5)
+    for y in (3, 3, 4, 3, 4):
+        torch.testing.assert_close(c(x, y), f2(x, y))
+    assert len(recordings) == 2
+
+
+# ------------------------------------------------------------------ ordinary Python
+def doubles(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs) * 2
+    return wrapper
+
+
+@doubles
+def decorated(x):
+    return torch.relu(x)
+
+
+def test_decorators_keep_their_ops():
+    c = fxlite.compile(decorated)
+    for _ in range(3):
+        x = rand(6)
+        torch.testing.assert_close(c(x), torch.relu(x) * 2)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    aux: dict
+    note: str = "ok"
+
+
+def test_dataclass_and_dict_outputs():
+    def heads(x):
+        return Output(x * 2, {"sum": x.sum(-1), "n": 3})
+
+    c = fxlite.compile(heads)
+    for _ in range(3):
+        x = rand(2, 4)
+        out = c(x)
+        assert isinstance(out, Output) and out.note == "ok" and out.aux["n"] == 3
+        torch.testing.assert_close(out.logits, x * 2)
+        torch.testing.assert_close(out.aux["sum"], x.sum(-1))
+
+
+class TrainOnlyNoise(nn.Module):
+    def forward(self, x):
+        if self.training:
+            return F.dropout(x, 0.5) * 0 + x + 1
+        return x - 1
+
+
+def test_self_training_branches_follow_the_flag():
+    m = TrainOnlyNoise()
+    c = fxlite.compile(m)
+    x = rand(4)
+    for mode in (True, False, True, False):
+        m.train(mode)
+        torch.testing.assert_close(c(x), x + 1 if mode else x - 1)
+
+
+def test_a_loop_whose_trip_count_comes_from_item(recordings):
+    def repeat_double(x, n):
+        for _ in range(int(n.item())):
+            x = x * 2
+        return x
+
+    c = fxlite.compile(repeat_double)
+    x = rand(3)
+    for n in (2, 3, 2, 0, 3):
+        torch.testing.assert_close(c(x, torch.tensor(n)), x * 2**n)
+    assert len(recordings) == 3  # one path per trip count
+
+
+def test_early_returns_and_nested_branches_cache_each_path(recordings):
+    def nested(x, y):
+        if x.sum() > 0:
+            if y.sum() > 0:
+                return x + y
+            return x - y
+        if y.mean() > 0:
+            return x * y
+        return torch.relu(x) + 1
+
+    c = fxlite.compile(nested)
+    x, y = rand(4).abs() + 0.1, rand(4).abs() + 0.1
+    cases = [(x, y), (x, -y), (-x, y), (-x, -y)]
+    for xx, yy in cases + cases[::-1] + cases:
+        torch.testing.assert_close(c(xx, yy), nested(xx, yy))
+    assert len(recordings) == 4  # each of the four paths recorded once
+
+
+def test_too_many_paths_warn_once_naming_the_read_then_run_eagerly(recordings):
+    def by_value(x, n):
+        return x * int(n.item())
+
+    c = fxlite.compile(by_value)
+    x = rand(3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for n in range(12):
+            torch.testing.assert_close(c(x, torch.tensor(n)), x * n)
+    ours = [str(w.message) for w in record if "recompile_limit" in str(w.message)]
+    assert len(ours) == 1 and f"line {line_of(by_value, 'n.item()')}" in ours[0]
+    assert len(recordings) == compile_mod.CompiledFunction.recompile_limit
+
+
+def test_export_returns_one_graph_module_and_refuses_breaks():
+    gm = fxlite.export(lambda x, y: {"s": torch.relu(x + y), "k": 3}, rand(3), rand(3))
+    x, y = rand(3), rand(3)
+    out = gm(x, y)
+    assert out["k"] == 3 and "relu" in gm.code
+    torch.testing.assert_close(out["s"], torch.relu(x + y))
+    with pytest.raises(fxlite.TraceError, match="if b.sum"):
+        fxlite.export(bar, rand(10), rand(10))
+
+
+# ------------------------------------------------------------------ real models
+transformers = pytest.importorskip("transformers")
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
+                                      vocab_size=100, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2Model(cfg).eval().to(DEVICE)
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                  intermediate_size=64, vocab_size=100,
+                                  max_position_embeddings=64)
+    return transformers.BertModel(cfg).eval().to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_tiny_hugging_face_models_compile_into_kernels(kind):
+    model = tiny(kind)
+    c = fxlite.compile(model)
+    padded = torch.ones(2, 8, dtype=torch.long, device=DEVICE)
+    padded[1, 6:] = 0
+    full = torch.ones(2, 8, dtype=torch.long, device=DEVICE)
+    with torch.no_grad():
+        for mask in (padded, full, padded):
+            ids = torch.randint(0, 100, (2, 8), device=DEVICE)
+            got, want = c(ids, attention_mask=mask), model(ids, attention_mask=mask)
+            torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+            assert type(got) is type(want)
+            assert len(c.kernels) >= 5 and c.fallbacks == []
