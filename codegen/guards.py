@@ -43,11 +43,16 @@ _MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_modules"
                                "_version", "call_super_init", "dump_patches"})
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def ambient_key() -> tuple:
-    """Global state every recording depends on."""
+    """Global state every recording depends on: grad mode, autocast, default dtype,
+    inference mode."""
     from fxlite.codegen.capture_kinds import autocast_state
 
-    return (torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(),
+    autocast = autocast_state() if _any_autocast is None or _any_autocast() else None
+    return (torch.is_grad_enabled(), autocast, torch.get_default_dtype(),
             torch.is_inference_mode_enabled())
 
 

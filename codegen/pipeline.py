@@ -96,12 +96,6 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
         return python
     for reason in compiled.fallbacks:
         warn(reason)
-    if compiled.kernels == [] and compiled.fallbacks == [] and _kept_for_autograd(work):
-        reason = ("Triton kernels are inference-only and this call needs autograd, so its "
-                  "ops run in eager; wrap calls in torch.no_grad() or torch.inference_mode() "
-                  "to use kernels")
-        compiled.fallbacks.append(reason)
-        warn(reason)
     problem = _disagreement(compiled.outputs, expected)
     if problem is not None:
         reason = f"the compiled segment disagreed with eager ({problem}); its ops run in eager"
@@ -142,7 +136,7 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     from fxlite.passes.normalize import normalize
 
     fill_meta(gm)
-    _keep_autograd_ops(gm)
+    kept = _keep_autograd_ops(gm)
     gm = functionalize(gm)
     gm = decompose(normalize(gm))
     gm.graph.eliminate_dead_code()
@@ -153,8 +147,9 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     with _ambient_restored():
         outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)
+    fallbacks = check.fallbacks + ([_AUTOGRAD] if kept and not check.kernels else [])
     return CompiledSegment(direct_forward(fused), fused, list(check.kernels.values()),
-                           check.records, check.fallbacks, outputs)
+                           check.records, fallbacks, outputs)
 
 
 def fill_meta(gm: GraphModule) -> None:
@@ -207,17 +202,20 @@ def propagate_meta(gm: GraphModule) -> None:
             node.meta["tensor_meta"] = extract_tensor_metadata(value)
 
 
-def _kept_for_autograd(gm: GraphModule) -> bool:
-    return any(n.meta.get("no_fuse") for n in gm.graph.nodes)
+_AUTOGRAD = ("Triton kernels are inference-only and this call needs autograd, so its ops run "
+             "in eager; wrap calls in torch.no_grad() or torch.inference_mode() to use kernels")
 
 
-def _keep_autograd_ops(gm: GraphModule) -> None:
+def _keep_autograd_ops(gm: GraphModule) -> int:
     """Values autograd must track stay out of fused groups (the kernels are inference-only):
-    their nodes are left as recorded, undecomposed."""
+    their nodes are left as recorded, undecomposed. Returns how many."""
+    kept = 0
     for node in gm.graph.nodes:
         meta = node.meta
         if (meta.get("requires_grad") and meta.get("grad_enabled")) or meta.get("autocast"):
             meta["no_fuse"] = True
+            kept += 1
+    return kept
 
 
 @contextlib.contextmanager

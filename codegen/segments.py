@@ -34,7 +34,7 @@ from fxlite.node import Node
 
 __all__ = ["Segment", "read_key", "split"]
 
-_MISSING = object()
+_ONE = ("leaf",)
 
 
 @dataclass(eq=False)
@@ -51,6 +51,7 @@ class Segment:
     run: Callable[..., Any] | None = None
     compiled: Any = None  # what the pipeline made of it (kernels, fallbacks, code)
     children: dict[Any, Segment] = field(default_factory=dict)
+    direct: bool = False  # a root taking exactly the call's tensor arguments, in order
 
     def arguments(self, env: dict[str, Any]) -> list[Any]:
         """The values of this segment's inputs, from the call's env."""
@@ -60,6 +61,8 @@ class Segment:
     def result(self, flat: Any) -> Any:
         """The user's result, rebuilt from the last segment's flat outputs."""
         rec = self.recording
+        if rec.out_spec == _ONE:  # a single tensor: the common case
+            return flat[0]
         it = iter(flat)
         leaves = [next(it) if kind == "node" else value for kind, value in rec.out_refs]
         return unflatten(rec.out_spec, leaves)

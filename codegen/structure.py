@@ -19,7 +19,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import Any
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["flatten", "flatten_call", "unflatten"]
 
 Spec = tuple  # ("leaf",) | (kind, detail, child specs)
 _LEAF: Spec = ("leaf",)
@@ -52,6 +52,26 @@ def flatten(obj: Any) -> tuple[list[Any], Spec]:
     """
     leaves: list[Any] = []
     return leaves, _flatten(obj, leaves)
+
+
+_FLAT_LEAVES = frozenset({int, float, bool, str, type(None)})
+_CALL_SPECS: dict[int, Spec] = {}
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Spec]:
+    """``flatten((args, kwargs))``, quicker for the common call of plain positional values."""
+    if not kwargs:
+        import torch
+
+        for a in args:
+            if not (isinstance(a, torch.Tensor) or type(a) in _FLAT_LEAVES):
+                break
+        else:
+            spec = _CALL_SPECS.get(len(args))
+            if spec is None:
+                spec = _CALL_SPECS[len(args)] = flatten((args, {}))[1]
+            return list(args), spec
+    return flatten((args, kwargs))
 
 
 def _flatten(obj: Any, leaves: list[Any]) -> Spec:
