@@ -177,6 +177,7 @@ class Recorder(TorchFunctionMode):
         self._at = 0
         self._values = values or {}
         self._read_value = read_value
+        self._versions: dict[str, str] | None = None  # name -> its next in-place version
         self.devices: list[int] = []
         self.record_rest = True
 
@@ -414,6 +415,7 @@ class Recorder(TorchFunctionMode):
             if out is t:  # later reads see the written tensor through this node
                 self._bind(t, node.name)
                 self.rec.expected[node.name] = (weakref.ref(t), t._version)
+                node.meta["same_object"] = name  # a later version of the same tensor
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased
 
@@ -542,7 +544,7 @@ class Recorder(TorchFunctionMode):
                 self.off = not self.record_rest
             return value
         node = self._nodes[step.node]
-        if node.meta.get("mutated") and args and isinstance(args[0], torch.Tensor):
+        if node.meta.get("same_object") is not None and args and isinstance(args[0], torch.Tensor):
             out: Any = args[0]  # an in-place op returns the tensor it wrote
         else:
             out = self._stand_in(step.out, step.node)
@@ -554,7 +556,7 @@ class Recorder(TorchFunctionMode):
         or, for a value no later code can read, an uninitialized tensor of its layout."""
         kind = structure[0]
         if kind == "t":
-            value = self._values.get(name) if name is not None else None
+            value = self._latest_value(name) if name is not None else None
             if value is not None:
                 return value
             shape, stride, dtype, device, requires_grad = structure[1]
@@ -566,6 +568,21 @@ class Recorder(TorchFunctionMode):
                      for i, sub in enumerate(structure[2])]
             return structure[1](items) if structure[1] in (tuple, list) else structure[1](*items)
         return structure[1]
+
+    def _latest_value(self, name: str) -> Any:
+        """This call's value of ``name``, or of a later in-place version of it: in eager
+        they are one tensor object, which Python may still hold after the read."""
+        if self._versions is None:
+            self._versions = {}
+            for node in self.graph.nodes:
+                older = node.meta.get("same_object")
+                if older is not None:
+                    self._versions[older] = node.name
+        value = None
+        while name is not None:
+            value = self._values.get(name, value)
+            name = self._versions.get(name)
+        return value
 
     def _rebind(self, out: Any, name: str) -> None:
         if isinstance(out, torch.Tensor):

@@ -286,3 +286,47 @@ def test_tiny_hugging_face_models_compile_into_kernels(kind):
             torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
             assert type(got) is type(want)
             assert len(c.kernels) >= 5 and c.fallbacks == []
+
+
+# ------------------------------------------------------------------ bugs the soak test found
+def test_a_new_path_sees_in_place_writes_made_before_the_read():
+    # Fast-forwarding to the read must hand Python the written tensor, not a stand-in for
+    # the value before the write (they are one object in eager).
+    def written(x):
+        h = x[:, torch.arange(3, -1, -1, device=x.device)]
+        h.mul_(0.5)
+        if x.sum() > 0:
+            return h * 2
+        return h - 1
+
+    c = fxlite.compile(written)
+    x = rand(3, 4).abs() + 0.1
+    for xx in (x, -x, x, -x):
+        torch.testing.assert_close(c(xx), written(xx))
+
+
+def test_a_new_path_after_train_mode_batch_norm():
+    # batch_norm writes its running statistics but returns a new tensor: fast-forwarding
+    # must return that result, not the tensor it wrote.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            h = self.bn(x)
+            for _ in range(int((x > 0).sum().item()) % 3):
+                h = h * 1.5
+            return h
+
+    import copy
+
+    m = Net().to(DEVICE)
+    ref = copy.deepcopy(m)
+    c = fxlite.compile(m)
+    with torch.no_grad():
+        for n_pos in (2, 3, 4, 3):  # 2, 0, 1, 0 loop trips
+            x = -rand(6, 4).abs() - 0.1
+            x.view(-1)[:n_pos] *= -1
+            torch.testing.assert_close(c(x), ref(x))
+            torch.testing.assert_close(m.state_dict(), ref.state_dict())
