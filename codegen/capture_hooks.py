@@ -28,7 +28,7 @@ _undo: list[Any] = []
 
 
 def _active() -> Any:
-    from fxlite.codegen.capture import recording_thread
+    from fxlite.codegen.recording import recording_thread
 
     rec = recording_thread()
     return rec if rec is not None and not rec.off else None

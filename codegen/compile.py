@@ -51,7 +51,7 @@ def warn_user(message: str) -> None:
     if message in _warned:
         return
     _warned.add(message)
-    from fxlite.codegen.capture import _LIB_DIRS
+    from fxlite.codegen.recording import _LIB_DIRS
 
     level, f = 2, sys._getframe(1)
     while f is not None and (f.f_code.co_filename.startswith(_LIB_DIRS)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxlite.codegen.capture import Read, Recording
+from fxlite.codegen.recording import Read, Recording
 from fxlite.codegen.structure import unflatten
 
 from fxlite.graph import Graph

@@ -1,0 +1,510 @@
+"""The recorder: a ``TorchFunctionMode`` that appends every torch call to a graph.
+
+``fxlite.codegen.capture.record`` runs the user's function under a :class:`Recorder`.
+Each call the mode sees is classified (``capture_kinds``) and either run as it is
+(metadata), recorded as a node (ops, effects), or recorded as a read that ends a
+segment. When a recording continues an earlier one from a read, the calls before that
+read are fast-forwarded: their results come from the segments that already ran.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from fxlite.codegen.capture_kinds import (
+    DYNAMIC_SHAPE,
+    SIZE_FANOUT,
+    UNSUPPORTED,
+    autocast_state,
+    classify,
+    hidden_writes,
+    mutation_candidates,
+    random_op,
+    set_autocast,
+    state_name,
+)
+from fxlite.codegen.capture_rules import (
+    Diverged,
+    bool_index,
+    break_message,
+    func_name,
+    has_tensor,
+    rng_state_of,
+    same_func,
+    spelling,
+    structure,
+    tensors_in,
+)
+from fxlite.codegen.recording import Read, Recording, Step, format_site, tensor_meta, user_site
+from torch.overrides import TorchFunctionMode
+
+from fxlite.node import Node
+from fxlite.proxy import TraceError
+
+__all__ = ["Recorder"]
+
+
+class Recorder(TorchFunctionMode):
+    """Appends every torch call made while it is active to ``recording.graph``."""
+
+    def __init__(self, recording: Recording, fullgraph: bool = False,
+                 prefix: list[Step] | None = None, values: dict[str, Any] | None = None,
+                 read_value: Any = None) -> None:
+        super().__init__()
+        self.rec = recording
+        self.graph = recording.graph
+        self.fullgraph = fullgraph
+        self.off = False
+        self._env: dict[int, tuple[Any, str]] = {}  # id(tensor) -> (weakref, node name)
+        self._nodes: dict[str, Node] = {n.name: n for n in self.graph.nodes}
+        self._known: dict[int, str] = {}  # id(parameter/buffer) -> readable path
+        self._externals: dict[int, str] = {}  # id(tensor) -> get_attr node name
+        self._keep: list[Any] = []  # external objects (ids must stay unique)
+        self._dynamic = recording.dynamic
+        self._attr_tail: Node | None = None  # get_attr nodes go after the inputs, in order
+        self._grad = torch.is_grad_enabled()
+        self._autocast = autocast_state()
+        self._seed = torch.initial_seed()
+        # fast-forward: replay `prefix` without running it, using `values` from the
+        # segments already run; `read_value` is the new outcome of its last read
+        self._prefix = prefix or []
+        self._prefix_names = {step.node for step in self._prefix}
+        self._at = 0
+        self._values = values or {}
+        self._read_value = read_value
+        self._versions: dict[str, str] | None = None  # name -> its next in-place version
+        self.devices: list[int] = []
+        self.record_rest = True
+        # how to record a function of its own (torch.cond's branches): capture.record
+        self.sub_record: Callable[..., tuple[Any, Recording]] = _no_sub_record
+
+    # ------------------------------------------------------------------ setup
+    def know_modules(self, roots: list[tuple[str, torch.nn.Module]]) -> None:
+        """Name the parameters and buffers of ``roots`` by their paths (for readable graphs)."""
+        for prefix, root in roots:
+            for name, t in [*root.named_parameters(remove_duplicate=False),
+                            *root.named_buffers(remove_duplicate=False)]:
+                self._known.setdefault(id(t), f"{prefix}.{name}" if prefix != "self" else name)
+
+    def bind_input(self, t: torch.Tensor, name: str) -> None:
+        self._bind(t, name)
+
+    # ------------------------------------------------------------------ tensors <-> nodes
+    def _bind(self, t: torch.Tensor, name: str) -> None:
+        self._env[id(t)] = (weakref.ref(t), name)
+
+    def _name_of(self, t: torch.Tensor) -> str | None:
+        found = self._env.get(id(t))
+        if found is not None and found[0]() is t:
+            return found[1]
+        return None
+
+    def _arg(self, a: Any) -> Any:
+        """A graph argument for a call argument: tensors become nodes."""
+        if isinstance(a, torch.Tensor):
+            return self._nodes[self._name_of(a) or self._external(a)]
+        t = type(a)
+        if t is tuple or t is list:
+            return t(self._arg(x) for x in a)
+        if t is dict:
+            return {k: self._arg(v) for k, v in a.items()}
+        if t is slice:
+            return slice(self._arg(a.start), self._arg(a.stop), self._arg(a.step))
+        if isinstance(a, torch.Size):
+            return tuple(a)
+        return a
+
+    def _external(self, t: torch.Tensor) -> str:
+        """A get_attr node for a tensor the recording did not make: a parameter, buffer or
+        constant. The holder keeps the object itself, so in-place updates are seen."""
+        name = self._externals.get(id(t))
+        if name is not None:
+            return name
+        hint = self._known.get(id(t), "_tensor_constant")
+        attr = "".join(c if c.isalnum() else "_" for c in hint).strip("_") or "constant"
+        if attr[0].isdigit():
+            attr = "_" + attr
+        base, i = attr, 0
+        while hasattr(self.rec.holder, attr):
+            i += 1
+            attr = f"{base}_{i}"
+        if isinstance(t, torch.nn.Parameter):
+            self.rec.holder.register_parameter(attr, t)
+        else:
+            self.rec.holder.register_buffer(attr, t, persistent=False)
+        self.rec.externals[attr] = t
+        with self.graph.inserting_after(self._attr_anchor()):
+            node = self.graph.get_attr(attr)
+        self._attr_tail = node
+        node.meta["tensor_meta_rec"] = tensor_meta(t)
+        self._nodes[node.name] = node
+        self._externals[id(t)] = node.name
+        self._keep.append(t)
+        self._bind(t, node.name)
+        return node.name
+
+    def _attr_anchor(self) -> Node | None:
+        if self._attr_tail is None:
+            for n in self.graph.nodes:
+                if n.op not in ("placeholder", "get_attr"):
+                    return n.prev
+            return None
+        return self._attr_tail
+
+    def adopt_externals(self) -> None:
+        """Index the get_attr nodes of a copied graph (continuing a recording)."""
+        for n in self.graph.nodes:
+            if n.op == "get_attr":
+                obj = self.rec.externals[n.target]
+                self._externals[id(obj)] = n.name
+                self._keep.append(obj)
+                self._bind(obj, n.name)
+                self._attr_tail = n
+
+    # ------------------------------------------------------------------ the mode
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
+        try:
+            if self._at < len(self._prefix):
+                return self._fast_forward(func, args, kwargs)
+            return self._record(func, args, kwargs)
+        except TraceError:
+            raise
+        except Exception as e:  # a failure of the recorder must never break user code
+            if getattr(e, "_fxlite_user", False):
+                raise
+            self.stop(f"fxlite could not record {func_name(func)}: {type(e).__name__}: {e}")
+            return func(*args, **kwargs)
+
+    def stop(self, reason: str, site: Any = None) -> None:
+        """Stop recording; the call finishes in eager PyTorch and is not compiled."""
+        if self.rec.unsupported is None:
+            where = format_site(site or user_site())
+            self.rec.unsupported = f"{reason}\n  {where}"
+        self.off = True
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        kind = classify(func)
+        if kind in UNSUPPORTED:
+            self.stop(UNSUPPORTED[kind])
+            return func(*args, **kwargs)
+        self._sync_state()
+        if kind == "meta":  # sizes, dtypes, devices: guarded, not recorded
+            return self._meta(func, args, kwargs)
+        if kind == "grad_mode":
+            out = func(*args, **kwargs)
+            self._sync_state()
+            return out
+        if kind == "set":
+            return self._effect(func, args, kwargs, setter=True)
+        return self._op(func, kind, args, kwargs)
+
+    def _meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        name = state_name(func)
+        if name in SIZE_FANOUT or isinstance(out, torch.Size):
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            owner = self._name_of(t) if t is not None else None
+            if owner in self._dynamic:  # a data-dependent size: read it like a value
+                return self._read_value_of(out, owner, func, args, kwargs)
+            self.rec.sizes_read = True
+        return out
+
+    def _op(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
+        tensors = tensors_in((args, kwargs))
+        before = [t._version for t in tensors]
+        self._snapshot(mutation_candidates(func, args, kwargs))
+        out = func(*args, **kwargs)
+        mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
+        mutated += [t for t in hidden_writes(func, args, kwargs) if all(t is not m for m in mutated)]
+        if kind == "read" or (not has_tensor(out) and out is not None and kind != "effect"):
+            if isinstance(out, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+                return out
+            if isinstance(out, torch.Size):
+                self.rec.sizes_read = True
+                return out
+            return self._read(func, args, kwargs, out)
+        node = self._node(func, args, kwargs)
+        meta = node.meta
+        if mutated or random_op(func, args, kwargs) or out is None or kind in (
+                "effect", "external") or state_name(func) in ("grad", "data", "_base"):
+            meta["impure"] = True
+        if kind == "external":
+            meta["external"] = True
+        if mutated:
+            self._note_mutation(node, mutated, out)
+        if state_name(func) in SIZE_FANOUT:
+            self.rec.sizes_read = True
+        if func in DYNAMIC_SHAPE or self._dynamic.intersection(
+                n.name for n in node.all_input_nodes) or bool_index(func, args):
+            self._dynamic.add(node.name)
+        self._bind_out(out, node)
+        self.rec.steps.append(Step(func, node.name, structure(out)))
+        return out
+
+    def _effect(self, func: Any, args: tuple, kwargs: dict, setter: bool = False) -> Any:
+        out = func(*args, **kwargs)
+        node = self._node(func, args, kwargs)
+        node.meta["impure"] = node.meta["external"] = True
+        node.meta["type"] = type(out)
+        self.rec.steps.append(Step(func, node.name, structure(out)))
+        return out
+
+    def _node(self, func: Any, args: tuple, kwargs: dict) -> Node:
+        target, opcode, args = spelling(func, args)
+        site = user_site()
+        node = self.graph.create_node(opcode, target, self._arg(args),
+                                      self._arg(kwargs) if kwargs else {})
+        node.meta["stack_trace"] = format_site(site)
+        node.meta["site"] = site
+        node.meta["grad_enabled"] = torch.is_grad_enabled()
+        self._nodes[node.name] = node
+        return node
+
+    def _bind_out(self, out: Any, node: Node) -> None:
+        node.meta["type"] = type(out)
+        if isinstance(out, torch.Tensor):
+            node.meta["requires_grad"] = out.requires_grad
+            node.meta["tensor_meta_rec"] = tensor_meta(out)
+            self._bind(out, node.name)
+            self.rec.expected[node.name] = (weakref.ref(out), out._version)
+            return
+        if isinstance(out, (tuple, list)):
+            import operator
+
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    with self.graph.inserting_after(None):
+                        sub = self.graph.call_function(operator.getitem, (node, i))
+                    sub.meta.update(stack_trace=node.meta["stack_trace"], site=node.meta["site"],
+                                    grad_enabled=node.meta["grad_enabled"])
+                    self._nodes[sub.name] = sub
+                    if node.name in self._dynamic:
+                        self._dynamic.add(sub.name)
+                    self._bind_out(item, sub)
+
+    def _note_mutation(self, node: Node, mutated: list[torch.Tensor], out: Any) -> None:
+        names = []
+        aliased = False
+        for t in mutated:
+            name = self._name_of(t) or self._external(t)
+            names.append(name)
+            storage = t.untyped_storage()._cdata
+            for other_id, (ref, _) in self._env.items():
+                other = ref()
+                if other is None or other is t or other_id == id(t):
+                    continue
+                try:
+                    if other.untyped_storage()._cdata == storage:
+                        aliased = True
+                        break
+                except Exception:
+                    aliased = True
+            if t._base is not None:
+                aliased = True
+            if (self._nodes[name].op in ("placeholder", "get_attr")
+                    or name in self._prefix_names) and name not in self.rec.pre_state:
+                self.rec.unknown_pre_state = True
+            self.rec.expected.pop(name, None)  # its recorded value was overwritten
+            if out is t:  # later reads see the written tensor through this node
+                self._bind(t, node.name)
+                self.rec.expected[node.name] = (weakref.ref(t), t._version)
+                node.meta["same_object"] = name  # a later version of the same tensor
+        node.meta["mutated"] = names
+        node.meta["aliased"] = aliased
+
+    def _snapshot(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the value of each external tensor (input, parameter, buffer, constant)
+        before its first write, for the compile-time checks, which must start from the
+        state the call started from."""
+        for t in tensors:
+            name = self._name_of(t) or self._external(t)
+            if self._nodes[name].op not in ("placeholder", "get_attr") and \
+                    name not in self._prefix_names:
+                continue
+            if name not in self.rec.pre_state:
+                with torch.no_grad():
+                    self.rec.pre_state[name] = t.detach().clone()
+
+    def _read(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        return self._read_value_of(out, None, func, args, kwargs)
+
+    def _read_value_of(self, out: Any, owner: str | None, func: Any, args: tuple,
+                       kwargs: dict) -> Any:
+        site = user_site()
+        if self.fullgraph:
+            raise TraceError(break_message(func, site))
+        node = self._node(func, args, kwargs)
+        node.meta["read"] = state_name(func)
+        node.meta["impure"] = True
+        node.meta["type"] = type(out)
+        live = [name for ref, name in self._env.values()
+                if ref() is not None and self._nodes[name].op not in ("placeholder", "get_attr")]
+        self.rec.reads.append(Read(node.name, out, site, sorted(set(live))))
+        self.rec.steps.append(Step(func, node.name, ("v", out), read=True))
+        return out
+
+    def _sync_state(self) -> None:
+        """Record changes of grad mode and autocast, which no torch call reports."""
+        grad = torch.is_grad_enabled()
+        if grad != self._grad:
+            self._grad = grad
+            node = self.graph.call_function(torch._C._set_grad_enabled, (grad,))
+            node.meta.update(impure=True, grad_enabled=grad)
+        state = autocast_state()
+        if state != self._autocast:
+            self._autocast = state
+            node = self.graph.call_function(set_autocast, (state,))
+            node.meta.update(impure=True, grad_enabled=grad)
+        if torch.is_inference_mode_enabled():
+            raise_unsupported = "enters inference mode inside the function"
+            self.stop(raise_unsupported)
+
+    def finish(self) -> None:
+        """Close the recording: restore ambient state at the end, check the generator."""
+        if self.off:
+            return
+        self._sync_state()
+        if torch.initial_seed() != self._seed:
+            self.stop("reseeds the random generator (torch.manual_seed) inside the function")
+
+    # ------------------------------------------------------------------ opaque calls
+    def call_opaque(self, target: Any, runner: Callable[..., Any], args: tuple,
+                    kwargs: dict) -> Any:
+        """Record ``runner(*args, **kwargs)`` as one call of ``target``, without recording
+        what happens inside it (a custom autograd Function keeps its own backward)."""
+        if self._at < len(self._prefix):
+            return self._fast_forward(target, args, kwargs)
+        self._sync_state()
+        tensors = tensors_in((args, kwargs))
+        before = [t._version for t in tensors]
+        self.off = True
+        try:
+            out = runner(*args, **kwargs)
+        finally:
+            self.off = False
+        node = self._node(target, args, kwargs)
+        node.meta["impure"] = True
+        mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
+        if mutated:
+            self._note_mutation(node, mutated, out)
+        self._bind_out(out, node)
+        self.rec.steps.append(Step(target, node.name, structure(out)))
+        return out
+
+    def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
+        """``torch.cond``: both branches become graphs of their own, the call one node."""
+        from fxlite.codegen.cond import CondOp
+
+        if self._at < len(self._prefix):
+            return self._fast_forward(CondOp, (pred, *operands), {})
+        self._sync_state()
+        self.off = True
+        try:
+            branches = [self.sub_record(fn, tuple(operands), {}, roots=self.rec.modules)
+                        for fn in (true_fn, false_fn)]
+            taken = bool(pred)
+        finally:
+            self.off = False
+        for _, sub in branches:
+            if sub.unsupported or sub.reads:
+                why = sub.unsupported or "it reads a tensor's value"
+                self.stop(f"a torch.cond branch cannot be recorded: {why}")
+                return branches[0 if taken else 1][0]
+        op = CondOp(branches[0][1], branches[1][1], [o.detach().clone() for o in operands])
+        node = self._node(op, (pred, *operands), {})
+        self._bind_out(branches[0 if taken else 1][0], node)
+        self.rec.steps.append(Step(CondOp, node.name, structure(branches[0][0])))
+        return branches[0 if taken else 1][0]
+
+    # ------------------------------------------------------------------ fast-forward
+    def _fast_forward(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Replay a recorded call of the prefix: return its value from the segments that
+        already ran (or a stand-in of the right layout) instead of running it again."""
+        kind = classify(func)
+        if kind == "meta" or kind == "grad_mode" or kind in UNSUPPORTED:
+            return func(*args, **kwargs)
+        step = self._prefix[self._at]
+        if not (same_func(step.func, func) or isinstance(step.func, type) and func is step.func):
+            raise Diverged(f"the call sequence changed: expected {func_name(step.func)}, "
+                            f"got {func_name(func)}")
+        self._at += 1
+        if step.read:
+            last = self._at == len(self._prefix)
+            value = self._read_value if last else step.out[1]
+            if last:  # the prefix ends here; what follows is recorded
+                self.rec.steps = list(self._prefix)
+                self.rec.rng_state = rng_state_of(self.devices)
+                self.off = not self.record_rest
+            return value
+        node = self._nodes[step.node]
+        if node.meta.get("same_object") is not None and args and isinstance(args[0], torch.Tensor):
+            out: Any = args[0]  # an in-place op returns the tensor it wrote
+        else:
+            out = self._stand_in(step.out, step.node)
+        self._rebind(out, step.node)
+        return out
+
+    def _stand_in(self, structure: Any, name: str | None) -> Any:
+        """The value of a recorded result in this call: from the segments already run,
+        or, for a value no later code can read, an uninitialized tensor of its layout."""
+        kind = structure[0]
+        if kind == "t":
+            value = self._latest_value(name) if name is not None else None
+            if value is not None:
+                return value
+            shape, stride, dtype, device, requires_grad = structure[1]
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            return t.requires_grad_() if requires_grad and (dtype.is_floating_point
+                                                            or dtype.is_complex) else t
+        if kind == "seq":
+            items = [self._stand_in(sub, self._getitem_name(name, i) if name else None)
+                     for i, sub in enumerate(structure[2])]
+            return structure[1](items) if structure[1] in (tuple, list) else structure[1](*items)
+        return structure[1]
+
+    def _latest_value(self, name: str) -> Any:
+        """This call's value of ``name``, or of a later in-place version of it: in eager
+        they are one tensor object, which Python may still hold after the read."""
+        if self._versions is None:
+            self._versions = {}
+            for node in self.graph.nodes:
+                older = node.meta.get("same_object")
+                if older is not None:
+                    self._versions[older] = node.name
+        value = None
+        while name is not None:
+            value = self._values.get(name, value)
+            name = self._versions.get(name)
+        return value
+
+    def _rebind(self, out: Any, name: str) -> None:
+        if isinstance(out, torch.Tensor):
+            self._bind(out, name)
+        elif isinstance(out, (tuple, list)):
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    sub = self._getitem_name(name, i)
+                    if sub is not None:
+                        self._bind(item, sub)
+
+    def _getitem_name(self, name: str | None, i: int) -> str | None:
+        import operator
+
+        node = self._nodes.get(name) if name is not None else None
+        if node is None:
+            return None
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] == i:
+                return user.name
+        return None
+
+
+def _no_sub_record(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this recorder cannot record branches (no sub_record given)")

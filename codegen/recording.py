@@ -1,0 +1,102 @@
+"""The records a capture produces: a recorded path (:class:`Recording`), its calls
+(:class:`Step`) and reads (:class:`Read`), and where in the user's code a call came from.
+
+See ``fxlite.codegen.capture`` for how a recording is made and ``segments`` for how it
+is cut and replayed.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxlite.graph import Graph
+
+__all__ = ["Read", "Recording", "Step", "format_site", "recording_thread", "tensor_meta",
+           "user_site"]
+
+# Frames in these folders are fxlite's or torch's, never the user's.
+_LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
+    torch.__file__, __file__, sys.modules["fxlite"].__file__,
+    sys.modules["fxlite.graph"].__file__))
+_LOCAL = threading.local()
+
+
+def recording_thread() -> Any:
+    """The recorder active in this thread, or None (used by fxlite's call hooks)."""
+    return getattr(_LOCAL, "recorder", None)
+
+
+def user_site() -> tuple[str, int, str, str] | None:
+    """``(file, line, function, source)`` of the innermost frame of the user's code."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_LIB_DIRS) or name.startswith("<fxlite")
+                or name.startswith("<frozen")):
+            return (name, f.f_lineno, f.f_code.co_name,
+                    linecache.getline(name, f.f_lineno).strip())
+        f = f.f_back
+    return None
+
+
+def format_site(site: tuple[str, int, str, str] | None) -> str:
+    """``File "x.py", line 6, in f`` plus the source line, as torch.fx's stack traces."""
+    if site is None:
+        return "(no user frame found)"
+    return f'File "{site[0]}", line {site[1]}, in {site[2]}\n    {site[3]}'
+
+
+@dataclass(eq=False)
+@dataclass(eq=False)
+class Step:
+    """One recorded call, as fast-forwarding a new path replays it (see ``segments``)."""
+
+    func: Any
+    node: str  # the node's name in the graph
+    out: Any  # the result's structure: ("t", meta) | ("seq", type, [...]) | ("v", value)
+    read: bool = False
+
+
+@dataclass(eq=False)
+class Read:
+    """A value Python read from tensors: the end of a segment."""
+
+    node: str
+    value: Any
+    site: tuple[str, int, str, str] | None
+    live: list[str]  # recorded values still referenced when the read happened
+
+
+@dataclass(eq=False)
+class Recording:
+    """One path through the user's Python, as a graph plus what replaying it needs."""
+
+    graph: Graph
+    holder: torch.nn.Module  # owns the parameters, buffers and constants of get_attr nodes
+    in_spec: Any
+    placeholders: list[str | None]  # per input leaf: its placeholder name, None if not a tensor
+    out_spec: Any = None
+    out_refs: list[tuple[str, Any]] = field(default_factory=list)  # ("node", name) | ("const", v)
+    steps: list[Step] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
+    sizes_read: bool = False
+    unsupported: str | None = None
+    rng_state: Any = None
+    pre_state: dict[str, torch.Tensor] = field(default_factory=dict)  # externals before writes
+    unknown_pre_state: bool = False  # an external changed without a snapshot: no checks
+    expected: dict[str, Any] = field(default_factory=dict)  # name -> (weakref, version)
+    externals: dict[str, Any] = field(default_factory=dict)  # get_attr target -> object
+    modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    dynamic: set[str] = field(default_factory=set)  # nodes whose sizes depend on values
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    """``(shape, stride, dtype, device, requires_grad)``: what a stand-in needs."""
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
