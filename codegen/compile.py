@@ -81,6 +81,7 @@ class CompiledFunction:
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
         self._all_eager: str | None = None
+        self._limit_warned = False
         self._lock = threading.RLock()
         self._last: list[Segment] = []
         self._alias = False  # keys hold storage sharing once a recording writes tensors
@@ -190,8 +191,7 @@ class CompiledFunction:
     def _first(self, key: tuple, base: tuple, leaves: list[Any], args: tuple,
                kwargs: dict) -> Any:
         if self._recordings >= self.recompile_limit:
-            self._over_limit(f"its inputs or state keep changing (the key differs from all "
-                             f"{len(self._trees)} recorded)")
+            self._over_limit(_what_changed(list(self._trees), key, leaves))
             return self._fn(*args, **kwargs)
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
@@ -274,6 +274,9 @@ class CompiledFunction:
         return result
 
     def _over_limit(self, why: str) -> None:
+        if self._limit_warned:
+            return
+        self._limit_warned = True
         warn_user(f"fxlite.compile: {_name(self._fn)} was recorded "
                   f"{self.recompile_limit} times (recompile_limit), because {why}; new "
                   "inputs and paths now run in eager PyTorch")
@@ -340,6 +343,39 @@ class CompiledFunction:
         text = kernel_report(records, benchmark=benchmark)
         print(text)
         return text
+
+
+def _what_changed(keys: list[tuple], key: tuple, leaves: list[Any]) -> str:
+    """Which guard a new key fails, against the nearest recorded key."""
+    def differs(old: tuple) -> list[str]:
+        parts = []
+        if old[0] != key[0]:
+            parts.append("the arguments' structure (positions, keyword names, containers)")
+        if old[1] != key[1]:
+            parts.append("grad mode, autocast or the default dtype")
+        if len(old[2]) == len(key[2]):
+            for i, (a, b) in enumerate(zip(old[2], key[2])):
+                if a != b:
+                    leaf = leaves[i] if i < len(leaves) else None
+                    what = (f"argument {i}'s dtype, device, layout or sizes"
+                            if isinstance(leaf, torch.Tensor) else f"argument {i}'s value")
+                    parts.append(f"{what} (now {_short(leaf)})")
+        if old[3] != key[3]:
+            parts.append("the state of a module, closure cell or global it reads")
+        if len(old) != len(key) or old[4:] != key[4:]:
+            parts.append("the sizes of its tensor arguments (the code reads sizes)")
+        return parts
+
+    candidates = [differs(k) for k in keys if isinstance(k, tuple) and len(k) >= 4]
+    best = min(candidates, key=len, default=["its inputs or state"])
+    return f"this guard keeps failing: {'; '.join(best) or 'its inputs or state'}"
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)}"
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _plain(seg: Segment, leaves: list[Any]) -> bool:

@@ -330,3 +330,17 @@ def test_a_new_path_after_train_mode_batch_norm():
             x.view(-1)[:n_pos] *= -1
             torch.testing.assert_close(c(x), ref(x))
             torch.testing.assert_close(m.state_dict(), ref.state_dict())
+
+
+def test_too_many_keys_warn_once_naming_the_failing_guard():
+    def scaled(x, alpha):
+        return x * alpha
+
+    c = fxlite.compile(scaled)
+    x = rand(3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for alpha in range(12):
+            torch.testing.assert_close(c(x, float(alpha)), x * alpha)
+    ours = [str(w.message) for w in record if "recompile_limit" in str(w.message)]
+    assert len(ours) == 1 and "argument 1's value (now 8.0)" in ours[0]
