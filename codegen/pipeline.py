@@ -77,7 +77,17 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
     if callable(backend):
         return CompiledSegment(backend(work, list(sample)), work,
                                outputs=_run_checked(work, sample))
-    _compile_conds(work, backend, mode, warn)
+    branches = _compile_conds(work, backend, mode, warn)
+    result = _compile_work(work, sample, backend, mode, expected, warn)
+    for b in branches:  # torch.cond's branch kernels count as the segment's
+        result.kernels += b.kernels
+        result.records += b.records
+        result.fallbacks += b.fallbacks
+    return result
+
+
+def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str | None,
+                  expected: list[Any] | None, warn: Callable[[str], None]) -> CompiledSegment:
     python = CompiledSegment(direct_forward(work), work)
     if backend == "triton" and not _wants_kernels(work, sample):
         warn("no GPU tensors and TRITON_INTERPRET is not set, so backend='triton' runs the "
@@ -113,11 +123,15 @@ def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
 
 
 def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
-                   warn: Callable[[str], None]) -> None:
+                   warn: Callable[[str], None]) -> list[CompiledSegment]:
+    """Compile the branches of each torch.cond node; returns what they became."""
     from fxlite.codegen.cond import CondOp
 
+    made: list[CompiledSegment] = []
+
     def branch(g: GraphModule, example: list[Any]) -> Callable[..., Any]:
-        return compile_segment(g, example, backend=backend, mode=mode, warn=warn).run
+        made.append(compile_segment(g, example, backend=backend, mode=mode, warn=warn))
+        return made[-1].run
 
     changed = False
     for node in gm.graph.nodes:
@@ -126,6 +140,7 @@ def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
             changed = True
     if changed:
         gm.recompile()
+    return made
 
 
 # ---------------------------------------------------------------------- the Triton path
