@@ -3,8 +3,11 @@
 - ``torch.autograd.Function.apply``: the mode sees the ops inside a custom function's
   ``forward``, but replaying those would lose its hand-written ``backward``. While a
   recording runs, ``apply`` is recorded as one call.
-- ``torch.cond``: in eager mode it hands itself to ``torch.compile``; while recording, its
-  two branches are recorded as graphs of their own and the call becomes one node.
+- ``torch.cond``: in eager mode it hands itself to ``torch.compile``, which would trace
+  the recorder too; while recording, its two branches are recorded as graphs of their
+  own and the call becomes one node. Users hold the function itself (``from
+  functorch.experimental.control_flow import cond`` is the same object), so the hook
+  swaps its code object, which every reference sees, and restores it afterwards.
 
 The hooks are installed only while some thread records, and they pass every call from any
 other thread (and any call made while the recorder is paused) straight to the original,
@@ -14,7 +17,9 @@ so no other thread sees a change of behaviour.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,14 +49,21 @@ def _apply_hook(orig: Any) -> Any:
     return classmethod(apply)
 
 
-def _hop_hook(orig: Any) -> Any:
-    def hop_compile_and_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = _active()
-        if rec is None or getattr(fn, "__name__", "") != "_cond_op_wrapper" or kwargs:
-            return orig(fn, *args, **kwargs)
-        (pred, true_fn, false_fn, operands), = args
-        return rec.record_cond(pred, true_fn, false_fn, operands)
-    return hop_compile_and_call
+def _cond_dispatch(*args: Any, **kwargs: Any) -> Any:
+    original = torch.cond.__globals__["_fxlite_cond_original"]
+    rec = _active()
+    if rec is None:
+        return original(*args, **kwargs)
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    pred, true_fn, false_fn, operands = bound.args[:4]
+    if not isinstance(pred, torch.Tensor):  # a Python bool: eager cond just calls a branch
+        return original(*args, **kwargs)
+    return rec.record_cond(pred, true_fn, false_fn, operands)
+
+
+def _cond_entry(*args: Any, **kwargs: Any) -> Any:
+    return _fxlite_cond_dispatch(*args, **kwargs)  # noqa: F821  (in torch.cond's globals)
 
 
 def _install() -> None:
@@ -59,14 +71,20 @@ def _install() -> None:
     orig_apply = fn_cls.__dict__["apply"]
     fn_cls.apply = _apply_hook(orig_apply)
     _undo.append(lambda: setattr(fn_cls, "apply", orig_apply))
-    try:
-        import torch._higher_order_ops.utils as hop_utils
-    except ImportError:  # an older torch: torch.cond is left as it is
+    cond = getattr(torch, "cond", None)  # an older torch has none
+    if not isinstance(cond, types.FunctionType) or cond.__code__.co_freevars:
         return
-    orig_hop = getattr(hop_utils, "_hop_compile_and_call", None)
-    if orig_hop is not None:
-        hop_utils._hop_compile_and_call = _hop_hook(orig_hop)
-        _undo.append(lambda: setattr(hop_utils, "_hop_compile_and_call", orig_hop))
+    glob, code = cond.__globals__, cond.__code__
+    original = types.FunctionType(code, glob, cond.__name__, cond.__defaults__)
+    glob["_fxlite_cond_original"] = original
+    glob["_fxlite_cond_dispatch"] = _cond_dispatch
+    cond.__code__ = _cond_entry.__code__.replace(co_name=code.co_name)
+
+    def undo() -> None:
+        cond.__code__ = code
+        glob.pop("_fxlite_cond_original", None)
+        glob.pop("_fxlite_cond_dispatch", None)
+    _undo.append(undo)
 
 
 @contextlib.contextmanager
