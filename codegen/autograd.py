@@ -1,0 +1,260 @@
+"""Fused groups under autograd: a Triton forward and a generated Triton backward.
+
+``make_autograd_group(group, example_inputs)`` returns an :class:`AutogradGroup`, a
+callable to put in place of a fused group (``fused_<i>``) when gradients are needed::
+
+    group_fn = make_autograd_group(fused.fused_0, [x, w, b], name="fused_0")
+    y = group_fn(x, w, b)         # forward kernel; saves what the backward needs
+    y.sum().backward()            # backward kernel(s): x.grad, w.grad, b.grad
+    [k.direction for k in group_fn.kernels]   # ['forward', 'backward', ...]
+
+Under grad mode with an input that requires grad, the call runs a
+``torch.autograd.Function``: its forward is the group's kernel, extended to also store
+the values ``fxlite.autodiff`` chose to save (row statistics such as a layer norm's rstd;
+full-size values are recomputed from the inputs instead), and its backward runs the
+backward graph through the same pipeline (``autograd_pipeline.CompiledGraph``). Without
+gradients the call runs the group's plain kernel.
+
+One variant is built per input signature (dtypes, ranks, which dims are size 1, which
+inputs require grad); sizes are runtime values. A group autodiff cannot differentiate
+(an op without a rule) runs as the eager group under autograd, and says so in
+``fallbacks``. Double backward is refused (``once_differentiable``), never wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
+from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
+from fxlite.node import Opcode
+
+from .autograd_pipeline import CompiledGraph, meta_like
+
+__all__ = ["AutogradGroup", "make_autograd_group", "swap_in_autograd"]
+
+_MAX_VARIANTS = 16
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    key: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.device.type, tuple(s == 1 for s in a.shape), a.requires_grad))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    import copy
+
+    new = GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+class _Variant:
+    """The compiled forward and backward of one input signature."""
+
+    def __init__(self, grad: GroupGrad, args: Sequence[Any], name: str) -> None:
+        self.grad = grad
+        meta = [meta_like(a) for a in args]
+        results = grad.forward(*meta)
+        self.forward = CompiledGraph(grad.forward, meta, "forward", name)
+        saved = [meta[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        outs = results[:grad.n_outputs]
+        tangents = [torch.empty(outs[i].shape, dtype=outs[i].dtype, device="meta")
+                    for i in grad.tangents]
+        self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
+
+
+class _GroupFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, variant: _Variant, *args: Any) -> Any:
+        grad = variant.grad
+        results = variant.forward(*args)
+        saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        ctx.plain = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.variant = variant
+        ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
+                      for a in args]
+        outs = results[:grad.n_outputs]
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
+                                      if i not in grad.tangents and isinstance(o, torch.Tensor)))
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Any) -> Any:
+        variant = ctx.variant
+        grad = variant.grad
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is None else v for v in ctx.plain]
+        results = variant.backward(*saved, *(grads[i] for i in grad.tangents))
+        out: list[Any] = [None]
+        for i, spec in enumerate(ctx.inputs):
+            k = grad.grads[i]
+            if k is not None:
+                g = results[k]
+                out.append(g if g.shape == spec[0] else g.expand(spec[0]))
+            elif i in grad.zero_grads:
+                out.append(torch.zeros(spec[0], dtype=spec[1], device=spec[2]))
+            else:
+                out.append(None)
+        return tuple(out)
+
+
+class AutogradGroup:
+    """A fused group callable under autograd (see the module docstring).
+
+    Attributes:
+        group: the group's GraphModule (runs eagerly where no kernel can).
+        name: used in kernel names.
+        fallbacks: why some call or part of it runs eagerly.
+    """
+
+    def __init__(self, group: GraphModule, name: str = "group") -> None:
+        self.group = group
+        self.name = name
+        self.fallbacks: list[str] = []
+        self._plain: CompiledGraph | None = None
+        self._variants: dict[tuple, _Variant | None] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def __name__(self) -> str:  # generated forward code calls the callable by this name
+        return self.name
+
+    @property
+    def kernels(self) -> list[Any]:
+        """Every kernel built so far, forward and backward (each has ``.direction``)."""
+        parts = [self._plain] if self._plain is not None else []
+        for v in self._variants.values():
+            if v is not None:
+                parts += [v.forward, v.backward]
+        return [k for p in parts for k in p.kernels]
+
+    @property
+    def records(self) -> list[Any]:
+        """A ``KernelRecord`` per kernel, for ``fxlite.codegen.report.kernel_report``."""
+        parts = [self._plain] if self._plain is not None else []
+        for v in self._variants.values():
+            if v is not None:
+                parts += [v.forward, v.backward]
+        return [r for p in parts for r in p.records]
+
+    def __call__(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled() or not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._inference(args)
+        key = _signature(args)
+        variant = self._variants.get(key, False)
+        if variant is False:
+            with self._lock:
+                variant = self._variants.get(key, False)
+                if variant is False:
+                    variant = self._build(args)
+                    if len(self._variants) < _MAX_VARIANTS:
+                        self._variants[key] = variant
+        if variant is None:
+            return self.group(*args)
+        outs = _GroupFunction.apply(variant, *args)
+        return outs[0] if variant.grad.single else outs
+
+    def _inference(self, args: tuple) -> Any:
+        if self._plain is None:
+            with self._lock:
+                if self._plain is None:
+                    with torch.no_grad():
+                        self._plain = CompiledGraph(_copy(self.group), args, "forward", self.name)
+        with torch.no_grad():
+            return self._plain(*args)
+
+    def _build(self, args: tuple) -> _Variant | None:
+        try:
+            grad = differentiate(self.group, args)
+            return _Variant(grad, args, self.name)
+        except NotDifferentiable as e:
+            self.fallbacks.append(f"{self.name} runs under eager autograd: {e}")
+            return None
+
+    def report(self) -> str:
+        """Print and return the table of forward and backward kernels."""
+        from .report import kernel_report
+
+        text = kernel_report(self.records)
+        print(text)
+        return text
+
+
+def make_autograd_group(group_gm: GraphModule, example_inputs: Sequence[Any] = (),
+                        name: str = "group") -> AutogradGroup:
+    """A callable to run a fused group with Triton kernels under autograd.
+
+    Args:
+        group_gm: a fused group (``fuse``'s ``fused_<i>`` submodule, after ``normalize``
+            and ``decompose``), or any graph of canonical table ops with ShapeProp meta.
+        example_inputs: optional: one value per placeholder; when given, the variant for
+            them (forward and backward graphs, forward kernel on the first call) is built
+            now rather than on the first call that needs gradients.
+        name: prefix of the kernel names.
+
+    Returns:
+        An :class:`AutogradGroup`: call it with the group's inputs. It returns what the
+        group returns; outputs carry ``grad_fn`` when an input requires grad (and grad
+        mode is on). Its ``.kernels`` lists forward and backward kernels, each with
+        ``.direction``; ``.fallbacks`` says what runs eagerly and why.
+
+    Example::
+
+        fused = fuse(gm)
+        fn = make_autograd_group(fused.fused_0, [x, w, b], name="fused_0")
+        y = fn(x, w, b); y.sum().backward()
+    """
+    group = AutogradGroup(group_gm, name)
+    if example_inputs and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
+        key = _signature(example_inputs)
+        group._variants[key] = group._build(tuple(example_inputs))
+    return group
+
+
+def swap_in_autograd(fused: GraphModule, *example_inputs: Any) -> dict[str, AutogradGroup]:
+    """Replace every ``fused_<i>`` call of ``fused`` by its :class:`AutogradGroup`.
+
+    Runs ``fused`` once (without grad) on ``example_inputs`` to learn each group's inputs;
+    returns the callables by submodule name. ``fused`` is changed in place and recompiled.
+
+    Example::
+
+        fused = fuse(gm)
+        groups = swap_in_autograd(fused, x)
+        fused(x).sum().backward()    # every group ran a forward and a backward kernel
+    """
+    seen: dict[str, tuple] = {}
+
+    class _Record(Interpreter):
+        def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+            sub = self.fetch_attr(target)
+            if getattr(sub, "meta", {}).get("fused_kind") and not kwargs:
+                seen[target] = args
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        _Record(fused).run(*example_inputs)
+    groups: dict[str, AutogradGroup] = {}
+    for node in fused.graph.nodes:
+        if node.op == Opcode.CALL_MODULE and node.target in seen:
+            target = node.target
+            groups[target] = make_autograd_group(fused.get_submodule(target), (), name=target)
+            node.op, node.target = Opcode.CALL_FUNCTION, groups[target]
+    fused.recompile()
+    return groups
