@@ -32,7 +32,6 @@ from torch.autograd.function import once_differentiable
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
 from fxlite.graph_module import GraphModule
-from fxlite.interpreter import Interpreter
 from fxlite.node import Opcode
 
 from .autograd_pipeline import CompiledGraph, meta_like
@@ -227,34 +226,25 @@ def make_autograd_group(group_gm: GraphModule, example_inputs: Sequence[Any] = (
     return group
 
 
-def swap_in_autograd(fused: GraphModule, *example_inputs: Any) -> dict[str, AutogradGroup]:
-    """Replace every ``fused_<i>`` call of ``fused`` by its :class:`AutogradGroup`.
-
-    Runs ``fused`` once (without grad) on ``example_inputs`` to learn each group's inputs;
-    returns the callables by submodule name. ``fused`` is changed in place and recompiled.
+def swap_in_autograd(fused: GraphModule) -> dict[str, AutogradGroup]:
+    """Replace every ``fused_<i>`` call of ``fused`` (``fuse``'s result) by its
+    :class:`AutogradGroup`; returns them by submodule name. ``fused`` is changed in place.
 
     Example::
 
         fused = fuse(gm)
-        groups = swap_in_autograd(fused, x)
+        groups = swap_in_autograd(fused)
         fused(x).sum().backward()    # every group ran a forward and a backward kernel
     """
-    seen: dict[str, tuple] = {}
-
-    class _Record(Interpreter):
-        def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
-            sub = self.fetch_attr(target)
-            if getattr(sub, "meta", {}).get("fused_kind") and not kwargs:
-                seen[target] = args
-            return super().call_module(target, args, kwargs)
-
-    with torch.no_grad():
-        _Record(fused).run(*example_inputs)
     groups: dict[str, AutogradGroup] = {}
     for node in fused.graph.nodes:
-        if node.op == Opcode.CALL_MODULE and node.target in seen:
+        if node.op != Opcode.CALL_MODULE or node.kwargs:
+            continue
+        sub = fused.get_submodule(node.target)
+        if getattr(sub, "meta", {}).get("fused_kind"):
             target = node.target
-            groups[target] = make_autograd_group(fused.get_submodule(target), (), name=target)
+            groups[target] = make_autograd_group(sub, (), name=target)
             node.op, node.target = Opcode.CALL_FUNCTION, groups[target]
+            fused.delete_submodule(target)
     fused.recompile()
     return groups

@@ -126,6 +126,7 @@ class _KernelCheck(Interpreter):
             reason = "the kernel generator does not support it"
         expected = sub(*args)
         if kernel is not None:
+            kernel.direction = owner.direction
             try:
                 _assert_same(kernel(*args), expected)
             except Exception as e:
@@ -135,7 +136,6 @@ class _KernelCheck(Interpreter):
                                    f"({', '.join(sub.meta.get('nodes', []))}) runs in eager: "
                                    f"{reason}")
             return expected
-        kernel.direction = owner.direction
         self.kernels[target] = kernel
         owner.kernels.append(kernel)
         owner.records.append(KernelRecord.of(kernel, args, expected))
