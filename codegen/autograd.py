@@ -117,13 +117,12 @@ class AutogradGroup:
     Attributes:
         group: the group's GraphModule (runs eagerly where no kernel can).
         name: used in kernel names.
-        fallbacks: why some call or part of it runs eagerly.
     """
 
     def __init__(self, group: GraphModule, name: str = "group") -> None:
         self.group = group
         self.name = name
-        self.fallbacks: list[str] = []
+        self._fallbacks: list[str] = []
         self._plain: CompiledGraph | None = None
         self._variants: dict[tuple, _Variant | None] = {}
         self._lock = threading.Lock()
@@ -132,23 +131,27 @@ class AutogradGroup:
     def __name__(self) -> str:  # generated forward code calls the callable by this name
         return self.name
 
+    def _parts(self) -> list[CompiledGraph]:
+        parts = [self._plain] if self._plain is not None else []
+        for v in list(self._variants.values()):
+            if v is not None:
+                parts += [v.forward, v.backward]
+        return parts
+
     @property
     def kernels(self) -> list[Any]:
         """Every kernel built so far, forward and backward (each has ``.direction``)."""
-        parts = [self._plain] if self._plain is not None else []
-        for v in self._variants.values():
-            if v is not None:
-                parts += [v.forward, v.backward]
-        return [k for p in parts for k in p.kernels]
+        return [k for p in self._parts() for k in p.kernels]
 
     @property
     def records(self) -> list[Any]:
         """A ``KernelRecord`` per kernel, for ``fxlite.codegen.report.kernel_report``."""
-        parts = [self._plain] if self._plain is not None else []
-        for v in self._variants.values():
-            if v is not None:
-                parts += [v.forward, v.backward]
-        return [r for p in parts for r in p.records]
+        return [r for p in self._parts() for r in p.records]
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Why some call, or some part of one, runs eagerly."""
+        return self._fallbacks + [f for p in self._parts() for f in p.fallbacks]
 
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled() or not any(
@@ -182,7 +185,7 @@ class AutogradGroup:
             grad = differentiate(self.group, args)
             return _Variant(grad, args, self.name)
         except NotDifferentiable as e:
-            self.fallbacks.append(f"{self.name} runs under eager autograd: {e}")
+            self._fallbacks.append(f"{self.name} runs under eager autograd: {e}")
             return None
 
     def report(self) -> str:

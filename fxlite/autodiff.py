@@ -245,13 +245,14 @@ def _fit(grad: Any, target: Node) -> Any:
     gs = tuple(grad.node.meta["tensor_meta"].shape)
     tm = target.meta["tensor_meta"]
     ts = tuple(tm.shape)
-    lead = len(gs) - len(ts)
-    dims = list(range(max(lead, 0)))
-    dims += [lead + i for i, s in enumerate(ts) if s == 1 and lead + i >= 0 and gs[lead + i] != 1]
-    if dims:
-        grad = torch.sum(grad, dims, keepdim=True)
-        for _ in range(max(lead, 0)):
-            grad = grad.squeeze(0)
+    lead = max(len(gs) - len(ts), 0)
+    ones = [lead + i for i, s in enumerate(ts) if s == 1 and lead + i < len(gs) and gs[lead + i] != 1]
+    # Sums that give the target's shape directly: a squeeze after a keepdim sum would be
+    # a shape-changing view, which kernels do not take.
+    if ones:
+        grad = torch.sum(grad, ones, keepdim=True)
+    if lead:
+        grad = torch.sum(grad, list(range(lead)))
     if grad.node.meta["tensor_meta"].dtype != tm.dtype:
         grad = grad.to(tm.dtype)
     return grad
@@ -308,8 +309,8 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
             edge(source, 2 * i, inf)
         if n in needs:
             edge(2 * i + 1, sink, inf)
-    reach = _max_flow_residual(cap, source, sink)
-    cut = {n for n in forward if 2 * index[n] in reach and 2 * index[n] + 1 not in reach}
+    sink_side = _max_flow_residual(cap, source, sink)
+    cut = {n for n in forward if 2 * index[n] not in sink_side and 2 * index[n] + 1 in sink_side}
     saved: set[Node] = set()
     recomputed: set[Node] = set()
     stack = list(needs)
@@ -327,8 +328,13 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
 
 
 def _max_flow_residual(cap: dict[int, dict[int, float]], source: int, sink: int) -> set[int]:
-    """Edmonds-Karp on ``cap`` (changed in place); returns the vertices the source still
-    reaches in the residual graph (the source side of a minimum cut)."""
+    """Edmonds-Karp on ``cap`` (changed in place); returns the vertices that still reach
+    the sink in the residual graph: the sink side of the minimum cut closest to the sink.
+
+    Why closest to the sink: among cuts of equal cost it saves the values nearest to what
+    the backward reads (a layer norm's mean and rstd rather than the sums they come from),
+    which leaves the backward less to recompute.
+    """
     while True:
         parent = {source: source}
         queue = deque([source])
@@ -339,7 +345,7 @@ def _max_flow_residual(cap: dict[int, dict[int, float]], source: int, sink: int)
                     parent[b] = a
                     queue.append(b)
         if sink not in parent:
-            return set(parent)
+            break
         path, b = [], sink
         while b != source:
             path.append((parent[b], b))
@@ -351,6 +357,19 @@ def _max_flow_residual(cap: dict[int, dict[int, float]], source: int, sink: int)
         for a, b in path:
             cap[a][b] -= flow
             cap[b][a] += flow
+    into: dict[int, list[int]] = {v: [] for v in cap}
+    for a, out in cap.items():
+        for b, c in out.items():
+            if c > 0:
+                into[b].append(a)
+    reach = {sink}
+    queue = deque([sink])
+    while queue:
+        for a in into[queue.popleft()]:
+            if a not in reach:
+                reach.add(a)
+                queue.append(a)
+    return reach
 
 
 # ---------------------------------------------------------------------- splitting

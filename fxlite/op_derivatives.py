@@ -261,14 +261,19 @@ def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"input": torch.where(zeros == 0, g * p / x, one_zero)}
 
 
-def _amax(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+def _extreme(reduce: Callable[..., Any]) -> Rule:
     # eager splits g evenly among the elements equal to the result (ties)
-    x = a["input"]
-    a = {**a, "dim": a.get("dim", ())}
-    dims = reduced_dims(a["dim"], _rank(x))
-    hit = x == expand_reduced(out, a, _rank(x))
-    count = torch.sum(hit, dims, keepdim=True)
-    return {"input": expand_reduced(g, a, _rank(x)) / count * hit}
+    def rule(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+        x = a["input"]
+        a = {**a, "dim": a.get("dim", ())}
+        dims = reduced_dims(a["dim"], _rank(x))
+        # the result at x's rank: keepdim=True again rather than an unsqueeze of out, which
+        # would be a view inside the forward kernel
+        top = out if a.get("keepdim", False) else reduce(x, dims, keepdim=True)
+        hit = x == top
+        count = torch.sum(hit, dims, keepdim=True)
+        return {"input": expand_reduced(g, a, _rank(x)) / count * hit}
+    return rule
 
 
 def _max_all(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any] | Any:
@@ -285,7 +290,8 @@ def _var_grad(g: Any, x: Any, dims: tuple[int, ...], correction: Any) -> Any:
     # d var / dx = 2 (x - mean) / (n - correction)
     n = _count(x, dims)
     centered = x - torch.sum(x, dims, keepdim=True) / n
-    return g * centered * (2.0 / (n - correction))
+    # (a runtime Python float would reach the kernel as fp32: divide by the int instead)
+    return g * centered * 2 / (n - correction)
 
 
 def _var(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
@@ -440,8 +446,8 @@ RULES: dict[str, Rule] = {
     "sum": _sum,
     "mean": _mean,
     "prod": _prod,
-    "amax": _amax,
-    "amin": _amax,
+    "amax": _extreme(torch.amax),
+    "amin": _extreme(torch.amin),
     "max": _max_all,
     "min": _max_all,
     "var": _var,
