@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .autodiff_random import seeded_dropout
 from .ops import OPS, amend
 from .proxy import Proxy
 
@@ -362,6 +363,16 @@ def _rms_norm(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return _norm_backward(g, a, False, torch.finfo(_dtype(a["input"])).eps if eps is None else eps)
 
 
+def _seeded_dropout(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # The same mask and scale, regenerated from the seed: nothing but the seed is saved.
+    # The mask is indexed by element, so g must have out's full shape (sizes read from x).
+    x = a["input"]
+    if tuple(g.node.meta["tensor_meta"].shape) != tuple(out.node.meta["tensor_meta"].shape):
+        g = g.expand(*(x.size(d) for d in range(_rank(x))))
+    call = (g, a["p"], a["seed"], a.get("offset", 0))
+    return {"input": g.tracer.create_proxy("call_function", seeded_dropout, call, {})}
+
+
 # ---------------------------------------------------------------------- views
 def _unit_view(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # A view that only inserts or drops size-1 dims: drop out's size-1 dims from g, then
@@ -442,6 +453,7 @@ RULES: dict[str, Rule] = {
     "relu6": lambda g, a, o: {"input": _between(a["input"], 0, 6, g)},
     "hardsigmoid": lambda g, a, o: {"input": _between(a["input"], -3, 3, g / 6)},
     "hardswish": _hardswish,
+    "seeded_dropout": _seeded_dropout,
     # reductions
     "sum": _sum,
     "mean": _mean,
