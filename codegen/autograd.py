@@ -31,10 +31,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
+from fxlite.autodiff_meta import meta_tensor, propagate
 from fxlite.graph_module import GraphModule
-from fxlite.node import Opcode
+from fxlite.node import Opcode, map_arg
 
-from .autograd_pipeline import CompiledGraph, meta_like
+from .autograd_pipeline import CompiledGraph
 
 __all__ = ["AutogradGroup", "make_autograd_group", "swap_in_autograd"]
 
@@ -64,13 +65,12 @@ class _Variant:
 
     def __init__(self, grad: GroupGrad, args: Sequence[Any], name: str) -> None:
         self.grad = grad
-        meta = [meta_like(a) for a in args]
-        results = grad.forward(*meta)
-        self.forward = CompiledGraph(grad.forward, meta, "forward", name)
-        saved = [meta[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        values = propagate(grad.forward, args)
+        results = map_arg(grad.forward.graph.result, values.__getitem__)
+        self.forward = CompiledGraph(grad.forward, args, "forward", name)
+        saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
         outs = results[:grad.n_outputs]
-        tangents = [torch.empty(outs[i].shape, dtype=outs[i].dtype, device="meta")
-                    for i in grad.tangents]
+        tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
         self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
 
 

@@ -14,8 +14,8 @@ It works in three steps:
    for each differentiable output, and the derivative rules of the op table
    (``fxlite.op_derivatives``) are run in reverse order on Proxies, recording the
    backward nodes. Broadcast cotangents are summed back to their parameter's shape and
-   cast to its dtype. Every node gets ``tensor_meta`` as it is recorded (from meta
-   tensors: no data is touched).
+   cast to its dtype. Every node gets ``tensor_meta`` as it is recorded (inferred from
+   the op table, ``fxlite.autodiff_meta``: no data is touched).
 2. **Save or recompute** (:func:`_min_cut`): the nodes that do not depend on a tangent
    form the forward side; the backward reads some of them. Each could be saved by the
    forward or recomputed by the backward from saved values. See ``_min_cut`` for the rule.
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import op_derivatives
+from .autodiff_meta import as_meta, infer, meta_tensor, record
 from .graph import Graph
 from .graph_module import GraphModule
 from .node import Node, map_arg
@@ -79,33 +80,6 @@ class GroupGrad:
 
 
 # ---------------------------------------------------------------------- values and meta
-def _meta(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-    return v
-
-
-def _record(node: Node, value: Any) -> None:
-    from fxlite.passes.shape_prop import extract_tensor_metadata
-
-    if isinstance(value, torch.Tensor):
-        node.meta["tensor_meta"] = extract_tensor_metadata(value)
-    else:
-        node.meta.pop("tensor_meta", None)
-    node.meta["type"] = type(value)
-
-
-def _evaluate(node: Node, values: dict[Node, Any]) -> Any:
-    args = map_arg(node.args, values.__getitem__)
-    kwargs = map_arg(node.kwargs, values.__getitem__)
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    raise NotDifferentiable(f"{node.format_node()}: autodiff reads call_function and "
-                            "call_method nodes only (normalize the graph first)")
-
-
 def _float_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
@@ -132,8 +106,8 @@ class _Recorder(GraphAppendingTracer):
     def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict,
                     name: str | None = None, type_expr: Any = None) -> Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        self.values[node] = value = _evaluate(node, self.values)
-        _record(node, value)
+        self.values[node] = value = infer(node, self.values)
+        record(node, value)
         self.created.append(node)
         return node
 
@@ -167,11 +141,14 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
         if node.op == "placeholder":
             if len(primals) >= len(inputs):
                 raise NotDifferentiable("fewer example inputs than placeholders")
-            values[new] = _meta(inputs[len(primals)])
+            values[new] = as_meta(inputs[len(primals)])
             primals.append(new)
+        elif node.op in ("call_function", "call_method"):
+            values[new] = infer(new, values)
         else:
-            values[new] = _evaluate(new, values)
-        _record(new, values[new])
+            raise NotDifferentiable(f"{node.format_node()}: autodiff reads call_function and "
+                                    "call_method nodes only (normalize the graph first)")
+        record(new, values[new])
     single = not isinstance(out_arg, (tuple, list))
     outputs = [env.get(o) if isinstance(o, Node) else None for o in ([out_arg] if single else out_arg)]
     if any(o is None for o in outputs):
@@ -194,8 +171,8 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
             continue
         with graph.inserting_before(ops[0] if ops else None):
             t = graph.placeholder(f"tangent_{i}")
-        values[t] = torch.empty(values[o].shape, dtype=values[o].dtype, device="meta")
-        _record(t, values[t])
+        values[t] = meta_tensor(values[o].shape, values[o].dtype)
+        record(t, values[t])
         tangents.append(t)
         _accumulate(cotangent, o, Proxy(t, tracer))
 

@@ -50,6 +50,10 @@ def edgy(*shape, low=None):
 @pytest.fixture
 def directions(monkeypatch):
     """The ``direction`` of every Triton kernel launched during the test."""
+    return spy_directions(monkeypatch)
+
+
+def spy_directions(monkeypatch):
     seen: list[str] = []
     call = triton_codegen.TritonKernel.__call__
 
