@@ -18,7 +18,8 @@ gradients the call runs the group's plain kernel.
 One variant is built per input signature (dtypes, ranks, which dims are size 1, which
 inputs require grad); sizes are runtime values. A group autodiff cannot differentiate
 (an op without a rule) runs as the eager group under autograd, and says so in
-``fallbacks``. Double backward is refused (``once_differentiable``), never wrong.
+``fallbacks``. Double backward (``create_graph=True``) is refused with an error, never
+answered with gradients that silently lack their second-order part.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
 from fxlite.autodiff_meta import meta_tensor, propagate
@@ -91,8 +91,12 @@ class _GroupFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():  # create_graph=True: these grads would be constants
+            raise RuntimeError(
+                "fxlite: a compiled group's backward is differentiable only once, but it ran "
+                "with create_graph=True (double backward); compute higher-order gradients "
+                "of this part without fxlite")
         variant = ctx.variant
         grad = variant.grad
         tensors = iter(ctx.saved_tensors)

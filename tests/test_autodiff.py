@@ -327,3 +327,83 @@ def test_mlp_block_parameter_grads(dtype, directions):
     kernels = [k for g in groups.values() for k in g.kernels]
     assert {k.direction for k in kernels} == {"forward", "backward"}
     assert not [f for g in groups.values() for f in g.fallbacks]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_mlp_block_half_precision(dtype):
+    # kernels compute in fp32 and round once: within the dtype's precision of eager
+    torch.manual_seed(0)
+    model = MLPBlock().to(dtype)
+    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype))
+    x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+    fused(x).float().pow(2).sum().backward()
+    got = {n: p.grad.float() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).float().pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        err = (got[n] - p.grad.float()).abs().max() / p.grad.float().abs().max()
+        assert err < (2e-2 if dtype == torch.bfloat16 else 3e-3), n
+    assert not [f for g in groups.values() for f in g.fallbacks]
+
+
+# ------------------------------------------------------------------------ the callable
+def test_backward_of_norms_runs_row_kernels():
+    x = req(edgy(4, 6))
+    w, b = req(torch.randn(6, dtype=F64)), req(torch.randn(6, dtype=F64))
+    for fn in (lambda x, w, b: F.layer_norm(x, (6,), w, b), lambda x, w, b: torch.softmax(x * w + b, -1)):
+        group = build(fn, [x, w, b], decomposed=False)
+        fn_out = group(x, w, b)
+        fn_out.backward(torch.randn_like(fn_out))
+        kinds = {(k.direction, k.kind) for k in group.kernels}
+        assert ("backward", "reduction") in kinds and ("forward", "reduction") in kinds
+
+
+def test_resize_broadcast_change_and_requires_grad_change(directions):
+    fn = lambda x, b: torch.sigmoid(x + b) * x  # noqa: E731
+    compiled = build(fn, [req(edgy(3, 4)), req(torch.randn(4, dtype=F64))])
+    cases = [  # other sizes, b broadcast along another dim, and only b needing a gradient
+        (req(edgy(5, 7)), req(torch.randn(7, dtype=F64))),
+        (req(edgy(5, 7)), req(torch.randn(5, 1, dtype=F64))),
+        (edgy(5, 7), req(torch.randn(7, dtype=F64))),
+    ]
+    for x, b in cases:
+        _, expected = grads(fn, [x, b])
+        _, got = grads(compiled, [x, b])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    assert not fallbacks(compiled)
+
+
+def test_expanded_and_strided_output_gradients():
+    # .sum().backward() gives the group an expanded gradient; .t() a transposed one
+    fn = lambda x: torch.tanh(x) * 3  # noqa: E731
+    compiled = build(fn, [req(edgy(4, 5))])
+    x = req(edgy(4, 5))
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2))
+    x.grad = None
+    g = torch.randn(5, 4, dtype=F64)
+    compiled(x).t().backward(g)
+    torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2) * g.t())
+
+
+def test_double_backward_is_refused_and_saved_outputs_are_guarded():
+    compiled = build(lambda x: torch.exp(x) * 2, [req(edgy(3, 4))])
+    x = req(edgy(3, 4))
+    y = compiled(x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)  # an error, not a wrong answer
+    # what the backward saved (here x, from which it recomputes exp) is guarded by
+    # autograd's version counters: changing it in place is an error, not a wrong gradient
+    h = x * 1
+    y = compiled(h)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_no_grad_and_inference_calls_run_the_forward_kernel(directions):
+    compiled = build(lambda x: torch.relu(x) * 2, [edgy(3, 4)])
+    with torch.no_grad():
+        out = compiled(req(edgy(3, 4)))
+    assert not out.requires_grad and directions == ["forward"]
