@@ -159,29 +159,65 @@ def _assert_same(got: Any, expected: Any) -> None:
 
 
 def _lone_groups(gm: GraphModule) -> None:
-    """Make each pointwise or reduction node that fuse left outside a group its own group."""
+    """Make each pointwise or reduction node that fuse left outside a group a group.
+
+    A reduction over leading dims (a bias gradient summed over the batch) also takes in
+    the pointwise group that produces its input, when nothing else reads that group: one
+    kernel then computes and reduces ``g * x_hat`` without writing it out.
+    """
+    from fxlite.graph import Graph
     from fxlite.passes.split_module import extract_subgraph
 
     count = 0
     for node in list(gm.graph.nodes):
         if node.op not in (Opcode.CALL_FUNCTION, Opcode.CALL_METHOD) or not _lone_op(node, gm):
             continue
-        inputs = list(node.all_input_nodes)
-        sub_graph = extract_subgraph([node], inputs, [node])
-        sub = GraphModule(gm, sub_graph, class_name=f"lone_{count}")
-        sub.meta = {"fused_kind": lookup(node).kind, "nodes": [node.name]}
+        producer = _sole_pointwise_producer(node, gm)
+        if producer is None:
+            inputs = list(node.all_input_nodes)
+            sub_graph, names = extract_subgraph([node], inputs, [node]), [node.name]
+        else:
+            group = gm.get_submodule(producer.target)
+            inputs = list(producer.all_input_nodes)
+            sub_graph = Graph()
+            out = sub_graph.graph_copy(group.graph, {})  # placeholders: the group's inputs
+            sub_graph.node_copy(node, lambda n: out)
+            sub_graph.output(list(sub_graph.nodes)[-1])
+            names = [*group.meta.get("nodes", []), node.name]
         name = f"lone_{count}"
         while hasattr(gm, name):
             count += 1
             name = f"lone_{count}"
         count += 1
+        sub = GraphModule(gm, sub_graph, class_name=name)
+        sub.meta = {"fused_kind": lookup(node).kind, "nodes": names}
         gm.add_module(name, sub)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, tuple(inputs))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
+        if producer is not None:
+            target = producer.target
+            gm.graph.erase_node(producer)
+            gm.delete_submodule(target)
     gm.recompile()
+
+
+def _sole_pointwise_producer(node: Node, gm: GraphModule) -> Node | None:
+    """The call of the pointwise group computing reduction ``node``'s input, if ``node``
+    is its only reader and the group returns that one value."""
+    if lookup(node).kind != "reduction" or len(node.all_input_nodes) != 1:
+        return None
+    src = node.all_input_nodes[0]
+    if src.op != Opcode.CALL_MODULE or len(src.users) != 1:
+        return None
+    group = gm.get_submodule(src.target)
+    meta = getattr(group, "meta", {})
+    result = group.graph.result
+    if meta.get("fused_kind") != "pointwise" or not isinstance(result, Node):
+        return None
+    return src
 
 
 def _lone_op(node: Node, gm: GraphModule) -> bool:

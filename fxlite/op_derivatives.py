@@ -18,7 +18,8 @@ What rules leave to autodiff:
   code, and only what the needed ones read from the forward is saved or recomputed.
 
 ``g`` always has the rank of ``out`` (size-1 dims where it is broadcast), so reduction
-rules may unsqueeze it at the reduced dims. Rules that need an element count read sizes
+rules may unsqueeze it at the reduced dims. Rules start from ``g`` (``g * o * o``, not
+``g * (o * o)``): an op on saved row values alone would be a kernel of its own. Rules that need an element count read sizes
 from the forward (``x.size(d)``): Python ints, which the forward computes and saves.
 
 Two markers stand for rules without a formula: :data:`ZERO` (piecewise-constant ops such
@@ -110,8 +111,9 @@ def _truediv(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     if a.get("rounding_mode") is not None:
         return {}  # floor/trunc division: piecewise constant
     x, y = a["input"], a["other"]
-    # d(x/y)/dy = -x / y**2
-    return {"input": g / y, "other": -g * x / (y * y)}
+    # d(x/y)/dy = -x / y**2, as -(g x / y) / y: every op reads g, so none is an op on
+    # saved row values alone (a kernel of its own: fuse groups it apart)
+    return {"input": g / y, "other": -(g * x / y) / y}
 
 
 def _pow(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
@@ -431,7 +433,7 @@ RULES: dict[str, Rule] = {
     "log": lambda g, a, o: {"input": g / a["input"]},
     "log2": lambda g, a, o: {"input": g / (a["input"] * _LN2)},
     "log1p": lambda g, a, o: {"input": g / (a["input"] + 1)},
-    "sqrt": lambda g, a, o: {"input": g / (o * 2)},
+    "sqrt": lambda g, a, o: {"input": g / o * 0.5},
     "rsqrt": lambda g, a, o: {"input": g * o * o * o * -0.5},
     "sin": lambda g, a, o: {"input": g * torch.cos(a["input"])},
     "cos": lambda g, a, o: {"input": -g * torch.sin(a["input"])},
