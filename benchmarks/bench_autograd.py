@@ -29,14 +29,14 @@ os.environ.setdefault("FXLITE_CACHE_DIR", os.path.join(_CACHE, "fxlite"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-
-import fxlite  # noqa: E402
-from fxlite.autodiff_random import seed_dropouts  # noqa: E402
 from fxlite.codegen.autograd import swap_in_autograd  # noqa: E402
 from fxlite.passes.decompose import decompose  # noqa: E402
 from fxlite.passes.fuse import fuse  # noqa: E402
 from fxlite.passes.normalize import normalize  # noqa: E402
 from fxlite.passes.shape_prop import ShapeProp  # noqa: E402
+
+import fxlite  # noqa: E402
+from fxlite.autodiff_random import seed_dropouts  # noqa: E402
 
 
 def layer_norm(x, w, b):

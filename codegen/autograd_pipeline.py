@@ -165,8 +165,9 @@ def _lone_groups(gm: GraphModule) -> None:
     the pointwise group that produces its input, when nothing else reads that group: one
     kernel then computes and reduces ``g * x_hat`` without writing it out.
     """
-    from fxlite.graph import Graph
     from fxlite.passes.split_module import extract_subgraph
+
+    from fxlite.graph import Graph
 
     count = 0
     for node in list(gm.graph.nodes):
