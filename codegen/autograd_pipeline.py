@@ -181,9 +181,9 @@ def _lone_groups(gm: GraphModule) -> None:
             group = gm.get_submodule(producer.target)
             inputs = list(producer.all_input_nodes)
             sub_graph = Graph()
-            out = sub_graph.graph_copy(group.graph, {})  # placeholders: the group's inputs
-            sub_graph.node_copy(node, lambda n: out)
-            sub_graph.output(list(sub_graph.nodes)[-1])
+            made = sub_graph.graph_copy(group.graph, {})  # placeholders: the group's inputs
+            reduced = sub_graph.node_copy(node, lambda n, made=made: made)
+            sub_graph.output(reduced)
             names = [*group.meta.get("nodes", []), node.name]
         name = f"lone_{count}"
         while hasattr(gm, name):
