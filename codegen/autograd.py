@@ -189,8 +189,11 @@ class AutogradGroup:
             grad = differentiate(self.group, args)
             return _Variant(grad, args, self.name)
         except NotDifferentiable as e:
-            self._fallbacks.append(f"{self.name} runs under eager autograd: {e}")
-            return None
+            reason = str(e)
+        except Exception as e:  # a failure to compile must never break a model
+            reason = f"{type(e).__name__}: {e}"
+        self._fallbacks.append(f"{self.name} runs under eager autograd: {reason}")
+        return None
 
     def report(self) -> str:
         """Print and return the table of forward and backward kernels."""

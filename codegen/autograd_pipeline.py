@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,11 +71,16 @@ class CompiledGraph:
         self.records: list[KernelRecord] = []
         self.fallbacks: list[str] = []
         self._run: Any = None
+        self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        if self._run is None:
-            return self._first(args)
-        return self._run(*args)
+        run = self._run
+        if run is None:
+            with self._lock:  # threads racing on a first call build the kernels once
+                if self._run is None:
+                    return self._first(args)
+                run = self._run
+        return run(*args)
 
     def _first(self, args: tuple) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]

@@ -402,3 +402,15 @@ def test_no_grad_and_inference_calls_run_the_forward_kernel(directions):
     with torch.no_grad():
         out = compiled(req(edgy(3, 4)))
     assert not out.requires_grad and directions == ["forward"]
+
+
+def test_an_op_without_a_rule_runs_under_eager_autograd():
+    # floor_divide has no derivative in eager either: same result, same error
+    fn = lambda x, y: torch.floor_divide(x, y) * x  # noqa: E731
+    compiled = build(fn, [req(edgy(3, 4)), edgy(3, 4).abs() + 1], decomposed=False)
+    x, y = req(edgy(3, 4)), edgy(3, 4).abs() + 1
+    out = compiled(x, y)
+    torch.testing.assert_close(out, fn(x, y))
+    assert any("no derivative rule for" in f and "floor_divide" in f for f in compiled.fallbacks)
+    with pytest.raises(RuntimeError, match="floor_divide"):
+        out.sum().backward()
