@@ -222,8 +222,9 @@ def _fit(grad: Any, target: Node) -> Any:
     gs = tuple(grad.node.meta["tensor_meta"].shape)
     tm = target.meta["tensor_meta"]
     ts = tuple(tm.shape)
-    lead = max(len(gs) - len(ts), 0)
-    ones = [lead + i for i, s in enumerate(ts) if s == 1 and lead + i < len(gs) and gs[lead + i] != 1]
+    off = len(gs) - len(ts)  # shapes align on the right
+    lead = max(off, 0)
+    ones = [off + i for i, s in enumerate(ts) if s == 1 and off + i >= 0 and gs[off + i] != 1]
     # Sums that give the target's shape directly: a squeeze after a keepdim sum would be
     # a shape-changing view, which kernels do not take.
     if ones:
