@@ -41,7 +41,7 @@ def edgy(*shape, low=None):
     x = torch.randn(*shape, dtype=F64, device=DEVICE) * 2
     flat = x.view(-1)
     k = min(len(EDGES), flat.numel())
-    flat[:k] = torch.tensor(EDGES[:k], dtype=F64)
+    flat[:k] = torch.tensor(EDGES[:k], dtype=F64, device=DEVICE)
     if low is not None:
         x = x.abs() + low
     return x
@@ -186,9 +186,9 @@ def test_broadcast_and_dtype(directions):
     # a row bias, a column scale, a float32 operand: grads summed back and cast back
     def fn(x, b, s, h):
         return torch.tanh(x * s + b) * h
-    check_grads(fn, lambda: [req(edgy(3, 4)), req(torch.randn(4, dtype=F64)),
-                             req(torch.randn(3, 1, dtype=F64)),
-                             req(torch.randn(3, 4, dtype=torch.float32))], directions)
+    check_grads(fn, lambda: [req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE)),
+                             req(torch.randn(3, 1, dtype=F64, device=DEVICE)),
+                             req(torch.randn(3, 4, dtype=torch.float32, device=DEVICE))], directions)
 
 
 def test_zero_gradient_is_zeros_not_none(directions):
@@ -265,7 +265,7 @@ def test_composites(name, decomposed, directions):
     shape = (3, 2, 5) if name.endswith("2d") else (3, 5)
 
     def make():
-        params = [req(torch.randn(*shape[-1:], dtype=F64)) for _ in range(n - 1)]
+        params = [req(torch.randn(*shape[-1:], dtype=F64, device=DEVICE)) for _ in range(n - 1)]
         return [req(edgy(*shape)), *params]
     check_grads(fn, make, directions, decomposed=decomposed)
 
@@ -299,11 +299,11 @@ def _compile_module(model, x):
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=str)
 def test_mlp_block_parameter_grads(dtype, directions):
     torch.manual_seed(0)
-    model = MLPBlock().to(dtype)
-    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype))
+    model = MLPBlock().to(DEVICE, dtype)
+    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype, device=DEVICE))
     tol = 1e-9 if dtype == F64 else 1e-5
     for step in range(2):
-        x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+        x = torch.randn(2, 3, 8, dtype=dtype, device=DEVICE, requires_grad=True)
         model.zero_grad()
         expected_out = model(x)
         expected_out.pow(2).sum().backward()
@@ -328,9 +328,9 @@ def test_mlp_block_parameter_grads(dtype, directions):
 def test_mlp_block_half_precision(dtype):
     # kernels compute in fp32 and round once: within the dtype's precision of eager
     torch.manual_seed(0)
-    model = MLPBlock().to(dtype)
-    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype))
-    x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+    model = MLPBlock().to(DEVICE, dtype)
+    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype, device=DEVICE))
+    x = torch.randn(2, 3, 8, dtype=dtype, device=DEVICE, requires_grad=True)
     fused(x).float().pow(2).sum().backward()
     got = {n: p.grad.float() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -344,7 +344,7 @@ def test_mlp_block_half_precision(dtype):
 # ------------------------------------------------------------------------ the callable
 def test_backward_of_norms_runs_row_kernels():
     x = req(edgy(4, 6))
-    w, b = req(torch.randn(6, dtype=F64)), req(torch.randn(6, dtype=F64))
+    w, b = req(torch.randn(6, dtype=F64, device=DEVICE)), req(torch.randn(6, dtype=F64, device=DEVICE))
     for fn in (lambda x, w, b: F.layer_norm(x, (6,), w, b), lambda x, w, b: torch.softmax(x * w + b, -1)):
         group = build(fn, [x, w, b], decomposed=False)
         fn_out = group(x, w, b)
@@ -355,11 +355,11 @@ def test_backward_of_norms_runs_row_kernels():
 
 def test_resize_broadcast_change_and_requires_grad_change(directions):
     fn = lambda x, b: torch.sigmoid(x + b) * x  # noqa: E731
-    compiled = build(fn, [req(edgy(3, 4)), req(torch.randn(4, dtype=F64))])
+    compiled = build(fn, [req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))])
     cases = [  # other sizes, b broadcast along another dim, and only b needing a gradient
-        (req(edgy(5, 7)), req(torch.randn(7, dtype=F64))),
-        (req(edgy(5, 7)), req(torch.randn(5, 1, dtype=F64))),
-        (edgy(5, 7), req(torch.randn(7, dtype=F64))),
+        (req(edgy(5, 7)), req(torch.randn(7, dtype=F64, device=DEVICE))),
+        (req(edgy(5, 7)), req(torch.randn(5, 1, dtype=F64, device=DEVICE))),
+        (edgy(5, 7), req(torch.randn(7, dtype=F64, device=DEVICE))),
     ]
     for x, b in cases:
         _, expected = grads(fn, [x, b])
@@ -377,7 +377,7 @@ def test_expanded_and_strided_output_gradients():
     compiled(x).sum().backward()
     torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2))
     x.grad = None
-    g = torch.randn(5, 4, dtype=F64)
+    g = torch.randn(5, 4, dtype=F64, device=DEVICE)
     compiled(x).t().backward(g)
     torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2) * g.t())
 

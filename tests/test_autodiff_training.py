@@ -4,7 +4,7 @@ batch statistics and running-stat updates, both through the fused-group pipeline
 from __future__ import annotations
 
 # First: it sets TRITON_INTERPRET=1 (on CPU) before anything imports triton.
-from test_autodiff import fallbacks, spy_directions  # isort: skip
+from test_autodiff import DEVICE, fallbacks, spy_directions  # isort: skip
 
 import copy
 
@@ -63,9 +63,9 @@ def test_philox_matches_triton_rand_bit_for_bit():
         tl.store(out_ptr + offs, tl.rand(seeds, offset + offs), mask=offs < n)
 
     for seed, offset in ((3, 0), (2**61 + 5, 2**33)):
-        out = torch.empty(300)
+        out = torch.empty(300, device=DEVICE)
         rand_kernel[(2,)](out, seed, offset, 300, BLOCK=256)
-        assert torch.equal(out, philox_uniform(seed, torch.arange(300) + offset))
+        assert torch.equal(out, philox_uniform(seed, torch.arange(300, device=DEVICE) + offset))
 
 
 class DropNet(nn.Module):
@@ -79,8 +79,8 @@ class DropNet(nn.Module):
 
 @pytest.mark.parametrize("p", [0.2, 0.5])
 def test_dropout_statistics_and_gradients(p, directions):
-    x = torch.rand(64, 96) + 0.5  # no zeros of its own
-    w = torch.full((96,), 2.0)
+    x = torch.rand(64, 96, device=DEVICE) + 0.5  # no zeros of its own
+    w = torch.full((96,), 2.0, device=DEVICE)
     model = DropNet(p).train()
     fused, groups = compile_training(model, x, w)
     xs = x.clone().requires_grad_()
@@ -115,7 +115,7 @@ def test_dropout_inside_a_row_kernel_matches_its_reference():
         return seeded_dropout(torch.softmax(x, -1), 0.3, seed)
 
     gm = normalize(fxlite.symbolic_trace(fn))
-    x = torch.randn(6, 40)
+    x = torch.randn(6, 40, device=DEVICE)
     ShapeProp(gm).propagate(x, 11)
     gm = decompose(gm)
     ShapeProp(gm).propagate(x, 11)
@@ -132,7 +132,7 @@ def test_dropout_inside_a_row_kernel_matches_its_reference():
 
 def test_dropout_in_eval_mode_is_left_alone():
     model = DropNet(0.5).eval()
-    x, w = torch.randn(4, 8), torch.randn(8)
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
     fused, _ = compile_training(model, x, w)
     torch.testing.assert_close(fused(x, w), model(x, w))
 
@@ -156,16 +156,16 @@ class ConvNet(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_batch_norm_training_matches_eager_over_steps(dtype, directions):
     torch.manual_seed(0)
-    model = ConvNet().to(dtype).train()
+    model = ConvNet().to(DEVICE, dtype).train()
     eager = copy.deepcopy(model)
-    x0 = torch.randn(4, 3, 5, 5, dtype=dtype)
+    x0 = torch.randn(4, 3, 5, 5, dtype=dtype, device=DEVICE)
     fused, groups = compile_training(model, x0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
     tol = 1e-9 if dtype == torch.float64 else 2e-5
     for _ in range(3):
-        x = torch.randn(4, 3, 5, 5, dtype=dtype)
-        target = torch.randint(0, 3, (4,))
+        x = torch.randn(4, 3, 5, 5, dtype=dtype, device=DEVICE)
+        target = torch.randint(0, 3, (4,), device=DEVICE)
         losses = []
         for net, optimizer in ((fused, opt), (eager, eager_opt)):
             optimizer.zero_grad()
