@@ -44,8 +44,8 @@ def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.T
         if running_mean is None and running_var is None:
             return
         factor: Any = momentum
-        if factor is None:
-            factor = 1.0 / num_batches_tracked.item() if num_batches_tracked is not None else 0.0
+        if factor is None:  # a 0-d tensor: no host sync on a GPU
+            factor = 1.0 / num_batches_tracked.double() if num_batches_tracked is not None else 0.0
         if running_mean is not None:
             batch = mean.reshape(running_mean.shape).to(running_mean.dtype)
             running_mean.copy_(batch * factor + running_mean * (1 - factor))
