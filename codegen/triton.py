@@ -351,6 +351,8 @@ class TritonKernel:
         nodes: names of the group's op nodes.
         kind: ``"pointwise"`` or ``"reduction"``.
         compilations: how many specializations (guard keys) have been generated.
+        direction: ``"forward"``, or ``"backward"`` for a kernel of a generated backward
+            graph (``fxlite.codegen.autograd`` sets it).
 
     Example::
 
@@ -358,6 +360,8 @@ class TritonKernel:
         y = kernel(x)
         print(kernel.source, kernel.bytes_moved(x))
     """
+
+    direction = "forward"
 
     def __init__(self, group: GraphModule, spec: _Spec, *, libdevice: bool | None,
                  max_block: int) -> None:

@@ -80,6 +80,11 @@ class Emitter:
     lines: list[str] = field(default_factory=list)
     helpers: set[str] = field(default_factory=set)
     _counter: int = 0
+    # The element's row-major index in the iteration space, for ops that draw random
+    # numbers per element; None where the kernel has no such index (or the value does not
+    # cover the whole space, see ``triton_source.emit_value``).
+    index: str | None = None
+    space: frozenset[int] = frozenset()  # the non-trivial dims ``index`` runs over
 
     def tmp(self, expr: str) -> str:
         """Assign ``expr`` to a fresh variable (for an operand used several times)."""
@@ -475,6 +480,19 @@ def _to(e: Emitter, a: dict, ct: torch.dtype) -> str:
     return expr
 
 
+def _seeded_dropout(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    # fxlite.autodiff_random.seeded_dropout: the same Philox stream (tl.rand), per element
+    if e.index is None:
+        raise Unsupported("seeded_dropout needs the element index of the whole iteration space")
+    p = a["p"]
+    if isinstance(p, Operand) or not 0 <= p <= 1:
+        raise Unsupported("seeded_dropout: p must be a constant in [0, 1]")
+    seed, offset = e.c(a["seed"], torch.int64), e.c(a["offset"], torch.int64)
+    keep = f"tl.rand({seed}, {offset} + {e.index}) >= {e.lit(p, torch.float32)}"
+    scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    return f"tl.where({keep}, {e.c(a['input'], ct)} * {e.lit(scale, ct)}, {e.lit(0, ct)})"
+
+
 def _sign(e: Emitter, a: dict, ct: torch.dtype) -> str:
     x = e.c(a["input"], ct)
     if ct == torch.bool:
@@ -576,6 +594,7 @@ TRITON_OPS: dict[str, TritonOp] = {
     "isinf": TritonOp(_isinf),
     "isfinite": TritonOp(_isfinite),
     "to": TritonOp(_to),
+    "seeded_dropout": TritonOp(_seeded_dropout),
 }
 
 # The op table's Triton column: each record's ``triton`` field (see fxlite.ops.amend).

@@ -125,7 +125,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     helpers: set[str] = set()
     bodies = []
     for variant, _, prologue in variants:
-        e = Emitter(libdevice=libdevice)
+        e = Emitter(libdevice=libdevice, index="offs", space=frozenset(nt))
         e.lines += prologue
         e.lines += scalar_lines(plan, used, "[BLOCK]", ind)
         for v, acc in loads:

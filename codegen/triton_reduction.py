@@ -299,7 +299,9 @@ def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:
         launch arguments.
     """
     k = _Kernel(plan)
-    e = Emitter(libdevice=libdevice)
+    # with the reduced dims innermost, row r and column c are element r * cols + c
+    e = Emitter(libdevice=libdevice, index="(r * cols + c)" if k.trailing else None,
+                space=frozenset(k.kept + k.red))
     _persistent(k, e)
     persistent = e.lines
     e.lines = []

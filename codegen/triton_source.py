@@ -240,7 +240,13 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
         args = {k: operand(a, v, e) if isinstance(a, Value) else a for k, a in v.args.items()}
         if v.op == "to":
             args["_out_dtype"] = v.dtype
-        expr = op_table.OPS[v.op].triton.emit(e, args, ct)
+        index = e.index
+        if not e.space <= v.span:  # the index names elements of the whole space only
+            e.index = None
+        try:
+            expr = op_table.OPS[v.op].triton.emit(e, args, ct)
+        finally:
+            e.index = index
     e.lines.append(f"{v.name} = {expr}")
     for i in range(start, len(e.lines)):
         e.lines[i] = indent + e.lines[i]

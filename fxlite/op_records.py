@@ -237,6 +237,15 @@ for _fn, _module in ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
         module_kwargs=lambda m: {"p": m.p, "training": m.training, "inplace": m.inplace},
         refine=_dropout_refine, dtype_rule="same")
 
+# Training-mode dropout made deterministic (fxlite.autodiff_random.seed_dropouts): the mask
+# is a function of a seed drawn by draw_seed, an effect that advances torch's generator.
+from . import autodiff_random as _random  # noqa: E402  (plain torch functions, no fxlite imports)
+
+_op("seeded_dropout", "pointwise", _random.seeded_dropout, (), (),
+    params=("input", "p", "seed", "offset"), defaults=(("offset", 0),), positional=4,
+    dtype_rule="same")
+_op("draw_seed", "effect", _random.draw_seed, (), (), impure=True)
+
 # ---------------------------------------------------------------------- reductions
 # Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
 _amend("sum", positional=1, dtype_rule=_sum_dtype)

@@ -66,6 +66,10 @@ class OpInfo:
             arguments of the function spelling, with the module's parameters and buffers as
             tensors; returns None when the module has no safe function form (BatchNorm in
             training mode).
+        vjp: the op's derivative rule, set by :func:`amend` when ``fxlite.op_derivatives``
+            is imported (by ``fxlite.autodiff``): ``vjp(g, args, out) -> {param: grad}``,
+            the cotangents of the tensor parameters given the cotangent ``g`` of the result
+            (see that module). None: no rule (autodiff declines the graph).
     """
 
     name: str
@@ -85,6 +89,7 @@ class OpInfo:
     swapped: str | None = None
     refine: Callable[[dict[str, Any]], tuple[str, dict[str, Any]] | None] | None = None
     module_params: Callable[[Any], dict[str, Any] | None] | None = None
+    vjp: Any = None
 
 
 OPS: dict[str, OpInfo] = {}

@@ -1,0 +1,260 @@
+"""Fused groups under autograd: a Triton forward and a generated Triton backward.
+
+``make_autograd_group(group, example_inputs)`` returns an :class:`AutogradGroup`, a
+callable to put in place of a fused group (``fused_<i>``) when gradients are needed::
+
+    group_fn = make_autograd_group(fused.fused_0, [x, w, b], name="fused_0")
+    y = group_fn(x, w, b)         # forward kernel; saves what the backward needs
+    y.sum().backward()            # backward kernel(s): x.grad, w.grad, b.grad
+    [k.direction for k in group_fn.kernels]   # ['forward', 'backward', ...]
+
+Under grad mode with an input that requires grad, the call runs a
+``torch.autograd.Function``: its forward is the group's kernel, extended to also store
+the values ``fxlite.autodiff`` chose to save (row statistics such as a layer norm's rstd;
+full-size values are recomputed from the inputs instead), and its backward runs the
+backward graph through the same pipeline (``autograd_pipeline.CompiledGraph``). Without
+gradients the call runs the group's plain kernel.
+
+One variant is built per input signature (dtypes, ranks, which dims are size 1, which
+inputs require grad); sizes are runtime values. A group autodiff cannot differentiate
+(an op without a rule) runs as the eager group under autograd, and says so in
+``fallbacks``. Double backward (``create_graph=True``) is refused with an error, never
+answered with gradients that silently lack their second-order part.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
+from fxlite.autodiff_meta import meta_tensor, propagate
+from fxlite.graph_module import GraphModule
+from fxlite.node import Opcode, map_arg
+
+from .autograd_pipeline import CompiledGraph
+
+__all__ = ["AutogradGroup", "make_autograd_group", "swap_in_autograd"]
+
+_MAX_VARIANTS = 16
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    key: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.device.type, tuple(s == 1 for s in a.shape), a.requires_grad))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    import copy
+
+    new = GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+class _Variant:
+    """The compiled forward and backward of one input signature."""
+
+    def __init__(self, grad: GroupGrad, args: Sequence[Any], name: str) -> None:
+        self.grad = grad
+        values = propagate(grad.forward, args)
+        results = map_arg(grad.forward.graph.result, values.__getitem__)
+        self.forward = CompiledGraph(grad.forward, args, "forward", name)
+        saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        outs = results[:grad.n_outputs]
+        tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
+        self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
+
+
+class _GroupFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, variant: _Variant, *args: Any) -> Any:
+        grad = variant.grad
+        results = variant.forward(*args)
+        saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        ctx.plain = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.variant = variant
+        ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
+                      for a in args]
+        outs = results[:grad.n_outputs]
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
+                                      if i not in grad.tangents and isinstance(o, torch.Tensor)))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():  # create_graph=True: these grads would be constants
+            raise RuntimeError(
+                "fxlite: a compiled group's backward is differentiable only once, but it ran "
+                "with create_graph=True (double backward); compute higher-order gradients "
+                "of this part without fxlite")
+        variant = ctx.variant
+        grad = variant.grad
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is None else v for v in ctx.plain]
+        results = variant.backward(*saved, *(grads[i] for i in grad.tangents))
+        out: list[Any] = [None]
+        for i, spec in enumerate(ctx.inputs):
+            k = grad.grads[i]
+            if k is not None:
+                g = results[k]
+                out.append(g if g.shape == spec[0] else g.expand(spec[0]))
+            elif i in grad.zero_grads:
+                out.append(torch.zeros(spec[0], dtype=spec[1], device=spec[2]))
+            else:
+                out.append(None)
+        return tuple(out)
+
+
+class AutogradGroup:
+    """A fused group callable under autograd (see the module docstring).
+
+    Attributes:
+        group: the group's GraphModule (runs eagerly where no kernel can).
+        name: used in kernel names.
+    """
+
+    def __init__(self, group: GraphModule, name: str = "group") -> None:
+        self.group = group
+        self.name = name
+        self._fallbacks: list[str] = []
+        self._plain: CompiledGraph | None = None
+        self._variants: dict[tuple, _Variant | None] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def __name__(self) -> str:  # generated forward code calls the callable by this name
+        return self.name
+
+    def _parts(self) -> list[CompiledGraph]:
+        parts = [self._plain] if self._plain is not None else []
+        for v in list(self._variants.values()):
+            if v is not None:
+                parts += [v.forward, v.backward]
+        return parts
+
+    @property
+    def kernels(self) -> list[Any]:
+        """Every kernel built so far, forward and backward (each has ``.direction``)."""
+        return [k for p in self._parts() for k in p.kernels]
+
+    @property
+    def records(self) -> list[Any]:
+        """A ``KernelRecord`` per kernel, for ``fxlite.codegen.report.kernel_report``."""
+        return [r for p in self._parts() for r in p.records]
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Why some call, or some part of one, runs eagerly."""
+        return self._fallbacks + [f for p in self._parts() for f in p.fallbacks]
+
+    def __call__(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled() or not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._inference(args)
+        key = _signature(args)
+        variant = self._variants.get(key, False)
+        if variant is False:
+            with self._lock:
+                variant = self._variants.get(key, False)
+                if variant is False:
+                    variant = self._build(args)
+                    if len(self._variants) < _MAX_VARIANTS:
+                        self._variants[key] = variant
+        if variant is None:
+            return self.group(*args)
+        outs = _GroupFunction.apply(variant, *args)
+        return outs[0] if variant.grad.single else outs
+
+    def _inference(self, args: tuple) -> Any:
+        if self._plain is None:
+            with self._lock:
+                if self._plain is None:
+                    with torch.no_grad():
+                        self._plain = CompiledGraph(_copy(self.group), args, "forward", self.name)
+        with torch.no_grad():
+            return self._plain(*args)
+
+    def _build(self, args: tuple) -> _Variant | None:
+        try:
+            grad = differentiate(self.group, args)
+            return _Variant(grad, args, self.name)
+        except NotDifferentiable as e:
+            reason = str(e)
+        except Exception as e:  # a failure to compile must never break a model
+            reason = f"{type(e).__name__}: {e}"
+        self._fallbacks.append(f"{self.name} runs under eager autograd: {reason}")
+        return None
+
+    def report(self) -> str:
+        """Print and return the table of forward and backward kernels."""
+        from .report import kernel_report
+
+        text = kernel_report(self.records)
+        print(text)
+        return text
+
+
+def make_autograd_group(group_gm: GraphModule, example_inputs: Sequence[Any] = (),
+                        name: str = "group") -> AutogradGroup:
+    """A callable to run a fused group with Triton kernels under autograd.
+
+    Args:
+        group_gm: a fused group (``fuse``'s ``fused_<i>`` submodule, after ``normalize``
+            and ``decompose``), or any graph of canonical table ops with ShapeProp meta.
+        example_inputs: optional: one value per placeholder; when given, the variant for
+            them (forward and backward graphs, forward kernel on the first call) is built
+            now rather than on the first call that needs gradients.
+        name: prefix of the kernel names.
+
+    Returns:
+        An :class:`AutogradGroup`: call it with the group's inputs. It returns what the
+        group returns; outputs carry ``grad_fn`` when an input requires grad (and grad
+        mode is on). Its ``.kernels`` lists forward and backward kernels, each with
+        ``.direction``; ``.fallbacks`` says what runs eagerly and why.
+
+    Example::
+
+        fused = fuse(gm)
+        fn = make_autograd_group(fused.fused_0, [x, w, b], name="fused_0")
+        y = fn(x, w, b); y.sum().backward()
+    """
+    group = AutogradGroup(group_gm, name)
+    if example_inputs and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
+        key = _signature(example_inputs)
+        group._variants[key] = group._build(tuple(example_inputs))
+    return group
+
+
+def swap_in_autograd(fused: GraphModule) -> dict[str, AutogradGroup]:
+    """Replace every ``fused_<i>`` call of ``fused`` (``fuse``'s result) by its
+    :class:`AutogradGroup`; returns them by submodule name. ``fused`` is changed in place.
+
+    Example::
+
+        fused = fuse(gm)
+        groups = swap_in_autograd(fused)
+        fused(x).sum().backward()    # every group ran a forward and a backward kernel
+    """
+    groups: dict[str, AutogradGroup] = {}
+    for node in fused.graph.nodes:
+        if node.op != Opcode.CALL_MODULE or node.kwargs:
+            continue
+        sub = fused.get_submodule(node.target)
+        if getattr(sub, "meta", {}).get("fused_kind"):
+            target = node.target
+            groups[target] = make_autograd_group(sub, (), name=target)
+            node.op, node.target = Opcode.CALL_FUNCTION, groups[target]
+            fused.delete_submodule(target)
+    fused.recompile()
+    return groups

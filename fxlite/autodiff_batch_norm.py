@@ -1,0 +1,175 @@
+"""Training-mode BatchNorm as table ops: batch statistics, then the running-stat update.
+
+``batch_norm_train(gm)`` rewrites each training-mode BatchNorm (``nn.BatchNorm1d/2d/3d``
+in training mode, or ``F.batch_norm(..., training=True)``) into reductions and pointwise
+ops that fuse and differentiate like any others, plus one effect at the end of the graph
+that updates the running statistics as eager does::
+
+    before                               after
+        y = bn(x)                            n = x.size(0) * x.size(2) * x.size(3)
+                                             mean = sum(x, (0, 2, 3), keepdim=True) / n
+                                             c = x - mean
+                                             var = sum(c * c, (0, 2, 3), keepdim=True) / n
+                                             y = c * rsqrt(var + eps) * w[:, None, None] + b[...]
+                                             ...
+                                             update_running_stats(bn.running_mean, bn.running_var,
+                                                 bn.num_batches_tracked, mean, var, n, 0.1)
+
+Normalization uses the biased batch variance; the running variance gets the unbiased one
+(``var * n / (n - 1)``), ``momentum=None`` is the cumulative average, and the module's
+``num_batches_tracked`` is incremented, as ``nn.BatchNorm`` does. The update runs without
+grad, so the buffers never join the autograd graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["batch_norm_train", "update_running_stats"]
+
+
+def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                         num_batches_tracked: torch.Tensor | None, mean: torch.Tensor,
+                         var: torch.Tensor, n: int, momentum: float | None) -> None:
+    """Update BatchNorm's buffers in place from the batch ``mean`` and biased ``var``.
+
+    ``running = momentum * batch + (1 - momentum) * running``, eager's formula; with
+    ``momentum=None`` the factor is ``1 / num_batches_tracked`` (after its increment).
+    """
+    with torch.no_grad():
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+        if running_mean is None and running_var is None:
+            return
+        factor: Any = momentum
+        if factor is None:  # a 0-d tensor: no host sync on a GPU
+            factor = 1.0 / num_batches_tracked.double() if num_batches_tracked is not None else 0.0
+        if running_mean is not None:
+            batch = mean.reshape(running_mean.shape).to(running_mean.dtype)
+            running_mean.copy_(batch * factor + running_mean * (1 - factor))
+        if running_var is not None:
+            unbiased = var.reshape(running_var.shape).to(running_var.dtype) * (n / max(n - 1, 1))
+            running_var.copy_(unbiased * factor + running_var * (1 - factor))
+
+
+update_running_stats._is_impure = True  # type: ignore[attr-defined]  # DCE keeps it
+
+
+def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
+    """The batch_norm arguments of a training-mode BatchNorm module call, as get_attrs."""
+    mod = gm.get_submodule(node.target)
+    if not isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) or not mod.training or len(
+            node.args) != 1 or node.kwargs:
+        return None
+    graph = gm.graph
+
+    def attr(name: str) -> Any:
+        if getattr(mod, name, None) is None:
+            return None
+        with graph.inserting_before(node):
+            return graph.get_attr(f"{node.target}.{name}")
+
+    track = mod.track_running_stats
+    return {"input": node.args[0], "weight": attr("weight"), "bias": attr("bias"),
+            "running_mean": attr("running_mean") if track else None,
+            "running_var": attr("running_var") if track else None,
+            "num_batches_tracked": attr("num_batches_tracked") if track else None,
+            "momentum": mod.momentum, "eps": mod.eps}
+
+
+def _function_args(node: Any) -> dict[str, Any] | None:
+    from .ops import resolve
+
+    found = resolve(node)
+    if found is None or found[0].name != "batch_norm":
+        return None
+    args = found[1]
+    if args.get("training") is not True or set(args) - {
+            "input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+            "eps"}:
+        return None
+    momentum = args.get("momentum", 0.1)
+    if momentum is not None and type(momentum) not in (int, float):
+        return None
+    return {"input": args["input"], "weight": args.get("weight"), "bias": args.get("bias"),
+            "running_mean": args.get("running_mean"), "running_var": args.get("running_var"),
+            "num_batches_tracked": None, "momentum": momentum, "eps": args.get("eps", 1e-5)}
+
+
+def batch_norm_train(gm: Any) -> Any:
+    """Rewrite every training-mode BatchNorm of ``gm`` (see the module docstring).
+
+    Args:
+        gm: a GraphModule with ShapeProp meta on the BatchNorm inputs (their rank decides
+            the reduced dims); ``normalize`` before or after, as you like.
+
+    Returns:
+        ``gm``, recompiled. BatchNorms whose input rank is unknown, or with arguments
+        that are not plain values, are left as they are.
+    """
+    from fxlite.passes.normalize import normalize_graph
+
+    from .proxy import GraphAppendingTracer, Proxy
+
+    graph = gm.graph
+    tracer = GraphAppendingTracer(graph)
+    output = graph.output_node()
+    created: list[Any] = []
+    for node in list(graph.nodes):
+        if node.op == "call_module":
+            args = _module_args(gm, node)
+        elif node.op in ("call_function", "call_method"):
+            args = _function_args(node)
+        else:
+            continue
+        tm = node.meta.get("tensor_meta")
+        if args is None or not hasattr(tm, "shape") or len(tm.shape) < 2:
+            continue
+        before = node.prev
+        with graph.inserting_before(node):
+            y, mean, var, n = _normalize(Proxy(args["input"], tracer), len(tm.shape),
+                                         *(Proxy(args[k], tracer) if args[k] is not None else None
+                                           for k in ("weight", "bias")), args["eps"])
+        created += _between(before, node)
+        y.node.meta.update(node.meta)
+        node.replace_all_uses_with(y.node)
+        graph.erase_node(node)
+        if any(args[k] is not None for k in ("running_mean", "running_var", "num_batches_tracked")):
+            with graph.inserting_before(output):
+                graph.call_function(update_running_stats, (
+                    args["running_mean"], args["running_var"], args["num_batches_tracked"],
+                    mean.node, var.node, n.node if isinstance(n, Proxy) else n, args["momentum"]))
+    normalize_graph(graph, gm, [n for n in created if not n._erased])
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _between(before: Any, node: Any) -> list[Any]:
+    out = []
+    cur = before.next
+    while cur is not node:
+        out.append(cur)
+        cur = cur.next
+    return out
+
+
+def _normalize(x: Any, rank: int, weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any, Any]:
+    # statistics over every dim but the channels (dim 1), kept as (1, C, 1, ...)
+    dims = (0, *range(2, rank))
+    n = x.size(0)
+    for d in range(2, rank):
+        n = n * x.size(d)
+    mean = torch.sum(x, dims, keepdim=True) / n
+    centered = x - mean
+    var = torch.sum(centered * centered, dims, keepdim=True) / n
+    y = centered * torch.rsqrt(var + eps)
+    for p, combine in ((weight, torch.mul), (bias, torch.add)):
+        if p is not None:
+            for _ in range(rank - 2):  # (C,) -> (C, 1, ...): a view of a parameter
+                p = p.unsqueeze(-1)
+            y = combine(y, p)
+    return y, mean, var, n

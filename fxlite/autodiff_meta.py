@@ -1,0 +1,210 @@
+"""Shapes and dtypes of table ops, computed from the op table instead of by running ops.
+
+Autodiff and its pipeline need every node's shape, strides and dtype. Running the ops on
+``meta`` tensors would give them, but the first such call imports torch's Python meta
+kernels (seconds, once per process: a cold compile would pay it). The ops of fused groups
+and their gradients are few and regular, so :func:`infer` computes their results here:
+broadcasting for pointwise ops, the reduced dims for reductions, the view's rule for
+views, the table's dtype rule for dtypes (``fxlite.ops.result_dtype``). Values are meta
+tensors made by ``empty_strided`` (a factory: no meta kernel), contiguous. Anything else
+runs on meta tensors after all.
+
+Example::
+
+    values = propagate(gm, [x, w])       # every node: meta["tensor_meta"] and meta["type"]
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .graph_module import GraphModule
+from .node import Node, map_arg
+from .ops import OpInfo, is_impure, resolve, result_dtype
+
+__all__ = ["as_meta", "infer", "meta_tensor", "propagate", "record"]
+
+_PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                         operator.floordiv, operator.mod, operator.neg, operator.pow, max, min})
+
+
+def meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous meta tensor (made by a factory: no meta kernel runs)."""
+    shape = tuple(shape)
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return torch.empty_strided(shape, tuple(reversed(stride)), dtype=dtype, device="meta")
+
+
+def as_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.device.type != "meta":
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return v
+
+
+def record(node: Node, value: Any) -> None:
+    """Store ``value``'s metadata on ``node`` as ShapeProp would."""
+    from fxlite.passes.shape_prop import extract_tensor_metadata
+
+    if isinstance(value, torch.Tensor):
+        node.meta["tensor_meta"] = extract_tensor_metadata(value)
+    else:
+        node.meta.pop("tensor_meta", None)
+    node.meta["type"] = type(value)
+
+
+def _broadcast(shapes: list[tuple[int, ...]]) -> list[int]:
+    # torch.broadcast_shapes would import torch's meta kernels (the cost this avoids)
+    out: list[int] = []
+    for shape in shapes:
+        if len(shape) > len(out):
+            out = [1] * (len(shape) - len(out)) + out
+        for i, s in enumerate(shape, len(out) - len(shape)):
+            if s != 1:
+                if out[i] not in (1, s):
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+                out[i] = s
+    return out
+
+
+def _dims(dim: Any, rank: int) -> list[int]:
+    if dim is None or dim == () or dim == []:
+        return list(range(rank))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return sorted({d % rank for d in dims}) if rank else []
+
+
+def _view_shape(info: OpInfo, x: torch.Tensor, a: dict[str, Any]) -> list[int] | None:
+    shape, rank = list(x.shape), x.dim()
+    name = info.name
+    if name in ("contiguous", "identity"):
+        return shape
+    if name == "unsqueeze":
+        d = a["dim"] % (rank + 1)
+        return shape[:d] + [1] + shape[d:]
+    if name == "squeeze":
+        dims = _dims(a.get("dim"), rank) if a.get("dim") is not None else list(range(rank))
+        return [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
+    if name in ("expand", "view", "reshape"):
+        sizes = list(a["shape"] if name == "reshape" else a["size"])
+        if name == "expand":
+            lead = len(sizes) - rank
+            return [shape[i - lead] if s == -1 else s for i, s in enumerate(sizes)]
+        if -1 in sizes:
+            known = total = 1
+            for s in sizes:
+                known *= s if s != -1 else 1
+            for s in shape:
+                total *= s
+            sizes = [total // known if s == -1 else s for s in sizes]
+        return sizes
+    if name in ("permute", "transpose", "t"):
+        order = list(range(rank))
+        if name == "permute":
+            order = [d % rank for d in a["dims"]]
+        elif rank >= 2:
+            i, j = (a["dim0"] % rank, a["dim1"] % rank) if name == "transpose" else (0, 1)
+            order[i], order[j] = order[j], order[i]
+        return [shape[d] for d in order]
+    if name == "flatten":
+        start, end = a.get("start_dim", 0) % max(rank, 1), a.get("end_dim", -1) % max(rank, 1)
+        n = 1
+        for s in shape[start:end + 1]:
+            n *= s
+        return shape[:start] + [n] + shape[end + 1:] if rank else [1]
+    return None
+
+
+def _table(node: Node, values: dict[Node, Any]) -> Any:
+    found = resolve(node)
+    if found is None:
+        return NotImplemented
+    info, args = found
+    if info.kind not in ("pointwise", "reduction", "view", "composite"):
+        return NotImplemented
+    a = map_arg(args, lambda n: values[n])
+    x = a.get("input")
+    dtypes = map_arg(args, lambda n: values[n].dtype if isinstance(values[n], torch.Tensor)
+                     else values[n])
+    dtype = result_dtype(info, dtypes)
+    tensors = [v for v in a.values() if isinstance(v, torch.Tensor)]
+    if not tensors or dtype is None and info.kind != "view":
+        return NotImplemented
+    if info.kind == "pointwise":
+        shape = _broadcast([tuple(t.shape) for t in tensors])
+    elif info.kind == "composite":
+        shape = list(x.shape)
+    elif info.kind == "view":
+        if not isinstance(x, torch.Tensor):
+            return NotImplemented
+        shape = _view_shape(info, x, a)
+        dtype = x.dtype
+        if shape is None:
+            return NotImplemented
+    else:
+        if not isinstance(x, torch.Tensor) or info.name in ("max", "min") and "dim" in a:
+            return NotImplemented  # (values, indices)
+        if set(a) - {"input", "dim", "keepdim", "dtype", "correction"}:
+            return NotImplemented
+        dims = _dims(a.get("dim"), x.dim())
+        keep = a.get("keepdim", False)
+        shape = [1 if i in dims else s for i, s in enumerate(x.shape)] if keep else [
+            s for i, s in enumerate(x.shape) if i not in dims]
+    return meta_tensor(shape, dtype)
+
+
+def infer(node: Node, values: dict[Node, Any]) -> Any:
+    """The value of ``node`` (a meta tensor or a Python value) given its inputs' values.
+
+    Effects (``draw_seed``, buffer updates) are not run: an int stands for an int result,
+    None for anything else.
+    """
+    if node.op in ("call_function", "call_method", "call_module") and is_impure(node):
+        return 0 if node.meta.get("type") is int else None
+    if node.op == "call_method" and node.target in ("size", "dim", "numel"):
+        x = values[node.args[0]]
+        return getattr(x, node.target)(*node.args[1:], **node.kwargs)
+    args = map_arg(node.args, lambda n: values[n])
+    kwargs = map_arg(node.kwargs, lambda n: values[n])
+    leaves: list[Any] = []
+    map_arg((node.args, node.kwargs), lambda n: leaves.append(values[n]))
+    if node.op == "call_function" and not any(isinstance(v, torch.Tensor) for v in leaves) and (
+            node.target in _PYTHON_OPS or getattr(node.target, "__module__", "").startswith("fxlite")):
+        return node.target(*args, **kwargs)  # arithmetic on sizes
+    if node.op in ("call_function", "call_method"):
+        out = _table(node, values)
+        if out is not NotImplemented:
+            return out
+    if node.op == "call_function":
+        return node.target(*map_arg(args, as_meta), **map_arg(kwargs, as_meta))
+    if node.op == "call_method":
+        return getattr(as_meta(args[0]), node.target)(*args[1:], **kwargs)
+    raise TypeError(f"cannot infer the value of {node.format_node()}")
+
+
+def propagate(gm: GraphModule, inputs: Sequence[Any]) -> dict[Node, Any]:
+    """Give every node of ``gm`` ShapeProp's ``tensor_meta`` and ``type`` for ``inputs``
+    (tensors of any device; only shapes, strides and dtypes are read)."""
+    values: dict[Node, Any] = {}
+    it = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            break
+        if node.op == "placeholder":
+            values[node] = as_meta(next(it))
+        elif node.op == "get_attr":
+            obj: Any = gm
+            for atom in node.target.split("."):
+                obj = getattr(obj, atom)
+            values[node] = as_meta(obj)
+        else:
+            values[node] = infer(node, values)
+        record(node, values[node])
+    return values
+

@@ -1,0 +1,416 @@
+"""Autodiff of fused groups: every derivative rule against eager autograd, in float64.
+
+Each case traces a small function, runs the compile pipeline (normalize, decompose,
+ShapeProp, fuse), swaps every group for its ``AutogradGroup`` and compares the gradients
+with eager's for random output gradients, on two calls with fresh inputs. Each case also
+checks that a backward Triton kernel ran. Inputs include the points where piecewise ops
+switch (0 for relu, +-3 for hardswish, ties for max) so the conventions match eager's.
+"""
+
+from __future__ import annotations
+
+# First: it sets TRITON_INTERPRET=1 (on CPU) before anything imports triton.
+from test_triton_kernels import DEVICE  # isort: skip
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fxlite.codegen import triton as triton_codegen
+from fxlite.codegen.autograd import make_autograd_group, swap_in_autograd
+from fxlite.passes.decompose import decompose
+from fxlite.passes.fuse import fuse
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+F64 = torch.float64
+# The points where piecewise ops switch, then random values.
+EDGES = [-6.0, -3.0, -2.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0]
+
+
+def _wrap(fn, n):
+    return {1: lambda a: fn(a), 2: lambda a, b: fn(a, b), 3: lambda a, b, c: fn(a, b, c),
+            4: lambda a, b, c, d: fn(a, b, c, d)}[n]
+
+
+def edgy(*shape, low=None):
+    """float64 values with the switch points of piecewise ops among them."""
+    x = torch.randn(*shape, dtype=F64, device=DEVICE) * 2
+    flat = x.view(-1)
+    k = min(len(EDGES), flat.numel())
+    flat[:k] = torch.tensor(EDGES[:k], dtype=F64, device=DEVICE)
+    if low is not None:
+        x = x.abs() + low
+    return x
+
+
+@pytest.fixture
+def directions(monkeypatch):
+    """The ``direction`` of every Triton kernel launched during the test."""
+    return spy_directions(monkeypatch)
+
+
+def spy_directions(monkeypatch):
+    seen: list[str] = []
+    call = triton_codegen.TritonKernel.__call__
+
+    def spy(self, *args):
+        seen.append(getattr(self, "direction", "forward"))
+        return call(self, *args)
+
+    monkeypatch.setattr(triton_codegen.TritonKernel, "__call__", spy)
+    return seen
+
+
+def build(fn, inputs, *, decomposed=True):
+    """``fn`` compiled with autograd groups: the fused module (or one group if not
+    ``decomposed``: composites such as softmax then use their own derivative rules)."""
+    gm = fxlite.symbolic_trace(_wrap(fn, len(inputs)))
+    ShapeProp(gm).propagate(*inputs)
+    gm = normalize(gm)
+    if not decomposed:
+        ShapeProp(gm).propagate(*inputs)
+        return make_autograd_group(gm, name="group")
+    gm = decompose(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    ShapeProp(gm).propagate(*inputs)
+    fused = fuse(gm)
+    swap_in_autograd(fused)
+    return fused
+
+
+def grads(fn, inputs, tangent_seed=1):
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator().manual_seed(tangent_seed)
+    tangents = [torch.randn(o.shape, dtype=o.dtype, generator=gen).to(o.device) for o in outs]
+    wrt = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+    got = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
+    return outs, got
+
+
+def check_grads(fn, make_inputs, directions, *, decomposed=True, atol=1e-9, eager_ok=()):
+    """Compiled and eager gradients agree, on two calls with fresh inputs; no part runs
+    eagerly but the groups named in ``eager_ok`` (ops the kernel generator lacks)."""
+    compiled = build(fn, make_inputs(), decomposed=decomposed)
+    for _ in range(2):
+        inputs = make_inputs()
+        exp_out, expected = grads(fn, inputs)
+        directions.clear()
+        got_out, got = grads(compiled, inputs)
+        for g, e in zip(got_out, exp_out):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=atol, equal_nan=True)
+        for g, e in zip(got, expected):
+            if e is None:
+                assert g is None or not g.any()
+            else:
+                assert g is not None
+                torch.testing.assert_close(g, e, rtol=1e-7, atol=atol, equal_nan=True)
+        assert "backward" in directions, "no backward kernel ran"
+    assert not [f for f in fallbacks(compiled) if not any(ok in f for ok in eager_ok)]
+    return compiled
+
+
+def fallbacks(compiled):
+    """What runs eagerly in ``compiled`` (a fused module or one AutogradGroup)."""
+    groups = [compiled] if hasattr(compiled, "fallbacks") else [
+        n.target for n in compiled.graph.nodes if hasattr(n.target, "fallbacks")]
+    return [f for g in groups for f in g.fallbacks]
+
+
+def req(x):
+    return x.requires_grad_()
+
+
+# ------------------------------------------------------------------------ pointwise
+UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1,
+    "sin": torch.sin, "cos": torch.cos, "erf": torch.erf, "square": torch.square,
+    # piecewise constant: zero gradient, so each is paired with a product
+    "floor": lambda x: torch.floor(x) * x, "ceil": lambda x: torch.ceil(x) * x,
+    "trunc": lambda x: torch.trunc(x) * x, "round": lambda x: torch.round(x) * x,
+    "sign": lambda x: torch.sign(x) * x,
+    "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+    "softplus": lambda x: F.softplus(x, beta=2.0, threshold=3.0), "mish": F.mish,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.2), "elu": lambda x: F.elu(x, alpha=0.5),
+    "hardtanh": lambda x: F.hardtanh(x, -2.0, 3.0), "relu6": F.relu6,
+    "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish,
+    "clamp": lambda x: torch.clamp(x, -2.0, 3.0), "clamp_min": lambda x: torch.clamp_min(x, 0.5),
+    "clamp_max": lambda x: torch.clamp_max(x, 1.0),
+    "to": lambda x: x.to(torch.float32).to(F64) * x,
+    "pow_scalar": lambda x: torch.pow(x, 3), "pow_base": lambda x: torch.pow(2.0, x),
+    "pow_zero_base": lambda x: torch.pow(0.0, x), "rsub": lambda x: 2 - x,
+    "where": lambda x: torch.where(x > 0, x * 2, 1.0),
+}
+POSITIVE = {
+    "log": torch.log, "log2": torch.log2, "log1p": torch.log1p, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "pow_frac": lambda x: x ** 1.5,
+}
+BINARY = {
+    "add": lambda x, y: torch.add(x, y, alpha=2), "sub": lambda x, y: torch.sub(x, y, alpha=3),
+    "mul": torch.mul, "truediv": torch.div, "remainder": torch.remainder, "fmod": torch.fmod,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "where2": lambda x, y: torch.where(x > y, x, y),
+    "clamp_tensor": lambda x, y: torch.clamp(x, y - 1, y + 1),
+    "clamp_min_tensor": lambda x, y: torch.clamp_min(x, y),
+    "div_floor": lambda x, y: torch.div(x, y, rounding_mode="floor") * y,
+    "pow_tensor": lambda x, y: torch.pow(x.abs() + 0.5, y),
+}
+
+
+@pytest.mark.parametrize("name", UNARY)
+def test_unary(name, directions):
+    check_grads(UNARY[name], lambda: [req(edgy(3, 4))], directions)
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+def test_positive(name, directions):
+    check_grads(POSITIVE[name], lambda: [req(edgy(3, 4, low=0.2))], directions)
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_binary(name, directions):
+    def make():
+        x, y = edgy(3, 4), edgy(3, 4).flip(-1)
+        y[0, :2] = x[0, :2]  # ties
+        return [req(x), req(y)]
+    check_grads(BINARY[name], make, directions)
+
+
+def test_broadcast_and_dtype(directions):
+    # a row bias, a column scale, a float32 operand: grads summed back and cast back
+    def fn(x, b, s, h):
+        return torch.tanh(x * s + b) * h
+    check_grads(fn, lambda: [req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE)),
+                             req(torch.randn(3, 1, dtype=F64, device=DEVICE)),
+                             req(torch.randn(3, 4, dtype=torch.float32, device=DEVICE))], directions)
+
+
+def test_zero_gradient_is_zeros_not_none(directions):
+    # eager gives x.grad = zeros (not None) through a piecewise-constant op
+    fn = build(lambda x: torch.floor(x) * 2, [req(edgy(3, 4))])
+    x = req(edgy(3, 4))
+    fn(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+
+
+# ------------------------------------------------------------------------ reductions
+REDUCTIONS = {
+    "sum": lambda x: torch.sum(x, -1, keepdim=True) * x,
+    "sum_all": lambda x: torch.sum(x * x),
+    "sum_dim0": lambda x: torch.sum(torch.exp(x), 0),
+    "mean": lambda x: torch.mean(x, -1) ,
+    "mean_keep": lambda x: x - torch.mean(x, -1, keepdim=True),
+    "prod": lambda x: torch.prod(x, -1, keepdim=True),
+    "amax": lambda x: torch.amax(x, -1, keepdim=True),
+    "amax_nokeep": lambda x: torch.amax(x * 2, -1) + 1,
+    "amin": lambda x: torch.amin(x, -1),
+    "max_all": lambda x: torch.max(x) * x,
+    "min_all": lambda x: torch.min(x),
+    "var": lambda x: torch.var(x, -1),
+    "var_pop": lambda x: torch.var(x, -1, unbiased=False, keepdim=True),
+    "std": lambda x: torch.std(x, -1, correction=2),
+}
+
+
+def _ties(*shape):
+    x = edgy(*shape)
+    x[:, 1] = x[:, 0] = x.max(-1).values + 1  # two maxima per row
+    x[0, 2] = 0.0  # and a zero, for prod
+    return x
+
+
+@pytest.mark.parametrize("decomposed", [True, False], ids=["decomposed", "composite"])
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reductions(name, decomposed, directions):
+    # the kernel generator has no all-element max/min: that forward runs eagerly
+    check_grads(REDUCTIONS[name], lambda: [req(_ties(3, 5))], directions, decomposed=decomposed,
+                eager_ok=("(max_1", "(min_1"))
+
+
+def test_prod_with_zeros(directions):
+    def make():
+        x = edgy(4, 3)
+        x[1, 0] = 0.0
+        x[2, :2] = 0.0  # two zeros in a row: all gradients 0
+        return [req(x)]
+    check_grads(lambda x: torch.prod(x, -1), make, directions, decomposed=False)
+
+
+# ------------------------------------------------------------------------ composites
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
+
+
+COMPOSITES = {
+    "softmax": (lambda x: torch.softmax(x, -1), 1),
+    "log_softmax": (lambda x: F.log_softmax(x, dim=-1), 1),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (5,), w, b), 3),
+    "layer_norm_plain": (lambda x: F.layer_norm(x, (5,)), 1),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (5,), w, eps=1e-6), 2),
+    "rms_norm_default_eps": (lambda x: F.rms_norm(x, (5,)), 1),
+    "layer_norm_2d": (lambda x: F.layer_norm(x, (2, 5)), 1),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+@pytest.mark.parametrize("decomposed", [True, False], ids=["decomposed", "composite"])
+def test_composites(name, decomposed, directions):
+    fn, n = COMPOSITES[name]
+    shape = (3, 2, 5) if name.endswith("2d") else (3, 5)
+
+    def make():
+        params = [req(torch.randn(*shape[-1:], dtype=F64, device=DEVICE)) for _ in range(n - 1)]
+        return [req(edgy(*shape)), *params]
+    check_grads(fn, make, directions, decomposed=decomposed)
+
+
+# ------------------------------------------------------------------------ a block
+class MLPBlock(torch.nn.Module):
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, h)
+        self.gate = torch.nn.Linear(d, h)
+        self.down = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.norm(x)
+        y = F.gelu(self.up(y)) * F.silu(self.gate(y))
+        return x + self.down(y)
+
+
+def _compile_module(model, x):
+    gm = fxlite.symbolic_trace(model)
+    ShapeProp(gm).propagate(x)
+    gm = decompose(normalize(gm))
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    ShapeProp(gm).propagate(x)
+    fused = fuse(gm)
+    return fused, swap_in_autograd(fused)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=str)
+def test_mlp_block_parameter_grads(dtype, directions):
+    torch.manual_seed(0)
+    model = MLPBlock().to(DEVICE, dtype)
+    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype, device=DEVICE))
+    tol = 1e-9 if dtype == F64 else 1e-5
+    for step in range(2):
+        x = torch.randn(2, 3, 8, dtype=dtype, device=DEVICE, requires_grad=True)
+        model.zero_grad()
+        expected_out = model(x)
+        expected_out.pow(2).sum().backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        expected_x = x.grad.clone()
+        x.grad = None
+        model.zero_grad()
+        directions.clear()
+        out = fused(x)
+        torch.testing.assert_close(out, expected_out, rtol=tol, atol=tol)
+        out.pow(2).sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], rtol=tol, atol=tol, msg=n)
+        torch.testing.assert_close(x.grad, expected_x, rtol=tol, atol=tol)
+        assert directions.count("backward") >= len(groups) >= 3
+    kernels = [k for g in groups.values() for k in g.kernels]
+    assert {k.direction for k in kernels} == {"forward", "backward"}
+    assert not [f for g in groups.values() for f in g.fallbacks]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_mlp_block_half_precision(dtype):
+    # kernels compute in fp32 and round once: within the dtype's precision of eager
+    torch.manual_seed(0)
+    model = MLPBlock().to(DEVICE, dtype)
+    fused, groups = _compile_module(model, torch.randn(2, 3, 8, dtype=dtype, device=DEVICE))
+    x = torch.randn(2, 3, 8, dtype=dtype, device=DEVICE, requires_grad=True)
+    fused(x).float().pow(2).sum().backward()
+    got = {n: p.grad.float() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).float().pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        err = (got[n] - p.grad.float()).abs().max() / p.grad.float().abs().max()
+        assert err < (2e-2 if dtype == torch.bfloat16 else 3e-3), n
+    assert not [f for g in groups.values() for f in g.fallbacks]
+
+
+# ------------------------------------------------------------------------ the callable
+def test_backward_of_norms_runs_row_kernels():
+    x = req(edgy(4, 6))
+    w, b = req(torch.randn(6, dtype=F64, device=DEVICE)), req(torch.randn(6, dtype=F64, device=DEVICE))
+    for fn in (lambda x, w, b: F.layer_norm(x, (6,), w, b), lambda x, w, b: torch.softmax(x * w + b, -1)):
+        group = build(fn, [x, w, b], decomposed=False)
+        fn_out = group(x, w, b)
+        fn_out.backward(torch.randn_like(fn_out))
+        kinds = {(k.direction, k.kind) for k in group.kernels}
+        assert ("backward", "reduction") in kinds and ("forward", "reduction") in kinds
+
+
+def test_resize_broadcast_change_and_requires_grad_change(directions):
+    fn = lambda x, b: torch.sigmoid(x + b) * x  # noqa: E731
+    compiled = build(fn, [req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))])
+    cases = [  # other sizes, b broadcast along another dim, and only b needing a gradient
+        (req(edgy(5, 7)), req(torch.randn(7, dtype=F64, device=DEVICE))),
+        (req(edgy(5, 7)), req(torch.randn(5, 1, dtype=F64, device=DEVICE))),
+        (edgy(5, 7), req(torch.randn(7, dtype=F64, device=DEVICE))),
+    ]
+    for x, b in cases:
+        _, expected = grads(fn, [x, b])
+        _, got = grads(compiled, [x, b])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    assert not fallbacks(compiled)
+
+
+def test_expanded_and_strided_output_gradients():
+    # .sum().backward() gives the group an expanded gradient; .t() a transposed one
+    fn = lambda x: torch.tanh(x) * 3  # noqa: E731
+    compiled = build(fn, [req(edgy(4, 5))])
+    x = req(edgy(4, 5))
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2))
+    x.grad = None
+    g = torch.randn(5, 4, dtype=F64, device=DEVICE)
+    compiled(x).t().backward(g)
+    torch.testing.assert_close(x.grad, 3 * (1 - torch.tanh(x.detach()) ** 2) * g.t())
+
+
+def test_double_backward_is_refused_and_saved_outputs_are_guarded():
+    compiled = build(lambda x: torch.exp(x) * 2, [req(edgy(3, 4))])
+    x = req(edgy(3, 4))
+    y = compiled(x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)  # an error, not a wrong answer
+    # what the backward saved (here x, from which it recomputes exp) is guarded by
+    # autograd's version counters: changing it in place is an error, not a wrong gradient
+    h = x * 1
+    y = compiled(h)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_no_grad_and_inference_calls_run_the_forward_kernel(directions):
+    compiled = build(lambda x: torch.relu(x) * 2, [edgy(3, 4)])
+    with torch.no_grad():
+        out = compiled(req(edgy(3, 4)))
+    assert not out.requires_grad and directions == ["forward"]
+
+
+def test_an_op_without_a_rule_runs_under_eager_autograd():
+    # floor_divide has no derivative in eager either: same result, same error
+    fn = lambda x, y: torch.floor_divide(x, y) * x  # noqa: E731
+    compiled = build(fn, [req(edgy(3, 4)), edgy(3, 4).abs() + 1], decomposed=False)
+    x, y = req(edgy(3, 4)), edgy(3, 4).abs() + 1
+    out = compiled(x, y)
+    torch.testing.assert_close(out, fn(x, y))
+    assert any("no derivative rule for" in f and "floor_divide" in f for f in compiled.fallbacks)
+    with pytest.raises(RuntimeError, match="floor_divide"):
+        out.sum().backward()

@@ -1,0 +1,181 @@
+"""Training mode under autodiff: dropout drawn in the kernel from a seed, BatchNorm with
+batch statistics and running-stat updates, both through the fused-group pipeline."""
+
+from __future__ import annotations
+
+# First: it sets TRITON_INTERPRET=1 (on CPU) before anything imports triton.
+from test_autodiff import DEVICE, fallbacks, spy_directions  # isort: skip
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fxlite.codegen.autograd import swap_in_autograd
+from fxlite.codegen.triton import generate_kernel
+from fxlite.passes.decompose import decompose
+from fxlite.passes.fuse import fuse
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+from fxlite.autodiff_batch_norm import batch_norm_train
+from fxlite.autodiff_random import philox_uniform, seed_dropouts, seeded_dropout
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+fxlite.wrap("seeded_dropout")  # a call in traced code, not traced into
+
+
+@pytest.fixture
+def directions(monkeypatch):
+    return spy_directions(monkeypatch)
+
+
+def compile_training(model, *x):
+    """The pipeline with the training rewrites, every group swapped for autograd."""
+    gm = fxlite.symbolic_trace(model)
+    # ShapeProp runs the graph: it must leave the generator and the running stats alone
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.random.fork_rng():
+        ShapeProp(gm).propagate(*x)
+        gm = batch_norm_train(seed_dropouts(gm))
+        gm = normalize(gm)
+        ShapeProp(gm).propagate(*x)
+        gm = decompose(gm)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        ShapeProp(gm).propagate(*x)
+    model.load_state_dict(saved)
+    fused = fuse(gm)
+    return fused, swap_in_autograd(fused)
+
+
+# ------------------------------------------------------------------------ dropout
+def test_philox_matches_triton_rand_bit_for_bit():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rand_kernel(out_ptr, seed, offset, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        seeds = tl.full([BLOCK], seed, tl.int64)
+        tl.store(out_ptr + offs, tl.rand(seeds, offset + offs), mask=offs < n)
+
+    for seed, offset in ((3, 0), (2**61 + 5, 2**33)):
+        out = torch.empty(300, device=DEVICE)
+        rand_kernel[(2,)](out, seed, offset, 300, BLOCK=256)
+        assert torch.equal(out, philox_uniform(seed, torch.arange(300, device=DEVICE) + offset))
+
+
+class DropNet(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, w):
+        return self.drop(x * w) + 1.0
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_dropout_statistics_and_gradients(p, directions):
+    x = torch.rand(64, 96, device=DEVICE) + 0.5  # no zeros of its own
+    w = torch.full((96,), 2.0, device=DEVICE)
+    model = DropNet(p).train()
+    fused, groups = compile_training(model, x, w)
+    xs = x.clone().requires_grad_()
+    ys = [fused(xs, w) for _ in range(2)]
+    kept = [(y - 1.0) != 0 for y in ys]
+    assert not torch.equal(kept[0], kept[1]), "two calls drew the same mask"
+    for y, k in zip(ys, kept):
+        assert abs(1 - k.float().mean().item() - p) < 0.03  # the fraction dropped is ~p
+        torch.testing.assert_close(y[k] - 1.0, (x * w / (1 - p))[k])  # kept: scaled by 1/(1-p)
+    # gradients flow only through the kept elements, scaled the same way
+    g = torch.randn_like(x)
+    directions.clear()
+    (grad,) = torch.autograd.grad(ys[1], xs, g)
+    assert "backward" in directions
+    torch.testing.assert_close(grad, torch.where(kept[1], g * w / (1 - p), 0.0))
+    # the mask is a function of torch's generator state
+    torch.manual_seed(123)
+    a = fused(xs, w)
+    torch.manual_seed(123)
+    b = fused(xs, w)
+    assert torch.equal(a, b)
+    # the backward regenerates the mask from the seed: w and the seed are all it keeps
+    (group,) = groups.values()
+    (variant,) = [v for v in group._variants.values() if v is not None]
+    assert variant.grad.saved == [("input", 1), ("input", 2)]  # (x, w, seed)
+    assert not fallbacks(fused)
+
+
+def test_dropout_inside_a_row_kernel_matches_its_reference():
+    # softmax then dropout (attention probabilities): the mask drawn in a reduction kernel
+    def fn(x, seed):
+        return seeded_dropout(torch.softmax(x, -1), 0.3, seed)
+
+    gm = normalize(fxlite.symbolic_trace(fn))
+    x = torch.randn(6, 40, device=DEVICE)
+    ShapeProp(gm).propagate(x, 11)
+    gm = decompose(gm)
+    ShapeProp(gm).propagate(x, 11)
+    fused = fuse(gm)
+    group = fused.get_submodule("fused_0")
+    assert group.meta["fused_kind"] == "reduction"
+    kernel = generate_kernel(group, [x, 11])
+    assert kernel is not None and "tl.rand" in kernel.source
+    for seed in (11, 12):
+        torch.testing.assert_close(kernel(x, seed), fn(x, seed))
+    looped = generate_kernel(group, [x, 11], max_block=16)
+    torch.testing.assert_close(looped(x, 12), fn(x, 12))
+
+
+def test_dropout_in_eval_mode_is_left_alone():
+    model = DropNet(0.5).eval()
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    fused, _ = compile_training(model, x, w)
+    torch.testing.assert_close(fused(x, w), model(x, w))
+
+
+# ------------------------------------------------------------------------ batch norm
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, bias=False)  # (a bias before BN has noise for a grad)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4, momentum=None)  # the cumulative average
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.silu(self.bn2(self.conv2(y))) + y
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_batch_norm_training_matches_eager_over_steps(dtype, directions):
+    torch.manual_seed(0)
+    model = ConvNet().to(DEVICE, dtype).train()
+    eager = copy.deepcopy(model)
+    x0 = torch.randn(4, 3, 5, 5, dtype=dtype, device=DEVICE)
+    fused, groups = compile_training(model, x0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    tol = 1e-9 if dtype == torch.float64 else 2e-5
+    for _ in range(3):
+        x = torch.randn(4, 3, 5, 5, dtype=dtype, device=DEVICE)
+        target = torch.randint(0, 3, (4,), device=DEVICE)
+        losses = []
+        for net, optimizer in ((fused, opt), (eager, eager_opt)):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(net(x), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=tol, atol=tol)
+    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=tol * 10, atol=tol * 10, msg=name)
+    assert model.bn1.num_batches_tracked.item() == 3
+    assert "backward" in directions
+    assert not fallbacks(fused)
