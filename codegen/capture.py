@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fxlite.codegen.capture_kinds import autocast_state
 from fxlite.codegen.capture_rules import Diverged, rng_state_of
 from fxlite.codegen.recorder import Recorder
 from fxlite.codegen.recording import (
@@ -62,6 +63,7 @@ __all__ = ["Read", "Recording", "Step", "format_site", "record", "recording_thre
 
 def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
            roots: list[tuple[str, torch.nn.Module]], fullgraph: bool = False,
+           bound: tuple[Any, ...] = (),
            prefix: Recording | None = None, upto: int = 0, values: dict[str, Any] | None = None,
            read_value: Any = None, record_rest: bool = True) -> tuple[Any, Recording]:
     """Call ``fn(*args, **kwargs)`` for real and record it. Returns ``(result, recording)``.
@@ -70,9 +72,12 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     are not run again: their results come from ``values`` (what the segments already
     computed, by node name), ``read_value`` is the new outcome of that read, and recording
     starts after it (or, with ``record_rest=False``, the call just finishes eagerly).
+    ``bound`` lists objects the function reaches besides its arguments (closure cells,
+    globals): optimizers, schedulers and grad scalers among them and the arguments have
+    their ``step``-like methods recorded as single calls.
     Python between those calls runs again as it did the first time.
     """
-    from fxlite.codegen.capture_hooks import installed
+    from fxlite.codegen.capture_hooks import installed, opaque_methods
 
     leaves, in_spec = flatten((args, kwargs))
     if prefix is None:
@@ -103,10 +108,11 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                                if isinstance(t, torch.Tensor) and t.is_cuda})
     if prefix is None:
         rec.rng_state = rng_state_of(recorder.devices)
+        rec.ambient = (torch.is_grad_enabled(), autocast_state())
     outer = getattr(_LOCAL, "recorder", None)
     _LOCAL.recorder = recorder
     try:
-        with installed(), recorder:
+        with installed(), opaque_methods([*leaves, *bound]), recorder:
             result = fn(*args, **kwargs)
             recorder.finish()
     except Diverged as e:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["installed"]
+__all__ = ["installed", "opaque_methods"]
 
 _lock = threading.Lock()
 _users = 0
@@ -103,3 +103,67 @@ def installed() -> Iterator[None]:
             if _users == 0:
                 while _undo:
                     _undo.pop()()
+
+
+# Objects whose methods run as one recorded call each: an optimizer step reads every
+# parameter's step count in Python (a new value each call) and a scheduler's step changes
+# Python state; replayed as calls, they run for real on every call, as eager runs them.
+_OPAQUE = (("torch.optim", "Optimizer", ("step",)),
+           ("torch.optim.lr_scheduler", "LRScheduler", ("step",)),
+           ("torch.amp.grad_scaler", "GradScaler", ("step", "update", "unscale_")))
+
+
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors an optimizer (or a grad scaler's optimizers) can write in a step."""
+    out: list[torch.Tensor] = []
+    groups = getattr(obj, "param_groups", None)
+    if groups is not None:
+        for group in groups:
+            out += [p for p in group["params"] if isinstance(p, torch.Tensor)]
+        for state in getattr(obj, "state", {}).values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for name in ("_scale", "_growth_tracker"):  # GradScaler
+        value = getattr(obj, name, None)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def _opaque_names(obj: Any) -> tuple[str, ...]:
+    import sys
+
+    for module, cls_name, names in _OPAQUE:
+        cls = getattr(sys.modules.get(module), cls_name, None)
+        if cls is not None and isinstance(obj, cls):
+            return names
+    return ()
+
+
+@contextlib.contextmanager
+def opaque_methods(objects: list[Any]) -> Iterator[None]:
+    """While the block runs, record calls of the listed objects' optimizer, scheduler and
+    grad-scaler methods as single calls (see ``_OPAQUE``). Other threads see the
+    original methods' behaviour: the wrappers pass their calls straight through."""
+    undo: list[Any] = []
+    seen: set[int] = set()
+    for obj in objects:
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for name in _opaque_names(obj):
+            if name in obj.__dict__:  # already an instance attribute: leave it alone
+                continue
+            method = getattr(obj, name)
+
+            def wrapper(*args: Any, _method: Any = method, _obj: Any = obj, **kwargs: Any) -> Any:
+                rec = _active()
+                if rec is None:
+                    return _method(*args, **kwargs)
+                return rec.call_opaque(_method, _method, args, kwargs, _state_tensors(_obj))
+            obj.__dict__[name] = wrapper
+            undo.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in undo:
+            obj.__dict__.pop(name, None)

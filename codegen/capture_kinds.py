@@ -81,6 +81,8 @@ _INPLACE_DUNDERS = frozenset({
     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
     "__setitem__"})
 
+_PROFILER = frozenset({"_record_function_enter", "_record_function_enter_new",
+                       "_record_function_exit"})
 _KINDS: dict[Any, str] = {}
 
 
@@ -115,6 +117,8 @@ def _classify(func: Any) -> str:
     short = state_name(func)
     if short in UNSUPPORTED:
         return short
+    if short in _PROFILER:  # profiling annotations (an optimizer step opens one)
+        return "meta"
     if short == "_set_grad_enabled":
         return "grad_mode"
     if short in _READS:

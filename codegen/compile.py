@@ -30,7 +30,12 @@ from typing import Any
 import torch
 from fxlite.codegen.capture import format_site, record, recording_thread
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
-from fxlite.codegen.pipeline import compile_segment
+from fxlite.codegen.pipeline import (
+    ambient_restored,
+    compile_segment,
+    expand_kernels,
+    set_ambient,
+)
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
@@ -85,6 +90,9 @@ class CompiledFunction:
         self._lock = threading.RLock()
         self._last: list[Segment] = []
         self._alias = False  # keys hold storage sharing once a recording writes tensors
+        # tensors whose .grad a recording read: whether each is None is part of the key
+        # (optimizer.zero_grad() only clears gradients that exist)
+        self._grad_watch: list[torch.Tensor] = []
         self._graphs: Any = None  # GraphReplays, for mode="reduce-overhead" on CUDA
         if mode == "reduce-overhead" and backend == "triton" and torch.cuda.is_available():
             from fxlite.codegen.cudagraphs import GraphReplays
@@ -113,14 +121,14 @@ class CompiledFunction:
         if fast is not None and not kwargs:  # laid out as seen before: launch directly
             from fxlite.codegen.triton_launch import fast_key
 
-            fkey = (fast_key(args), ambient_key(), self._guard.key())
+            fkey = (fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
             if found is not None:
                 self._last = [found[1]]
                 return found[1].result(found[0](*args))
         graphs = self._graphs
         if graphs is not None and not kwargs:  # a CUDA graph captured for these very inputs
-            replay_key = graphs.key(args, (ambient_key(), self._guard.key()))
+            replay_key = graphs.key(args, (ambient_key(), self._state_key()))
             found = graphs.replay(replay_key)
             if found is not graphs.MISS:
                 self._last = [found[1]]
@@ -128,7 +136,7 @@ class CompiledFunction:
         leaves, spec = flatten_call(args, kwargs)
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         base = (spec, ambient_key(), input_key(leaves, False, self._alias),
-                self._guard.key(arg_modules))
+                self._state_key(arg_modules))
         key = base + (input_key(leaves, True),) if base in self._sized else base
         root = self._trees.get(key)
         if root is None:
@@ -169,6 +177,15 @@ class CompiledFunction:
         if seg.read is None and seg.direct:  # one segment taking the arguments as they are
             self._last = [seg]
             return seg.result(seg.run(*leaves))
+        grad = torch.is_grad_enabled()
+        try:
+            return self._walk_path(seg, leaves, args, kwargs)
+        except BaseException:
+            # eager's `with torch.no_grad():` would have restored the mode on the way out
+            torch._C._set_grad_enabled(grad)
+            raise
+
+    def _walk_path(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
         rec = seg.recording
         env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
         path = []
@@ -196,7 +213,7 @@ class CompiledFunction:
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
-                             fullgraph=self._fullgraph)
+                             fullgraph=self._fullgraph, bound=self._guard.bound_objects())
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         segments = split(rec)
@@ -205,12 +222,29 @@ class CompiledFunction:
             return result
         _link(segments)
         segments[0].direct = _plain(segments[0], leaves)
+        # A recording that writes tensors adds storage sharing to keys from now on (see
+        # _stays_eager), one that reads gradients their presence, one that reads sizes
+        # sizes: store it under its key's new form.
+        pattern = list(base[3][1])  # the gradients' presence as the call began
+        watched = {id(t) for t in self._grad_watch}
+        for t, was_none in rec.grad_reads:
+            if id(t) not in watched:
+                watched.add(id(t))
+                self._grad_watch.append(t)
+                pattern.append(was_none)
+        base = (base[0], base[1], input_key(leaves, False, self._alias),
+                (base[3][0], tuple(pattern)))
         if rec.sizes_read:
             self._sized.add(base)
-            key = base + (input_key(leaves, True),)
+        key = base + (input_key(leaves, True),) if base in self._sized else base
         self._trees[key] = segments[0]
         self._last = segments
         return result
+
+    def _state_key(self, arg_modules: tuple = ()) -> tuple:
+        """(module and closure state, which watched gradients are None)."""
+        grads = tuple(t.grad is None for t in self._grad_watch) if self._grad_watch else ()
+        return self._guard.key(arg_modules), grads
 
     def _stays_eager(self, rec: Any, base: tuple, arg_modules: tuple, key: tuple) -> bool:
         """Whether a recording cannot be replayed; if so, mark what runs eagerly instead."""
@@ -223,7 +257,7 @@ class CompiledFunction:
             self._trees[key] = _EAGER
             self._last = []
             return True
-        if self._guard.key(arg_modules) != base[3]:
+        if self._guard.key(arg_modules) != base[3][0]:
             self._all_eager = ("it changes Python state that it reads (a module attribute, "
                                "flag or parameter)")
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: "
@@ -243,7 +277,7 @@ class CompiledFunction:
         roots = self._guard.roots(leaves)
         result, rec = record(self._fn, args, kwargs, roots=roots, prefix=seg.recording,
                              upto=seg.index, values=env, read_value=value,
-                             record_rest=not (eager or over))
+                             record_rest=not (eager or over), bound=self._guard.bound_objects())
         if eager or over:
             return result
         self._recordings += 1
@@ -299,15 +333,20 @@ class CompiledFunction:
         cpu_state, devices, cuda_states = rec.rng_state
         name = _name(self._fn)
         warn = lambda reason: warn_user(f"fxlite.compile: in {name}, {reason}")
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), ambient_restored():
+            if rec.ambient is not None:  # as the path's new part began (maybe in no_grad)
+                set_ambient(rec.ambient)
             torch.set_rng_state(cpu_state)
             for d, state in zip(devices, cuda_states):
                 torch.cuda.set_rng_state(state, d)
             for seg in segments[start:]:
                 sample = []
                 for n in seg.inputs:
-                    if n in rec.pre_state:
-                        sample.append(rec.pre_state[n].clone())
+                    if n in rec.pre_state:  # a private copy of its value before the call
+                        value = rec.pre_state[n].clone()
+                        if _recorded_grad(seg, n) and value.is_floating_point():
+                            value.requires_grad_()
+                        sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
                 backend = self._backend if not rec.unknown_pre_state else "python"
@@ -320,7 +359,12 @@ class CompiledFunction:
     @property
     def kernels(self) -> list[Any]:
         """The Triton kernels of the segments the latest call ran."""
-        return [k for seg in self._last for k in (seg.compiled.kernels if seg.compiled else [])]
+        return expand_kernels([k for seg in self._last
+                               for k in (seg.compiled.kernels if seg.compiled else [])])
+
+    def _kernel_groups(self) -> list[Any]:
+        return [k for seg in self._last if seg.compiled for k in seg.compiled.kernels
+                if hasattr(k, "_variants")]
 
     @property
     def fallbacks(self) -> list[str]:
@@ -340,6 +384,7 @@ class CompiledFunction:
         shapes, with its GB/s and its share of a device-to-device copy of as many bytes.
         """
         records = [r for seg in self._last for r in (seg.compiled.records if seg.compiled else [])]
+        records += [r for k in self._kernel_groups() for r in k.records]
         text = kernel_report(records, benchmark=benchmark)
         print(text)
         return text
@@ -382,6 +427,15 @@ def _plain(seg: Segment, leaves: list[Any]) -> bool:
     """Whether ``seg`` takes exactly the call's arguments, all tensors, in order."""
     return not seg.seeds and len(seg.inputs) == len(leaves) and all(
         isinstance(x, torch.Tensor) for x in leaves) and seg.inputs == seg.recording.placeholders
+
+
+def _recorded_grad(seg: Segment, name: str) -> bool:
+    """Whether the input ``name`` of ``seg`` required grad when it was recorded."""
+    for node in seg.gm.graph.nodes:
+        if node.op == "placeholder" and node.name == name:
+            meta = node.meta.get("tensor_meta_rec")
+            return bool(meta and meta[4])
+    return False
 
 
 def _sample_env(rec: Any, leaves: list[Any]) -> dict[str, Any]:

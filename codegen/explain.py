@@ -146,7 +146,7 @@ def explain(fn: Any, *args: Any, **kwargs: Any) -> Explanation:
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
     guard = StateGuard(fn)
-    _, rec = record(fn, args, kwargs, roots=guard.roots(leaves))
+    _, rec = record(fn, args, kwargs, roots=guard.roots(leaves), bound=guard.bound_objects())
     graphs = [] if rec.unsupported else [s.gm for s in split(rec)]
     reasons = [BreakReason(f"Python reads a tensor's value ({_read_kind(rec, r.node)})",
                            *(r.site or ("?", 0, "?", "?")))
@@ -208,7 +208,9 @@ def export(fn: Any, *args: Any, **kwargs: Any) -> GraphModule:
     """
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
-    _, rec = record(fn, args, kwargs, roots=StateGuard(fn).roots(leaves), fullgraph=True)
+    guard = StateGuard(fn)
+    _, rec = record(fn, args, kwargs, roots=guard.roots(leaves), fullgraph=True,
+                    bound=guard.bound_objects())
     if rec.unsupported:
         raise TraceError(f"export: the function cannot be captured: it {rec.unsupported}")
     graph = rec.graph

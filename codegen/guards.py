@@ -163,6 +163,10 @@ class StateGuard:
         self._attrs: list[tuple[str, ...]] = []
         self._children: list[tuple[int, ...]] = []
 
+    def bound_objects(self) -> tuple[Any, ...]:
+        """What the function carries or names now (its self, closure cells, globals)."""
+        return tuple(g() for _, g in self._getters)
+
     def roots(self, leaves: list[Any]) -> list[tuple[str, torch.nn.Module]]:
         """The modules a call can reach: bound ones, then module arguments."""
         out: list[tuple[str, torch.nn.Module]] = []

@@ -30,7 +30,8 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, Opcode, map_aggregate
 
-__all__ = ["CompiledSegment", "assert_same", "compile_segment", "interpreting"]
+__all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segment",
+           "expand_kernels", "interpreting", "set_ambient"]
 
 
 def interpreting() -> bool:
@@ -50,6 +51,7 @@ class CompiledSegment:
     records: list[KernelRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     outputs: Any = None  # results of the check run: inputs for checking the next segment
+    seeded: bool = False  # dropout draws its masks in kernels (not comparable with eager)
 
 
 def direct_forward(gm: GraphModule) -> Callable[..., Any]:
@@ -88,6 +90,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
 
 def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str | None,
                   expected: list[Any] | None, warn: Callable[[str], None]) -> CompiledSegment:
+    entry = _ambient()  # a failed attempt may stop inside a no_grad region: start again here
     python = CompiledSegment(direct_forward(work), work)
     if backend == "triton" and not _wants_kernels(work, sample):
         warn("no GPU tensors and TRITON_INTERPRET is not set, so backend='triton' runs the "
@@ -102,15 +105,17 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
         reason = f"the compile pipeline failed ({type(e).__name__}: {e}); its ops run in eager"
         warn(reason)
         python.fallbacks.append(reason)
+        set_ambient(entry)
         python.outputs = _run_checked(work, sample)
         return python
     for reason in compiled.fallbacks:
         warn(reason)
-    problem = _disagreement(compiled.outputs, expected)
+    problem = None if compiled.seeded else _disagreement(compiled.outputs, expected)
     if problem is not None:
         reason = f"the compiled segment disagreed with eager ({problem}); its ops run in eager"
         warn(reason)
         python.fallbacks.append(reason)
+        set_ambient(entry)
         python.outputs = _run_checked(work, sample)
         return python
     return compiled
@@ -150,21 +155,29 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     from fxlite.passes.fuse import fuse
     from fxlite.passes.normalize import normalize
 
+    from fxlite.autodiff_batch_norm import batch_norm_train
+    from fxlite.autodiff_random import seed_dropouts
+
     fill_meta(gm)
-    kept = _keep_autograd_ops(gm)
     gm = functionalize(gm)
+    gm = batch_norm_train(gm)  # batch statistics as table ops: they fuse
+    seeded = False
+    if _needs_autograd(gm):  # training: dropout masks drawn in the kernels, from seeds
+        before = len(gm.graph.nodes)
+        gm = seed_dropouts(gm)
+        seeded = len(gm.graph.nodes) != before
     gm = decompose(normalize(gm))
     gm.graph.eliminate_dead_code()
     gm.recompile()
     propagate_meta(gm)
     fused = fuse(gm)
     check = _KernelCheck(fused, mode)
-    with _ambient_restored():
-        outputs = check.run(*sample)
+    outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)
-    fallbacks = check.fallbacks + ([_AUTOGRAD] if kept and not check.kernels else [])
-    return CompiledSegment(direct_forward(fused), fused, list(check.kernels.values()),
-                           check.records, fallbacks, outputs)
+    compiled = CompiledSegment(direct_forward(fused), fused, list(check.kernels.values()),
+                               check.records, check.fallbacks, outputs)
+    compiled.seeded = seeded  # its masks are not eager's: no comparison with eager values
+    return compiled
 
 
 def fill_meta(gm: GraphModule) -> None:
@@ -217,33 +230,43 @@ def propagate_meta(gm: GraphModule) -> None:
             node.meta["tensor_meta"] = extract_tensor_metadata(value)
 
 
-_AUTOGRAD = ("Triton kernels are inference-only and this call needs autograd, so its ops run "
-             "in eager; wrap calls in torch.no_grad() or torch.inference_mode() to use kernels")
+def _needs_autograd(gm: GraphModule) -> bool:
+    return any(n.meta.get("requires_grad") and n.meta.get("grad_enabled") for n in gm.graph.nodes)
 
 
-def _keep_autograd_ops(gm: GraphModule) -> int:
-    """Values autograd must track stay out of fused groups (the kernels are inference-only):
-    their nodes are left as recorded, undecomposed. Returns how many."""
-    kept = 0
-    for node in gm.graph.nodes:
-        meta = node.meta
-        if (meta.get("requires_grad") and meta.get("grad_enabled")) or meta.get("autocast"):
-            meta["no_fuse"] = True
-            kept += 1
-    return kept
+def expand_kernels(kernels: list[Any]) -> list[Any]:
+    """Kernels with each autograd group replaced by its forward and backward kernels
+    (backward kernels exist once a backward has run)."""
+    out: list[Any] = []
+    for k in kernels:
+        out.extend(k.kernels if hasattr(k, "_variants") else [k])
+    return out
 
 
 @contextlib.contextmanager
-def _ambient_restored() -> Iterator[None]:
-    """Grad mode and autocast as they were, whatever recorded state changes ran."""
-    from fxlite.codegen.capture_kinds import autocast_state, set_autocast
+def ambient_restored() -> Iterator[None]:
+    """Grad mode and autocast as they were, whatever recorded state changes ran.
 
-    grad, state = torch.is_grad_enabled(), autocast_state()
+    Segments pass these on to each other (a read may happen inside ``torch.no_grad()``),
+    so a whole path's check runs go inside one block, not one per segment."""
+    grad, state = _ambient()
     try:
         yield
     finally:
-        torch._C._set_grad_enabled(grad)
-        set_autocast(state)
+        set_ambient((grad, state))
+
+
+def _ambient() -> tuple:
+    from fxlite.codegen.capture_kinds import autocast_state
+
+    return torch.is_grad_enabled(), autocast_state()
+
+
+def set_ambient(state: tuple) -> None:
+    from fxlite.codegen.capture_kinds import set_autocast
+
+    torch._C._set_grad_enabled(state[0])
+    set_autocast(state[1])
 
 
 class _Replay(Interpreter):
@@ -256,8 +279,7 @@ class _Replay(Interpreter):
 
 
 def _run_checked(gm: GraphModule, sample: list[Any]) -> Any:
-    with _ambient_restored():
-        return _Replay(gm).run(*sample)
+    return _Replay(gm).run(*sample)
 
 
 class _KernelCheck(_Replay):
@@ -274,6 +296,9 @@ class _KernelCheck(_Replay):
         sub = self.fetch_attr(target)
         if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
             return sub(*args, **kwargs)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            return self._autograd_group(target, sub, args)
         from fxlite.codegen.triton import generate_kernel
 
         try:
@@ -303,6 +328,25 @@ class _KernelCheck(_Replay):
         result = got if expected is None else expected
         self.records.append(KernelRecord.of(kernel, args, result))
         return result
+
+
+    def _autograd_group(self, target: str, sub: GraphModule, args: tuple) -> Any:
+        """A group whose inputs need gradients: a Triton forward and a generated Triton
+        backward (``codegen/autograd.py``), each checked against eager on first use."""
+        from fxlite.codegen.autograd import make_autograd_group
+
+        group = make_autograd_group(sub, args, name=f"triton_{target}")
+        got = group(*args)
+        expected = sub(*args)
+        try:
+            assert_same(got, expected)
+        except AssertionError as e:
+            self.fallbacks.append(f"{target} runs in eager: its autograd kernel disagreed "
+                                  f"with eager: {e}{_site_of(sub)}")
+            return expected
+        self.fallbacks.extend(group.fallbacks)
+        self.kernels[target] = group
+        return got
 
 
 def _site_of(sub: GraphModule) -> str:

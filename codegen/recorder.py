@@ -241,6 +241,8 @@ class Recorder(TorchFunctionMode):
             self._note_mutation(node, mutated, out)
         if state_name(func) in SIZE_FANOUT:
             self.rec.sizes_read = True
+        if state_name(func) == "grad" and args:  # whether it is None steers Python (zero_grad)
+            self.rec.grad_reads.append((args[0], out is None))
         if func in DYNAMIC_SHAPE or self._dynamic.intersection(
                 n.name for n in node.all_input_nodes) or bool_index(func, args):
             self._dynamic.add(node.name)
@@ -376,26 +378,36 @@ class Recorder(TorchFunctionMode):
 
     # ------------------------------------------------------------------ opaque calls
     def call_opaque(self, target: Any, runner: Callable[..., Any], args: tuple,
-                    kwargs: dict) -> Any:
+                    kwargs: dict, touches: list[torch.Tensor] | None = None) -> Any:
         """Record ``runner(*args, **kwargs)`` as one call of ``target``, without recording
-        what happens inside it (a custom autograd Function keeps its own backward)."""
+        what happens inside it (a custom autograd Function keeps its own backward).
+
+        ``touches`` lists state the call may write besides its arguments (an optimizer's
+        parameters and moments): the call is then an effect on outside state, which
+        checks skip, and those tensors are kept as they were before it."""
         if self._at < len(self._prefix):
             return self._fast_forward(target, args, kwargs)
+        # Called from a hook, outside the mode's handler: the mode would see the
+        # recorder's own torch calls, so it looks away for the whole call.
         self._sync_state()
-        tensors = tensors_in((args, kwargs))
-        before = [t._version for t in tensors]
         self.off = True
         try:
+            tensors = tensors_in((args, kwargs))
+            if touches is not None:
+                self._snapshot(touches)
+                tensors += [t for t in touches if all(t is not u for u in tensors)]
+            before = [t._version for t in tensors]
             out = runner(*args, **kwargs)
+            node = self._node(target, args, kwargs)
+            node.meta["impure"] = True
+            node.meta["external"] = touches is not None
+            mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
+            if mutated:
+                self._note_mutation(node, mutated, out)
+            self._bind_out(out, node)
+            self.rec.steps.append(Step(target, node.name, structure(out)))
         finally:
-            self.off = False
-        node = self._node(target, args, kwargs)
-        node.meta["impure"] = True
-        mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
-        if mutated:
-            self._note_mutation(node, mutated, out)
-        self._bind_out(out, node)
-        self.rec.steps.append(Step(target, node.name, structure(out)))
+            self.off = self.rec.unsupported is not None
         return out
 
     def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
@@ -405,22 +417,22 @@ class Recorder(TorchFunctionMode):
         if self._at < len(self._prefix):
             return self._fast_forward(CondOp, (pred, *operands), {})
         self._sync_state()
-        self.off = True
+        self.off = True  # called from a hook: the recorder's own torch calls stay unseen
         try:
             branches = [self.sub_record(fn, tuple(operands), {}, roots=self.rec.modules)
                         for fn in (true_fn, false_fn)]
             taken = bool(pred)
+            for _, sub in branches:
+                if sub.unsupported or sub.reads:
+                    why = sub.unsupported or "it reads a tensor's value"
+                    self.stop(f"a torch.cond branch cannot be recorded: {why}")
+                    return branches[0 if taken else 1][0]
+            op = CondOp(branches[0][1], branches[1][1], [o.detach().clone() for o in operands])
+            node = self._node(op, (pred, *operands), {})
+            self._bind_out(branches[0 if taken else 1][0], node)
+            self.rec.steps.append(Step(CondOp, node.name, structure(branches[0][0])))
         finally:
-            self.off = False
-        for _, sub in branches:
-            if sub.unsupported or sub.reads:
-                why = sub.unsupported or "it reads a tensor's value"
-                self.stop(f"a torch.cond branch cannot be recorded: {why}")
-                return branches[0 if taken else 1][0]
-        op = CondOp(branches[0][1], branches[1][1], [o.detach().clone() for o in operands])
-        node = self._node(op, (pred, *operands), {})
-        self._bind_out(branches[0 if taken else 1][0], node)
-        self.rec.steps.append(Step(CondOp, node.name, structure(branches[0][0])))
+            self.off = self.rec.unsupported is not None
         return branches[0 if taken else 1][0]
 
     # ------------------------------------------------------------------ fast-forward
@@ -441,6 +453,7 @@ class Recorder(TorchFunctionMode):
             if last:  # the prefix ends here; what follows is recorded
                 self.rec.steps = list(self._prefix)
                 self.rec.rng_state = rng_state_of(self.devices)
+                self.rec.ambient = (torch.is_grad_enabled(), autocast_state())
                 self.off = not self.record_rest
             return value
         node = self._nodes[step.node]

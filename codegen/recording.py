@@ -87,8 +87,10 @@ class Recording:
     steps: list[Step] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)
     sizes_read: bool = False
+    grad_reads: list[Any] = field(default_factory=list)  # (tensor, .grad was None) Python read
     unsupported: str | None = None
     rng_state: Any = None
+    ambient: Any = None  # grad mode and autocast where the recording (or its new part) began
     pre_state: dict[str, torch.Tensor] = field(default_factory=dict)  # externals before writes
     unknown_pre_state: bool = False  # an external changed without a snapshot: no checks
     expected: dict[str, Any] = field(default_factory=dict)  # name -> (weakref, version)

@@ -122,7 +122,7 @@ def seed_dropouts(gm: Any) -> Any:
         seed.meta["type"] = int
         with graph.inserting_before(node):
             new = graph.call_function(seeded_dropout, (x, float(p), seed, 0))
-        new.meta = dict(node.meta)
+        new.meta = {k: v for k, v in node.meta.items() if k != "impure"}  # seeded: pure
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()
