@@ -41,6 +41,7 @@ _LAZY = {
     "compile": "fxlite.codegen.compile",
     "explain": "fxlite.codegen.explain",
     "export": "fxlite.codegen.explain",
+    "set_logs": "fxlite.logs",
 }
 
 __all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",
