@@ -28,10 +28,12 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
-__all__ = ["LOGS", "enabled", "format_graph", "log_break", "log_graph", "log_kernel",
-           "set_logs", "warn_user"]
+__all__ = ["LOGS", "enabled", "format_graph", "kernel_listener", "log_break", "log_graph",
+           "log_kernel", "set_logs", "warn_user"]
 
 LOGS = ("graph_code", "graph_breaks", "kernels")
 """The names of the logs, as :func:`set_logs` and ``FXLITE_LOGS`` take them."""
@@ -205,12 +207,36 @@ def log_kernel(kernel: Any) -> None:
 
         log_kernel(kernel)
     """
+    for listener in list(_kernel_listeners):
+        listener(kernel)
     if "kernels" not in _on:
         return
     kind = getattr(kernel, "kind", None)
     nodes = getattr(kernel, "nodes", None)
     what = f" ({kind}: {', '.join(map(str, nodes))})" if kind and nodes else ""
     _print(f"===== kernel {kernel.name}{what} =====\n{str(kernel.source).rstrip()}")
+
+
+_kernel_listeners: list[Callable[[Any], None]] = []
+
+
+@contextmanager
+def kernel_listener(callback: Callable[[Any], None]) -> Iterator[None]:
+    """Call ``callback(kernel)`` for each kernel logged while the block runs, logs on or off.
+
+    The ``fxlite`` command's progress bar counts kernels this way.
+
+    Example::
+
+        made = []
+        with kernel_listener(made.append):
+            compiled(x)
+    """
+    _kernel_listeners.append(callback)
+    try:
+        yield
+    finally:
+        _kernel_listeners.remove(callback)
 
 
 # ---------------------------------------------------------------------- warnings

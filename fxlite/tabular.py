@@ -118,12 +118,28 @@ def tabular(graph: Graph, tablefmt: str = "simple", width: int | None = None) ->
     """
     headers, rows = graph_rows(graph, qualified=width is not None)
     if width is not None:
-        return fit_table(headers, rows, width, keep=("opcode", "name", "target", "shape"))
+        return _narrow_graph_table(headers, rows, width)
     if tablefmt == "simple":
         text = _simple_table(headers, rows)
         if text is not None:
             return text
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _narrow_graph_table(headers: list[str], rows: list[list[str]], width: int) -> str:
+    """The command's graph table: shapes as ``2x4x8``, one dtype note when all agree."""
+    note = ""
+    if "shape" in headers:
+        i = headers.index("shape")
+        for row in rows:
+            row[i] = row[i].replace(", ", "x").replace(",)", ")").strip("()") \
+                if row[i].startswith("(") and "(" not in row[i][1:] else row[i]
+        dtypes = {row[i + 1] for row in rows} - {""}
+        if len(dtypes) == 1 and all("(" not in d for d in dtypes):
+            note = f"\n(every tensor is {dtypes.pop()})"
+            headers = headers[:-1]
+            rows = [row[:-1] for row in rows]
+    return fit_table(headers, rows, width, keep=("opcode", "name", "target", "shape")) + note
 
 
 def _simple_table(headers: list[str], rows: list[list[str]]) -> str | None:

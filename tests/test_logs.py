@@ -162,3 +162,13 @@ def test_warn_user_points_at_the_users_line():
     src = inspect.getsource(test_warn_user_points_at_the_users_line).splitlines()
     first = test_warn_user_points_at_the_users_line.__code__.co_firstlineno
     assert src[w.lineno - first].strip().startswith("gm(1)")
+
+
+def test_kernel_listener_sees_kernels_with_the_log_off(capsys):
+    seen = []
+    kernel = SimpleNamespace(name="k", source="src")
+    with logs.kernel_listener(seen.append):
+        logs.log_kernel(kernel)
+    logs.log_kernel(kernel)  # after the block: no longer called
+    assert seen == [kernel]
+    assert capsys.readouterr() == ("", "")
