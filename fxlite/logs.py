@@ -18,8 +18,7 @@ that line produced::
         return add
 
 The compiler calls :func:`log_graph`, :func:`log_break` and :func:`log_kernel`; each
-returns at once when its log is off. :func:`warn_user` issues a warning that points at
-the user's line instead of the library's.
+returns at once when its log is off.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 __all__ = ["LOGS", "enabled", "format_graph", "kernel_listener", "log_break", "log_graph",
-           "log_kernel", "set_logs", "warn_user"]
+           "log_kernel", "set_logs"]
 
 LOGS = ("graph_code", "graph_breaks", "kernels")
 """The names of the logs, as :func:`set_logs` and ``FXLITE_LOGS`` take them."""
@@ -237,59 +236,6 @@ def kernel_listener(callback: Callable[[Any], None]) -> Iterator[None]:
         yield
     finally:
         _kernel_listeners.remove(callback)
-
-
-# ---------------------------------------------------------------------- warnings
-_PACKAGE_DIRS: tuple[str, ...] = ()
-
-
-def _library_dirs() -> tuple[str, ...]:
-    """The folders of fxlite, fxlite.passes, fxlite.codegen and torch, each ending in a slash."""
-    global _PACKAGE_DIRS
-    if not _PACKAGE_DIRS:
-        import importlib.util
-
-        import torch
-
-        dirs = {os.path.dirname(os.path.abspath(torch.__file__))}
-        for name in ("fxlite", "fxlite.passes", "fxlite.codegen"):
-            spec = importlib.util.find_spec(name)  # finds the folder without importing it
-            if spec is not None and spec.origin:
-                dirs.add(os.path.dirname(os.path.abspath(spec.origin)))
-        _PACKAGE_DIRS = tuple(d + os.sep for d in dirs)
-    return _PACKAGE_DIRS
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel, for a ``warnings.warn`` in the caller, of the first user frame."""
-    lib = _library_dirs()
-    level, frame = 1, sys._getframe(2)  # the caller of warn_user is level 1
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(lib) or name.startswith("<fxlite")):
-            return level
-        level += 1
-        frame = frame.f_back
-    return 1
-
-
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` that names the user's file and line, not the library's.
-
-    It skips every frame inside fxlite (``fxlite``, ``fxlite.passes``, ``fxlite.codegen``
-    and generated forwards) and torch (``nn.Module.__call__``), so the warning points at
-    the first line of user code that led to it, however deep inside fxlite it was raised.
-
-    Args:
-        message: the warning text; say the fix where there is one.
-        category: the warning class.
-
-    Example::
-
-        warn_user("fxlite.compile: this call needs autograd, so it runs the Python forward; "
-                  "wrap it in torch.no_grad() to use kernels")
-    """
-    warnings.warn(message, category, stacklevel=_user_stacklevel() + 1)
 
 
 if os.environ.get("FXLITE_LOGS"):

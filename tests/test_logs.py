@@ -1,12 +1,10 @@
-"""fxlite.logs: graph code under the user's source lines, graph breaks, kernels, FXLITE_LOGS,
-and warnings that point at the user's line."""
+"""fxlite.logs: graph code under the user's source lines, graph breaks, kernels, FXLITE_LOGS."""
 
 import io
 import operator
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,31 +135,6 @@ def test_fxlite_logs_is_read_when_fxlite_logs_is_imported():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['kernels']"
-
-
-def _library_function_that_warns():
-    # Stands for code deep inside fxlite: its frames live in fxlite's folders.
-    from fxlite.graph import Graph
-
-    g = Graph()
-    x = g.placeholder("x")
-    g.output(g.call_function(logs.warn_user, ("careful",)))
-    del x
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
-def test_warn_user_points_at_the_users_line():
-    gm = _library_function_that_warns()  # generated forward -> warn_user: library frames
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gm(1)  # this line is the one the warning must name
-    (w,) = caught
-    assert str(w.message) == "careful"
-    assert w.filename == __file__
-    import inspect
-    src = inspect.getsource(test_warn_user_points_at_the_users_line).splitlines()
-    first = test_warn_user_points_at_the_users_line.__code__.co_firstlineno
-    assert src[w.lineno - first].strip().startswith("gm(1)")
 
 
 def test_kernel_listener_sees_kernels_with_the_log_off(capsys):
