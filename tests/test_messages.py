@@ -34,3 +34,19 @@ def test_symbolic_trace_of_a_non_callable_says_so_briefly(value, shown):
     frames = traceback.extract_tb(info.value.__traceback__)
     assert len(frames) <= 4
     assert not any("inspect" in f.filename for f in frames)
+
+
+def test_subpackages_are_attributes_of_fxlite():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import fxlite as fx; print(fx.passes.diff.__module__, fx.logs.__name__, "
+            "fx.rewrite.explain_no_match.__name__)")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": ""}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["fxlite.passes.diff", "fxlite.logs", "explain_no_match"]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fx.nope  # noqa: B018
