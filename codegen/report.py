@@ -95,6 +95,9 @@ class KernelReport(str):
         self.headers, self.rows, self.sources = headers, rows, sources
         return self
 
+    def __repr__(self) -> str:  # the table, not a quoted string, at a prompt
+        return str.__str__(self)
+
     def _repr_html_(self) -> str:
         import html
 
