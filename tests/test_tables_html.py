@@ -40,11 +40,17 @@ def test_graph_table_fits_the_width_and_shows_no_object_reprs():
         text = tabular(gm.graph, width=width)
         lines = text.splitlines()
         assert max(map(len, lines)) <= width
-        assert lines[0].split() == ["opcode", "name", "target", "args", "kwargs", "shape", "dtype"]
-        assert len(lines) == 2 + len(gm.graph.nodes)
+        # One dtype everywhere: said once under the table instead of in a column.
+        assert lines[0].split() == ["opcode", "name", "target", "args", "kwargs", "shape"]
+        assert len(lines) == 2 + len(gm.graph.nodes) + 1 and lines[-1] == "(every tensor is float32)"
         assert " at 0x" not in text and "<built-in" not in text
-    rows = {line.split()[1]: line for line in tabular(gm.graph, width=100).splitlines()[2:]}
-    assert "torch.softmax" in rows["softmax"] and "(2, 4, 4)" in rows["softmax"]
+    rows = {line.split()[1]: line for line in tabular(gm.graph, width=100).splitlines()[2:-1]}
+    assert rows["softmax"].split()[2] == "torch.softmax" and rows["softmax"].endswith(" 2x4x4")
+    # Mixed dtypes keep the column.
+    gm2 = fx.symbolic_trace(lambda x: (x * 2).to(torch.float64))
+    ShapeProp(gm2).propagate(torch.randn(3))
+    mixed = tabular(gm2.graph, width=100).splitlines()
+    assert mixed[0].split()[-2:] == ["shape", "dtype"] and mixed[-1].endswith("float64")
     # print_tabular keeps torch.fx's format (str(target)), whatever its width.
     assert "<built-in method softmax" in tabular(gm.graph)
 
