@@ -5,6 +5,7 @@ Subcommands::
     fxlite demo                          trace, rewrite and compile the bundled example
     fxlite show PKG.MODULE:OBJ [--input 2x16[:dtype]] [--code] [--shapes] [--svg out.svg]
     fxlite compile PKG.MODULE:OBJ --input 2x16[:dtype] [--device cuda|cpu] [--bench]
+    fxlite explain PKG.MODULE:OBJ --input 2x16[:dtype]
     fxlite --version
 
 ``OBJ`` is an ``nn.Module`` class (built with no arguments), a factory function that
@@ -116,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where to run (default: cuda when there is a GPU, else cpu)")
     comp.add_argument("--bench", action="store_true",
                       help="time eager, fxlite and torch.compile side by side")
+    expl = sub.add_parser(
+        "explain", formatter_class=_formatter, parents=[common],
+        help="show where a model splits into graphs, and why (fxlite.explain)",
+        description="Run PKG.MODULE:OBJ once on random inputs under fxlite's recorder and "
+                    "report the graphs it splits into, each graph break with its file, line "
+                    "and source, the ops of each graph, and what later calls are guarded on.")
+    _add_target(expl, inputs_required=True)
     parser._subparsers_by_name = dict(sub.choices)  # type: ignore[attr-defined]
     return parser
 
@@ -152,9 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(seed=args.seed, compile=not args.no_compile)
-        from .cli_commands import run_compile, run_show
+        from .cli_commands import run_compile, run_explain, run_show
 
-        return run_show(args) if args.command == "show" else run_compile(args)
+        run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
+        return run(args)
     except UsageError as e:
         print(f"fxlite {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,8 @@ import torch
 from .cli_load import UsageError, check_arity, check_device, load_target, make_inputs
 from .progress import Progress
 
-__all__ = ["WIDTH", "bench", "run_compile", "run_show", "say", "use_interpreter", "wrap_code"]
+__all__ = ["WIDTH", "bench", "run_compile", "run_explain", "run_show", "say", "use_interpreter",
+           "wrap_code"]
 
 WIDTH = 100
 """The most columns a line of the command's output takes."""
@@ -218,6 +219,20 @@ def run_compile(args: argparse.Namespace) -> int:
         say()
         bench(target.obj, compiled, inputs, device, interpreting)
     return 0 if ok else 1
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """``fxlite explain``: the graphs a call splits into, each break and why, the guards."""
+    target = load_target(args.target).with_arity(len(args.input or []))
+    check_arity(target, args.input or [])
+    inputs = make_inputs(args.input or [], "cpu", args.seed)
+    import fxlite as fx
+
+    with torch.no_grad():
+        report = fx.explain(target.obj, *inputs)
+    say(f"{target.spec} on input(s) {', '.join(args.input)}")
+    say(str(report))
+    return 0
 
 
 def _same(got: Any, want: Any) -> bool:

@@ -128,11 +128,11 @@ def test_version():
 def test_no_subcommand_prints_help_and_fails(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out
-    assert all(cmd in out for cmd in ("demo", "show", "compile"))
+    assert all(cmd in out for cmd in ("demo", "show", "compile", "explain"))
 
 
 def test_help_of_every_subcommand_fits():
-    for cmd in ("demo", "show", "compile"):
+    for cmd in ("demo", "show", "compile", "explain"):
         proc = fxlite_cmd(cmd, "--help", COLUMNS="200")
         assert proc.returncode == 0
         _assert_fits(proc.stdout)
@@ -229,6 +229,24 @@ def test_compile_bench_times_eager_fxlite_and_torch_compile():
     assert "bench  [" in proc.stderr and "3/3" in proc.stderr
 
 
+# ---------------------------------------------------------------------- explain
+def test_explain_names_each_graph_break_with_its_line(tmp_path):
+    (tmp_path / "branchy.py").write_text(
+        "import torch\n"
+        "def f(a, b):\n"
+        "    x = a / (torch.abs(a) + 1)\n"
+        "    if b.sum() < 0:\n"
+        "        b = b * -1\n"
+        "    return x * b\n")
+    proc = fxlite_cmd("explain", "branchy:f", "--input", "10", "--input", "10", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    _assert_fits(out)
+    assert "graphs: 2, graph breaks: 1" in out
+    assert re.search(r'File ".*branchy.py", line 4, in f\n\s+if b.sum\(\) < 0:', out)
+    assert "torch.abs" in out and "guards:" in out
+
+
 # ---------------------------------------------------------------------- bad arguments
 BAD = {
     "unknown module": (["show", "nosuch_pkg.models:Net"], "no module named 'nosuch_pkg'"),
@@ -250,6 +268,8 @@ BAD = {
     "bad --svg name": (["show", "fxlite.examples:ExampleBlock", "--svg", "g.txt"],
                        "use a .svg, .png, .pdf or .dot file name"),
     "unknown subcommand": (["explode"], "invalid choice: 'explode'"),
+    "explain without --input": (["explain", "fxlite.examples:ExampleBlock"],
+                                "the following arguments are required: --input"),
 }
 if not torch.cuda.is_available():
     BAD["missing GPU"] = (["compile", "fxlite.examples:ExampleBlock", "--input", "2x4x8",
