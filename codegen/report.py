@@ -1,4 +1,4 @@
-"""The kernel table behind ``CompiledFunction.report()``."""
+"""The kernel table behind ``CompiledFunction.report()``: text within 100 columns, HTML in Jupyter."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
-__all__ = ["KernelRecord", "kernel_report"]
+from fxlite.html import table_html, wrap_html
+from fxlite.tabular import fit_table
+
+__all__ = ["KernelRecord", "KernelReport", "kernel_report"]
+
+REPORT_WIDTH = 100
+"""The text report fits this many columns; long cells (fused ops, shapes) wrap."""
+_WRAPPED = ("fused ops", "inputs", "outputs")
+_KEPT = ("kernel", "kind", "bytes moved", "ms", "GB/s", "% of copy")
 
 
 @dataclass
@@ -48,6 +55,11 @@ class KernelRecord:
         return made
 
 
+def _shape(shape: Sequence[int]) -> str:
+    """``2x4x8`` for a shape, ``()`` for a 0-d tensor."""
+    return "x".join(map(str, shape)) if len(shape) else "()"
+
+
 def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
     if device.type == "cuda":
         import triton.testing
@@ -61,17 +73,55 @@ def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> str:
+class KernelReport(str):
+    """The report's text (a ``str``), which renders as an HTML table in Jupyter.
+
+    Attributes:
+        headers: the column names.
+        rows: one list of cells per kernel.
+        sources: each kernel's name and generated source, shown folded under the table.
+    """
+
+    headers: list[str]
+    rows: list[list[str]]
+    sources: list[tuple[str, str]]
+
+    def __new__(cls, headers: list[str], rows: list[list[str]],
+                sources: list[tuple[str, str]]) -> KernelReport:
+        text = fit_table(headers, rows, REPORT_WIDTH, wrap=_WRAPPED,
+                                                 keep=_KEPT) if rows else \
+            "no kernels (nothing was compiled, or everything runs in eager PyTorch)"
+        self = super().__new__(cls, text)
+        self.headers, self.rows, self.sources = headers, rows, sources
+        return self
+
+    def __repr__(self) -> str:  # the table, not a quoted string, at a prompt
+        return str.__str__(self)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        body = table_html(self.headers, self.rows, f"{len(self.rows)} kernel(s)")
+        for name, source in self.sources:
+            body += (f"<details><summary>{html.escape(name)} source</summary>"
+                     f"<pre>{html.escape(source)}</pre></details>")
+        return wrap_html(body)
+
+
+def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> KernelReport:
     """A table: kernel, kind, fused ops, shapes and bytes moved; with ``benchmark``, also
-    the time per launch, GB/s and % of a device-to-device copy of as many bytes."""
-    headers = ["kernel", "kind", "fused ops", "input shapes", "output shapes", "bytes moved"]
+    the time per launch, GB/s and % of a device-to-device copy of as many bytes.
+
+    The text fits :data:`REPORT_WIDTH` columns (long cells wrap); in Jupyter the result
+    renders as an HTML table with each kernel's source folded below it."""
+    headers = ["kernel", "kind", "fused ops", "inputs", "outputs", "bytes moved"]
     if benchmark:
         headers += ["ms", "GB/s", "% of copy"]
     rows = []
     for r in records:
         row = [r.kernel.name, r.kernel.kind, ", ".join(r.kernel.nodes),
-               " ".join(str(list(s[0])) for s in r.inputs if isinstance(s, tuple)),
-               " ".join(str(list(s)) for s, _ in r.outputs), f"{r.bytes_moved:,}"]
+               ", ".join(_shape(s[0]) for s in r.inputs if isinstance(s, tuple)),
+               ", ".join(_shape(s) for s, _ in r.outputs), f"{r.bytes_moved:,}"]
         if benchmark:
             args = r.fresh_inputs()
             device = next(s[3] for s in r.inputs if isinstance(s, tuple))
@@ -83,4 +133,5 @@ def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> s
             gbs = r.bytes_moved / ms / 1e6
             row += [f"{ms:.4f}", f"{gbs:.0f}", f"{100 * copy_ms / ms:.1f}%"]
         rows.append(row)
-    return tabulate(rows, headers=headers, disable_numparse=True)
+    sources = [(r.kernel.name, str(getattr(r.kernel, "source", ""))) for r in records]
+    return KernelReport(headers, rows, sources)

@@ -41,13 +41,20 @@ _LAZY = {
     "compile": "fxlite.codegen.compile",
     "explain": "fxlite.codegen.explain",
     "export": "fxlite.codegen.explain",
+    "set_logs": "fxlite.logs",
 }
 
 __all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",
            "symbolic_trace", "wrap", *_LAZY]
 
 
+# Subpackages reachable as attributes (`fx.passes.diff`) without an import of their own.
+_SUBMODULES = ("passes", "codegen", "rewrite", "interpreter", "logs", "examples")
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fxlite.{name}")
     raise AttributeError(f"module 'fxlite' has no attribute {name!r}")

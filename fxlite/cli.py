@@ -2,100 +2,67 @@
 
 Subcommands::
 
-    fxlite demo     trace the bundled example block, print its table and code,
-                    rewrite relu to gelu, and check both graphs against eager PyTorch
+    fxlite demo                          trace, rewrite and compile the bundled example
+    fxlite show PKG.MODULE:OBJ [--input 2x16[:dtype]] [--code] [--shapes] [--svg out.svg]
+    fxlite compile PKG.MODULE:OBJ --input 2x16[:dtype] [--device cuda|cpu] [--bench]
+    fxlite explain PKG.MODULE:OBJ --input 2x16[:dtype]
+    fxlite --version
+
+``OBJ`` is an ``nn.Module`` class (built with no arguments), a factory function that
+takes none, or a function. A bad argument (an unknown module, a bad shape, an object
+that is not a module or function, ``--device cuda`` without a GPU) prints one line and
+exits with status 2; everything printed fits in 100 columns.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import shutil
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import NoReturn
 
-import torch
-import torch.nn.functional as F
+from .cli_load import UsageError
 
-if TYPE_CHECKING:
-    from .graph import Graph
-
-__all__ = ["build_parser", "main", "run_demo"]
-
-# Every spelling of relu that a traced graph may hold; the demo turns each into gelu.
-_RELU_FUNCTIONS = (torch.relu, F.relu)
+__all__ = ["build_parser", "main"]
 
 
-def _relu_to_gelu(graph: Graph) -> int:
-    """Point every relu node of ``graph`` at ``F.gelu``; return how many were changed."""
-    changed = 0
-    for node in graph.nodes:  # iterating while erasing is safe
-        is_relu = ((node.op == "call_function" and node.target in _RELU_FUNCTIONS)
-                   or (node.op == "call_method" and node.target == "relu"))
-        if not is_relu:
-            continue
-        # Put a gelu node in front of the relu, move the relu's users to it, drop the relu.
-        # (`inplace`, which F.relu takes and gelu does not, is left behind.)
-        with graph.inserting_before(node):
-            gelu = graph.call_function(F.gelu, node.args[:1])
-        node.replace_all_uses_with(gelu)
-        graph.erase_node(node)
-        changed += 1
-    return changed
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def run_demo(seed: int = 0, out: TextIO | None = None) -> int:
-    """Trace the bundled example, print its table and code, rewrite relu to gelu, and check.
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.HelpFormatter(prog, width=min(100, shutil.get_terminal_size().columns))
 
-    Args:
-        seed: seeds the example's weights and its random input.
-        out: where to print; ``sys.stdout`` by default.
 
-    Returns:
-        0 if the traced and rewritten modules both match their eager references, else 1.
+def _version() -> str:
+    import platform
 
-    Example::
+    import torch
 
-        >>> run_demo()  # doctest: +SKIP
-        0
-    """
-    import fxlite as fx
-    from fxlite.examples import example_input, make_example
+    import fxlite
 
-    out = out if out is not None else sys.stdout
-    model = make_example(seed=seed)
-    x = example_input(seed=seed)
+    try:
+        import triton
 
-    gm = fx.symbolic_trace(model)
-    print(f"== traced {type(model).__name__}: {len(gm.graph.nodes)} nodes ==", file=out)
-    with contextlib.redirect_stdout(out):  # print_tabular writes to stdout
-        gm.graph.print_tabular()
-    print("\n== generated code ==", file=out)
-    print(gm.code.strip("\n"), file=out)
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return (f"fxlite {fxlite.__version__} (torch {torch.__version__}, triton {triton_version}, "
+            f"Python {platform.python_version()})")
 
-    rewritten = fx.symbolic_trace(model)
-    changed = _relu_to_gelu(rewritten.graph)
-    rewritten.graph.lint()
-    rewritten.recompile()
-    print(f"\n== after rewriting relu -> gelu ({changed} node(s) changed) ==", file=out)
-    print(rewritten.code.strip("\n"), file=out)
 
-    with torch.no_grad():
-        eager = model(x)
-        traced = gm(x)
-        edited = rewritten(x)
-        reference = make_example(seed=seed, act="gelu")(x)
-    traced_ok = torch.allclose(traced, eager)
-    edited_ok = torch.allclose(edited, reference)
-    print("\n== check on a random input ==", file=out)
-    print(f"input shape:                          {tuple(x.shape)}", file=out)
-    print(f"output shapes (traced, rewritten):    {tuple(traced.shape)}, {tuple(edited.shape)}",
-          file=out)
-    print(f"traced == eager relu block:           {traced_ok}", file=out)
-    print(f"rewritten == eager gelu block:        {edited_ok}", file=out)
-    print(f"max |rewritten - traced| (relu/gelu): {(edited - traced).abs().max().item():.4f}",
-          file=out)
-    return 0 if traced_ok and edited_ok else 1
+def _add_target(p: argparse.ArgumentParser, inputs_required: bool) -> None:
+    p.add_argument("target", metavar="PKG.MODULE:OBJ",
+                   help="what to trace: an nn.Module class (built with no arguments), a factory "
+                        "function, or a function, e.g. fxlite.examples:ExampleBlock")
+    p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
+                   required=inputs_required,
+                   help="a random input, e.g. 2x16 or 4x8:float16 (once per input, in order)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the random inputs (default: 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,15 +76,55 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["demo"]).command
         'demo'
     """
-    parser = argparse.ArgumentParser(
-        prog="fxlite", description="Symbolic tracing and graph rewriting for PyTorch programs.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="fxlite", formatter_class=_formatter,
+                     description="Trace, rewrite and compile PyTorch programs.")
+    parser.add_argument("--version", action="store_true", help="print the versions and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true",
+                        help="on an error, show Python's full traceback")
+
     demo = sub.add_parser(
-        "demo", help="trace the bundled example model, print its table and code, rewrite it",
+        "demo", formatter_class=_formatter, parents=[common],
+        help="trace, rewrite and compile the bundled example block",
         description="Trace the bundled example block, print its table and generated code, "
-                    "rewrite relu to gelu, and check both graphs against eager PyTorch.")
+                    "rewrite relu to gelu (with a diff), compile it (on the CPU through "
+                    "Triton's interpreter), and check each step against eager PyTorch.")
     demo.add_argument("--seed", type=int, default=0,
                       help="seed for the example's weights and input (default: 0)")
+    demo.add_argument("--no-compile", action="store_true", help="skip the compile step")
+
+    show = sub.add_parser(
+        "show", formatter_class=_formatter, parents=[common], help="trace a model and print its graph",
+        description="Trace PKG.MODULE:OBJ and print its graph as a table; with --input, run "
+                    "ShapeProp so the table has shapes and dtypes.")
+    _add_target(show, inputs_required=False)
+    show.add_argument("--code", action="store_true", help="print the generated forward()")
+    show.add_argument("--shapes", action="store_true",
+                      help="print the shape and dtype of each input and output (needs --input)")
+    show.add_argument("--svg", metavar="FILE",
+                      help="draw the graph to FILE (.svg, .png, .pdf with Graphviz; .dot without)")
+
+    comp = sub.add_parser(
+        "compile", formatter_class=_formatter, parents=[common],
+        help="compile a model with fxlite.compile and print its kernels",
+        description="Compile PKG.MODULE:OBJ with fxlite.compile, run it on random inputs, "
+                    "check it against eager PyTorch, and print the kernel report and the "
+                    "fallbacks. Without a GPU, kernels run through Triton's interpreter: use "
+                    "tiny inputs.")
+    _add_target(comp, inputs_required=True)
+    comp.add_argument("--device", choices=["cuda", "cpu"],
+                      help="where to run (default: cuda when there is a GPU, else cpu)")
+    comp.add_argument("--bench", action="store_true",
+                      help="time eager, fxlite and torch.compile side by side")
+    expl = sub.add_parser(
+        "explain", formatter_class=_formatter, parents=[common],
+        help="show where a model splits into graphs, and why (fxlite.explain)",
+        description="Run PKG.MODULE:OBJ once on random inputs under fxlite's recorder and "
+                    "report the graphs it splits into, each graph break with its file, line "
+                    "and source, the ops of each graph, and what later calls are guarded on.")
+    _add_target(expl, inputs_required=True)
+    parser._subparsers_by_name = dict(sub.choices)  # type: ignore[attr-defined]
     return parser
 
 
@@ -128,19 +135,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name.
 
     Returns:
-        The exit status: 0 on success.
+        The exit status: 0 on success, 1 when a check against eager failed or the model
+        cannot be traced, 2 for a bad argument.
 
     Example::
 
-        >>> main(["demo"])  # doctest: +SKIP
+        >>> main(["--version"])  # doctest: +SKIP
         0
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return run_demo(seed=args.seed)
-    parser.print_help()
-    return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose arguments were wrong, not the top level
+        owner = parser._subparsers_by_name.get(args.command, parser)  # type: ignore[attr-defined]
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.version:
+        print(_version())
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(seed=args.seed, compile=not args.no_compile)
+        from .cli_commands import run_compile, run_explain, run_show
+
+        run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
+        return run(args)
+    except UsageError as e:
+        print(f"fxlite {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fxlite {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `fxlite demo | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:  # the user's code failed (or fxlite did): say so briefly
+        if args.traceback:
+            raise
+        from .proxy import TraceError
+
+        if isinstance(e, TraceError):  # it names the user's file, line and code, and a fix
+            print(f"fxlite {args.command}: cannot trace {args.target}: {e}", file=sys.stderr)
+        else:
+            first = (str(e).splitlines() or [""])[0]
+            print(f"fxlite {args.command}: {type(e).__name__}: {first}\n(add --traceback to "
+                  f"see where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

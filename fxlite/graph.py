@@ -395,9 +395,9 @@ class Graph:
         print(tabular(self))
 
     def _repr_html_(self) -> str:
-        from .tabular import tabular
+        from .html import graph_html  # a table, and a drawing when Graphviz is installed
 
-        return tabular(self, tablefmt="html")
+        return graph_html(self)
 
     def python_code(self, root_module: str = "self") -> Any:
         """Generate the source of ``forward`` for this graph (see ``fxlite.codegen.python``)."""

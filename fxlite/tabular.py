@@ -1,7 +1,15 @@
-"""The table behind ``Graph.print_tabular`` and the Jupyter HTML view."""
+"""Tables of graphs and reports: ``Graph.print_tabular``, the ``fxlite`` command, Jupyter.
+
+``print_tabular`` keeps torch.fx's format (targets as ``str(target)``). The command and the
+HTML views print targets by qualified name (``torch.softmax``, not ``<built-in method
+softmax ...>``) and fit a width: :func:`fit_table` cuts or wraps the widest columns.
+"""
 
 from __future__ import annotations
 
+import itertools
+import textwrap
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
@@ -26,25 +34,112 @@ def _meta_cell(meta: Any, field: str) -> str:
     return ""
 
 
-def tabular(graph: Graph, tablefmt: str = "simple") -> str:
-    """Render ``graph`` as a table in the torch.fx ``print_tabular`` format.
+_QUALIFIED: dict[int, str] = {}
 
-    Shape and dtype columns are added when any node carries ``meta['tensor_meta']``.
+
+def _namespaces() -> dict[int, str]:
+    """id(object) -> qualified name, for the public functions of torch and the stdlib."""
+    if not _QUALIFIED:
+        import builtins
+        import math
+        import operator
+
+        import torch
+        import torch.nn.functional as F
+
+        spaces = [("builtins", builtins), ("math", math), ("operator", operator),
+                  ("torch.special", torch.special), ("torch.linalg", torch.linalg),
+                  ("torch.fft", torch.fft), ("torch.Tensor", torch.Tensor),
+                  ("torch.nn.functional", F), ("torch", torch)]
+        for prefix, space in spaces:  # later ones win: torch.relu over torch.special...
+            for attr in dir(space):
+                if attr.startswith("__"):
+                    continue
+                obj = getattr(space, attr, None)
+                if callable(obj) and not isinstance(obj, type):
+                    _QUALIFIED[id(obj)] = f"{prefix}.{attr}"
+    return _QUALIFIED
+
+
+def qualified_name(target: Any) -> str:
+    """How a node's target prints in tables: ``torch.softmax``, ``operator.add``, ``relu``.
+
+    Functions of torch, ``torch.nn.functional``, ``torch.Tensor``, ``operator``, ``math``
+    and ``builtins`` print by the name users write; other functions by module and
+    qualified name; strings (module paths, method names) as they are.
+
+    Example::
+
+        >>> qualified_name(torch.softmax), qualified_name(torch.nn.functional.gelu)
+        ('torch.softmax', 'torch.nn.functional.gelu')
+    """
+    if isinstance(target, str):
+        return target
+    name = _namespaces().get(id(target))
+    if name is not None:
+        return name
+    from .node import _format_target
+
+    return _format_target(target)
+
+
+def graph_rows(graph: Graph, qualified: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The headers and rows of a graph table; shape and dtype when any node has tensor_meta.
+
+    Args:
+        graph: the graph.
+        qualified: print targets with :func:`qualified_name` instead of ``str(target)``.
+
+    Returns:
+        (headers, rows), every cell a string.
     """
     with_meta = any("tensor_meta" in n.meta for n in graph.nodes)
+    show = qualified_name if qualified else str
     rows = []
     for n in graph.nodes:
-        row = [str(n.op), n.name, str(n.target), str(n.args), str(n.kwargs)]
+        row = [str(n.op), n.name, show(n.target), str(n.args), str(n.kwargs)]
         if with_meta:
             tm = n.meta.get("tensor_meta")
             row += [_meta_cell(tm, "shape"), _meta_cell(tm, "dtype")]
         rows.append(row)
-    headers = _HEADERS + (["shape", "dtype"] if with_meta else [])
+    return _HEADERS + (["shape", "dtype"] if with_meta else []), rows
+
+
+def tabular(graph: Graph, tablefmt: str = "simple", width: int | None = None) -> str:
+    """Render ``graph`` as a table in the torch.fx ``print_tabular`` format.
+
+    Shape and dtype columns are added when any node carries ``meta['tensor_meta']``.
+
+    Args:
+        graph: the graph.
+        tablefmt: a tabulate format (``"simple"``, ``"html"``, ``"github"``...).
+        width: fit the table in this many columns (cutting long cells with ``...``) and
+            print targets by qualified name, as the ``fxlite`` command does.
+    """
+    headers, rows = graph_rows(graph, qualified=width is not None)
+    if width is not None:
+        return _narrow_graph_table(headers, rows, width)
     if tablefmt == "simple":
         text = _simple_table(headers, rows)
         if text is not None:
             return text
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+
+
+def _narrow_graph_table(headers: list[str], rows: list[list[str]], width: int) -> str:
+    """The command's graph table: shapes as ``2x4x8``, one dtype note when all agree."""
+    note = ""
+    if "shape" in headers:
+        i = headers.index("shape")
+        for row in rows:
+            row[i] = row[i].replace(", ", "x").replace(",)", ")").strip("()") \
+                if row[i].startswith("(") and "(" not in row[i][1:] else row[i]
+        dtypes = {row[i + 1] for row in rows} - {""}
+        if len(dtypes) == 1 and all("(" not in d for d in dtypes):
+            note = f"\n(every tensor is {dtypes.pop()})"
+            headers = headers[:-1]
+            rows = [row[:-1] for row in rows]
+    return fit_table(headers, rows, width, keep=("opcode", "name", "target", "shape")) + note
 
 
 def _simple_table(headers: list[str], rows: list[list[str]]) -> str | None:
@@ -71,4 +166,54 @@ def _simple_table(headers: list[str], rows: list[list[str]]) -> str | None:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers).rstrip(), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*row).rstrip() for row in zip(*cols)]
+    return "\n".join(lines)
+
+
+def fit_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 100,
+              wrap: Sequence[str] = (), keep: Sequence[str] = ()) -> str:
+    """A plain table (tabulate's ``simple`` look) no wider than ``width`` columns.
+
+    While it is too wide, the widest column narrows by one: first the columns not named
+    in ``keep``, down to 12 characters, then down to 8, then any column down to 8 (never
+    below a header's width). Cells of the columns named in ``wrap`` wrap onto more lines; other cells are
+    cut, ending in ``...``.
+
+    Args:
+        headers: the column names.
+        rows: the cells, as strings.
+        width: the most columns a line may take.
+        wrap: the headers of the columns whose cells wrap instead of being cut.
+        keep: the headers of the columns to narrow last.
+
+    Returns:
+        The table text, lines joined by newlines.
+
+    Example::
+
+        print(fit_table(["name", "ops"], [["k0", "add, mul, relu"]], width=40, wrap=["ops"]))
+    """
+    cells = [[" ".join(str(c).split()) if h in wrap else str(c).replace("\n", " ")
+              for h, c in zip(headers, row)] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    for floors in ([w if h in keep else max(12, len(h)) for h, w in zip(headers, widths)],
+                   [w if h in keep else max(8, len(h)) for h, w in zip(headers, widths)],
+                   [max(8, len(h)) for h in headers]):
+        while sum(widths) + 2 * (len(widths) - 1) > width:
+            i = max(range(len(widths)), key=lambda j: widths[j] - floors[j])
+            if widths[i] <= floors[i]:
+                break  # nothing left to narrow at this stage
+            widths[i] -= 1
+
+    def cut(text: str, w: int) -> list[str]:
+        if len(text) <= w:
+            return [text]
+        return [text[: w - 3] + "..."]
+
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    for row in cells:
+        parts = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] if h in wrap else cut(c, w)
+                 for h, c, w in zip(headers, row, widths)]
+        for line in itertools.zip_longest(*parts, fillvalue=""):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
     return "\n".join(lines)

@@ -208,6 +208,7 @@ class Tracer(TracerBase):
             concrete_args: argument values to fix during tracing; their control flow is
                 resolved with these values, and the argument keeps them as defaults.
         """
+        _check_traceable(root)
         if isinstance(root, torch.nn.Module):
             self.root, fn, bound = root, type(root).forward, (root,)
         else:
@@ -326,6 +327,25 @@ def _varargs_as_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _DEFAULT_CREATE_ARG.add(Tracer.create_arg)
+
+
+def _check_traceable(root: Any) -> None:
+    """Say exactly what is wrong with a root that is neither a module instance nor a function."""
+    if isinstance(root, type):
+        name = root.__qualname__
+        if issubclass(root, torch.nn.Module):
+            raise TypeError(f"symbolic_trace got the module class {name}, not an instance: "
+                            f"build it first, e.g. symbolic_trace({name}(...))")
+        raise TypeError(f"symbolic_trace got the class {name}; it traces an nn.Module "
+                        f"instance or a function")
+    if not callable(root):
+        raise TypeError(f"symbolic_trace expects an nn.Module or a function, not "
+                        f"{type(root).__name__} ({_short_repr(root)})")
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def symbolic_trace(root: torch.nn.Module | Callable[..., Any],

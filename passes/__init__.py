@@ -10,6 +10,7 @@ Typical compiler pipeline::
 
 from .cse import cse
 from .decompose import DECOMPOSITIONS, decompose, register_decomposition
+from .diff import GraphDiff, diff
 from .draw import draw, to_dot
 from .fold_constants import fold_constants
 from .fold_conv_bn import fold_conv_bn
@@ -22,6 +23,7 @@ from .split_module import split_module
 
 __all__ = [
     "DECOMPOSITIONS",
+    "GraphDiff",
     "NumericsError",
     "PassError",
     "PassManager",
@@ -30,6 +32,7 @@ __all__ = [
     "TensorMetadata",
     "cse",
     "decompose",
+    "diff",
     "draw",
     "extract_tensor_metadata",
     "fold_constants",

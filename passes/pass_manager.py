@@ -151,6 +151,8 @@ class PassManager:
         rtol, atol: tolerances; None uses assert_close's defaults for the dtype.
         lint: run ``graph.lint()`` after each pass (and on the input).
         verbose: print one line per pass as it finishes.
+        show_diff: print the nodes each pass added, removed or changed
+            (:func:`fxlite.passes.diff`) as it finishes.
 
     Cost: each pass runs on ``copy.deepcopy`` of the current module, so the graph and
     every parameter and buffer are copied once per pass (time linear in graph size,
@@ -173,7 +175,7 @@ class PassManager:
     def __init__(self, passes: Iterable[Pass] | None = None, *, check_numerics: bool = False,
                  example_inputs: Sequence[Any] | torch.Tensor | None = None,
                  rtol: float | None = None, atol: float | None = None, lint: bool = True,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, show_diff: bool = False) -> None:
         self.passes: list[Pass] = list(passes or [])
         for p in self.passes:
             self._check_callable(p)
@@ -188,6 +190,7 @@ class PassManager:
         self.rtol, self.atol = rtol, atol
         self.lint = lint
         self.verbose = verbose
+        self.show_diff = show_diff
         self.records: list[PassRecord] = []
         # The result of the last pass that succeeded in the last run (the input module if
         # none did): what a caller can keep after catching a PassError.
@@ -289,6 +292,11 @@ class PassManager:
         if self.verbose:
             print(f"[PassManager] {name}: {record.time_ms:.2f} ms, "
                   f"{before} -> {record.nodes_after} nodes")
+        if self.show_diff:  # `current` is untouched: the pass ran on a copy
+            from .diff import diff
+
+            print(f"[PassManager] {name}: ", end="")
+            diff(current, result)
         return result
 
     def _check(self, name: str, record: PassRecord, gm: GraphModule, reference: Any) -> None:

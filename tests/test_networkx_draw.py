@@ -55,11 +55,32 @@ def _check_dot(text: str) -> dict | None:
         assert proc.returncode == 0, proc.stderr.decode()
         assert b"<svg" in proc.stdout
         return _render_json(text)
-    # Structure only: one digraph, balanced braces outside quoted strings.
+    # Structure only: one digraph, balanced braces outside quoted strings and HTML labels.
     assert text.startswith("digraph ") and text.rstrip().endswith("}")
-    unquoted = re.sub(_QUOTED, "", text)
-    assert unquoted.count("{") == unquoted.count("}")
+    bare = _outside_strings_and_labels(text)
+    assert bare.count("{") == bare.count("}")
     return None
+
+
+def _outside_strings_and_labels(text: str) -> str:
+    """The DOT text less its quoted strings and its ``<...>`` HTML-like labels (nested)."""
+    out, i, depth = [], 0, 0
+    while i < len(text):
+        c = text[i]
+        if depth:
+            depth += {"<": 1, ">": -1}.get(c, 0)
+        elif c == '"':
+            end = re.match(_QUOTED, text[i:])
+            assert end is not None, f"unterminated string at {i}"
+            i += end.end()
+            continue
+        elif c == "<":
+            depth = 1
+        else:
+            out.append(c)
+        i += 1
+    assert depth == 0, "unbalanced HTML-like label"
+    return "".join(out)
 
 
 class _Small(torch.nn.Module):
