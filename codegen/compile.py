@@ -41,6 +41,7 @@ from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
 
 from fxlite.graph_module import GraphModule
+from fxlite.logs import log_break, log_graph, log_kernel
 from fxlite.proxy import TraceError
 
 __all__ = ["CompiledFunction", "CompiledModule", "compile"]
@@ -350,9 +351,15 @@ class CompiledFunction:
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
                 backend = self._backend if not rec.unknown_pre_state else "python"
+                log_graph(seg.gm, f"{name}, graph {seg.index}")
+                if seg.read is not None:
+                    log_break(f"{name} splits where Python reads a tensor's value:\n  "
+                              f"{format_site(seg.read.site)}")
                 compiled = compile_segment(seg.gm, sample, backend=backend, mode=self._mode,
                                            expected=_expected(rec, seg), warn=warn)
                 seg.compiled, seg.run = compiled, compiled.run
+                for kernel in compiled.kernels:
+                    log_kernel(kernel)
                 env.update(zip(seg.outputs, compiled.outputs or ()))
 
     # ------------------------------------------------------------------ introspection
