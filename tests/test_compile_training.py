@@ -1,0 +1,186 @@
+"""Training through fxlite.compile: autograd-aware kernels, and whole compiled steps.
+
+Groups whose inputs need gradients run a Triton forward and a generated Triton backward
+(``codegen/autograd.py``); a training step that calls ``loss.backward()`` and
+``optimizer.step()`` compiles as one graph, the optimizer step replayed as one call.
+Every test calls several times and compares with eager PyTorch after each call.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fxlite.codegen.compile as compile_mod
+from fxlite.codegen.triton import interpreting
+
+import fxlite
+
+DEVICE = "cpu" if interpreting() else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(compile_mod, "_warned", set())
+
+
+def quiet(fn, *args):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = fn(*args)
+    return out, [str(w.message) for w in record if "fxlite" in str(w.message)]
+
+
+_OPS = {
+    "exp": lambda x: torch.exp(x * 0.5),
+    "log": lambda x: torch.log(x.abs() + 1),
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "relu_mul": lambda x: torch.relu(x) * x,
+    "div_pow": lambda x: x / (x * x + 1) ** 1.5,
+    "softmax": lambda x: torch.softmax(x, -1),
+    "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "layer_norm": lambda x: F.layer_norm(x, (x.shape[-1],)),
+    "rms_norm": lambda x: F.rms_norm(x, (x.shape[-1],)),
+    "mean": lambda x: x.mean(-1, keepdim=True) * x,
+    "var": lambda x: x.var(-1, keepdim=True) + x,
+    "sum": lambda x: x.sum(-1) * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(_OPS))
+def test_gradients_of_a_compiled_function_equal_eagers_in_float64(name):
+    fn = _OPS[name]
+    c = fxlite.compile(fn)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        g = torch.randn_like(fn(x.detach()))
+        out, warned = quiet(c, x)
+        (grad,) = torch.autograd.grad(out, x, g)
+        ref = x.detach().requires_grad_()
+        (want,) = torch.autograd.grad(fn(ref), ref, g)
+        torch.testing.assert_close(out, fn(x.detach()))
+        torch.testing.assert_close(grad, want)
+        assert warned == [] and c.fallbacks == []
+    assert "backward" in {k.direction for k in c.kernels}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(self.norm(x))
+        return x + self.down(F.gelu(h) * F.silu(h))
+
+
+def test_mlp_block_parameter_gradients_equal_eagers():
+    m = Block().to(DEVICE)
+    ref = copy.deepcopy(m)
+    c = fxlite.compile(m)
+    for _ in range(3):
+        m.zero_grad(), ref.zero_grad()
+        x = torch.randn(6, 16, device=DEVICE)
+        out, warned = quiet(c, x)
+        out.square().mean().backward()
+        ref(x).square().mean().backward()
+        assert warned == []
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert {"forward", "backward"} <= {k.direction for k in c.kernels}
+
+
+def small_convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).to(DEVICE)
+
+
+def train_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_compiled_training_step_matches_eager_over_five_steps():
+    model = small_convnet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    step = fxlite.compile(train_step)
+    for i in range(5):
+        x = torch.randn(4, 3, 8, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        loss, warned = quiet(step, model, opt, x, y)
+        want = train_step(ref, ref_opt, x, y)
+        torch.testing.assert_close(loss, want, msg=f"loss at step {i}")
+        torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"state after step {i}: {m}")
+        assert warned == [] and step.fallbacks == []
+    report = fxlite.explain(train_step, model, opt, x, y)
+    assert report.graph_count == 1 and report.graph_break_count == 0
+    assert {"forward", "backward"} <= {k.direction for k in step.kernels}
+
+
+def test_a_learning_rate_scheduler_in_the_step_keeps_stepping():
+    model = nn.Linear(4, 2).to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt))
+
+    def step(model, opt, sched, x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    c = fxlite.compile(step)
+    for _ in range(4):
+        x = torch.randn(3, 4, device=DEVICE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(c(model, opt, sched, x), step(ref, ref_opt, ref_sched, x))
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())
+
+
+def test_training_mode_dropout_in_compiled_kernels():
+    p = 0.3
+
+    def drop(x):
+        return F.dropout(x, p, training=True) * 2
+
+    c = fxlite.compile(drop)
+    outs, grads = [], []
+    for _ in range(3):
+        x = torch.ones(64, 64, device=DEVICE, requires_grad=True)
+        out, warned = quiet(c, x)
+        out.sum().backward()
+        outs.append(out.detach())
+        grads.append(x.grad)
+        assert warned == []
+    assert not torch.equal(outs[1], outs[2])  # a new mask each call
+    kept = outs[2] != 0
+    assert abs(1 - kept.float().mean().item() - p) < 0.05  # zeros: about p
+    torch.testing.assert_close(outs[2][kept], torch.full_like(outs[2][kept], 2 / (1 - p)))
+    torch.testing.assert_close(grads[2], kept.float() * 2 / (1 - p))  # only kept elements
+    assert {"forward", "backward"} <= {k.direction for k in c.kernels}
