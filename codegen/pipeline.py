@@ -150,6 +150,7 @@ def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
 
 # ---------------------------------------------------------------------- the Triton path
 def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSegment:
+    from fxlite.passes.autocast import explicit_autocast
     from fxlite.passes.decompose import decompose
     from fxlite.passes.functionalize import functionalize
     from fxlite.passes.fuse import fuse
@@ -159,6 +160,7 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     from fxlite.autodiff_random import seed_dropouts
 
     fill_meta(gm)
+    gm = explicit_autocast(gm)
     gm = functionalize(gm)
     gm = batch_norm_train(gm)  # batch statistics as table ops: they fuse
     seeded = False

@@ -266,6 +266,8 @@ class Recorder(TorchFunctionMode):
         node.meta["stack_trace"] = format_site(site)
         node.meta["site"] = site
         node.meta["grad_enabled"] = torch.is_grad_enabled()
+        if any(enabled for enabled, _ in self._autocast):
+            node.meta["autocast"] = True
         self._nodes[node.name] = node
         return node
 

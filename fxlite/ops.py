@@ -399,6 +399,7 @@ def _raw_args(node: Node, info: OpInfo, module: torch.nn.Module | None = None) -
     for i, a in enumerate(args):
         out[params[i] if i < len(params) else f"#{i}"] = a
     out.update(node.kwargs)
+    out.pop("_stacklevel", None)  # F.softmax's: it only picks a warning's frame
     for key, default in info.defaults:
         if key in out and _same_literal(out[key], default):
             del out[key]

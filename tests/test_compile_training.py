@@ -184,3 +184,21 @@ def test_training_mode_dropout_in_compiled_kernels():
     torch.testing.assert_close(outs[2][kept], torch.full_like(outs[2][kept], 2 / (1 - p)))
     torch.testing.assert_close(grads[2], kept.float() * 2 / (1 - p))  # only kept elements
     assert {"forward", "backward"} <= {k.direction for k in c.kernels}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_autocast_regions_fuse_with_autocasts_dtypes(grad):
+    # Under autocast an op may run in another dtype than promotion gives (layer_norm of a
+    # bfloat16 input and float32 weights is bfloat16 on CPU): kernels must give the same.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16),
+                      nn.Softmax(-1)).to(DEVICE)  # nn.Softmax passes _stacklevel=5
+    c = fxlite.compile(m)
+    dtype = torch.bfloat16
+    for _ in range(3):
+        x = torch.randn(4, 16, device=DEVICE)
+        with torch.autocast(DEVICE, dtype=dtype), torch.set_grad_enabled(grad):
+            (out, warned), want = quiet(c, x), m(x)
+        assert out.dtype == want.dtype and warned == [] and c.fallbacks == []
+        torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
+    assert len(c.kernels) >= 3
