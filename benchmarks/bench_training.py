@@ -1,0 +1,168 @@
+"""Training steps on the GPU: eager vs torch.compile vs fxlite.compile, side by side.
+
+Run on a CUDA machine (torchvision and transformers installed)::
+
+    python benchmarks/bench_training.py               # resnet18 and a GPT-2 block
+    python benchmarks/bench_training.py --quick       # fewer timed steps
+
+Each compiler compiles the whole step, as the compile tutorial does::
+
+    def train(model, opt, x, y):
+        opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
+
+Cases: the tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
+GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
+float32 and under bfloat16 autocast. Reported per case: the median step time of each contender (CUDA
+events around each step, after warm-up), speedups over eager and against inductor, cold
+compile (the first step, fresh caches), the kernels fxlite ran (forward/backward), and the
+largest relative difference of the first steps' losses from eager's (same data and
+initial weights; every contender starts from a copy of one model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+
+_CACHE = tempfile.mkdtemp(prefix="fxlite-bench-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_CACHE, "triton"))
+os.environ.setdefault("FXLITE_CACHE_DIR", os.path.join(_CACHE, "fxlite"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import fxlite  # noqa: E402
+
+
+def resnet18_case():
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).cuda()
+    data = [(torch.randn(16, 3, 128, 128, device="cuda"),
+             torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+
+    def step(model, opt, x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return model, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), data, step, None
+
+
+def gpt2_block_case(dtype):
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    # dropout off, so the contenders' losses can be compared step by step
+    cfg = GPT2Config(n_embd=768, n_head=12, n_positions=256, attn_implementation="sdpa",
+                     resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    block = GPT2Block(cfg).cuda()
+    data = [(torch.randn(8, 256, 768, device="cuda"), None) for _ in range(4)]
+
+    def step(model, opt, x, y):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = model(x)
+            hidden = out[0] if isinstance(out, tuple) else out
+            loss = hidden.float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+    return block, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), data, step, dtype
+
+
+def time_steps(step, model, opt, data, steps):
+    times = []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(model, opt, x, y)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_case(name, case, steps):
+    base, make_opt, data, step, _ = case
+    results, losses = {}, {}
+    fx_step = None
+    for label in ("eager", "torch.compile", "fxlite"):
+        model = copy.deepcopy(base)
+        opt = make_opt(model)
+        fn = {"eager": step, "torch.compile": torch.compile(step),
+              "fxlite": fxlite.compile(step)}[label]
+        if label == "fxlite":
+            fx_step = fn
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        first = fn(model, opt, *data[0])
+        torch.cuda.synchronize()
+        cold = time.perf_counter() - start
+        losses[label] = [float(first)] + [float(fn(model, opt, *data[i % len(data)]))
+                                          for i in range(1, 4)]
+        for _ in range(3):  # warm-up (new layouts, CUDA caches)
+            fn(model, opt, *data[0])
+        results[label] = {"ms": time_steps(fn, model, opt, data, steps), "cold_s": cold}
+    eager_ms, ind_ms, fx_ms = (results[k]["ms"] for k in ("eager", "torch.compile", "fxlite"))
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["fxlite"], losses["eager"]))
+    kernels = fx_step.kernels if fx_step is not None else []
+    directions = [getattr(k, "direction", "forward") for k in kernels]
+    return {"case": name, **{f"{k}_ms": v["ms"] for k, v in results.items()},
+            **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
+            "fxlite_vs_eager": eager_ms / fx_ms, "fxlite_vs_inductor": ind_ms / fx_ms,
+            "inductor_vs_eager": eager_ms / ind_ms, "loss_max_rel_diff": rel,
+            "kernels_forward": directions.count("forward"),
+            "kernels_backward": directions.count("backward"),
+            "fallbacks": list(fx_step.fallbacks) if fx_step is not None else []}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps")
+    parser.add_argument("--cases", default="resnet18,gpt2_block_f32,gpt2_block_bf16")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_training.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    makers = {"resnet18": resnet18_case,
+              "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
+              "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16)}
+    steps = 10 if args.quick else 30
+    rows = []
+    for name in args.cases.split(","):
+        rows.append(run_case(name, makers[name](), steps))
+        r = rows[-1]
+        print(f"{name}: eager {r['eager_ms']:.2f} ms, inductor {r['torch.compile_ms']:.2f}, "
+              f"fxlite {r['fxlite_ms']:.2f}; fallbacks: {r['fallbacks'][:3]}", flush=True)
+    print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
+          f"{steps} steps; TF32 on")
+    print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",
+                     f"{r['fxlite_ms']:.2f}", f"{r['fxlite_vs_eager']:.2f}x",
+                     f"{r['inductor_vs_eager']:.2f}x", f"{r['fxlite_vs_inductor']:.2f}x",
+                     f"{r['torch.compile_cold_s']:.1f}", f"{r['fxlite_cold_s']:.1f}",
+                     f"{r['kernels_forward']}/{r['kernels_backward']}",
+                     f"{r['loss_max_rel_diff']:.1e}"] for r in rows],
+                   headers=["case", "eager ms", "inductor ms", "fxlite ms", "fxlite vs eager",
+                            "inductor vs eager", "fxlite vs inductor", "inductor cold s",
+                            "fxlite cold s", "kernels fwd/bwd", "loss rel diff"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
