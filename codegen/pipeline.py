@@ -383,14 +383,25 @@ def assert_same(got: Any, expected: Any) -> None:
 
 
 def _disagreement(outputs: Any, expected: list[Any] | None) -> str | None:
-    """Why the check run's outputs differ from eager's, or None."""
+    """Why the check run's outputs differ from eager's, or None.
+
+    The recording and the check run both call the extern ops (convolutions, matmuls),
+    which on a GPU with TF32 allowed (cuDNN's default) may pick other algorithms and round
+    differently from run to run: float32 values are then compared at TF32's tolerance.
+    Each kernel was already checked at float32's, on identical inputs."""
     if expected is None or outputs is None:
         return None
+    tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
     for i, (got, want) in enumerate(zip(outputs, expected)):
         if want is None:
             continue
         try:
-            assert_same(got, want)
+            if (tf32 and isinstance(want, torch.Tensor) and want.is_cuda
+                    and want.dtype == torch.float32 and isinstance(got, torch.Tensor)):
+                torch.testing.assert_close(got.detach(), want.detach(), rtol=2e-3, atol=2e-3,
+                                           equal_nan=True)
+            else:
+                assert_same(got, want)
         except AssertionError as e:
             return f"output {i}: {str(e).splitlines()[0] if str(e) else 'differs'}"
     return None
