@@ -32,6 +32,8 @@ import torch
 from fxlite.graph import Graph, _Namespace
 from fxlite.node import Node
 
+from .python_hooks import CodeGen
+
 __all__ = ["PythonCode", "generate"]
 
 _INFIX = {
@@ -239,6 +241,33 @@ def _statement(node: Node, em: _Emitter, root: str) -> str:
     return f"{em.qualified(target)}({em.call_args(args, kwargs)})"
 
 
+_INPLACE = {
+    operator.iadd: "+=", operator.isub: "-=", operator.imul: "*=", operator.itruediv: "/=",
+    operator.ifloordiv: "//=", operator.imod: "%=", operator.ipow: "**=", operator.imatmul: "@=",
+    operator.ilshift: "<<=", operator.irshift: ">>=", operator.iand: "&=", operator.ior: "|=",
+    operator.ixor: "^=",
+}
+
+
+def _inplace(node: Node, em: _Emitter) -> str | None:
+    """``a *= b;  imul = a`` for an in-place operator on a value held in a variable.
+
+    Why not ``imul = operator.imul(a, b)``: for immutable values (ints) that leaves ``a``
+    unchanged, so code that returns ``a`` would return the old value.
+    """
+    if node.op != "call_function" or node.kwargs or len(node.args) != 2 \
+            or not isinstance(node.args[0], Node):
+        return None
+    try:
+        op = _INPLACE.get(node.target)  # type: ignore[call-overload]
+    except TypeError:  # an unhashable target
+        return None
+    if op is None:
+        return None
+    target = node.args[0].name
+    return f"{target} {op} {em.operand(node.args[1])};  {node.name} = {target}"
+
+
 def generate(graph: Graph, root_module: str = "self") -> PythonCode:
     """Generate ``def forward(self, ...)`` for ``graph``.
 
@@ -262,11 +291,18 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
     for n in nodes:
         for inp in n._input_nodes:
             last_use[inp] = n
+            if inp.graph is not graph:
+                raise RuntimeError(f"node {n.name!r} reads {inp.name!r}, which does not belong to "
+                                   "this Graph; map copied nodes' inputs (graph.node_copy(n, "
+                                   "arg_transform)) before generating code")
     to_free: dict[Node, list[str]] = {}
     for value, user in last_use.items():
         if user.op != "output":
             to_free.setdefault(user, []).append(value.name)
 
+    hooks = getattr(graph, "_codegen", None)
+    if type(hooks) is CodeGen:
+        hooks = None  # the default: generate as below
     params: list[str] = []
     body: list[str] = []
     seen_default = seen_star = False
@@ -289,9 +325,13 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
         if n.op == "output":
             if n.type is not None:
                 returns = f" -> {em.annotation(n.type)}"
-            body.append(f"return {em.expr(n.args[0])}")
+            if hooks is not None:
+                hooks._expr = em.expr
+                body.append(hooks.generate_output(n.args[0]))
+            else:
+                body.append(f"return {em.expr(n.args[0])}")
             continue
-        line = f"{n.name} = {_statement(n, em, root_module)}"
+        line = _inplace(n, em) or f"{n.name} = {_statement(n, em, root_module)}"
         freed = to_free.get(n)
         if freed:
             line += f";  {' = '.join(freed)} = None"
@@ -300,6 +340,15 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
         body.append("return None")
     imports = [f"import {name}" for name, v in em.globals.items()
                if isinstance(v, types.ModuleType) and name == v.__name__]
-    header = f"def forward({', '.join([root_module, *params])}){returns}:"
+    if hooks is not None:
+        free = [p for p in params if p != "*"]
+        header = hooks.gen_fn_def(free, returns)
+        for name, obj in hooks.additional_globals():
+            if name in em.names._used and em.globals.get(name) is not obj:
+                raise RuntimeError(f"{type(hooks).__name__}.additional_globals() names {name!r}, "
+                                   "which the generated code already uses")
+            em.globals[name] = obj
+    else:
+        header = f"def forward({', '.join([root_module, *params])}){returns}:"
     src = "\n".join([*imports, header, *("    " + b for b in body)]) + "\n"
     return PythonCode(src, em.globals)
