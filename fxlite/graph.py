@@ -4,9 +4,9 @@ The list is doubly linked around a sentinel, so inserting and erasing anywhere i
 and iterating while erasing is safe. ``str(graph)`` prints one node per line::
 
     graph():
-        %x : [#users=1] = placeholder[target=x]
-        %y : [#users=1] = placeholder[target=y]
-        %add : [#users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})
+        %x : [num_users=1] = placeholder[target=x]
+        %y : [num_users=1] = placeholder[target=y]
+        %add : [num_users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})
         return add
 
 Node names are unique within a graph, are valid Python identifiers, and never shadow a
@@ -153,6 +153,8 @@ class Graph:
         self._insert_before = self._root
         self.owning_module = owning_module
         self._tracer_cls = tracer_cls
+        self._codegen: Any = None  # a fxlite.codegen.python_hooks.CodeGen; None: the default
+        self._co_fields: dict[str, Any] | None = None  # where the traced code came from
 
     # ------------------------------------------------------------------ the node list
     @property
@@ -215,7 +217,9 @@ class Graph:
         Args:
             op: one of the six opcodes.
             target: what to call or read (see :mod:`fxlite.node`).
-            args, kwargs: its arguments; may contain Nodes of this graph.
+            args, kwargs: its arguments; may contain Nodes of this graph. (Nodes of another
+                graph are accepted, since torch.fx code copies nodes and then remaps their
+                inputs, but ``lint`` and code generation reject a graph that still reads them.)
             name: a name hint; the node gets it or a unique variant of it.
             type_expr: an optional type annotation, kept in generated code.
         """
@@ -223,11 +227,6 @@ class Graph:
         kwargs = {} if kwargs is None else dict(kwargs)
         unique = self._namespace.create_name(name or _name_hint(op, target))
         n = Node(self, unique, op, target, args, kwargs, type_expr)
-        for inp in n._input_nodes:
-            if inp.graph is not self:
-                n._update_args_kwargs((), {})
-                self._namespace.release(unique)
-                raise RuntimeError(f"node {unique!r} would read {inp.name!r}, which belongs to another graph")
         self._insert_before.prepend(n)
         self._len += 1
         return n
@@ -294,7 +293,10 @@ class Graph:
             raise RuntimeError(f"node {to_erase.name!r} was already erased")
         if to_erase.users:
             users = ", ".join(u.name for u in to_erase.users)
-            raise RuntimeError(f"cannot erase node {to_erase.name!r}: it is still used by {users}")
+            raise RuntimeError(
+                f"tried to erase node {to_erase.name!r} but it still had {len(to_erase.users)} "
+                f"users in the graph: {users}. Make them read another value first, e.g. "
+                f"{to_erase.name}.replace_all_uses_with(new_node)")
         to_erase._remove_from_list()
         to_erase._update_args_kwargs((), {})
         to_erase._erased = True
@@ -347,18 +349,18 @@ class Graph:
     def _lint_node(self, node: Node, seen: set[Node], names: set[str]) -> str | None:
         """What is wrong with ``node``, or None."""
         if node.graph is not self:
-            return "belongs to another graph"
+            return "does not belong to this Graph"
         if node.name in names:
             return "has a duplicate name"
         if not node.name.isidentifier() or keyword.iskeyword(node.name):
             return "has a name that is not a Python identifier"
         for inp in node._input_nodes:
             if inp.graph is not self:
-                return f"reads {inp.name!r} from another graph"
+                return f"reads {inp.name!r}, which does not belong to this Graph"
             if inp._erased:
                 return f"reads erased node {inp.name!r}"
             if inp not in seen:
-                return f"reads {inp.name!r} before it is defined"
+                return f"reads {inp.name!r}, which was used before it has been defined"
             if node not in inp.users:
                 return f"reads {inp.name!r}, which does not list it as a user"
         for user in node.users:
@@ -377,6 +379,20 @@ class Graph:
         if node.op == "call_module" and not isinstance(obj, torch.nn.Module):
             return f"calls {node.target!r}, which is not a module"
         return None
+
+    # ------------------------------------------------------------------ code generation hooks
+    def set_codegen(self, codegen: Any) -> None:
+        """Use ``codegen`` (a :class:`fxlite.codegen.python_hooks.CodeGen`) for ``forward``'s
+        signature and return; call ``recompile()`` on the owning GraphModule afterwards."""
+        self._codegen = codegen
+
+    def process_inputs(self, *args: Any) -> Any:
+        """The placeholder values for a call with ``args`` (the codegen's ``process_inputs``)."""
+        return args if self._codegen is None else self._codegen.process_inputs(*args)
+
+    def process_outputs(self, out: Any) -> Any:
+        """A call's result from the output node's value (the codegen's ``process_outputs``)."""
+        return out if self._codegen is None else self._codegen.process_outputs(out)
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
@@ -414,6 +430,8 @@ class Graph:
         # graph_copy walks the list; the default deepcopy would recurse node to node.
         new = Graph(tracer_cls=self._tracer_cls)
         memo[id(self)] = new
+        new._codegen = copy.deepcopy(self._codegen, memo)
+        new._co_fields = self._co_fields
         val_map: dict[Node, Argument] = {}
         out = new.graph_copy(self, val_map, return_output_node=True)
         if out is not None:
@@ -435,10 +453,11 @@ class Graph:
         cls = self._tracer_cls
         if cls is not None and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is not cls:
             cls = None
-        return {"records": records, "tracer_cls": cls}
+        return {"records": records, "tracer_cls": cls, "codegen": self._codegen}
 
     def __setstate__(self, state: dict) -> None:
         Graph.__init__(self, tracer_cls=state.get("tracer_cls"))
+        self._codegen = state.get("codegen")
         made: list[Node] = []
         unref = lambda r: made[r.index] if isinstance(r, _NodeRef) else r
         from .node import map_aggregate
