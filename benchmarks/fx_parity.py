@@ -6,6 +6,7 @@ run) into an ignored folder, by default ``.parity/``::
 
     .parity/test_fx.py
     .parity/fx/test_subgraph_rewriter.py      (or .parity/test_subgraph_rewriter.py)
+    .parity/fx/named_tup.py, .parity/fx/test_future.py   (small helpers some tests import)
 
 This script adapts them at run time, with the fewest changes, and runs them in-process:
 
@@ -238,7 +239,10 @@ class _OtherSuites(types.ModuleType):
         return type(name, (), {})  # not a TestCase: nothing is collected
 
 
-# A NamedTuple at module scope, as test/fx/named_tup.py provides (written for this runner).
+# Helper modules that tests import from test/fx/, used when saved beside the test files.
+HELPERS = ("named_tup.py", "test_future.py")
+
+# A stand-in for test/fx/named_tup.py when it is not saved (written for this runner).
 _NAMED_TUP = (
     "from typing import NamedTuple\n\nimport torch\n\n\n"
     "class MyNamedTup(NamedTuple):\n    a: torch.Tensor\n    b: torch.Tensor\n"
@@ -262,6 +266,15 @@ def load_suites(tests: str, workdir: str) -> dict[str, list[unittest.TestCase]]:
         f.write("")
     with open(os.path.join(workdir, "fx", "named_tup.py"), "w") as f:
         f.write(_NAMED_TUP)
+    for helper in HELPERS:  # small helper modules of test/fx, adapted the same way if saved
+        for folder in (tests, os.path.join(tests, "fx")):
+            path = os.path.join(folder, helper)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    text = adapt(f.read())
+                with open(os.path.join(workdir, "fx", helper), "w") as f:
+                    f.write(text)
+                break
     for src, dst in ((fx_src, "test_fx.py"), (rw_src, os.path.join("fx", "test_subgraph_rewriter.py"))):
         with open(src) as f:
             text = adapt(f.read())
