@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fxlite.graph import Graph, _Namespace
+from fxlite.graph import _RESERVED, Graph, _Namespace
 from fxlite.node import Node
 
 from .python_hooks import CodeGen
@@ -88,6 +88,9 @@ class _Emitter:
                     and hint not in self.names._used:
                 name = hint
                 self.names.reserve(hint)
+            elif _is_ident(hint) and hint not in self.names._used and hint not in _RESERVED:
+                name = hint  # keep the user's spelling (CustomArgObject), as torch.fx does
+                self.names.reserve(hint)
             else:
                 name = self.names.create_name(hint)
             self.globals[name] = obj
@@ -103,6 +106,10 @@ class _Emitter:
         return text
 
     def _qualify(self, obj: Any) -> str:
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            path = _torch_op_path(obj)  # torch.ops.aten.add.Tensor, as torch.fx prints it
+            if path is not None:
+                return self.bind("torch", torch) + path[len("torch"):]
         name = getattr(obj, "__name__", None)
         if isinstance(name, str) and getattr(builtins, name, None) is obj:
             return name
@@ -197,6 +204,18 @@ class _Emitter:
             self.bind("typing", sys.modules["typing"])
             return text
         return self.bind("_annotation", t)
+
+
+def _torch_op_path(op: Any) -> str | None:
+    """``torch.ops.aten.add.Tensor`` for an op overload (or packet), if that path finds it."""
+    if isinstance(op, torch._ops.OpOverload):
+        namespace, _, name = op._schema.name.partition("::")
+        path = f"torch.ops.{namespace}.{name}.{op._overloadname}"
+    else:
+        namespace, _, name = op._qualified_op_name.partition("::")
+        path = f"torch.ops.{namespace}.{name}"
+    ok = all(_is_ident(atom) for atom in path.split(".")) and _resolves(path, op)
+    return path if ok else None
 
 
 def _resolves(path: str, obj: Any) -> bool:
@@ -312,7 +331,9 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
             text = n.name
             if n.type is not None:
                 text += f" : {em.annotation(n.type)}"
-            if str(n.target).startswith("*"):
+            if str(n.target).startswith("**"):
+                text = "**" + text
+            elif str(n.target).startswith("*"):
                 text, seen_star = "*" + text, True
             elif n.args:
                 text += f" = {em.expr(n.args[0])}"
@@ -326,8 +347,11 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
             if n.type is not None:
                 returns = f" -> {em.annotation(n.type)}"
             if hooks is not None:
-                hooks._expr = em.expr
-                body.append(hooks.generate_output(n.args[0]))
+                hooks._expr = em.expr  # for the duration of this call only (see below)
+                try:
+                    body.append(hooks.generate_output(n.args[0]))
+                finally:
+                    del hooks._expr
             else:
                 body.append(f"return {em.expr(n.args[0])}")
             continue

@@ -21,6 +21,7 @@ a structure (``{"x": [PH, PH]}``): ``forward(self, x)`` flattens ``x`` with
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -70,10 +71,6 @@ def _children(spec: Any) -> list[Any]:
     return list(children()) if callable(children) else list(spec.children_specs)
 
 
-def _is_namedtuple_type(t: type) -> bool:
-    return isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields")
-
-
 def tree_flatten_spec(value: Any, spec: Any) -> list[Any]:
     """The leaves of ``value``, read in the order of the pytree ``spec``.
 
@@ -86,12 +83,12 @@ def tree_flatten_spec(value: Any, spec: Any) -> list[Any]:
     from fxlite.proxy import Proxy
 
     traced = isinstance(value, Proxy)
-    if t in (list, tuple) or _is_namedtuple_type(t):
+    if t is collections.namedtuple or (isinstance(t, type) and issubclass(t, (list, tuple))):
         if not traced and (not isinstance(value, (list, tuple)) or len(value) != len(children)):
-            raise TypeError(f"expected a {t.__name__} of {len(children)} items, as traced, "
+            raise TypeError(f"expected a sequence of {len(children)} items, as traced, "
                             f"got {type(value).__name__} {value!r}")
         items = [value[i] for i in range(len(children))]
-    elif issubclass(t, dict):
+    elif isinstance(t, type) and issubclass(t, dict):
         keys = list(spec.context)
         if not traced and (not isinstance(value, dict) or set(value) != set(keys)):
             raise TypeError(f"expected a dict with keys {keys}, as traced, got {value!r}")

@@ -24,6 +24,7 @@ import inspect
 import keyword
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -238,13 +239,29 @@ class Graph:
         return self.create_node("placeholder", name, args, type_expr=type_expr)
 
     def get_attr(self, qualified_name: str, type_expr: Any = None) -> Node:
-        """Read an attribute of the owning module by its dotted path."""
+        """Read an attribute of the owning module by its dotted path.
+
+        Warns if the owning module has no such attribute (yet).
+        """
+        self._warn_if_missing(qualified_name, "get_attr", "add_submodule / register_parameter "
+                              "/ register_buffer")
         return self.create_node("get_attr", qualified_name, type_expr=type_expr)
 
     def call_module(self, module_name: str, args: tuple | None = None,
                     kwargs: dict | None = None, type_expr: Any = None) -> Node:
-        """Call the submodule at the dotted path ``module_name``."""
+        """Call the submodule at the dotted path ``module_name``.
+
+        Warns if the owning module has no such submodule (yet).
+        """
+        self._warn_if_missing(module_name, "call_module", "add_submodule")
         return self.create_node("call_module", module_name, args, kwargs, type_expr=type_expr)
+
+    def _warn_if_missing(self, path: str, op: str, fix: str) -> None:
+        if self.owning_module is None or self._lint_target_path(path) is None:
+            return
+        warnings.warn(f"Attempted to insert a {op} Node with no underlying reference in the "
+                      f"owning GraphModule: it has no {path!r}. Add it first with "
+                      f"GraphModule.{fix}, or the generated code will fail.", stacklevel=3)
 
     def call_method(self, method_name: str, args: tuple | None = None,
                     kwargs: dict | None = None, type_expr: Any = None) -> Node:
@@ -371,13 +388,22 @@ class Graph:
     def _lint_target(self, node: Node) -> str | None:
         if self.owning_module is None or node.op not in ("get_attr", "call_module"):
             return None
+        missing = self._lint_target_path(node.target)
+        if missing:
+            return missing
         obj = self.owning_module
         for atom in node.target.split("."):
-            if not hasattr(obj, atom):
-                return f"refers to {node.target!r}, which the owning module lacks"
             obj = getattr(obj, atom)
         if node.op == "call_module" and not isinstance(obj, torch.nn.Module):
             return f"calls {node.target!r}, which is not a module"
+        return None
+
+    def _lint_target_path(self, path: str) -> str | None:
+        obj = self.owning_module
+        for atom in path.split("."):
+            if not hasattr(obj, atom):
+                return f"refers to {path!r}, which the owning module lacks"
+            obj = getattr(obj, atom)
         return None
 
     # ------------------------------------------------------------------ code generation hooks
@@ -446,8 +472,8 @@ class Graph:
         index = {n: i for i, n in enumerate(self.nodes)}
         ref = lambda n: _NodeRef(index[n])
         with gc_paused():  # allocating a record per node would trigger superlinear collections
-            records = [(n.name, str(n.op), n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref),
-                        n.type, n.meta) for n in self.nodes]
+            records = [(n.name, str(n.op), _TorchOp.wrap(n.target), map_arg(n.args, ref),
+                        map_arg(n.kwargs, ref), n.type, n.meta) for n in self.nodes]
         # The tracer class is informational; a local class (not importable) is left out, so
         # a graph pickles without it.
         cls = self._tracer_cls
@@ -464,7 +490,7 @@ class Graph:
 
         with gc_paused():  # as in __deepcopy__: collections during the rebuild are superlinear
             for name, op, target, args, kwargs, type_expr, meta in state["records"]:
-                n = self.create_node(op, target, map_aggregate(args, unref),
+                n = self.create_node(op, _TorchOp.unwrap(target), map_aggregate(args, unref),
                                      map_aggregate(kwargs, unref), name, type_expr)
                 n.meta = meta
                 made.append(n)
@@ -478,3 +504,32 @@ class _NodeRef:
 
     def __reduce__(self) -> tuple:
         return (_NodeRef, (self.index,))
+
+
+class _TorchOp:
+    """A picklable stand-in for a ``torch.ops`` target (``torch.ops.aten.add.Tensor``),
+    which torch cannot pickle itself: the op is looked up again by name on load."""
+
+    __slots__ = ("name", "overload")
+
+    def __init__(self, name: str, overload: str | None) -> None:
+        self.name, self.overload = name, overload
+
+    def __reduce__(self) -> tuple:
+        return (_TorchOp, (self.name, self.overload))
+
+    @staticmethod
+    def wrap(target: Any) -> Any:
+        if isinstance(target, torch._ops.OpOverload):
+            return _TorchOp(target._schema.name, target._overloadname)
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return _TorchOp(target._qualified_op_name, None)
+        return target
+
+    @staticmethod
+    def unwrap(target: Any) -> Any:
+        if not isinstance(target, _TorchOp):
+            return target
+        namespace, _, op = target.name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), op)
+        return packet if target.overload is None else getattr(packet, target.overload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import linecache
 import os
 import sys
 import types
@@ -75,6 +76,9 @@ class GraphModule(torch.nn.Module):
         print(gm.code)
     """
 
+    # torch.jit.script(gm) compiles forward; these Python-only properties are left out.
+    __jit_unused_properties__ = ["graph", "code"]
+
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         # A class per instance: forward is installed on it by recompile().
         base = next(c for c in cls.__mro__ if c.__name__ != "GraphModuleImpl")
@@ -87,7 +91,9 @@ class GraphModule(torch.nn.Module):
     def __init__(self, root: torch.nn.Module | dict[str, Any], graph: Graph,
                  class_name: str = "GraphModule") -> None:
         super().__init__()
-        self.meta: dict[str, Any] = {}  # free-form, as torch.fx's GraphModule.meta
+        # Free-form, as torch.fx's GraphModule.meta. Not annotated: torch.jit.script reads
+        # annotations in __init__ and rejects this one.
+        self.meta = {}
         type(self).__name__ = class_name
         type(self).__qualname__ = class_name
         targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
@@ -136,9 +142,20 @@ class GraphModule(torch.nn.Module):
         with gc_paused():
             python_code = generate(self._graph, "self")
         self.__dict__["_code"] = python_code.src
-        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
+        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}"
+        where = self._graph._co_fields
+        if where:  # tracebacks name the traced source: "... from model.py:12 in forward>"
+            filename += f" from {where['co_filename']}:{where['co_firstlineno']} in {where['co_name']}"
+        filename += ">"
         type(self).forward = _CompileOnFirstUse(python_code, filename)
         return python_code
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:
+            _report_generated_line(e)
+            raise
 
     def __str__(self) -> str:
         return f"{super().__str__()}\n\n\n\n{self._code}"
@@ -304,6 +321,26 @@ class _CompileOnFirstUse:
         if owner.__dict__.get("forward") is self:
             owner.forward = fn
         return fn if obj is None else types.MethodType(fn, obj)
+
+
+def _report_generated_line(e: BaseException) -> None:
+    """If ``e`` was raised by a line of generated code itself (not inside a function it
+    called), print that line in context to stderr, as torch.fx does."""
+    tb = e.__traceback__
+    if tb is None:
+        return
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    if not filename.startswith("<fxlite-forward-"):
+        return
+    lines = linecache.getlines(filename)
+    lineno = tb.tb_lineno
+    context = "".join(f"{'-->' if i + 1 == lineno else '   '} {lines[i]}"
+                      for i in range(max(0, lineno - 3), min(len(lines), lineno + 2)))
+    print(f"Call using an FX-traced Module, line {lineno} of the traced Module's generated "
+          f"forward function:\n{context}(in {filename}; print gm.code to see it all)",
+          file=sys.stderr)
 
 
 def _rebuild(body: dict[str, Any], graph: Graph, class_name: str) -> GraphModule:

@@ -296,6 +296,9 @@ def _format_target(target: Target) -> str:
     """``operator.add``, ``torch.sum``, ``my_module.my_fn``: how a target prints in a graph."""
     if isinstance(target, str):
         return target
+    if type(target).__name__ in ("OpOverload", "OpOverloadPacket") and \
+            type(target).__module__ == "torch._ops":
+        return f"torch.ops.{target}"  # torch.ops.aten.add.Tensor
     mod = getattr(target, "__module__", None) or ""
     mod = {"_operator": "operator"}.get(mod, mod)
     name = getattr(target, "__name__", None)

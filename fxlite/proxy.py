@@ -107,7 +107,7 @@ class TracerBase:
                     name: str | None = None, type_expr: Any = None) -> Node:
         """Append a node to ``self.graph``. Override to tag or redirect nodes."""
         if self.check_mutable_operations and kind == "call_function":
-            mutable = _mutable_op(target, kwargs)
+            mutable = _mutable_op(target, args, kwargs)
             if mutable:
                 raise RuntimeError(
                     f"Tried to trace mutable operation {mutable}. Tracing here only records "
@@ -195,23 +195,39 @@ class TracerBase:
         return Attribute(obj, "keys")()
 
 
-def _mutable_op(target: Any, kwargs: dict) -> str | None:
-    """The schema name (``aten::sigmoid.out``) of a torch builtin call that writes into an
-    argument, or None."""
+def _mutable_op(target: Any, args: tuple, kwargs: dict) -> str | None:
+    """The schema of a torch builtin call that writes into an argument, or None.
+
+    The call is matched against the overloads' schemas by argument count and keyword names;
+    as in torch.fx, only a call that matches exactly one (mutable) overload is reported.
+    """
     name = getattr(target, "__name__", None)
-    if not isinstance(name, str) or not callable(target) or isinstance(target, type):
+    if not isinstance(name, str) or isinstance(target, type) or getattr(
+            target, "__module__", None) not in (None, "torch", "torch._C._nn",
+                                                "torch._C._VariableFunctions", "torch.functional"):
         return None
-    if getattr(target, "__module__", None) not in (None, "torch", "torch._C._nn",
-                                                   "torch._C._VariableFunctions"):
+    get_schemas = getattr(torch._C, "_jit_get_schemas_for_operator", None)
+    if get_schemas is None:
         return None
-    packet = getattr(torch.ops.aten, name, None)
-    if packet is None:
+    try:
+        schemas = get_schemas(f"aten::{name}")
+    except RuntimeError:
         return None
-    if "out" in kwargs and "out" in packet.overloads():
-        return f"aten::{name}.out"
-    if name.endswith("_") and not name.endswith("__"):
-        return f"aten::{name}"
+    matched = [s for s in schemas if _binds(s, len(args), kwargs)]
+    if len(matched) == 1 and matched[0].is_mutable:
+        return str(matched[0])
     return None
+
+
+def _binds(schema: Any, n_args: int, kwargs: dict) -> bool:
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if n_args > len(positional):
+        return False
+    names = {a.name for a in schema.arguments}
+    if any(k not in names for k in kwargs):
+        return False
+    given = {a.name for a in positional[:n_args]} | set(kwargs)
+    return all(a.name in given or a.has_default_value() for a in schema.arguments)
 
 
 _ATOMS = frozenset({int, float, bool, str, type(None), complex, bytes, type(...), torch.dtype,
@@ -322,6 +338,9 @@ class Proxy:
                            args: tuple = (), kwargs: dict | None = None) -> Proxy:
         kwargs = kwargs or {}
         tracer = _find_tracer(args, kwargs)
+        if isinstance(orig_method, torch._C.ScriptMethod):  # a TorchScript submodule's method
+            return tracer.create_proxy("call_method", orig_method.name,
+                                       (orig_method.owner, *args), kwargs)
         if _is_tensor_method(orig_method):
             return tracer.create_proxy("call_method", orig_method.__name__, args, kwargs)
         return tracer.create_proxy("call_function", orig_method, args, kwargs)

@@ -293,6 +293,7 @@ class _Rewrite:
         self.added_attrs: list[str] = []
         self.next_suffix = dict(graph._namespace._next_suffix)
         self.replaced: dict[Node, Any] = {}
+        self.dropped_modules: set[str] = set()  # call_module targets of erased nodes
 
     def touch(self, n: Node) -> None:
         if n not in self.saved and n not in self.created_set:
@@ -312,7 +313,18 @@ class _Rewrite:
         except BaseException:
             self.rollback()
             raise
+        if done:
+            self._delete_replaced_modules()
         return done
+
+    def _delete_replaced_modules(self) -> None:
+        """Delete the submodules that only the replaced nodes called (as torch.fx does)."""
+        if not self.dropped_modules or not isinstance(self.module, GraphModule):
+            return
+        used = {n.target for n in self.graph.nodes if n.op in ("call_module", "get_attr")}
+        for target in sorted(self.dropped_modules):
+            if not any(u == target or u.startswith(target + ".") for u in used):
+                self.module.delete_submodule(target)
 
     def _resolve(self, n: Any) -> Any:
         replaced = self.replaced
@@ -372,6 +384,8 @@ class _Rewrite:
             if not gn.users:
                 self.touch(gn)
                 graph.erase_node(gn)
+                if gn.op == "call_module":
+                    self.dropped_modules.add(gn.target)
         nodes_map = dict(nodes_map)
         for p, v in zip(matcher.placeholders, inputs):
             nodes_map[p] = v

@@ -273,6 +273,10 @@ class Tracer(TracerBase):
                 self._tensor_paths[id(a)] = path
                 self._keep_alive.append(a)
             return self.create_node("get_attr", path, (), {})
+        if isinstance(a, torch._C.ScriptModule):  # the C++ half of a TorchScript submodule
+            for path, m in self.root.named_modules():
+                if getattr(m, "_c", None) == a:  # a new wrapper each time: compare, not `is`
+                    return self.create_node("get_attr", f"{path}._c" if path else "_c", (), {})
         if isinstance(a, torch.nn.Module):
             path = self._module_paths.get(id(a))
             if path is None:
