@@ -118,6 +118,9 @@ class PyTreeCodeGen(CodeGen):
         self.in_spec = in_spec
         self.out_spec = out_spec
 
+    def __deepcopy__(self, memo: dict) -> PyTreeCodeGen:
+        return PyTreeCodeGen(self.orig_args, self.in_spec, self.out_spec)  # specs are immutable
+
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
         head = super().gen_fn_def(self.orig_args, maybe_return_annotation)
         names = [v.split(":")[0].split("=")[0].strip().lstrip("*") for v in free_vars]

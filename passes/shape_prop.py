@@ -45,6 +45,20 @@ class TensorMetadata(NamedTuple):
     is_quantized: bool = False
     qparams: dict[str, Any] = {}  # shared default; extract_tensor_metadata makes fresh ones
 
+    def __reduce__(self) -> tuple:
+        # torch.memory_format objects do not pickle at protocol 2, torch.save's default:
+        # store the format's name and look it up again on load.
+        fmt = None if self.memory_format is None else str(self.memory_format).rpartition(".")[2]
+        return (_rebuild_tensor_metadata, (self.shape, self.dtype, self.requires_grad,
+                                           self.stride, fmt, self.is_quantized, self.qparams))
+
+
+def _rebuild_tensor_metadata(shape: torch.Size, dtype: torch.dtype, requires_grad: bool,
+                             stride: tuple[int, ...], memory_format: str | None,
+                             is_quantized: bool, qparams: dict[str, Any]) -> TensorMetadata:
+    fmt = None if memory_format is None else getattr(torch, memory_format)
+    return TensorMetadata(shape, dtype, requires_grad, stride, fmt, is_quantized, qparams)
+
 
 def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     """Record ``t``'s shape, dtype, strides, memory format and quantization.
