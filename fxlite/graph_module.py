@@ -31,32 +31,73 @@ def _split(target: str) -> tuple[str, str]:
     return prefix, name
 
 
+_MISSING = object()
+
+
+def _child(obj: Any, atom: str) -> Any:
+    """``getattr(obj, atom)``, or _MISSING. Reads a module's own dicts first: for a missing
+    name, ``nn.Module.__getattr__`` builds an error message, which made copying the
+    attributes of a large model's graph a large part of tracing it."""
+    if isinstance(obj, torch.nn.Module):
+        d = obj.__dict__
+        if atom in d:
+            return d[atom]
+        for store in ("_parameters", "_buffers", "_modules"):
+            table = d.get(store)
+            if table is not None and atom in table:
+                return table[atom]
+    return getattr(obj, atom, _MISSING)
+
+
 def _get(obj: Any, target: str, what: str) -> Any:
     for i, atom in enumerate(target.split(".") if target else []):
-        if not hasattr(obj, atom):
+        nxt = _child(obj, atom)
+        if nxt is _MISSING:
             where = ".".join(target.split(".")[:i]) or "the root"
             raise RuntimeError(f"{what}: {where} has no attribute {atom!r} (looking up {target!r})")
-        obj = getattr(obj, atom)
+        obj = nxt
     return obj
 
 
 def _copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str, what: str) -> None:
     """Copy ``src.<target>`` to ``dst``, creating empty parent modules as needed."""
-    value = _get(src, target, what)
     prefix, name = _split(target)
     src_parent = _get(src, prefix, what)
+    value = _get(src_parent, name, what) if prefix else _get(src, name, what)
     for atom in prefix.split(".") if prefix else []:
-        if not hasattr(dst, atom):
-            dst.add_module(atom, torch.nn.Module())
-        dst = getattr(dst, atom)
+        nxt = _child(dst, atom)
+        if nxt is _MISSING:
+            nxt = torch.nn.Module()
+            _put(dst, "_modules", atom, nxt)
+        dst = nxt
     if isinstance(value, torch.nn.Module):
-        dst.add_module(name, value)
+        _put(dst, "_modules", name, value)
     elif isinstance(value, torch.nn.Parameter):
-        dst.register_parameter(name, value)
+        _put(dst, "_parameters", name, value)
     elif isinstance(src_parent, torch.nn.Module) and name in src_parent._buffers:
-        dst.register_buffer(name, value, persistent=name not in src_parent._non_persistent_buffers_set)
+        _put(dst, "_buffers", name, value)
+        if name in src_parent._non_persistent_buffers_set:
+            dst._non_persistent_buffers_set.add(name)
     else:
         setattr(dst, name, value)
+
+
+def _put(dst: Any, store: str, name: str, value: Any) -> None:
+    """``dst.add_module`` / ``register_parameter`` / ``register_buffer`` for a fresh name.
+
+    Why not those methods: each first asks ``hasattr(dst, name)``, and a miss goes through
+    ``nn.Module.__getattr__``, which costs tens of microseconds in recent torch; GraphModule
+    construction adds one entry per graph target."""
+    d = dst.__dict__
+    if isinstance(dst, torch.nn.Module) and "." not in name and not hasattr(type(dst), name) \
+            and name not in d and all(name not in d[t] for t in ("_parameters", "_buffers", "_modules")):
+        d[store][name] = value
+    elif store == "_modules":
+        dst.add_module(name, value)
+    elif store == "_parameters":
+        dst.register_parameter(name, value)
+    else:
+        dst.register_buffer(name, value)
 
 
 class GraphModule(torch.nn.Module):

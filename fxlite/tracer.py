@@ -106,7 +106,17 @@ def _torch_fx_registrations() -> list[tuple[dict[str, Any], str]]:
     return []
 
 
+_WRAPPERS: dict[int, Callable[..., Any]] = {}  # id(orig) -> its wrapper, made once
+
+
 def _wrapper_for(orig: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper = _WRAPPERS.get(id(orig))
+    if wrapper is None or wrapper.__fxlite_orig__ is not orig:  # type: ignore[attr-defined]
+        wrapper = _WRAPPERS[id(orig)] = _make_wrapper(orig)
+    return wrapper
+
+
+def _make_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -317,12 +327,20 @@ class Tracer(TracerBase):
         code = code_fn.__code__
         self.graph._co_fields = {"co_filename": code.co_filename,
                                  "co_firstlineno": code.co_firstlineno, "co_name": code.co_name}
-        self._module_paths = {id(m): name for name, m in self.root.named_modules()}
+        self._module_paths = {}
         self._tensor_paths: dict[int, str] = {}
-        for name, t in self.root.named_buffers():
-            self._tensor_paths.setdefault(id(t), name)
-        for name, t in self.root.named_parameters():
-            self._tensor_paths.setdefault(id(t), name)
+        params: dict[int, str] = {}
+        for path, m in self.root.named_modules():  # one walk (named_buffers would walk again)
+            self._module_paths[id(m)] = path
+            prefix = f"{path}." if path else ""
+            for name, t in m._buffers.items():
+                if t is not None:
+                    self._tensor_paths.setdefault(id(t), prefix + name)
+            for name, t in m._parameters.items():
+                if t is not None:
+                    params.setdefault(id(t), prefix + name)
+        for key, path in params.items():  # buffers first, as before
+            self._tensor_paths.setdefault(key, path)
         self._constant_count = 0
         while hasattr(self.root, f"_tensor_constant{self._constant_count}"):
             self._constant_count += 1
