@@ -330,8 +330,10 @@ class Tracer(TracerBase):
         self._module_paths = {}
         self._tensor_paths: dict[int, str] = {}
         params: dict[int, str] = {}
+        modules = []
         for path, m in self.root.named_modules():  # one walk (named_buffers would walk again)
             self._module_paths[id(m)] = path
+            modules.append(m)
             prefix = f"{path}." if path else ""
             for name, t in m._buffers.items():
                 if t is not None:
@@ -342,12 +344,15 @@ class Tracer(TracerBase):
         for key, path in params.items():  # buffers first, as before
             self._tensor_paths.setdefault(key, path)
         self._constant_count = 0
-        while hasattr(self.root, f"_tensor_constant{self._constant_count}"):
+        while _has_own(self.root, f"_tensor_constant{self._constant_count}"):
             self._constant_count += 1
         self._keep_alive: list[Any] = []
         self.module_stack = {}
         call, args, tree = self._root_call(fn, code_fn, bound, concrete_args)
-        with patching.tracing(self) as session, gc_paused():
+        # Module roots patch their modules' classes; a function root has no submodules to
+        # intercept (a module it creates is traced through).
+        classes = patching.classes_to_patch(modules) if bound else []
+        with patching.tracing(self, classes) as session, gc_paused():
             self._patch_wrapped(session, code_fn)
             self._trace_frame = sys._getframe()
             try:
@@ -479,6 +484,13 @@ class Tracer(TracerBase):
             for name, value in list(namespace.items()):
                 if id(value) in self._autowrap_ids:
                     session.patch_dict(namespace, name, lambda old, o=value: _wrapper_for(o))
+
+
+def _has_own(module: torch.nn.Module, name: str) -> bool:
+    """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s costly miss."""
+    d = module.__dict__
+    return name in d or any(name in d[t] for t in ("_parameters", "_buffers", "_modules")) \
+        or hasattr(type(module), name)
 
 
 def _children(spec: Any) -> list[Any]:
