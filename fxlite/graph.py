@@ -38,6 +38,7 @@ _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", 
 _NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
+_SPLIT: dict[str, tuple[str, int]] = {}
 
 
 @contextlib.contextmanager
@@ -81,8 +82,14 @@ class _Namespace:
         if name not in self._used and name not in _RESERVED:
             self._used.add(name)
             return name
-        m = _SUFFIX.match(name)
-        base, n = (m.group(1), int(m.group(2))) if m else (name, 1)
+        split = _SPLIT.get(name)
+        if split is None:  # "add_12" -> ("add", 12); cached: the same hints recur constantly
+            m = _SUFFIX.match(name)
+            split = (m.group(1), int(m.group(2))) if m else (name, 1)
+            if len(_SPLIT) > 100_000:
+                _SPLIT.clear()
+            _SPLIT[name] = split
+        base, n = split
         n = max(n, self._next_suffix.get(base, 1))
         while f"{base}_{n}" in self._used:
             n += 1

@@ -89,6 +89,9 @@ def _collect_nodes(a: Argument, out: dict[Node, None]) -> None:
             stack.extend((x.step, x.stop, x.start))
 
 
+_SCALARS_AND_NODE: frozenset = frozenset()  # filled in below, once Node exists
+
+
 class Node:
     """One operation in a Graph. See the module docstring for the meaning of each field.
 
@@ -197,8 +200,16 @@ class Node:
 
     def replace_input_with(self, old_input: Node, new_input: Node) -> None:
         """Replace every use of ``old_input`` in this node's arguments with ``new_input``."""
+        args, kwargs = self._args, self._kwargs
+        flat = _SCALARS_AND_NODE
+        if all(type(a) in flat for a in args) and all(type(v) in flat for v in kwargs.values()):
+            # the common flat case, without the general walk (rewriting speed)
+            self._update_args_kwargs(
+                tuple([new_input if a is old_input else a for a in args]),
+                {k: new_input if v is old_input else v for k, v in kwargs.items()} if kwargs else {})
+            return
         swap = lambda n: new_input if n is old_input else n
-        self._update_args_kwargs(map_arg(self._args, swap), map_arg(self._kwargs, swap))
+        self._update_args_kwargs(map_arg(args, swap), map_arg(kwargs, swap))
 
     def replace_all_uses_with(self, replace_with: Node,
                               delete_user_cb: Callable[[Node], bool] = lambda user: True,
@@ -306,6 +317,9 @@ def _format_target(target: Target) -> str:
         return f"{mod}.{name}"
     qual = getattr(target, "__qualname__", None) or name or repr(target)
     return f"{mod}.{qual}" if mod else qual
+
+
+_SCALARS_AND_NODE = _SCALARS | {Node}
 
 
 def _format_type(t: Any) -> str:

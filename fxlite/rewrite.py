@@ -247,13 +247,20 @@ def _as_graph(obj: Any, role: str) -> tuple[Graph, torch.nn.Module | None]:
 class _Replacement:
     """A replacement graph, checked against the pattern and taken apart once."""
 
-    __slots__ = ("graph", "module", "placeholders", "ops", "leaves", "attrs")
+    __slots__ = ("graph", "module", "placeholders", "ops", "leaves", "attrs", "flat")
 
     def __init__(self, matcher: SubgraphMatcher, rgraph: Graph, rmod: Any, module: Any) -> None:
         nodes = list(rgraph.nodes)
         self.graph, self.module = rgraph, rmod
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.ops = [n for n in nodes if n.op not in ("placeholder", "output")]
+        # Ops whose arguments are Nodes or constants, not containers, and with kwargs
+        # free of Nodes: copied by a fast path (most replacement nodes are).
+        self.flat = {n for n in self.ops
+                     if all(type(a) is Node or type(a) in (int, float, bool, str, type(None))
+                            for a in n.args)
+                     and not any(isinstance(v, (Node, list, tuple, dict, slice))
+                                 for v in n.kwargs.values())}
         pph = matcher.placeholders
         if len(self.placeholders) != len(pph):
             raise ValueError(f"the pattern takes {len(pph)} inputs ({', '.join(p.name for p in pph)}) "
@@ -363,13 +370,21 @@ class _Rewrite:
             self._copy_attrs(rep)
         val_map: dict[Node, Any] = dict(zip(rep.placeholders, inputs))
         new_nodes: list[Node] = []
+        saved_point, graph._insert_before = graph._insert_before, where  # inserting_before
         try:
-            with graph.inserting_before(where):
-                lookup = val_map.__getitem__
-                for rn in rep.ops:
-                    new_nodes.append(graph.node_copy(rn, lookup))
-                    val_map[rn] = new_nodes[-1]
+            lookup = val_map.__getitem__
+            for rn in rep.ops:
+                if rn in rep.flat:  # plain arguments: map them without the general walk
+                    args = tuple([val_map[a] if type(a) is Node else a for a in rn.args])
+                    new = graph.create_node(rn.op, rn.target, args, rn.kwargs, rn.name, rn.type)
+                    if rn.meta:
+                        new.meta = dict(rn.meta)
+                else:
+                    new = graph.node_copy(rn, lookup)
+                new_nodes.append(new)
+                val_map[rn] = new
         finally:  # record what was created even if copying failed halfway, for rollback
+            graph._insert_before = saved_point
             self.created.extend(new_nodes)
             self.created_set.update(new_nodes)
         if new_nodes:
