@@ -23,11 +23,18 @@ Each figure is the median of several rounds, timed with ``time.perf_counter`` af
 torch.fx time / fxlite time, so above 1 means fxlite is faster. The scaling table divides
 the time on the largest chain by the time on the smallest.
 
+With ``--torchvision`` it instead traces the 19 torchvision classification models below
+(random weights, eval mode) with both libraries, checks that each traced module's output
+equals eager PyTorch's on a fresh input, and times ``symbolic_trace`` side by side; the
+target is a median speedup of at least 3x over the models. It needs torchvision
+(``pip install torch==2.14.1 torchvision==0.29.1`` in a separate venv works on CPU).
+
 Usage (after the README's setup, which installs fxlite)::
 
     python benchmarks/bench_trace.py                    # chains of 1000 and 5000 links
     python benchmarks/bench_trace.py --quick            # fewer repeats
     python benchmarks/bench_trace.py --sizes 100,1000 --tablefmt github
+    python benchmarks/bench_trace.py --torchvision      # the 19 classification models
 """
 
 from __future__ import annotations
@@ -224,6 +231,56 @@ def run(sizes: list[int], repeats: int, encoder_layers: int, tablefmt: str) -> b
     return all_met
 
 
+TORCHVISION = ("alexnet", "vgg16_bn", "resnet18", "resnet50", "resnext50_32x4d",
+               "densenet121", "squeezenet1_1", "googlenet", "inception_v3", "mobilenet_v2",
+               "mobilenet_v3_large", "shufflenet_v2_x1_0", "mnasnet1_0", "efficientnet_b0",
+               "regnet_y_400mf", "convnext_tiny", "vit_b_16", "swin_t", "maxvit_t")
+TORCHVISION_TARGET = 3.0  # median of torch.fx time / fxlite time over the models
+
+
+def run_torchvision(repeats: int, tablefmt: str, names: tuple[str, ...] = TORCHVISION) -> bool:
+    """Trace each torchvision model with both libraries; True if all match eager and the
+    median speedup meets :data:`TORCHVISION_TARGET`."""
+    import torchvision
+
+    rows, ratios, all_equal = [], [], True
+    for name in names:
+        torch.manual_seed(0)
+        model = torchvision.models.get_model(name, weights=None).eval()
+        size = 299 if name == "inception_v3" else 224
+        x = torch.randn(1, 3, size, size)
+        with torch.no_grad():
+            expected = model(x)
+            equal = {}
+            for lib in (torch.fx, fxlite):
+                try:
+                    torch.testing.assert_close(lib.symbolic_trace(model)(x), expected)
+                    equal[lib.__name__] = "yes"
+                except Exception as e:  # a failure is reported, not hidden
+                    equal[lib.__name__] = f"NO: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+        all_equal &= equal["fxlite"] == "yes"
+        if equal["fxlite"] == "yes" and equal["torch.fx"] == "yes":
+            medians = median_times({"trace": [lambda m=model: torch.fx.symbolic_trace(m),
+                                              lambda m=model: fxlite.symbolic_trace(m)]}, repeats)
+            fx_t, lite_t = medians["trace"]
+            ratios.append(fx_t / lite_t)
+            nodes = len(fxlite.symbolic_trace(model).graph.nodes)
+            rows.append([name, nodes, f"{fx_t * 1e3:.1f}", f"{lite_t * 1e3:.1f}",
+                         f"{fx_t / lite_t:.2f}x", equal["torch.fx"], equal["fxlite"]])
+        else:
+            rows.append([name, "", "", "", "", equal["torch.fx"], equal["fxlite"]])
+        print(f"done: {name}", file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["model", "nodes", "torch.fx (ms)", "fxlite (ms)", "fx / fxlite",
+                                  "torch.fx == eager", "fxlite == eager"],
+                   tablefmt=tablefmt, disable_numparse=True))
+    median = statistics.median(ratios) if ratios else 0.0
+    met = all_equal and median >= TORCHVISION_TARGET
+    print(f"\nmedian speedup over {len(ratios)} models: {median:.2f}x "
+          f"(target >= {TORCHVISION_TARGET:g}x: {'met' if median >= TORCHVISION_TARGET else 'MISSED'}); "
+          f"fxlite equals eager on {sum(r[-1] == 'yes' for r in rows)} of {len(rows)} models")
+    return met
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the benchmark; with ``--check``, 1 if a target is missed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -234,13 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoder-layers", type=int, default=12)
     parser.add_argument("--tablefmt", default="simple", help="tabulate format, e.g. github")
     parser.add_argument("--check", action="store_true", help="exit 1 if any target is missed")
+    parser.add_argument("--torchvision", action="store_true",
+                        help="trace the 19 torchvision classification models instead")
+    parser.add_argument("--models", default=None,
+                        help="with --torchvision: comma-separated subset of the models")
     args = parser.parse_args(argv)
     sizes = sorted(int(s) for s in args.sizes.split(",") if s.strip())
     repeats = args.repeats or (3 if args.quick else 7)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))  # torch.fx deepcopy recurses
     print(f"torch {torch.__version__}, fxlite {fxlite.__version__}, python "
           f"{sys.version.split()[0]}, median of {repeats}")
-    met = run(sizes, repeats, args.encoder_layers, args.tablefmt)
+    if args.torchvision:
+        names = tuple(args.models.split(",")) if args.models else TORCHVISION
+        met = run_torchvision(repeats, args.tablefmt, names)
+    else:
+        met = run(sizes, repeats, args.encoder_layers, args.tablefmt)
     print("\nall targets met" if met else "\nsome targets MISSED")
     return 1 if args.check and not met else 0
 

@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
-from fxlite.graph import Graph, _Namespace
+from fxlite.graph import _RESERVED, Graph, _Namespace
 from fxlite.node import Node
+
+from .python_hooks import CodeGen
 
 __all__ = ["PythonCode", "generate"]
 
@@ -86,6 +88,9 @@ class _Emitter:
                     and hint not in self.names._used:
                 name = hint
                 self.names.reserve(hint)
+            elif _is_ident(hint) and hint not in self.names._used and hint not in _RESERVED:
+                name = hint  # keep the user's spelling (CustomArgObject), as torch.fx does
+                self.names.reserve(hint)
             else:
                 name = self.names.create_name(hint)
             self.globals[name] = obj
@@ -101,6 +106,10 @@ class _Emitter:
         return text
 
     def _qualify(self, obj: Any) -> str:
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            path = _torch_op_path(obj)  # torch.ops.aten.add.Tensor, as torch.fx prints it
+            if path is not None:
+                return self.bind("torch", torch) + path[len("torch"):]
         name = getattr(obj, "__name__", None)
         if isinstance(name, str) and getattr(builtins, name, None) is obj:
             return name
@@ -197,6 +206,18 @@ class _Emitter:
         return self.bind("_annotation", t)
 
 
+def _torch_op_path(op: Any) -> str | None:
+    """``torch.ops.aten.add.Tensor`` for an op overload (or packet), if that path finds it."""
+    if isinstance(op, torch._ops.OpOverload):
+        namespace, _, name = op._schema.name.partition("::")
+        path = f"torch.ops.{namespace}.{name}.{op._overloadname}"
+    else:
+        namespace, _, name = op._qualified_op_name.partition("::")
+        path = f"torch.ops.{namespace}.{name}"
+    ok = all(_is_ident(atom) for atom in path.split(".")) and _resolves(path, op)
+    return path if ok else None
+
+
 def _resolves(path: str, obj: Any) -> bool:
     parts = path.split(".")
     cur: Any = sys.modules.get(parts[0])
@@ -239,6 +260,33 @@ def _statement(node: Node, em: _Emitter, root: str) -> str:
     return f"{em.qualified(target)}({em.call_args(args, kwargs)})"
 
 
+_INPLACE = {
+    operator.iadd: "+=", operator.isub: "-=", operator.imul: "*=", operator.itruediv: "/=",
+    operator.ifloordiv: "//=", operator.imod: "%=", operator.ipow: "**=", operator.imatmul: "@=",
+    operator.ilshift: "<<=", operator.irshift: ">>=", operator.iand: "&=", operator.ior: "|=",
+    operator.ixor: "^=",
+}
+
+
+def _inplace(node: Node, em: _Emitter) -> str | None:
+    """``a *= b;  imul = a`` for an in-place operator on a value held in a variable.
+
+    Why not ``imul = operator.imul(a, b)``: for immutable values (ints) that leaves ``a``
+    unchanged, so code that returns ``a`` would return the old value.
+    """
+    if node.op != "call_function" or node.kwargs or len(node.args) != 2 \
+            or not isinstance(node.args[0], Node):
+        return None
+    try:
+        op = _INPLACE.get(node.target)  # type: ignore[call-overload]
+    except TypeError:  # an unhashable target
+        return None
+    if op is None:
+        return None
+    target = node.args[0].name
+    return f"{target} {op} {em.operand(node.args[1])};  {node.name} = {target}"
+
+
 def generate(graph: Graph, root_module: str = "self") -> PythonCode:
     """Generate ``def forward(self, ...)`` for ``graph``.
 
@@ -262,11 +310,18 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
     for n in nodes:
         for inp in n._input_nodes:
             last_use[inp] = n
+            if inp.graph is not graph:
+                raise RuntimeError(f"node {n.name!r} reads {inp.name!r}, which does not belong to "
+                                   "this Graph; map copied nodes' inputs (graph.node_copy(n, "
+                                   "arg_transform)) before generating code")
     to_free: dict[Node, list[str]] = {}
     for value, user in last_use.items():
         if user.op != "output":
             to_free.setdefault(user, []).append(value.name)
 
+    hooks = getattr(graph, "_codegen", None)
+    if type(hooks) is CodeGen:
+        hooks = None  # the default: generate as below
     params: list[str] = []
     body: list[str] = []
     seen_default = seen_star = False
@@ -276,7 +331,9 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
             text = n.name
             if n.type is not None:
                 text += f" : {em.annotation(n.type)}"
-            if str(n.target).startswith("*"):
+            if str(n.target).startswith("**"):
+                text = "**" + text
+            elif str(n.target).startswith("*"):
                 text, seen_star = "*" + text, True
             elif n.args:
                 text += f" = {em.expr(n.args[0])}"
@@ -289,9 +346,16 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
         if n.op == "output":
             if n.type is not None:
                 returns = f" -> {em.annotation(n.type)}"
-            body.append(f"return {em.expr(n.args[0])}")
+            if hooks is not None:
+                hooks._expr = em.expr  # for the duration of this call only (see below)
+                try:
+                    body.append(hooks.generate_output(n.args[0]))
+                finally:
+                    del hooks._expr
+            else:
+                body.append(f"return {em.expr(n.args[0])}")
             continue
-        line = f"{n.name} = {_statement(n, em, root_module)}"
+        line = _inplace(n, em) or f"{n.name} = {_statement(n, em, root_module)}"
         freed = to_free.get(n)
         if freed:
             line += f";  {' = '.join(freed)} = None"
@@ -300,6 +364,15 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
         body.append("return None")
     imports = [f"import {name}" for name, v in em.globals.items()
                if isinstance(v, types.ModuleType) and name == v.__name__]
-    header = f"def forward({', '.join([root_module, *params])}){returns}:"
+    if hooks is not None:
+        free = [p for p in params if p != "*"]
+        header = hooks.gen_fn_def(free, returns)
+        for name, obj in hooks.additional_globals():
+            if name in em.names._used and em.globals.get(name) is not obj:
+                raise RuntimeError(f"{type(hooks).__name__}.additional_globals() names {name!r}, "
+                                   "which the generated code already uses")
+            em.globals[name] = obj
+    else:
+        header = f"def forward({', '.join([root_module, *params])}){returns}:"
     src = "\n".join([*imports, header, *("    " + b for b in body)]) + "\n"
     return PythonCode(src, em.globals)

@@ -24,8 +24,8 @@ if os.path.isfile(os.path.join(_checkout, "codegen", "python.py")) and os.path.i
 from .graph import Graph  # noqa: E402  (after the checkout path above)
 from .graph_module import GraphModule  # noqa: E402
 from .node import Node, map_arg  # noqa: E402
-from .proxy import Proxy, TraceError  # noqa: E402
-from .tracer import Tracer, symbolic_trace, wrap  # noqa: E402
+from .proxy import Proxy, ProxyableClassMeta, TraceError  # noqa: E402
+from .tracer import PH, PHBase, PHWithMeta, Tracer, symbolic_trace, wrap  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -42,14 +42,18 @@ _LAZY = {
     "explain": "fxlite.codegen.explain",
     "export": "fxlite.codegen.explain",
     "set_logs": "fxlite.logs",
+    "has_side_effect": "fxlite.ops",
+    "CodeGen": "fxlite.codegen.python_hooks",
 }
 
-__all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",
-           "symbolic_trace", "wrap", *_LAZY]
+__all__ = ["PH", "Graph", "GraphModule", "Node", "PHBase", "PHWithMeta", "Proxy",
+           "ProxyableClassMeta", "TraceError", "Tracer", "map_arg", "symbolic_trace", "wrap", *_LAZY]
 
 
-# Subpackages reachable as attributes (`fx.passes.diff`) without an import of their own.
-_SUBMODULES = ("passes", "codegen", "rewrite", "interpreter", "logs", "examples")
+# Submodules reachable as attributes without an import of their own (`fx.passes.diff`),
+# as torch.fx.passes and torch.fx.subgraph_rewriter are.
+_SUBMODULES = ("passes", "subgraph_rewriter", "interpreter", "rewrite", "codegen", "ops",
+               "logs", "examples")
 
 
 def __getattr__(name: str) -> Any:

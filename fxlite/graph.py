@@ -4,9 +4,9 @@ The list is doubly linked around a sentinel, so inserting and erasing anywhere i
 and iterating while erasing is safe. ``str(graph)`` prints one node per line::
 
     graph():
-        %x : [#users=1] = placeholder[target=x]
-        %y : [#users=1] = placeholder[target=y]
-        %add : [#users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})
+        %x : [num_users=1] = placeholder[target=x]
+        %y : [num_users=1] = placeholder[target=y]
+        %add : [num_users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})
         return add
 
 Node names are unique within a graph, are valid Python identifiers, and never shadow a
@@ -24,6 +24,7 @@ import inspect
 import keyword
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ _RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", 
 _NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
+_SPLIT: dict[str, tuple[str, int]] = {}
 
 
 @contextlib.contextmanager
@@ -80,8 +82,14 @@ class _Namespace:
         if name not in self._used and name not in _RESERVED:
             self._used.add(name)
             return name
-        m = _SUFFIX.match(name)
-        base, n = (m.group(1), int(m.group(2))) if m else (name, 1)
+        split = _SPLIT.get(name)
+        if split is None:  # "add_12" -> ("add", 12); cached: the same hints recur constantly
+            m = _SUFFIX.match(name)
+            split = (m.group(1), int(m.group(2))) if m else (name, 1)
+            if len(_SPLIT) > 100_000:
+                _SPLIT.clear()
+            _SPLIT[name] = split
+        base, n = split
         n = max(n, self._next_suffix.get(base, 1))
         while f"{base}_{n}" in self._used:
             n += 1
@@ -153,6 +161,8 @@ class Graph:
         self._insert_before = self._root
         self.owning_module = owning_module
         self._tracer_cls = tracer_cls
+        self._codegen: Any = None  # a fxlite.codegen.python_hooks.CodeGen; None: the default
+        self._co_fields: dict[str, Any] | None = None  # where the traced code came from
 
     # ------------------------------------------------------------------ the node list
     @property
@@ -215,7 +225,9 @@ class Graph:
         Args:
             op: one of the six opcodes.
             target: what to call or read (see :mod:`fxlite.node`).
-            args, kwargs: its arguments; may contain Nodes of this graph.
+            args, kwargs: its arguments; may contain Nodes of this graph. (Nodes of another
+                graph are accepted, since torch.fx code copies nodes and then remaps their
+                inputs, but ``lint`` and code generation reject a graph that still reads them.)
             name: a name hint; the node gets it or a unique variant of it.
             type_expr: an optional type annotation, kept in generated code.
         """
@@ -223,11 +235,6 @@ class Graph:
         kwargs = {} if kwargs is None else dict(kwargs)
         unique = self._namespace.create_name(name or _name_hint(op, target))
         n = Node(self, unique, op, target, args, kwargs, type_expr)
-        for inp in n._input_nodes:
-            if inp.graph is not self:
-                n._update_args_kwargs((), {})
-                self._namespace.release(unique)
-                raise RuntimeError(f"node {unique!r} would read {inp.name!r}, which belongs to another graph")
         self._insert_before.prepend(n)
         self._len += 1
         return n
@@ -239,13 +246,29 @@ class Graph:
         return self.create_node("placeholder", name, args, type_expr=type_expr)
 
     def get_attr(self, qualified_name: str, type_expr: Any = None) -> Node:
-        """Read an attribute of the owning module by its dotted path."""
+        """Read an attribute of the owning module by its dotted path.
+
+        Warns if the owning module has no such attribute (yet).
+        """
+        self._warn_if_missing(qualified_name, "get_attr", "add_submodule / register_parameter "
+                              "/ register_buffer")
         return self.create_node("get_attr", qualified_name, type_expr=type_expr)
 
     def call_module(self, module_name: str, args: tuple | None = None,
                     kwargs: dict | None = None, type_expr: Any = None) -> Node:
-        """Call the submodule at the dotted path ``module_name``."""
+        """Call the submodule at the dotted path ``module_name``.
+
+        Warns if the owning module has no such submodule (yet).
+        """
+        self._warn_if_missing(module_name, "call_module", "add_submodule")
         return self.create_node("call_module", module_name, args, kwargs, type_expr=type_expr)
+
+    def _warn_if_missing(self, path: str, op: str, fix: str) -> None:
+        if self.owning_module is None or self._lint_target_path(path) is None:
+            return
+        warnings.warn(f"Attempted to insert a {op} Node with no underlying reference in the "
+                      f"owning GraphModule: it has no {path!r}. Add it first with "
+                      f"GraphModule.{fix}, or the generated code will fail.", stacklevel=3)
 
     def call_method(self, method_name: str, args: tuple | None = None,
                     kwargs: dict | None = None, type_expr: Any = None) -> Node:
@@ -294,7 +317,10 @@ class Graph:
             raise RuntimeError(f"node {to_erase.name!r} was already erased")
         if to_erase.users:
             users = ", ".join(u.name for u in to_erase.users)
-            raise RuntimeError(f"cannot erase node {to_erase.name!r}: it is still used by {users}")
+            raise RuntimeError(
+                f"tried to erase node {to_erase.name!r} but it still had {len(to_erase.users)} "
+                f"users in the graph: {users}. Make them read another value first, e.g. "
+                f"{to_erase.name}.replace_all_uses_with(new_node)")
         to_erase._remove_from_list()
         to_erase._update_args_kwargs((), {})
         to_erase._erased = True
@@ -347,18 +373,18 @@ class Graph:
     def _lint_node(self, node: Node, seen: set[Node], names: set[str]) -> str | None:
         """What is wrong with ``node``, or None."""
         if node.graph is not self:
-            return "belongs to another graph"
+            return "does not belong to this Graph"
         if node.name in names:
             return "has a duplicate name"
         if not node.name.isidentifier() or keyword.iskeyword(node.name):
             return "has a name that is not a Python identifier"
         for inp in node._input_nodes:
             if inp.graph is not self:
-                return f"reads {inp.name!r} from another graph"
+                return f"reads {inp.name!r}, which does not belong to this Graph"
             if inp._erased:
                 return f"reads erased node {inp.name!r}"
             if inp not in seen:
-                return f"reads {inp.name!r} before it is defined"
+                return f"reads {inp.name!r}, which was used before it has been defined"
             if node not in inp.users:
                 return f"reads {inp.name!r}, which does not list it as a user"
         for user in node.users:
@@ -369,14 +395,37 @@ class Graph:
     def _lint_target(self, node: Node) -> str | None:
         if self.owning_module is None or node.op not in ("get_attr", "call_module"):
             return None
+        missing = self._lint_target_path(node.target)
+        if missing:
+            return missing
         obj = self.owning_module
         for atom in node.target.split("."):
-            if not hasattr(obj, atom):
-                return f"refers to {node.target!r}, which the owning module lacks"
             obj = getattr(obj, atom)
         if node.op == "call_module" and not isinstance(obj, torch.nn.Module):
             return f"calls {node.target!r}, which is not a module"
         return None
+
+    def _lint_target_path(self, path: str) -> str | None:
+        obj = self.owning_module
+        for atom in path.split("."):
+            if not hasattr(obj, atom):
+                return f"refers to {path!r}, which the owning module lacks"
+            obj = getattr(obj, atom)
+        return None
+
+    # ------------------------------------------------------------------ code generation hooks
+    def set_codegen(self, codegen: Any) -> None:
+        """Use ``codegen`` (a :class:`fxlite.codegen.python_hooks.CodeGen`) for ``forward``'s
+        signature and return; call ``recompile()`` on the owning GraphModule afterwards."""
+        self._codegen = codegen
+
+    def process_inputs(self, *args: Any) -> Any:
+        """The placeholder values for a call with ``args`` (the codegen's ``process_inputs``)."""
+        return args if self._codegen is None else self._codegen.process_inputs(*args)
+
+    def process_outputs(self, out: Any) -> Any:
+        """A call's result from the output node's value (the codegen's ``process_outputs``)."""
+        return out if self._codegen is None else self._codegen.process_outputs(out)
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
@@ -414,6 +463,8 @@ class Graph:
         # graph_copy walks the list; the default deepcopy would recurse node to node.
         new = Graph(tracer_cls=self._tracer_cls)
         memo[id(self)] = new
+        new._codegen = copy.deepcopy(self._codegen, memo)
+        new._co_fields = self._co_fields
         val_map: dict[Node, Argument] = {}
         out = new.graph_copy(self, val_map, return_output_node=True)
         if out is not None:
@@ -428,24 +479,25 @@ class Graph:
         index = {n: i for i, n in enumerate(self.nodes)}
         ref = lambda n: _NodeRef(index[n])
         with gc_paused():  # allocating a record per node would trigger superlinear collections
-            records = [(n.name, str(n.op), n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref),
-                        n.type, n.meta) for n in self.nodes]
+            records = [(n.name, str(n.op), _TorchOp.wrap(n.target), map_arg(n.args, ref),
+                        map_arg(n.kwargs, ref), n.type, n.meta) for n in self.nodes]
         # The tracer class is informational; a local class (not importable) is left out, so
         # a graph pickles without it.
         cls = self._tracer_cls
         if cls is not None and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is not cls:
             cls = None
-        return {"records": records, "tracer_cls": cls}
+        return {"records": records, "tracer_cls": cls, "codegen": self._codegen}
 
     def __setstate__(self, state: dict) -> None:
         Graph.__init__(self, tracer_cls=state.get("tracer_cls"))
+        self._codegen = state.get("codegen")
         made: list[Node] = []
         unref = lambda r: made[r.index] if isinstance(r, _NodeRef) else r
         from .node import map_aggregate
 
         with gc_paused():  # as in __deepcopy__: collections during the rebuild are superlinear
             for name, op, target, args, kwargs, type_expr, meta in state["records"]:
-                n = self.create_node(op, target, map_aggregate(args, unref),
+                n = self.create_node(op, _TorchOp.unwrap(target), map_aggregate(args, unref),
                                      map_aggregate(kwargs, unref), name, type_expr)
                 n.meta = meta
                 made.append(n)
@@ -459,3 +511,32 @@ class _NodeRef:
 
     def __reduce__(self) -> tuple:
         return (_NodeRef, (self.index,))
+
+
+class _TorchOp:
+    """A picklable stand-in for a ``torch.ops`` target (``torch.ops.aten.add.Tensor``),
+    which torch cannot pickle itself: the op is looked up again by name on load."""
+
+    __slots__ = ("name", "overload")
+
+    def __init__(self, name: str, overload: str | None) -> None:
+        self.name, self.overload = name, overload
+
+    def __reduce__(self) -> tuple:
+        return (_TorchOp, (self.name, self.overload))
+
+    @staticmethod
+    def wrap(target: Any) -> Any:
+        if isinstance(target, torch._ops.OpOverload):
+            return _TorchOp(target._schema.name, target._overloadname)
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return _TorchOp(target._qualified_op_name, None)
+        return target
+
+    @staticmethod
+    def unwrap(target: Any) -> Any:
+        if not isinstance(target, _TorchOp):
+            return target
+        namespace, _, op = target.name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), op)
+        return packet if target.overload is None else getattr(packet, target.overload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import linecache
 import os
 import sys
 import types
@@ -30,32 +31,73 @@ def _split(target: str) -> tuple[str, str]:
     return prefix, name
 
 
+_MISSING = object()
+
+
+def _child(obj: Any, atom: str) -> Any:
+    """``getattr(obj, atom)``, or _MISSING. Reads a module's own dicts first: for a missing
+    name, ``nn.Module.__getattr__`` builds an error message, which made copying the
+    attributes of a large model's graph a large part of tracing it."""
+    if isinstance(obj, torch.nn.Module):
+        d = obj.__dict__
+        if atom in d:
+            return d[atom]
+        for store in ("_parameters", "_buffers", "_modules"):
+            table = d.get(store)
+            if table is not None and atom in table:
+                return table[atom]
+    return getattr(obj, atom, _MISSING)
+
+
 def _get(obj: Any, target: str, what: str) -> Any:
     for i, atom in enumerate(target.split(".") if target else []):
-        if not hasattr(obj, atom):
+        nxt = _child(obj, atom)
+        if nxt is _MISSING:
             where = ".".join(target.split(".")[:i]) or "the root"
             raise RuntimeError(f"{what}: {where} has no attribute {atom!r} (looking up {target!r})")
-        obj = getattr(obj, atom)
+        obj = nxt
     return obj
 
 
 def _copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str, what: str) -> None:
     """Copy ``src.<target>`` to ``dst``, creating empty parent modules as needed."""
-    value = _get(src, target, what)
     prefix, name = _split(target)
     src_parent = _get(src, prefix, what)
+    value = _get(src_parent, name, what) if prefix else _get(src, name, what)
     for atom in prefix.split(".") if prefix else []:
-        if not hasattr(dst, atom):
-            dst.add_module(atom, torch.nn.Module())
-        dst = getattr(dst, atom)
+        nxt = _child(dst, atom)
+        if nxt is _MISSING:
+            nxt = torch.nn.Module()
+            _put(dst, "_modules", atom, nxt)
+        dst = nxt
     if isinstance(value, torch.nn.Module):
-        dst.add_module(name, value)
+        _put(dst, "_modules", name, value)
     elif isinstance(value, torch.nn.Parameter):
-        dst.register_parameter(name, value)
+        _put(dst, "_parameters", name, value)
     elif isinstance(src_parent, torch.nn.Module) and name in src_parent._buffers:
-        dst.register_buffer(name, value, persistent=name not in src_parent._non_persistent_buffers_set)
+        _put(dst, "_buffers", name, value)
+        if name in src_parent._non_persistent_buffers_set:
+            dst._non_persistent_buffers_set.add(name)
     else:
         setattr(dst, name, value)
+
+
+def _put(dst: Any, store: str, name: str, value: Any) -> None:
+    """``dst.add_module`` / ``register_parameter`` / ``register_buffer`` for a fresh name.
+
+    Why not those methods: each first asks ``hasattr(dst, name)``, and a miss goes through
+    ``nn.Module.__getattr__``, which costs tens of microseconds in recent torch; GraphModule
+    construction adds one entry per graph target."""
+    d = dst.__dict__
+    if isinstance(dst, torch.nn.Module) and "." not in name and not hasattr(type(dst), name) \
+            and name not in d and all(name not in d[t] for t in ("_parameters", "_buffers", "_modules")):
+        d[store][name] = value
+    elif store == "_modules":
+        dst.add_module(name, value)
+    elif store == "_parameters":
+        dst.register_parameter(name, value)
+    else:
+        dst.register_buffer(name, value)
 
 
 class GraphModule(torch.nn.Module):
@@ -75,6 +117,9 @@ class GraphModule(torch.nn.Module):
         print(gm.code)
     """
 
+    # torch.jit.script(gm) compiles forward; these Python-only properties are left out.
+    __jit_unused_properties__ = ["graph", "code"]
+
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         # A class per instance: forward is installed on it by recompile().
         base = next(c for c in cls.__mro__ if c.__name__ != "GraphModuleImpl")
@@ -87,7 +132,9 @@ class GraphModule(torch.nn.Module):
     def __init__(self, root: torch.nn.Module | dict[str, Any], graph: Graph,
                  class_name: str = "GraphModule") -> None:
         super().__init__()
-        self.meta: dict[str, Any] = {}  # free-form, as torch.fx's GraphModule.meta
+        # Free-form, as torch.fx's GraphModule.meta. Not annotated: torch.jit.script reads
+        # annotations in __init__ and rejects this one.
+        self.meta = {}
         type(self).__name__ = class_name
         type(self).__qualname__ = class_name
         targets = dict.fromkeys(n.target for n in graph.nodes if n.op in ("get_attr", "call_module"))
@@ -136,9 +183,20 @@ class GraphModule(torch.nn.Module):
         with gc_paused():
             python_code = generate(self._graph, "self")
         self.__dict__["_code"] = python_code.src
-        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}>"
+        filename = f"<fxlite-forward-{next(_counter)}:{type(self).__name__}"
+        where = self._graph._co_fields
+        if where:  # tracebacks name the traced source: "... from model.py:12 in forward>"
+            filename += f" from {where['co_filename']}:{where['co_firstlineno']} in {where['co_name']}"
+        filename += ">"
         type(self).forward = _CompileOnFirstUse(python_code, filename)
         return python_code
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:
+            _report_generated_line(e)
+            raise
 
     def __str__(self) -> str:
         return f"{super().__str__()}\n\n\n\n{self._code}"
@@ -304,6 +362,26 @@ class _CompileOnFirstUse:
         if owner.__dict__.get("forward") is self:
             owner.forward = fn
         return fn if obj is None else types.MethodType(fn, obj)
+
+
+def _report_generated_line(e: BaseException) -> None:
+    """If ``e`` was raised by a line of generated code itself (not inside a function it
+    called), print that line in context to stderr, as torch.fx does."""
+    tb = e.__traceback__
+    if tb is None:
+        return
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    if not filename.startswith("<fxlite-forward-"):
+        return
+    lines = linecache.getlines(filename)
+    lineno = tb.tb_lineno
+    context = "".join(f"{'-->' if i + 1 == lineno else '   '} {lines[i]}"
+                      for i in range(max(0, lineno - 3), min(len(lines), lineno + 2)))
+    print(f"Call using an FX-traced Module, line {lineno} of the traced Module's generated "
+          f"forward function:\n{context}(in {filename}; print gm.code to see it all)",
+          file=sys.stderr)
 
 
 def _rebuild(body: dict[str, Any], graph: Graph, class_name: str) -> GraphModule:

@@ -131,6 +131,25 @@ class Interpreter:
                 return self._process_outputs(out) if enable_io_processing else out
         return None
 
+    def boxed_run(self, args_list: list[Any]) -> Any:
+        """Run with the inputs in a list, which is emptied once they are taken, so the
+        caller's references do not keep the inputs alive while the graph runs.
+
+        Raises RuntimeError, leaving ``args_list`` untouched, if it holds more or fewer
+        values than the graph has placeholders.
+        """
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        if len(args_list) > len(placeholders):
+            raise RuntimeError(f"{self.name}.boxed_run got {len(args_list)} inputs for "
+                               f"{len(placeholders)} placeholders: extra arguments")
+        if len(args_list) < len(placeholders):
+            missing = [n.name for n in placeholders[len(args_list):]]
+            raise RuntimeError(f"{self.name}.boxed_run got {len(args_list)} inputs for "
+                               f"{len(placeholders)} placeholders: missing arguments {missing}")
+        env = dict(zip(placeholders, args_list))
+        args_list.clear()
+        return self.run(initial_env=env)
+
     def _last_uses(self) -> dict[Node, list[Node]]:
         """For each node, the values whose last reader it is: one backward sweep, O(nodes+edges).
 
@@ -187,6 +206,8 @@ class Interpreter:
             The input value.
         """
         assert isinstance(target, str)
+        if target.startswith("**"):
+            return {}  # run() takes positional inputs only
         if target.startswith("*"):
             return list(self.args_iter)
         try:
@@ -195,8 +216,9 @@ class Interpreter:
             if args:
                 return args[0]
             raise RuntimeError(
-                f"expected a positional argument for parameter {target!r}, but none was "
-                f"passed in") from None
+                f"Expected positional argument for parameter {target}, but one was not passed "
+                f"in: placeholder {target!r} got no value ({self.name}.run was given too few "
+                "inputs)") from None
 
     def get_attr(self, target: Target, args: tuple, kwargs: dict) -> Any:
         """The attribute of the module at the dotted path ``target`` (a parameter, buffer...)."""
@@ -326,6 +348,7 @@ class Transformer(Interpreter):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__(module, garbage_collect_values=True)
         self.new_graph = Graph()
+        self.new_graph.set_codegen(module.graph._codegen)  # same signature and return hooks
         self.tracer = GraphAppendingTracer(self.new_graph)
         self.tracer.root = module
         self._current: Node | None = None

@@ -89,6 +89,9 @@ def _collect_nodes(a: Argument, out: dict[Node, None]) -> None:
             stack.extend((x.step, x.stop, x.start))
 
 
+_SCALARS_AND_NODE: frozenset = frozenset()  # filled in below, once Node exists
+
+
 class Node:
     """One operation in a Graph. See the module docstring for the meaning of each field.
 
@@ -99,7 +102,7 @@ class Node:
 
     __slots__ = (
         "graph", "name", "op", "target", "_args", "_kwargs", "_input_nodes", "users",
-        "type", "meta", "_prev", "_next", "_erased", "__dict__",
+        "type", "meta", "_prev", "_next", "_erased", "__dict__", "__weakref__",
     )
 
     def __init__(self, graph: Graph, name: str, op: str, target: Target,
@@ -177,10 +180,36 @@ class Node:
         """Set ``kwargs[key]`` to ``arg``."""
         self.kwargs = {**self._kwargs, key: arg}
 
+    def insert_arg(self, idx: int, arg: Argument) -> None:
+        """Insert ``arg`` into ``args`` at position ``idx`` (as ``list.insert``)."""
+        args = list(self._args)
+        args.insert(idx, arg)
+        self.args = tuple(args)
+
+    def is_impure(self, impure_random: bool = True) -> bool:
+        """True if removing this node could change behaviour even when its result is unused:
+        in-place ops, side effects (``print``, ``torch._assert``, functions marked with
+        ``fxlite.has_side_effect``), and random ops. Dead-code elimination keeps such nodes.
+
+        Args:
+            impure_random: count random ops (``torch.rand``, dropout) as impure.
+        """
+        from .ops import is_impure
+
+        return is_impure(self, self.graph.owning_module, impure_random=impure_random)
+
     def replace_input_with(self, old_input: Node, new_input: Node) -> None:
         """Replace every use of ``old_input`` in this node's arguments with ``new_input``."""
+        args, kwargs = self._args, self._kwargs
+        flat = _SCALARS_AND_NODE
+        if all(type(a) in flat for a in args) and all(type(v) in flat for v in kwargs.values()):
+            # the common flat case, without the general walk (rewriting speed)
+            self._update_args_kwargs(
+                tuple([new_input if a is old_input else a for a in args]),
+                {k: new_input if v is old_input else v for k, v in kwargs.items()} if kwargs else {})
+            return
         swap = lambda n: new_input if n is old_input else n
-        self._update_args_kwargs(map_arg(self._args, swap), map_arg(self._kwargs, swap))
+        self._update_args_kwargs(map_arg(args, swap), map_arg(kwargs, swap))
 
     def replace_all_uses_with(self, replace_with: Node,
                               delete_user_cb: Callable[[Node], bool] = lambda user: True,
@@ -230,7 +259,7 @@ class Node:
     def prepend(self, x: Node) -> None:
         """Move or insert ``x`` just before this node."""
         if x is self:
-            raise ValueError(f"cannot prepend node {self.name!r} to itself")
+            return  # as in torch.fx: moving a node next to itself leaves the graph unchanged
         x._remove_from_list()
         p = self._prev
         p._next, x._prev = x, p
@@ -251,14 +280,14 @@ class Node:
         self.meta["stack_trace"] = trace
 
     def format_node(self) -> str:
-        """One line in the ``str(graph)`` format: ``%add : [#users=1] = call_function[...](...)``."""
+        """One line in the ``str(graph)`` format: ``%add : [num_users=1] = call_function[...](...)``."""
         if self.op == "output":
             return f"return {_format_arg(self._args[0], '') if self._args else None}"
-        typename = f"{_format_target(self.type)} " if self.type is not None else ""  # as torch.fx
+        typename = f"{_format_type(self.type)} " if self.type is not None else ""  # as torch.fx
         if self.op == "placeholder":
             default = f"[default={_format_arg(self._args[0])}]" if self._args else ""
-            return f"%{self.name} : {typename}[#users={len(self.users)}] = placeholder[target={self.target}]{default}"
-        head = f"%{self.name} : {typename}[#users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
+            return f"%{self.name} : {typename}[num_users={len(self.users)}] = placeholder[target={self.target}]{default}"
+        head = f"%{self.name} : {typename}[num_users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
         if self.op == "get_attr":
             return head
         return f"{head}(args = {_format_arg(self._args)}, kwargs = {_format_arg(self._kwargs)})"
@@ -278,6 +307,9 @@ def _format_target(target: Target) -> str:
     """``operator.add``, ``torch.sum``, ``my_module.my_fn``: how a target prints in a graph."""
     if isinstance(target, str):
         return target
+    if type(target).__name__ in ("OpOverload", "OpOverloadPacket") and \
+            type(target).__module__ == "torch._ops":
+        return f"torch.ops.{target}"  # torch.ops.aten.add.Tensor
     mod = getattr(target, "__module__", None) or ""
     mod = {"_operator": "operator"}.get(mod, mod)
     name = getattr(target, "__name__", None)
@@ -287,9 +319,22 @@ def _format_target(target: Target) -> str:
     return f"{mod}.{qual}" if mod else qual
 
 
+_SCALARS_AND_NODE = _SCALARS | {Node}
+
+
+def _format_type(t: Any) -> str:
+    """``torch.Tensor``, ``list[float]``, ``typing.List[float]``, ``float | None``."""
+    if isinstance(t, type) and not getattr(t, "__args__", None):
+        return _format_target(t)
+    return repr(t)
+
+
 def _format_arg(a: Argument, prefix: str = "%") -> str:
     if isinstance(a, Node):
         return f"{prefix}{a.name}"
+    custom = getattr(type(a), "_custom_fx_repr_fn", None)
+    if custom is not None:  # an argument type that says how it prints (as in torch.fx)
+        return a._custom_fx_repr_fn()
     if isinstance(a, tuple):
         inner = ", ".join(_format_arg(x, prefix) for x in a)
         return f"({inner},)" if len(a) == 1 else f"({inner})"

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from .node import Node
 
-__all__ = ["OpInfo", "OPS", "call_args", "canonical_args", "canonical_target", "is_impure",
-           "lookup", "lookup_target", "register", "resolve", "result_dtype"]
+__all__ = ["OpInfo", "OPS", "call_args", "canonical_args", "canonical_target", "has_side_effect",
+           "is_impure", "lookup", "lookup_target", "register", "resolve", "result_dtype"]
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,38 @@ for _t in _RANDOM_MODULES:
     register(OpInfo(f"nn.{_t.__name__}", "effect", None, modules=(_t,), impure=True))
 
 
-def is_impure(node: Node, module: torch.nn.Module | None = None) -> bool:
+def _is_random(info: OpInfo) -> bool:
+    return any(f in _RANDOM_FUNCTIONS for f in info.functions) or any(
+        m in _RANDOM_METHODS for m in info.methods) or any(t in _RANDOM_MODULES for t in info.modules)
+
+
+def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as having a side effect, so dead-code elimination keeps its calls.
+
+    Use it as a decorator, with or after :func:`fxlite.wrap`; it returns ``fn``.
+
+    Example::
+
+        @fxlite.has_side_effect
+        @fxlite.wrap
+        def log(x):
+            print(x)
+    """
+    name = f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', repr(fn))}"
+    register(OpInfo(name, "effect", fn, functions=(fn,), impure=True))
+    return fn
+
+
+def _mutates(target: Any) -> bool:
+    # torch.ops overloads say in their schema whether they write to an argument.
+    schema = getattr(target, "_schema", None)
+    if schema is None and isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+        return any(s.is_mutable for s in schemas)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: bool = True) -> bool:
     """True if removing ``node`` could change behaviour even when its result is unused.
 
     That covers placeholders and outputs, in-place ops (``add_``, ``operator.iadd``,
@@ -243,10 +274,15 @@ def is_impure(node: Node, module: torch.nn.Module | None = None) -> bool:
         return True
     info = lookup(node, module)
     if info is not None:  # the table knows (operator.and_ is no in-place op despite its "_")
+        if info.impure and not impure_random and info.kind == "effect" and _is_random(info):
+            return False
         return info.impure
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")
     if node.op == "call_function":
+        if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            qualified = getattr(node.target, "_qualified_op_name", None) or node.target.name()
+            return _mutates(node.target) or qualified.startswith("profiler::")
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.endswith("__") or getattr(node.target, "_is_impure", False)
     if node.op == "call_module" and module is not None:

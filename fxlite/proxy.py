@@ -15,11 +15,13 @@ existing graph, as in the torch.fx decomposition example::
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import linecache
 import operator
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -29,7 +31,8 @@ import torch
 from .graph import Graph
 from .node import Argument, Node, Target
 
-__all__ = ["Attribute", "GraphAppendingTracer", "Proxy", "TraceError", "TracerBase"]
+__all__ = ["Attribute", "GraphAppendingTracer", "Proxy", "ProxyableClassMeta", "TraceError",
+           "TracerBase"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -62,6 +65,26 @@ def user_location(frame: FrameType | None = None) -> str:
     return f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}\n    {line}'
 
 
+def _user_stack(tracer: TracerBase) -> str:
+    """The user's frames, outermost first, from the traced function down to this call.
+
+    Frames of fxlite and torch, and of the tracer's own methods (a ``create_node``
+    override), are left out.
+    """
+    boundary = getattr(tracer, "_trace_frame", None)
+    frames = []
+    f = sys._getframe(2)
+    while f is not None and f is not boundary:
+        fn = f.f_code.co_filename
+        if not (fn.startswith(_HERE) or fn.startswith(_TORCH_DIR) or fn.startswith("<fxlite")) \
+                and not ("self" in f.f_code.co_varnames and f.f_locals.get("self") is tracer):
+            frames.append(traceback.FrameSummary(fn, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    if boundary is None:  # no trace() frame to stop at: only the innermost user frame
+        frames = frames[:1]
+    return "".join(traceback.format_list(frames[::-1]))
+
+
 _FIXES = (
     "To trace it, either:\n"
     "  - fix the value with concrete_args, e.g. symbolic_trace(f, concrete_args={'flag': True}),\n"
@@ -76,13 +99,27 @@ class TracerBase:
 
     graph: Graph
     record_stack_traces: bool = False
+    # When True, tracing an operation that writes into an argument (``torch.sigmoid(x,
+    # out=y)``, ``torch.relu_(x)``) raises instead of recording it, as in torch.fx.
+    check_mutable_operations: bool = False
 
     def create_node(self, kind: str, target: Target, args: tuple, kwargs: dict,
                     name: str | None = None, type_expr: Any = None) -> Node:
         """Append a node to ``self.graph``. Override to tag or redirect nodes."""
+        if self.check_mutable_operations and kind == "call_function":
+            mutable = _mutable_op(target, args, kwargs)
+            if mutable:
+                raise RuntimeError(
+                    f"Tried to trace mutable operation {mutable}. Tracing here only records "
+                    f"functional code, and this call writes into an argument.\n{user_location()}\n"
+                    "Use the out-of-place form (y = torch.sigmoid(x)), or set "
+                    "check_mutable_operations = False on the tracer to record it anyway.")
         node = self.graph.create_node(kind, target, args, kwargs, name, type_expr)
+        stack = getattr(self, "module_stack", None)
+        if stack:
+            node.meta["nn_module_stack"] = dict(stack)
         if self.record_stack_traces:
-            node.stack_trace = user_location()
+            node.meta["stack_trace"] = _user_stack(self)
         return node
 
     def proxy(self, node: Node) -> Proxy:
@@ -110,15 +147,28 @@ class TracerBase:
             return a.node
         if t is tuple or t is list:
             return t([self.create_arg(x) for x in a])
+        if hasattr(t, "__fx_create_arg__"):  # the object says how it becomes an argument
+            return a.__fx_create_arg__(self)
         if isinstance(a, tuple) and hasattr(a, "_fields"):
             return t(*[self.create_arg(x) for x in a])
         if isinstance(a, (tuple, list)):
             items = [self.create_arg(x) for x in a]
             return tuple(items) if t is torch.Size else t(items)
         if isinstance(a, dict):
+            for k in a:
+                if isinstance(k, (Proxy, Node)):
+                    raise TraceError(
+                        f"a dict used as an argument has the traced value {k!r} as a key; keys "
+                        f"for dictionaries used as an argument cannot contain a Node\n"
+                        f"{user_location()}\nUse constant keys (str, int...).")
             return {k: self.create_arg(v) for k, v in a.items()}
         if t is slice:
             return slice(self.create_arg(a.start), self.create_arg(a.stop), self.create_arg(a.step))
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            # Rebuilt by a call at run time, so fields that hold traced values are computed.
+            fields = {f.name: self.create_arg(getattr(a, f.name))
+                      for f in dataclasses.fields(a) if f.init}
+            return self.create_node("call_function", t, (), fields)
         return a
 
     def to_bool(self, obj: Proxy) -> bool:
@@ -136,13 +186,48 @@ class TracerBase:
         if count is not None:
             return iter([obj[i] for i in range(count)])
         raise TraceError(
-            f"a traced value ({obj.node.name!r}) cannot be iterated, since its length is not "
-            f"known while tracing\n{user_location()}\n"
+            f"Proxy object cannot be iterated: the length of the traced value "
+            f"{obj.node.name!r} is not known while tracing\n{user_location()}\n"
             "Unpack it with a fixed count (a, b = x), index it (x[0]), or\n" + _FIXES)
 
     def keys(self, obj: Proxy) -> Any:
         """Called for ``**proxy``: records ``proxy.keys()``."""
         return Attribute(obj, "keys")()
+
+
+def _mutable_op(target: Any, args: tuple, kwargs: dict) -> str | None:
+    """The schema of a torch builtin call that writes into an argument, or None.
+
+    The call is matched against the overloads' schemas by argument count and keyword names;
+    as in torch.fx, only a call that matches exactly one (mutable) overload is reported.
+    """
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str) or isinstance(target, type) or getattr(
+            target, "__module__", None) not in (None, "torch", "torch._C._nn",
+                                                "torch._C._VariableFunctions", "torch.functional"):
+        return None
+    get_schemas = getattr(torch._C, "_jit_get_schemas_for_operator", None)
+    if get_schemas is None:
+        return None
+    try:
+        schemas = get_schemas(f"aten::{name}")
+    except RuntimeError:
+        return None
+    matched = [s for s in schemas if _binds(s, len(args), kwargs)]
+    if len(matched) == 1 and matched[0].is_mutable:
+        return str(matched[0])
+    return None
+
+
+def _binds(schema: Any, n_args: int, kwargs: dict) -> bool:
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if n_args > len(positional):
+        return False
+    names = {a.name for a in schema.arguments}
+    if any(k not in names for k in kwargs):
+        return False
+    given = {a.name for a in positional[:n_args]} | set(kwargs)
+    return all(a.name in given or a.has_default_value() for a in schema.arguments)
 
 
 _ATOMS = frozenset({int, float, bool, str, type(None), complex, bytes, type(...), torch.dtype,
@@ -174,6 +259,28 @@ class GraphAppendingTracer(TracerBase):
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
+
+
+class ProxyableClassMeta(type):
+    """A metaclass: building an instance from traced values records one ``call_function``
+    node whose target is the class, so the object is built when the graph runs.
+
+    Example::
+
+        class TensorPair(metaclass=fxlite.ProxyableClassMeta):
+            def __init__(self, left, right):
+                self.left, self.right = left, right
+
+        def f(x, y):
+            return TensorPair(x, y)       # traced: %tensor_pair = call_function[TensorPair](x, y)
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            tracer = _find_tracer(args, kwargs)
+        except RuntimeError:  # no traced value among the arguments: build it now
+            return super().__call__(*args, **kwargs)
+        return tracer.create_proxy("call_function", cls, args, kwargs)
 
 
 class Proxy:
@@ -231,6 +338,9 @@ class Proxy:
                            args: tuple = (), kwargs: dict | None = None) -> Proxy:
         kwargs = kwargs or {}
         tracer = _find_tracer(args, kwargs)
+        if isinstance(orig_method, torch._C.ScriptMethod):  # a TorchScript submodule's method
+            return tracer.create_proxy("call_method", orig_method.name,
+                                       (orig_method.owner, *args), kwargs)
         if _is_tensor_method(orig_method):
             return tracer.create_proxy("call_method", orig_method.__name__, args, kwargs)
         return tracer.create_proxy("call_function", orig_method, args, kwargs)

@@ -247,13 +247,20 @@ def _as_graph(obj: Any, role: str) -> tuple[Graph, torch.nn.Module | None]:
 class _Replacement:
     """A replacement graph, checked against the pattern and taken apart once."""
 
-    __slots__ = ("graph", "module", "placeholders", "ops", "leaves", "attrs")
+    __slots__ = ("graph", "module", "placeholders", "ops", "leaves", "attrs", "flat")
 
     def __init__(self, matcher: SubgraphMatcher, rgraph: Graph, rmod: Any, module: Any) -> None:
         nodes = list(rgraph.nodes)
         self.graph, self.module = rgraph, rmod
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.ops = [n for n in nodes if n.op not in ("placeholder", "output")]
+        # Ops whose arguments are Nodes or constants, not containers, and with kwargs
+        # free of Nodes: copied by a fast path (most replacement nodes are).
+        self.flat = {n for n in self.ops
+                     if all(type(a) is Node or type(a) in (int, float, bool, str, type(None))
+                            for a in n.args)
+                     and not any(isinstance(v, (Node, list, tuple, dict, slice))
+                                 for v in n.kwargs.values())}
         pph = matcher.placeholders
         if len(self.placeholders) != len(pph):
             raise ValueError(f"the pattern takes {len(pph)} inputs ({', '.join(p.name for p in pph)}) "
@@ -293,6 +300,7 @@ class _Rewrite:
         self.added_attrs: list[str] = []
         self.next_suffix = dict(graph._namespace._next_suffix)
         self.replaced: dict[Node, Any] = {}
+        self.dropped_modules: set[str] = set()  # call_module targets of erased nodes
 
     def touch(self, n: Node) -> None:
         if n not in self.saved and n not in self.created_set:
@@ -312,7 +320,18 @@ class _Rewrite:
         except BaseException:
             self.rollback()
             raise
+        if done:
+            self._delete_replaced_modules()
         return done
+
+    def _delete_replaced_modules(self) -> None:
+        """Delete the submodules that only the replaced nodes called (as torch.fx does)."""
+        if not self.dropped_modules or not isinstance(self.module, GraphModule):
+            return
+        used = {n.target for n in self.graph.nodes if n.op in ("call_module", "get_attr")}
+        for target in sorted(self.dropped_modules):
+            if not any(u == target or u.startswith(target + ".") for u in used):
+                self.module.delete_submodule(target)
 
     def _resolve(self, n: Any) -> Any:
         replaced = self.replaced
@@ -351,13 +370,21 @@ class _Rewrite:
             self._copy_attrs(rep)
         val_map: dict[Node, Any] = dict(zip(rep.placeholders, inputs))
         new_nodes: list[Node] = []
+        saved_point, graph._insert_before = graph._insert_before, where  # inserting_before
         try:
-            with graph.inserting_before(where):
-                lookup = val_map.__getitem__
-                for rn in rep.ops:
-                    new_nodes.append(graph.node_copy(rn, lookup))
-                    val_map[rn] = new_nodes[-1]
+            lookup = val_map.__getitem__
+            for rn in rep.ops:
+                if rn in rep.flat:  # plain arguments: map them without the general walk
+                    args = tuple([val_map[a] if type(a) is Node else a for a in rn.args])
+                    new = graph.create_node(rn.op, rn.target, args, rn.kwargs, rn.name, rn.type)
+                    if rn.meta:
+                        new.meta = dict(rn.meta)
+                else:
+                    new = graph.node_copy(rn, lookup)
+                new_nodes.append(new)
+                val_map[rn] = new
         finally:  # record what was created even if copying failed halfway, for rollback
+            graph._insert_before = saved_point
             self.created.extend(new_nodes)
             self.created_set.update(new_nodes)
         if new_nodes:
@@ -372,6 +399,8 @@ class _Rewrite:
             if not gn.users:
                 self.touch(gn)
                 graph.erase_node(gn)
+                if gn.op == "call_module":
+                    self.dropped_modules.add(gn.target)
         nodes_map = dict(nodes_map)
         for p, v in zip(matcher.placeholders, inputs):
             nodes_map[p] = v

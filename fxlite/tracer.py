@@ -3,45 +3,66 @@
 ``symbolic_trace(root)`` is the one-line entry point; subclass :class:`Tracer` to change
 which modules stay opaque (``is_leaf_module``) or how values become nodes.
 
-While ``Tracer.trace`` runs, it temporarily patches:
+While ``Tracer.trace`` runs, the tracing thread sees these patches (other threads see the
+originals; see :mod:`fxlite.patching`):
 
 - ``nn.Module.__call__``, so submodule calls go through ``Tracer.call_module``;
 - ``nn.Module.__getattr__``, so ``self.weight`` becomes a ``get_attr`` node;
-- functions registered with :func:`wrap`, and the functions of ``autowrap_modules``
-  (``math``), so calls on Proxies are recorded instead of executed.
+- functions registered with :func:`wrap` (or with ``torch.fx.wrap`` by a library), and the
+  functions of ``autowrap_modules`` (``math``), so calls on Proxies are recorded instead of
+  executed.
+
+``concrete_args`` fixes arguments while tracing. A fixed value gets a placeholder and a
+guard (``torch._assert``) that checks each call passes the same value; the placeholder
+object :data:`PH` keeps a value symbolic inside a fixed structure::
+
+    gm = symbolic_trace(f, concrete_args={"flag": True})        # f(x, flag): flag_1 == True
+    gm = symbolic_trace(g, concrete_args={"xs": [PH, PH]})      # g(xs): xs is a 2-list
 """
 
 from __future__ import annotations
 
 import builtins
+import copy
 import functools
 import inspect
 import math
+import operator
 import sys
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
+from . import patching
 from .graph import Graph, gc_paused
 from .node import Argument
 from .proxy import (
     _DEFAULT_CREATE_ARG,
     GraphAppendingTracer,
     Proxy,
+    ProxyableClassMeta,
     TraceError,
     TracerBase,
     _find_tracer,
 )
 
-__all__ = ["GraphAppendingTracer", "Tracer", "symbolic_trace", "wrap"]
+__all__ = ["PH", "GraphAppendingTracer", "PHBase", "PHWithMeta", "ProxyableClassMeta", "Tracer",
+           "symbolic_trace", "wrap"]
 
 # (globals dict, name) pairs registered with wrap(), and the functions registered by object.
 _WRAPPED_NAMES: list[tuple[dict[str, Any], str]] = []
 _WRAPPED_FNS: dict[int, Callable[..., Any]] = {}
+_GLOBAL_IDS: set[int] = set()  # functions that every tracer records (wrap registrations)
+
+
+class TraceAssertionError(TraceError, AssertionError):
+    """A TraceError that is also an AssertionError, the type torch.fx raises for these cases
+    (a built-in function or a missing ``traced_func_name`` as the root)."""
 
 
 def wrap(fn_or_name: str | Callable[..., Any]) -> Any:
@@ -74,42 +95,79 @@ def wrap(fn_or_name: str | Callable[..., Any]) -> Any:
     return None
 
 
+def _torch_fx_registrations() -> list[tuple[dict[str, Any], str]]:
+    """Names that libraries registered with ``torch.fx.wrap`` (torchvision does, for example)."""
+    st = sys.modules.get("torch.fx._symbolic_trace")
+    registry = getattr(st, "_wrapped_fns_to_patch", None)
+    if isinstance(registry, dict):  # {(id(globals), name): globals}
+        return [(g, key[1]) for key, g in registry.items()]
+    if isinstance(registry, list):  # older torch: [(globals, name)]
+        return [(g, name) for g, name in registry]
+    return []
+
+
+_WRAPPERS: dict[int, Callable[..., Any]] = {}  # id(orig) -> its wrapper, made once
+
+
 def _wrapper_for(orig: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper = _WRAPPERS.get(id(orig))
+    if wrapper is None or wrapper.__fxlite_orig__ is not orig:  # type: ignore[attr-defined]
+        wrapper = _WRAPPERS[id(orig)] = _make_wrapper(orig)
+    return wrapper
+
+
+def _make_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
             tracer = _find_tracer(args, kwargs)
         except RuntimeError:
             return orig(*args, **kwargs)
+        if id(orig) not in _GLOBAL_IDS and id(orig) not in getattr(tracer, "_autowrap_ids", ()):
+            return orig(*args, **kwargs)  # another thread's trace wrapped it, not this one
         return tracer.create_proxy("call_function", orig, args, kwargs)
     wrapped.__fxlite_orig__ = orig  # type: ignore[attr-defined]
     return wrapped
 
 
-class _Patcher:
-    """Sets attributes and dict entries for the length of a trace, then restores them."""
+# ---------------------------------------------------------------------- placeholders
+class PHBase:
+    """A placeholder inside ``concrete_args``: this leaf stays a traced input.
 
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-        self._seen: set[tuple[int, str]] = set()
+    Subclass it to attach attributes; they are copied onto the placeholder node (unless
+    the node already has them).
+    """
 
-    def patch_dict(self, d: dict[str, Any], name: str, new: Any) -> None:
-        if (id(d), name) in self._seen:
-            return
-        self._seen.add((id(d), name))
-        missing = name not in d
-        old = d.get(name)
-        d[name] = new
-        self._undo.append(lambda: d.pop(name, None) if missing else d.__setitem__(name, old))
+    def __repr__(self) -> str:
+        return "PH"
 
-    def patch_attr(self, obj: Any, name: str, new: Any) -> None:
-        old = obj.__dict__[name] if name in obj.__dict__ else getattr(obj, name)
-        setattr(obj, name, new)
-        self._undo.append(lambda: setattr(obj, name, old))
 
-    def restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+PH = PHBase()
+
+
+class PHWithMeta(PHBase):
+    """A placeholder that carries a user key onto its node as ``node.ph_key``."""
+
+    def __init__(self, ph_key: str | None = None) -> None:
+        super().__init__()
+        self.ph_key = ph_key
+
+
+def _assert_is_none(value: Any, msg: str) -> None:
+    assert value is None, msg
+
+
+_assert_is_none._is_impure = True  # type: ignore[attr-defined]  # DCE keeps the guard
+_GUARDED = (bool, int, float, str, complex, torch.dtype, torch.device)
+
+
+def _transfer_attrs(src: PHBase, node: Any) -> None:
+    for name in dir(src):
+        if name.startswith("__"):
+            continue
+        value = getattr(src, name)
+        if not callable(value) and not hasattr(node, name):
+            setattr(node, name, value)
 
 
 class Tracer(TracerBase):
@@ -119,9 +177,15 @@ class Tracer(TracerBase):
         autowrap_modules: modules whose functions are recorded as calls when given a
             Proxy (default: ``math``).
         autowrap_functions: extra functions treated the same way.
+        param_shapes_constant: accepted for torch.fx compatibility; parameter shapes are
+            recorded as ``getattr`` nodes either way, which gives the same results.
+
+    Attributes:
+        traced_func_name: the method of a module root that is traced (``"forward"``).
+        record_stack_traces: store the user's stack in ``node.meta["stack_trace"]``.
 
     Overridable hooks: ``is_leaf_module``, ``call_module``, ``create_proxy``,
-    ``create_arg``, ``getattr``, ``path_of_module``.
+    ``create_node``, ``create_arg``, ``getattr``, ``path_of_module``.
 
     Example::
 
@@ -133,14 +197,28 @@ class Tracer(TracerBase):
         gm = fxlite.GraphModule(model, graph)
     """
 
+    traced_func_name: str = "forward"
+
     def __init__(self, autowrap_modules: tuple[ModuleType, ...] = (math,),
-                 autowrap_functions: tuple[Callable[..., Any], ...] = ()) -> None:
+                 autowrap_functions: tuple[Callable[..., Any], ...] = (),
+                 param_shapes_constant: bool = False) -> None:
         self._autowrap_modules = tuple(autowrap_modules)
         self._autowrap_ids = {
             id(v) for m in autowrap_modules for k, v in vars(m).items()
             if not k.startswith("_") and callable(v)} | {id(f) for f in autowrap_functions}
+        self.param_shapes_constant = param_shapes_constant
         self.root: torch.nn.Module = torch.nn.Module()
         self.graph = Graph(tracer_cls=type(self))
+        self.module_stack: dict[str, tuple[str, type]] = {}
+        self._trace_frame: Any = None
+
+    def __deepcopy__(self, memo: dict) -> Tracer:
+        # Modules (autowrap_modules) cannot be deep-copied; they are shared.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k in ("_autowrap_modules", "_trace_frame") else copy.deepcopy(v, memo)
+        return new
 
     # ------------------------------------------------------------------ hooks
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -162,11 +240,23 @@ class Tracer(TracerBase):
 
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
-        """Handle a submodule call: record it if it is a leaf, else trace through ``forward``."""
+        """Handle a submodule call: record it if it is a leaf, else trace through ``forward``.
+
+        While it runs, ``module_stack`` names the module; the nodes created meanwhile get
+        it as ``node.meta["nn_module_stack"]``.
+        """
         path = self.path_of_module(m)
-        if not self.is_leaf_module(m, path):
-            return forward(*args, **kwargs)
-        return self.create_proxy("call_module", path, args, kwargs)
+        stack = self.module_stack
+        entered = path not in stack
+        if entered:
+            stack[path] = (path, type(m))
+        try:
+            if not self.is_leaf_module(m, path):
+                return forward(*args, **kwargs)
+            return self.create_proxy("call_module", path, args, kwargs)
+        finally:
+            if entered:
+                del stack[path]
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         """Handle ``module.attr`` during tracing: parameters become ``get_attr`` nodes."""
@@ -179,7 +269,7 @@ class Tracer(TracerBase):
         return attr_val
 
     def create_arg(self, a: Any) -> Argument:
-        """Like ``TracerBase.create_arg``; tensors become ``get_attr`` nodes.
+        """Like ``TracerBase.create_arg``; tensors and submodules become ``get_attr`` nodes.
 
         Parameters and buffers of the root are read by their own path; other tensors are
         stored on the root as ``_tensor_constant0``, ``_tensor_constant1``...
@@ -193,116 +283,220 @@ class Tracer(TracerBase):
                 self._tensor_paths[id(a)] = path
                 self._keep_alive.append(a)
             return self.create_node("get_attr", path, (), {})
+        if isinstance(a, torch._C.ScriptModule):  # the C++ half of a TorchScript submodule
+            for path, m in self.root.named_modules():
+                if getattr(m, "_c", None) == a:  # a new wrapper each time: compare, not `is`
+                    return self.create_node("get_attr", f"{path}._c" if path else "_c", (), {})
         if isinstance(a, torch.nn.Module):
-            raise TraceError(f"module {type(a).__name__} was passed as a value; only calls of "
-                             "submodules can be traced")
+            path = self._module_paths.get(id(a))
+            if path is None:
+                raise TraceError(f"module {type(a).__name__} was passed as a value but is not a "
+                                 "submodule of the traced root; assign it as an attribute of "
+                                 "the root so the graph can refer to it")
+            return self.create_node("get_attr", path, (), {})
         return super().create_arg(a)
 
     # ------------------------------------------------------------------ tracing
     def trace(self, root: torch.nn.Module | Callable[..., Any],
-              concrete_args: dict[str, Any] | None = None) -> Graph:
+              concrete_args: dict[str, Any] | tuple | None = None) -> Graph:
         """Trace ``root`` and return its Graph.
 
         Args:
-            root: an ``nn.Module`` (its ``forward`` is traced) or a function.
-            concrete_args: argument values to fix during tracing; their control flow is
-                resolved with these values, and the argument keeps them as defaults.
+            root: an ``nn.Module`` (its ``traced_func_name`` method is traced) or a function.
+            concrete_args: argument values to fix while tracing, by name (a dict) or by
+                position (a tuple). Control flow on them is resolved with these values, and
+                a guard checks that each call passes the same value. :data:`PH` inside a
+                fixed structure keeps that leaf symbolic.
         """
         _check_traceable(root)
         if isinstance(root, torch.nn.Module):
-            self.root, fn, bound = root, type(root).forward, (root,)
+            fn = getattr(type(root), self.traced_func_name, None)
+            if fn is None:
+                raise TraceAssertionError(
+                    f"traced_func_name={self.traced_func_name} doesn't exist in "
+                    f"{type(root).__name__}; set Tracer.traced_func_name to one of its methods")
+            self.root, bound = root, (root,)
         else:
             self.root, fn, bound = torch.nn.Module(), root, ()
-        fn = inspect.unwrap(fn)
+        code_fn = inspect.unwrap(fn)
+        if not isinstance(code_fn, types.FunctionType):
+            raise TraceAssertionError(
+                f"cannot trace {fn!r}: it is built in and has no Python code to run on "
+                "Proxies. To record it as one node, trace a function that calls it, e.g. "
+                "symbolic_trace(lambda x: f(x))")
         self.graph = Graph(tracer_cls=type(self))
-        self._module_paths = {id(m): name for name, m in self.root.named_modules()}
+        code = code_fn.__code__
+        self.graph._co_fields = {"co_filename": code.co_filename,
+                                 "co_firstlineno": code.co_firstlineno, "co_name": code.co_name}
+        self._module_paths = {}
         self._tensor_paths: dict[int, str] = {}
-        for name, t in self.root.named_buffers():
-            self._tensor_paths.setdefault(id(t), name)
-        for name, t in self.root.named_parameters():
-            self._tensor_paths.setdefault(id(t), name)
+        params: dict[int, str] = {}
+        modules = []
+        for path, m in self.root.named_modules():  # one walk (named_buffers would walk again)
+            self._module_paths[id(m)] = path
+            modules.append(m)
+            prefix = f"{path}." if path else ""
+            for name, t in m._buffers.items():
+                if t is not None:
+                    self._tensor_paths.setdefault(id(t), prefix + name)
+            for name, t in m._parameters.items():
+                if t is not None:
+                    params.setdefault(id(t), prefix + name)
+        for key, path in params.items():  # buffers first, as before
+            self._tensor_paths.setdefault(key, path)
         self._constant_count = 0
-        while hasattr(self.root, f"_tensor_constant{self._constant_count}"):
+        while _has_own(self.root, f"_tensor_constant{self._constant_count}"):
             self._constant_count += 1
         self._keep_alive: list[Any] = []
-        self._star_args: Proxy | None = None
-        args, kwargs = self._placeholders(fn, len(bound), concrete_args or {})
-        call = fn
-        if self._star_args is not None:  # the body must see *args as one Proxy, as in torch.fx
-            call = _varargs_as_positional(fn)
-            args, kwargs = [*args, *kwargs.values(), self._star_args], {}
-        with self._patched(fn), gc_paused():
-            result = call(*bound, *args, **kwargs)
-        self.create_node("output", "output", (self.create_arg(result),), {},
-                         type_expr=_hints(fn).get("return"))
+        self.module_stack = {}
+        call, args, tree = self._root_call(fn, code_fn, bound, concrete_args)
+        # Module roots patch their modules' classes; a function root has no submodules to
+        # intercept (a module it creates is traced through).
+        classes = patching.classes_to_patch(modules) if bound else []
+        with patching.tracing(self, classes) as session, gc_paused():
+            self._patch_wrapped(session, code_fn)
+            self._trace_frame = sys._getframe()
+            try:
+                result = call(*bound, *args)
+            finally:
+                self._trace_frame = None
+        type_expr = _hints(code_fn).get("return")
+        if tree is not None:  # outputs are flattened too; the code generator rebuilds them
+            from fxlite.codegen.python_hooks import PyTreeCodeGen
+
+            result, out_spec = pytree.tree_flatten(result)
+            self.graph.set_codegen(PyTreeCodeGen(tree[0], tree[1], out_spec))
+            type_expr = None
+        self.create_node("output", "output", (self.create_arg(result),), {}, type_expr=type_expr)
         return self.graph
 
-    def _placeholders(self, fn: Callable[..., Any], skip: int,
-                      concrete: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-        sig = inspect.signature(fn)
-        hints = _hints(fn)
-        unknown = set(concrete) - set(sig.parameters)
-        if unknown:
-            raise TraceError(f"concrete_args names {sorted(unknown)}, which {fn.__qualname__} "
-                             f"does not take (it takes {list(sig.parameters)[skip:]})")
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        for p in list(sig.parameters.values())[skip:]:
-            if p.kind is p.VAR_KEYWORD:
-                raise TraceError(f"{fn.__qualname__} takes **{p.name}, which symbolic tracing "
-                                 "cannot represent; fix its keys with concrete_args")
+    def _root_call(self, fn: Callable[..., Any], code_fn: types.FunctionType, bound: tuple,
+                   concrete_args: dict[str, Any] | tuple | None) -> tuple[Callable[..., Any], list, Any]:
+        """Create the placeholders; return how to call ``fn``, its arguments, and the input
+        pytree (argument names, spec) when ``concrete_args`` fixed a structure."""
+        sig = inspect.signature(code_fn)
+        hints = _hints(code_fn)
+        params = list(sig.parameters.values())
+        if bound and (not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                            inspect.Parameter.POSITIONAL_OR_KEYWORD)):
+            raise TraceError(
+                f"{code_fn.__qualname__} has no `self` parameter: ``self`` argument cannot be "
+                "part of *args expansion. Declare it: def forward(self, *args, **kwargs)")
+        params = params[len(bound):]
+        concrete = self._concrete_by_name(code_fn, params, concrete_args)
+        values: list[Any] = []
+        for p in params:
             if p.name in concrete:
-                self.graph.placeholder(p.name, hints.get(p.name), default_value=concrete[p.name])
-                value: Any = concrete[p.name]
-            elif p.kind is p.VAR_POSITIONAL:
-                # *args is one Proxy for the whole tuple: its length is unknown while tracing
-                self._star_args = self.create_proxy("placeholder", f"*{p.name}", (), {},
-                                                    type_expr=hints.get(p.name))
-                continue
+                values.append(self._fixed(p, concrete[p.name]))
+            elif p.kind is p.VAR_POSITIONAL:  # one Proxy for the whole tuple, as in torch.fx
+                values.append(self.create_proxy("placeholder", f"*{p.name}", (), {},
+                                                type_expr=hints.get(p.name)))
+            elif p.kind is p.VAR_KEYWORD:
+                values.append(self.create_proxy("placeholder", f"**{p.name}", (), {},
+                                                type_expr=hints.get(p.name)))
             else:
                 default = () if p.default is p.empty else (p.default,)
-                value = self.create_proxy("placeholder", p.name, default, {},
-                                          type_expr=hints.get(p.name))
-            if p.kind is p.VAR_POSITIONAL:  # fixed by concrete_args
-                args.extend(value)
-            elif p.kind is p.KEYWORD_ONLY:
-                kwargs[p.name] = value
+                values.append(self.create_proxy("placeholder", p.name, default, {},
+                                                type_expr=hints.get(p.name)))
+        tree = None
+        if concrete:
+            spec = pytree.tree_flatten(tuple(values))[1]
+            if any(not c.is_leaf() for c in _children(spec)):
+                tree = ([("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD
+                          else "") + p.name for p in params], spec)
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            if fn is not code_fn:
+                raise TraceError(
+                    f"{code_fn.__qualname__} is wrapped by a decorator and takes *args or "
+                    "**kwargs, which tracing passes as single values; fix them with "
+                    "concrete_args, or trace the undecorated function")
+            # *args and **kwargs are single values here: pass them as plain positionals.
+            return _all_positional(code_fn), values, tree
+        positional = [v for p, v in zip(params, values) if p.kind is not p.KEYWORD_ONLY]
+        keywords = {p.name: v for p, v in zip(params, values) if p.kind is p.KEYWORD_ONLY}
+        if not keywords:
+            return fn, positional, tree
+        return (lambda *a: fn(*a, **keywords)), positional, tree
+
+    def _concrete_by_name(self, code_fn: types.FunctionType, params: list[inspect.Parameter],
+                          concrete_args: dict[str, Any] | tuple | None) -> dict[str, Any]:
+        if concrete_args is None:
+            return {}
+        if isinstance(concrete_args, tuple):  # by position; extra values fill *args
+            named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            star = [p for p in params if p.kind is p.VAR_POSITIONAL]
+            if len(concrete_args) > len(named) and not star:
+                raise TraceError(f"concrete_args has {len(concrete_args)} values but "
+                                 f"{code_fn.__qualname__} takes {len(named)} positional arguments")
+            out = dict(zip((p.name for p in named), concrete_args))
+            if len(concrete_args) > len(named):
+                out[star[0].name] = tuple(concrete_args[len(named):])
+            return out
+        unknown = set(concrete_args) - {p.name for p in params}
+        if unknown:
+            raise TraceError(f"concrete_args names {sorted(unknown)}, which {code_fn.__qualname__} "
+                             f"does not take (it takes {[p.name for p in params]})")
+        return dict(concrete_args)
+
+    def _fixed(self, p: inspect.Parameter, value: Any) -> Any:
+        """The value the body sees for a fixed argument: each leaf gets a placeholder
+        (``name_1``, ``name_2``...); PH leaves stay symbolic, the others get a guard."""
+        count = 0
+        default = () if p.default is p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) \
+            else (p.default,)
+
+        def leaf(x: Any) -> Any:
+            nonlocal count
+            count += 1
+            out = self.create_proxy("placeholder", f"{p.name}_{count}", default, {})
+            if isinstance(x, PHBase):
+                if x is not PH:
+                    _transfer_attrs(x, out.node)
+                return out
+            msg = f"{p.name} has been specialized to have value {x} but got another value"
+            if x is None:
+                self.create_proxy("call_function", _assert_is_none, (out, msg), {})
+            elif type(x) in _GUARDED:
+                eq = self.create_proxy("call_function", operator.eq, (out, x), {})
+                self.create_proxy("call_function", torch._assert, (eq, msg), {})
             else:
-                args.append(value)
-        return args, kwargs
+                warnings.warn(f"concrete_args[{p.name!r}] holds {type(x).__name__} {x!r}, "
+                              "which no guard can check: calls of the traced module must pass "
+                              "the same value", stacklevel=4)
+            return x
 
-    @contextmanager
-    def _patched(self, fn: Callable[..., Any]) -> Iterator[None]:
-        patcher = _Patcher()
-        tracer = self
-        orig_call = torch.nn.Module.__call__
-        orig_getattr = torch.nn.Module.__getattr__
-        cache: dict[str, Any] = {}
+        return pytree.tree_map(leaf, value)
 
-        def module_call(mod: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return tracer.call_module(mod, lambda *a, **k: orig_call(mod, *a, **k), args, kwargs)
+    def _patch_wrapped(self, session: Any, code_fn: types.FunctionType) -> None:
+        for globals_, name in _WRAPPED_NAMES + _torch_fx_registrations():
+            orig = globals_.get(name, getattr(builtins, name, None))
+            orig = getattr(orig, "__fxlite_orig__", orig)
+            if orig is not None:
+                _GLOBAL_IDS.add(id(orig))
+                session.patch_dict(globals_, name, lambda old, o=orig: _wrapper_for(o))
+        fn_globals = code_fn.__globals__
+        for name, value in list(fn_globals.items()):
+            if id(value) in self._autowrap_ids or id(value) in _WRAPPED_FNS:
+                if id(value) in _WRAPPED_FNS:
+                    _GLOBAL_IDS.add(id(value))
+                session.patch_dict(fn_globals, name, lambda old, o=value: _wrapper_for(o))
+        for module in self._autowrap_modules:
+            namespace = vars(module)
+            for name, value in list(namespace.items()):
+                if id(value) in self._autowrap_ids:
+                    session.patch_dict(namespace, name, lambda old, o=value: _wrapper_for(o))
 
-        def module_getattr(mod: torch.nn.Module, attr: str) -> Any:
-            return tracer.getattr(attr, orig_getattr(mod, attr), cache)
 
-        try:
-            patcher.patch_attr(torch.nn.Module, "__call__", module_call)
-            patcher.patch_attr(torch.nn.Module, "__getattr__", module_getattr)
-            for globals_, name in _WRAPPED_NAMES:
-                orig = globals_.get(name, getattr(builtins, name, None))
-                if orig is not None:
-                    patcher.patch_dict(globals_, name, _wrapper_for(orig))
-            fn_globals = getattr(fn, "__globals__", {})
-            for name, value in list(fn_globals.items()):
-                if id(value) in self._autowrap_ids or id(value) in _WRAPPED_FNS:
-                    patcher.patch_dict(fn_globals, name, _wrapper_for(value))
-            for module in self._autowrap_modules:
-                for name, value in list(vars(module).items()):
-                    if id(value) in self._autowrap_ids:
-                        patcher.patch_dict(vars(module), name, _wrapper_for(value))
-            yield
-        finally:
-            patcher.restore()
+def _has_own(module: torch.nn.Module, name: str) -> bool:
+    """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s costly miss."""
+    d = module.__dict__
+    return name in d or any(name in d[t] for t in ("_parameters", "_buffers", "_modules")) \
+        or hasattr(type(module), name)
+
+
+def _children(spec: Any) -> list[Any]:
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(spec.children_specs)
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -313,16 +507,19 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         return dict(getattr(fn, "__annotations__", {}))
 
 
-def _varargs_as_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` whose keyword-only parameters and ``*args`` are plain positional ones.
+def _all_positional(fn: types.FunctionType) -> Callable[..., Any]:
+    """A copy of ``fn`` whose keyword-only parameters, ``*args`` and ``**kwargs`` are plain
+    positional ones.
 
-    Why: while tracing, ``*args`` is a single Proxy for the tuple, so the body must receive
-    that Proxy itself (``args[0]`` then records a getitem), not a 1-tuple around it.
+    Why: while tracing, ``*args`` and ``**kwargs`` are single Proxies, so the body must
+    receive those Proxies themselves (``args[0]`` then records a getitem), not a 1-tuple
+    around them.
     """
     code = fn.__code__
-    flat = code.replace(co_argcount=code.co_argcount + code.co_kwonlyargcount + 1,
+    stars = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    flat = code.replace(co_argcount=code.co_argcount + code.co_kwonlyargcount + stars,
                         co_posonlyargcount=0, co_kwonlyargcount=0,
-                        co_flags=code.co_flags & ~inspect.CO_VARARGS)
+                        co_flags=code.co_flags & ~(inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
     return types.FunctionType(flat, fn.__globals__, fn.__name__, None, fn.__closure__)
 
 
@@ -349,7 +546,7 @@ def _short_repr(value: Any) -> str:
 
 
 def symbolic_trace(root: torch.nn.Module | Callable[..., Any],
-                   concrete_args: dict[str, Any] | None = None) -> Any:
+                   concrete_args: dict[str, Any] | tuple | None = None) -> Any:
     """Trace ``root`` and return a runnable :class:`~fxlite.GraphModule`.
 
     Args:

@@ -12,7 +12,8 @@ Both spellings fold: modules (``nn.Conv1d/2d/3d`` + ``nn.BatchNorm1d/2d/3d``, an
 (``F.conv2d(x, w, b)`` + ``F.batch_norm(y, mean, var, gamma, beta)`` whose tensors are
 ``get_attr`` nodes). A pair folds only when BatchNorm is in eval mode with running
 statistics and the conv or linear output feeds nothing but the BatchNorm. The modules of
-the original model are never modified: folded layers are copies.
+the original model are never modified: folded layers are copies. BatchNorm modules that
+nothing reads any more are deleted from ``gm``, as torch.fx's fuser does.
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ def fold_conv_bn(gm: GraphModule) -> GraphModule:
             _apply_functional(gm, fold, counter)
         fold.bn.replace_all_uses_with(fold.layer)
         gm.graph.erase_node(fold.bn)
+    folded_modules = {f.bn.target for f in folds if f.bn.op == "call_module"}
     for node in old_attrs:  # the old weights and statistics, where nothing else reads them
         if not node.users:
             gm.graph.erase_node(node)
+            folded_modules.add(node.target.rpartition(".")[0])
+    _delete_unused_submodules(gm, folded_modules)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -204,6 +208,15 @@ def _apply_functional(gm: GraphModule, fold: _Fold, counter: Any) -> None:
     new_args, new_kwargs = call_args(info, args)
     fold.layer.target = info.torch_fn
     fold.layer.args, fold.layer.kwargs = new_args, new_kwargs
+
+
+def _delete_unused_submodules(gm: GraphModule, paths: set[str]) -> None:
+    """Delete the folded BatchNorm modules (as torch.fx's fuser does) unless still used."""
+    used = [n.target for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+    for path in sorted(paths, key=len, reverse=True):
+        if path and not any(u == path or u.startswith(path + ".") for u in used) \
+                and isinstance(_fetch(gm, path), _BATCH_NORMS):
+            gm.delete_submodule(path)
 
 
 # ---------------------------------------------------------------------- helpers

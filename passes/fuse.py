@@ -45,6 +45,7 @@ reduction groups. Its nodes keep ``tensor_meta`` and carry ``meta["fused_space"]
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections import ChainMap
 from collections.abc import Container, Iterable, Mapping
@@ -446,8 +447,10 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
     """Partition ``gm`` into fusible groups, each called as a ``fused_<i>`` submodule.
 
     Args:
-        gm: a GraphModule whose nodes carry ShapeProp meta, best in canonical form
-            (``normalize`` then ``decompose``) so composites become primitives.
+        gm: a GraphModule whose nodes carry ShapeProp meta. Composites with a
+            decomposition rule (softmax, layer_norm...) are decomposed first, in a copy, so
+            they fuse as their primitives; running ``normalize`` and ``decompose`` yourself
+            gives the same groups.
         max_group_size: if given, no group grows beyond this many nodes.
 
     Returns:
@@ -472,9 +475,36 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
             raise ValueError(
                 f"fuse needs shape metadata, but node {n.name!r} has none: run "
                 f"ShapeProp(gm).propagate(*example_inputs) first")
+    gm = _decomposed(gm)
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()
     return _build(gm, groups, partitioner.segment, partitioner.barriers)
+
+
+def _decomposed(gm: GraphModule) -> GraphModule:
+    """``gm``, or a normalized and decomposed copy of it when it holds composites that have
+    a decomposition rule (softmax, layer_norm...), so they fuse as their primitives do.
+    The new nodes get their metadata from their inputs' (no example inputs are needed)."""
+    from .decompose import DECOMPOSITIONS
+    from .normalize import normalize
+    from .shape_prop import fill_missing_meta
+
+    def composite(n: Node) -> bool:
+        info = lookup(n, gm)
+        return info is not None and info.kind == "composite" and info.torch_fn in DECOMPOSITIONS
+
+    if not any(composite(n) for n in gm.graph.nodes):
+        return gm
+    from .decompose import decompose
+
+    work = normalize(GraphModule(gm, copy.deepcopy(gm.graph)))
+    fill_missing_meta(work)  # rules use shapes (to count the elements a mean reduces)
+    work = decompose(work)
+    fill_missing_meta(work)
+    if any(n.op != "output" and "tensor_meta" not in n.meta and "type" not in n.meta
+           for n in work.graph.nodes):
+        return gm  # some new node's shape is unknown: fuse the graph as it is
+    return work
 
 
 def _build(gm: GraphModule, groups: list[_Group], segment: dict[Node, int],

@@ -16,7 +16,7 @@ import torch
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate
 
-__all__ = ["ShapeProp", "TensorMetadata", "extract_tensor_metadata"]
+__all__ = ["ShapeProp", "TensorMetadata", "extract_tensor_metadata", "fill_missing_meta"]
 
 # Checked in this order: a tensor that is several at once (size-1 dims) reports the first.
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -44,6 +44,20 @@ class TensorMetadata(NamedTuple):
     memory_format: torch.memory_format | None
     is_quantized: bool = False
     qparams: dict[str, Any] = {}  # shared default; extract_tensor_metadata makes fresh ones
+
+    def __reduce__(self) -> tuple:
+        # torch.memory_format objects do not pickle at protocol 2, torch.save's default:
+        # store the format's name and look it up again on load.
+        fmt = None if self.memory_format is None else str(self.memory_format).rpartition(".")[2]
+        return (_rebuild_tensor_metadata, (self.shape, self.dtype, self.requires_grad,
+                                           self.stride, fmt, self.is_quantized, self.qparams))
+
+
+def _rebuild_tensor_metadata(shape: torch.Size, dtype: torch.dtype, requires_grad: bool,
+                             stride: tuple[int, ...], memory_format: str | None,
+                             is_quantized: bool, qparams: dict[str, Any]) -> TensorMetadata:
+    fmt = None if memory_format is None else getattr(torch, memory_format)
+    return TensorMetadata(shape, dtype, requires_grad, stride, fmt, is_quantized, qparams)
 
 
 def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
@@ -135,3 +149,75 @@ class ShapeProp(Interpreter):
             The module's output for ``args``.
         """
         return self.run(*args)
+
+
+def fill_missing_meta(gm: torch.nn.Module) -> None:
+    """Give nodes that lack ShapeProp metadata some, computed from their inputs' metadata.
+
+    For graphs that ShapeProp already ran on and a pass then extended (``decompose``
+    adds ``amax``, ``sub``, ``exp``... for a softmax). Each new ``call_function`` or
+    ``call_method`` node is evaluated on ``meta``-device tensors shaped as its inputs, so
+    no data is computed. Nodes whose inputs are unknown keep no metadata.
+
+    Example::
+
+        ShapeProp(gm).propagate(x)
+        gm = decompose(gm)      # the new nodes have no meta
+        fill_missing_meta(gm)   # now they do
+    """
+    from fxlite.graph_module import _get  # only needed here
+
+    env: dict[Node, Any] = {}
+    unknown = object()
+    for n in gm.graph.nodes:
+        tm = n.meta.get("tensor_meta")
+        if tm is not None:
+            env[n] = _meta_values(tm)
+            continue
+        if n.op == "get_attr":
+            value = _get(gm, n.target, "fill_missing_meta")
+            env[n] = value.to("meta") if isinstance(value, torch.Tensor) else value
+        elif n.op in ("call_function", "call_method") and not any(
+                env.get(i, unknown) is unknown for i in n.all_input_nodes):
+            args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Node) else a)
+            kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Node) else a)
+            try:
+                fn = n.target if n.op == "call_function" else getattr(args[0], n.target)
+                value = fn(*args, **kwargs) if n.op == "call_function" else fn(*args[1:], **kwargs)
+            except Exception:
+                env[n] = unknown  # the op cannot run on meta tensors: leave it unknown
+                continue
+            env[n] = value
+            found = False
+
+            def record(obj: Any) -> Any:
+                nonlocal found
+                if isinstance(obj, torch.Tensor):
+                    found = True
+                    return extract_tensor_metadata(obj)
+                return obj
+
+            meta = map_aggregate(value, record)
+            if found:
+                n.meta["tensor_meta"] = meta
+            n.meta["type"] = type(value)
+        else:
+            env[n] = unknown
+
+
+def _meta_values(m: Any) -> Any:
+    """Meta-device tensors laid out as recorded, in the recorded structure."""
+    if isinstance(m, TensorMetadata):
+        return _meta_tensor(m)
+    if isinstance(m, (tuple, list)):
+        items = [_meta_values(x) for x in m]
+        return type(m)(*items) if hasattr(m, "_fields") else type(m)(items)
+    if isinstance(m, dict):
+        return {k: _meta_values(v) for k, v in m.items()}
+    return m
+
+
+def _meta_tensor(m: TensorMetadata) -> torch.Tensor:
+    if m.stride:
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    return torch.empty(m.shape, dtype=m.dtype, device="meta")

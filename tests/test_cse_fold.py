@@ -202,6 +202,7 @@ def test_fold_conv_bn_golden_and_numerics():
     torch.testing.assert_close(gm(x), expected)
     assert torch.equal(model.conv.weight, original_weight)  # the user's model is untouched
     assert gm.conv is not model.conv
+    assert not hasattr(gm, "bn") and hasattr(model, "bn")  # folded BatchNorm deleted from gm
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
@@ -248,6 +249,7 @@ def test_fold_conv_bn_functional_form():
     fold_conv_bn(gm)
     assert_golden("fold_conv_bn_functional", gm.code)
     assert F.batch_norm not in [n.target for n in ops_of(gm)]
+    assert not hasattr(gm, "bn")
     torch.testing.assert_close(gm(x), model(x))
 
 
@@ -280,3 +282,21 @@ def test_fold_conv_bn_with_a_shared_conv_module():
     assert sorted(n.target for n in ops_of(gm) if isinstance(n.target, str)) == ["conv", "conv_folded"]
     torch.testing.assert_close(gm(x), model(x))
     assert copy.deepcopy(gm)(x).shape == (2, 6, 5, 5)
+
+
+def test_fold_conv_bn_keeps_a_batch_norm_still_used_elsewhere():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+            self.bn = randomize_bn(nn.BatchNorm2d(3))
+
+        def forward(self, x, y):
+            return self.bn(self.conv(x)) + self.bn(y)
+
+    model = M().eval()
+    gm = trace(model)
+    fold_conv_bn(gm)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv", "bn"]
+    x, y = torch.randn(1, 3, 4, 4), torch.randn(1, 3, 4, 4)
+    torch.testing.assert_close(gm(x, y), model(x, y))

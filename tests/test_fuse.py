@@ -322,11 +322,36 @@ def test_views_join_only_when_they_keep_the_index_map() -> None:
     torch.testing.assert_close(fused(x, w), f(x, w))
 
 
-def test_composites_and_var_stay_in_parent() -> None:
+def test_composites_and_var_are_decomposed_by_fuse_itself() -> None:
     def f(x):
         return torch.softmax(x + 1, dim=-1) + torch.var(x, dim=-1, keepdim=True)
 
     x = torch.randn(4, 8)
     fused = fuse(_prep(f, x, canonical=False))
-    assert _compute_kinds(fused) == ["fused_0", "softmax", "var", "fused_1"]
+    kinds = _compute_kinds(fused)
+    assert "softmax" not in kinds and "var" not in kinds  # they used to stay in the parent
+    assert kinds[-1] == "fused_0" and kinds.count("fused_0") == 1
     torch.testing.assert_close(fused(x), f(x))
+
+
+def test_fuse_decomposes_composites_itself_when_the_graph_was_not_decomposed() -> None:
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return torch.softmax(self.ln(x) * 2, dim=-1) + 1
+
+    model = M()
+    x = torch.randn(4, 8)
+    gm = _prep(model, x, canonical=False)
+    before = gm.code
+    fused = fuse(gm)
+    assert gm.code == before  # fuse works on a copy
+    parent = [n.target for n in fused.graph.nodes if n.op in ("call_function", "call_module")]
+    assert torch.softmax not in parent and "ln" not in parent
+    assert [t for t in parent if isinstance(t, str)] == ["fused_0"]
+    assert fused.fused_0.meta["fused_kind"] == "reduction"
+    x2 = torch.randn(4, 8)  # fresh input
+    torch.testing.assert_close(fused(x2), model(x2))

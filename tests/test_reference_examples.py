@@ -331,11 +331,12 @@ def test_print_traced_graph_and_table(capsys):
     print(traced)
     assert "def forward(self, x, y):\n    add = x + y;  x = y = None\n    return add" in capsys.readouterr().out
     print(traced.graph)
+    # The guide shows torch.fx's older "[#users=1]"; torch.fx 2.x prints "[num_users=1]", as here.
     assert capsys.readouterr().out.strip() == (
         "graph():\n"
-        "    %x : [#users=1] = placeholder[target=x]\n"
-        "    %y : [#users=1] = placeholder[target=y]\n"
-        "    %add : [#users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})\n"
+        "    %x : [num_users=1] = placeholder[target=x]\n"
+        "    %y : [num_users=1] = placeholder[target=y]\n"
+        "    %add : [num_users=1] = call_function[target=operator.add](args = (%x, %y), kwargs = {})\n"
         "    return add")
     traced.graph.print_tabular()
     assert capsys.readouterr().out.strip() == """\
