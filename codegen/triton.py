@@ -16,11 +16,30 @@ runtime arguments marked ``do_not_specialize``, so a resize with the same rank r
 Calling it with inputs of another key generates (and caches) another specialization, or
 runs the group eagerly when that one is unsupported; it is never wrong.
 
-Numerics: f16/bf16 values are computed in fp32 and rounded once at the store, so results
-can differ from eager (which rounds after every op) by up to 1 ulp of the output dtype;
-reductions accumulate halves in fp32. Integer ``//`` and ``%`` floor as torch does, and
-max/min propagate NaN. Under ``TRITON_INTERPRET=1`` kernels run on CPU tensors; libdevice
-(missing from the interpreter) is used only when compiling for a GPU.
+Numerics:
+
+- **fp16/bf16 intermediates are not rounded between fused ops** (the deliberate choice;
+  Inductor's default too). Inside a kernel, half values are held in fp32 and rounded once,
+  where they are stored; eager rounds after every op. So a fused chain gives what the same
+  ops give in fp32, rounded once: usually within 1 ulp of eager, and the more precise value
+  where eager's per-op rounding loses information (``(x + 4e-4) - 1`` on an fp16 ``x = 1``
+  is 0 in eager and 4e-4 here; ``x * 1000 / 1000`` overflows to inf in eager for ``x=100``
+  and gives 100 here). Rounding after every op would cost two conversions per op and
+  element, more than the memory time of a long fp16 chain.
+- A half value *is* rounded first where the difference would be discrete: before a
+  comparison, ``floor``/``round``/``trunc``/``sign``, a cast, ``//``/``%``, and before it
+  is promoted to fp32 by an op with an fp32 operand (``triton_source.DISCRETE``).
+- Reductions accumulate halves in fp32. The decompositions of softmax, layer_norm,
+  rms_norm, mean, var and std cast half inputs to fp32 and the result back, as eager's
+  kernels compute them, so a group's eager fallback agrees with its kernel.
+- Integer ``//`` and ``%`` floor as torch does, and max/min propagate NaN. Integer
+  division by a tensor or a scalar argument (a divisor that may be 0) is refused: eager
+  raises ``ZeroDivisionError`` on the CPU and returns a hardware-defined value on CUDA, and
+  neither can be promised by a kernel, so the group runs in eager. ``x ** 0`` is 1 for
+  every ``x``, NaN and inf included.
+
+Under ``TRITON_INTERPRET=1`` kernels run on CPU tensors; libdevice (missing from the
+interpreter) is used only when compiling for a GPU.
 """
 
 from __future__ import annotations

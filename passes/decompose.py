@@ -12,10 +12,23 @@ Rules live in :data:`DECOMPOSITIONS`, keyed by the op's canonical ``torch_fn``
 (``fxlite.ops``), so a rule registered for ``F.softmax`` also decomposes ``torch.softmax``,
 ``x.softmax(-1)`` and ``nn.Softmax``. The defaults cover softmax, log_softmax, layer_norm,
 rms_norm, gelu (erf and tanh), silu, var, std and mean, and give numerically stable forms
-(softmax subtracts the row max). A rule may return ``NotImplemented`` to keep the node
-(mean, var and std need ShapeProp's ``meta['tensor_meta']`` on their input, to know how
-many elements they reduce). What rules emit is normalized (``x * 2`` becomes
-``torch.mul(x, 2)``) and decomposed again if it holds composites itself.
+(softmax subtracts the row max). A rule may return ``NotImplemented`` to keep the node:
+the reductions (softmax, log_softmax, layer_norm, rms_norm, mean, var, std) need
+ShapeProp's ``meta['tensor_meta']`` on their input, to know its dtype (and, for mean, var
+and std, how many elements they reduce).
+
+Half precision: eager's kernels compute f16/bf16 reductions (and gelu, silu) in fp32 and
+round the result once, so the rules do the same: ``x.to(torch.float32)`` first, the
+result ``.to(x.dtype)`` last. Computing a layer_norm in fp16 instead overflows for a row
+holding 300 (300**2 > 65504), and a mean of values near 60000 becomes inf::
+
+    # F.layer_norm(x, (8,)) on an fp16 x, decomposed
+    to = x.to(torch.float32)
+    ...                               # mean, variance, rsqrt: all fp32
+    to_1 = mul_1.to(torch.float16)    # one rounding, as eager's kernel does
+
+What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomposed again
+if it holds composites itself.
 """
 
 from __future__ import annotations
@@ -195,6 +208,30 @@ def _last_dims(normalized_shape: Any) -> tuple[int, ...] | None:
     return tuple(range(-len(shape), 0)) if shape else None
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _dtype(x: Any) -> torch.dtype | None:
+    meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
+    dtype = getattr(meta, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
+    """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
+
+    Halves compute in fp32 (``x.to(torch.float32)``, then the result ``.to(dtype)``);
+    other dtypes compute in themselves (no casts).
+    """
+    if dtype in _HALVES:
+        return x.to(torch.float32), dtype
+    return x, None
+
+
+def _back(y: Any, dtype: torch.dtype | None) -> Any:
+    return y if dtype is None else y.to(dtype)
+
+
 def _nonnegative(n: int) -> int:
     """``max(n, 0)``, recorded as one call because a traced ``n`` has no truth value."""
     return max(n, 0)
@@ -237,33 +274,40 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
 @register_decomposition(torch.softmax)
 def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # exp(x - max) / sum(exp(x - max)): the max keeps exp from overflowing
-    if dim is None:
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None:
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
+    x, out = _opmath(x, src)
     e = torch.exp(x - torch.amax(x, dim, keepdim=True))
-    return e / torch.sum(e, dim, keepdim=True)
+    return _back(e / torch.sum(e, dim, keepdim=True), out)
 
 
 @register_decomposition(torch.log_softmax)
 def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # (x - max) - log(sum(exp(x - max)))
-    if dim is None:
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None:
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
+    x, out = _opmath(x, src)
     shifted = x - torch.amax(x, dim, keepdim=True)
-    return shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+    return _back(shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True)), out)
 
 
 @register_decomposition(F.layer_norm)
 def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
                 eps: float = 1e-5) -> Any:
     # (x - mean) * rsqrt(var + eps) * weight + bias, over the trailing normalized_shape dims
+    # (halves: all of it in fp32, weight and bias included, rounded once at the end)
     dims = _last_dims(normalized_shape)
-    if dims is None:
+    src = _dtype(x)
+    if dims is None or src is None:
         return NotImplemented
     n = _count(x, dims)
+    x, out = _opmath(x, src)
     centered = x - torch.sum(x, dims, keepdim=True) / n
     var = torch.sum(centered * centered, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
@@ -271,40 +315,43 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y
+    return _back(y, out)
 
 
 @register_decomposition(F.rms_norm)
 def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Any:
-    # x * rsqrt(mean(x * x) + eps) * weight; eps defaults to the dtype's machine epsilon
+    # x * rsqrt(mean(x * x) + eps) * weight, in fp32 for halves; eps defaults to the machine
+    # epsilon of the dtype it computes in (fp32's for halves, as eager's kernel has it)
     dims = _last_dims(normalized_shape)
-    if eps is None:
-        meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
-        if meta is None or not hasattr(meta, "dtype"):
-            return NotImplemented
-        eps = torch.finfo(meta.dtype).eps
-    if dims is None:
+    src = _dtype(x)
+    if dims is None or src is None:
         return NotImplemented
-    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / _count(x, dims) + eps)
-    return y * weight if weight is not None else y
+    n = _count(x, dims)
+    x, out = _opmath(x, src)
+    if eps is None:
+        eps = torch.finfo(torch.float32 if out is not None else src).eps
+    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
+    return _back(y * weight if weight is not None else y, out)
 
 
 @register_decomposition(F.gelu)
 def _gelu(x: Any, approximate: str = "none") -> Any:
+    if approximate not in ("none", "tanh"):
+        return NotImplemented
+    x, out = _opmath(x, _dtype(x))  # halves: fp32, as eager; unknown dtype: as it comes
     if approximate == "tanh":
         # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))
         inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
-        return x * 0.5 * (torch.tanh(inner) + 1)
-    if approximate != "none":
-        return NotImplemented
+        return _back(x * 0.5 * (torch.tanh(inner) + 1), out)
     # 0.5 * x * (1 + erf(x / sqrt(2)))
-    return x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1)
+    return _back(x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1), out)
 
 
 @register_decomposition(F.silu)
 def _silu(x: Any, inplace: bool = False) -> Any:
     # x * sigmoid(x)
-    return x * torch.sigmoid(x)
+    x, out = _opmath(x, _dtype(x))
+    return _back(x * torch.sigmoid(x), out)
 
 
 def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
@@ -314,22 +361,24 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
     if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
         return NotImplemented
     n = _count(x, dims)
+    x, out = _opmath(x, _dtype(x))
     centered = x - torch.sum(x, dims, keepdim=True) / n
     # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
     denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
-    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator
+    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator, out
 
 
 @register_decomposition(torch.var)
 def _var(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
-    return _var_parts(x, dim, correction, keepdim)
+    parts = _var_parts(x, dim, correction, keepdim)
+    return parts if parts is NotImplemented else _back(*parts)
 
 
 @register_decomposition(torch.std)
 def _std(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
     # sqrt(var)
-    var = _var_parts(x, dim, correction, keepdim)
-    return var if var is NotImplemented else torch.sqrt(var)
+    parts = _var_parts(x, dim, correction, keepdim)
+    return parts if parts is NotImplemented else _back(torch.sqrt(parts[0]), parts[1])
 
 
 @register_decomposition(torch.mean)
@@ -339,8 +388,11 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
     dims = _dims(dim, len(shape)) if shape is not None else None
     if dims is None:
         return NotImplemented
+    src = dtype if dtype is not None else _dtype(x)
+    if src is None or not src.is_floating_point:
+        return NotImplemented  # torch.mean rejects integer tensors; let it say so
+    n = _count(x, dims)
     if dtype is not None:
         x = x.to(dtype)
-    elif not x.node.meta["tensor_meta"].dtype.is_floating_point:
-        return NotImplemented  # torch.mean rejects integer tensors; let it say so
-    return torch.sum(x, dims, keepdim=keepdim) / _count(x, dims)
+    x, out = _opmath(x, src)
+    return _back(torch.sum(x, dims, keepdim=keepdim) / n, out)
