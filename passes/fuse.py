@@ -18,7 +18,9 @@ Rules:
   ``input``/``dim``/``keepdim``/``dtype`` parameters); ``var``/``std`` are decomposed or
   stay outside.
 * **Iteration space.** A pointwise group is nodes of one output shape ``I`` (inputs may
-  broadcast). A reduction group has ``I = outer + inner``: every reduction in it reduces an
+  broadcast), plus pointwise nodes whose smaller shape broadcasts into ``I`` (a
+  per-channel ``rsqrt(var + eps)`` of an eval-mode batch_norm): the kernel recomputes those
+  per element instead of launching a kernel of their own. A reduction group has ``I = outer + inner``: every reduction in it reduces an
   ``I``-shaped value over the trailing ``inner`` dims (``keepdim`` either way). Its
   values are either *full* (broadcast right-aligned against ``I``: shape ``I`` or
   ``outer + (1,)*len(inner)``) or *row* (shape ``outer``, from ``keepdim=False``); a node
@@ -238,6 +240,8 @@ def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mappi
             tag = FULL
         elif split is not None and cls.shape == outer:
             tag = ROW
+        elif _aligned(cls.shape, shape) is not None:
+            tag = FULL  # smaller, broadcast into the space: recomputed per element
         else:
             return None
         for inp in node.all_input_nodes:
@@ -274,7 +278,12 @@ def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mappi
 
 def _merged_space(a: _Group, b: _Group) -> tuple[Shape, int | None] | None:
     if a.split is None and b.split is None:
-        return (a.shape, None) if a.shape == b.shape else None
+        if a.shape == b.shape:
+            return a.shape, None
+        # a group of smaller values (a per-channel scale) joins the group it broadcasts into
+        if _aligned(a.shape, b.shape) is not None:
+            return b.shape, None
+        return (a.shape, None) if _aligned(b.shape, a.shape) is not None else None
     if a.split is not None and b.split is not None:
         return (a.shape, a.split) if (a.shape, a.split) == (b.shape, b.split) else None
     red = a if a.split is not None else b
