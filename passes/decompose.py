@@ -29,6 +29,11 @@ holding 300 (300**2 > 65504), and a mean of values near 60000 becomes inf::
 
 What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomposed again
 if it holds composites itself.
+
+Extern ops get rules where that lets their pointwise part fuse: eval-mode ``batch_norm``
+becomes per-channel pointwise math (which fuses with a following ReLU and residual add),
+and the bias of ``linear`` and ``conv`` becomes an add after a bias-free call, when every
+user of the result can join a kernel (so the add joins their kernel: an epilogue).
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ _MAX_DEPTH = 16  # rules that expand into themselves forever are an error, not a
 
 
 def register_decomposition(target: Callable[..., Any],
-                           table: dict[Callable[..., Any], Rule] | None = None
+                           table: dict[Callable[..., Any], Rule] | None = None, *,
+                           when: Callable[[Node, GraphModule], bool] | None = None
                            ) -> Callable[[Rule], Rule]:
     """Decorator: make the decorated function the rule for ``target``'s op.
 
@@ -64,6 +70,8 @@ def register_decomposition(target: Callable[..., Any],
         target: any spelling of the op (``F.gelu``, ``torch.softmax``); the rule is stored
             under the op's canonical ``torch_fn``.
         table: the rule table (defaults to :data:`DECOMPOSITIONS`).
+        when: ``when(node, gm)`` says whether the rule applies to this node (its users, say);
+            stored on the rule as ``rule.when``.
 
     Returns:
         A decorator that registers the rule and returns it unchanged.
@@ -75,6 +83,8 @@ def register_decomposition(target: Callable[..., Any],
             return torch.where(x > 0, x, 0.0)
     """
     def decorator(rule: Rule) -> Rule:
+        if when is not None:
+            rule.when = when  # type: ignore[attr-defined]
         (DECOMPOSITIONS if table is None else table)[_canonical(target)] = rule
         return rule
     return decorator
@@ -111,9 +121,18 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     depth: dict[Node, int] = {}
     created: list[Node] = []
     pending = deque(graph.nodes)
-    while pending:
+    deferred: list[Node] = []  # conditional rules that declined: judged again at the end
+    final = False
+    while pending or (deferred and not final):
+        if not pending:  # users are decomposed now, so a rule's `when` sees what they became
+            final = True
+            pending.extend(n for n in deferred if n.graph is graph and not n._erased)
+            continue
         node = pending.popleft()
-        call = _match(node, gm, table)
+        call = _match(node, gm, table, final)
+        if call is _LATER:
+            deferred.append(node)
+            continue
         if call is None:
             continue
         rule, args, kwargs = call
@@ -134,9 +153,10 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     return gm
 
 
-def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule]
-           ) -> tuple[Rule, tuple, dict[str, Any]] | None:
-    """The rule for ``node`` and the arguments of its canonical call, or None."""
+def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule],
+           final: bool = True) -> tuple[Rule, tuple, dict[str, Any]] | object | None:
+    """The rule for ``node`` and the arguments of its canonical call, or None; ``_LATER``
+    when the rule's ``when`` declines and this is not the ``final`` round."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return None
     found = resolve(node, gm)
@@ -148,7 +168,13 @@ def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule]
         return None
     if node.op == "call_module" and (info.module_params is not None or info.module_kwargs is None):
         return None  # its parameters are not arguments yet: normalize first
+    when = getattr(rule, "when", None)
+    if when is not None and not when(node, gm):
+        return None if final else _LATER
     return (rule, *call_args(info, args))
+
+
+_LATER = object()  # _match: a conditional rule declined for now
 
 
 def _expand(graph: Any, tracer: GraphAppendingTracer, node: Node, rule: Rule, args: tuple,
@@ -396,3 +422,71 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
         x = x.to(dtype)
     x, out = _opmath(x, src)
     return _back(torch.sum(x, dims, keepdim=keepdim) / n, out)
+
+
+# ---------------------------------------------------------------------- extern ops
+@register_decomposition(F.batch_norm)
+def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
+                bias: Any = None, training: Any = False, momentum: Any = 0.1,
+                eps: Any = 1e-5) -> Any:
+    # eval mode: (x - mean) * rsqrt(var + eps) * weight + bias, per channel (dim 1);
+    # halves compute in fp32, as eager's kernel
+    shape, src = _shape(x), _dtype(x)
+    if training is not False or running_mean is None or running_var is None or shape is None \
+            or len(shape) < 2 or src is None or type(eps) not in (int, float):
+        return NotImplemented
+    channel = (-1,) + (1,) * (len(shape) - 2)
+    x, out = _opmath(x, src)
+    y = (x - running_mean.reshape(channel)) * torch.rsqrt(running_var.reshape(channel) + eps)
+    if weight is not None:
+        y = y * weight.reshape(channel)
+    if bias is not None:
+        y = y + bias.reshape(channel)
+    return _back(y, out)
+
+
+_FUSIBLE_KINDS = ("pointwise", "reduction", "composite")
+
+
+def _feeds_kernels(node: Node, gm: GraphModule) -> bool:
+    """Every user of ``node`` can join a kernel (through a permute or transpose, too).
+
+    Why: a bias split off a matmul or conv is worth it only when the add joins a kernel
+    that runs anyway; an add that stays alone costs one more pass over the result.
+    """
+    if not node.users:
+        return False
+    for user in node.users:
+        info = lookup(user, gm)
+        if info is None or is_impure(user, gm):
+            return False
+        if info.name in ("permute", "transpose"):
+            if not _feeds_kernels(user, gm):
+                return False
+        elif info.kind not in _FUSIBLE_KINDS:
+            return False
+    return True
+
+
+@register_decomposition(F.linear, when=_feeds_kernels)
+def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    # linear(x, w, b) -> linear(x, w) + b: the bias add joins the next kernel
+    if bias is None:
+        return NotImplemented
+    return F.linear(x, weight) + bias
+
+
+def _conv_rule(conv: Callable[..., Any], spatial: int) -> Rule:
+    def rule(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+             dilation: Any = 1, groups: Any = 1) -> Any:
+        # conv(x, w, b) -> conv(x, w) + b per channel: the bias add joins the next kernel
+        if bias is None:
+            return NotImplemented
+        y = conv(x, weight, None, stride, padding, dilation, groups)
+        return y + bias.reshape((-1,) + (1,) * spatial)
+    rule.__name__ = f"_{conv.__name__}"
+    return rule
+
+
+for _conv, _spatial in ((F.conv1d, 1), (F.conv2d, 2), (F.conv3d, 3)):
+    register_decomposition(_conv, when=_feeds_kernels)(_conv_rule(_conv, _spatial))
