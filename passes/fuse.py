@@ -29,7 +29,9 @@ Rules:
 * **Views** join the group of the value they view, and only when they merely insert or
   drop size-1 dims (view/reshape/flatten/squeeze/unsqueeze/contiguous) or broadcast
   (expand), so that the viewed value stays the same function of the iteration index.
-  Anything else (permute, transpose, slicing, real reshapes) stays outside.
+  Anything else (permute, transpose, slicing, real reshapes) stays outside; but first
+  ``sink_views`` moves permutes and transposes above the pointwise ops they follow, onto
+  the inputs, where a kernel reads through them (see ``passes/sink_views.py``).
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
@@ -61,6 +63,7 @@ from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 
 from .shape_prop import TensorMetadata
+from .sink_views import sink_views
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
 
 __all__ = ["fuse"]
@@ -480,6 +483,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
             raise ValueError(
                 f"fuse needs shape metadata, but node {n.name!r} has none: run "
                 f"ShapeProp(gm).propagate(*example_inputs) first")
+    gm = sink_views(gm)  # permutes move onto inputs, out of the way of groups
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()
     return _build(gm, groups, partitioner.segment, partitioner.barriers)
