@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 
 from .cache import cache_root, write_atomic
@@ -69,6 +70,7 @@ from .triton_common import (
     key_and_shape,
 )
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
+from .triton_layout import inverse, memory_order, permute_inputs
 from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
@@ -358,6 +360,9 @@ class _Spec:
         self.last_launch = (binary, grid3, values)
 
 
+_NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -393,6 +398,11 @@ class TritonKernel:
         # fingerprint of the inputs -> a prepared launch (GPU only; see _DirectLaunch)
         self._direct: dict[tuple, _DirectLaunch] | None = (
             None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
+        # A group of pointwise ops only may iterate in its inputs' memory order
+        # (triton_layout): nothing in it depends on the order of the dims.
+        self._reorder = self.kind == "pointwise" and all(
+            (op_table.lookup(n) or _NOT_POINTWISE).kind == "pointwise"
+            for n in group.graph.nodes if n.op in ("call_function", "call_method"))
 
     @property
     def __name__(self) -> str:  # generated forward code calls the kernel by this name
@@ -429,12 +439,25 @@ class TritonKernel:
             launch = self._direct.get(_fingerprint(inputs))
             if launch is not None:
                 return launch.fast(inputs)
-        key, shape = key_and_shape(inputs)
-        spec = self._spec_for(inputs, key)
+        order = memory_order(inputs) if self._reorder else None
+        spec = None
+        if order is not None:  # the kernel runs on views in memory order (triton_layout)
+            ordered = permute_inputs(inputs, order)
+            key, shape = key_and_shape(ordered)
+            spec = self._spec_for(ordered, key)
+            if spec is None or any(len(d) != spec.plan.rank for d, _, _ in spec.out_layout):
+                spec, order = None, None
+        if order is None:
+            ordered = inputs
+            key, shape = key_and_shape(inputs)
+            spec = self._spec_for(inputs, key)
         if spec is None:
             return self.group(*inputs)
         spec.last_launch = None
-        outs = spec.run(inputs, shape)
+        outs = spec.run(ordered, shape)
+        if order is not None:
+            back = inverse(order)
+            outs = [o.permute(back) for o in outs]
         if self._direct is not None:
             direct = _DirectLaunch.build(spec, inputs, outs)
             # A binary checked before (this process or an earlier one) had its direct
