@@ -6,6 +6,10 @@ group's tensor inputs; ``S``'s dims are numbered ``0 .. rank-1`` and a value of 
 occupies the last ``k`` of them (torch's right alignment). A value's ``span`` is the set of
 dims along which it varies; reductions remove their dims from it.
 
+Kernel variables are named by position (``in0``, ``in1`` for inputs) and by op (``add``,
+``add_1``), never by the graph's node names: two groups that compute the same thing (the
+repeated blocks of a network) then give the same source text, which compiles once.
+
 The kernel is specialized on the *guard key* (:func:`guard_key`): dtypes, ranks, the
 device type, and per input and dim whether it is size 1 (``"1"``), expanded with stride 0
 (``"0"``) or strided (``"s"``), plus whether each input is dense (contiguous, nothing
@@ -343,10 +347,10 @@ class _Builder:
             compute_dtype(x.dtype)
             pat = _pattern(x, self.r)
             span = frozenset(d for d, p in enumerate(pat) if p != "1")
-            v = Value(self.fresh(node.name), "input", x.dtype, _natural(x.dim(), self.r), span,
+            v = Value(self.fresh(f"in{i}"), "input", x.dtype, _natural(x.dim(), self.r), span,
                       index=i, node=node.name, exact=True)
         elif isinstance(x, (bool, int, float)):
-            v = Value(self.fresh(node.name), "scalar", None, (), frozenset(), index=i,
+            v = Value(self.fresh(f"in{i}"), "scalar", None, (), frozenset(), index=i,
                       pytype=type(x), node=node.name)
         else:
             raise Unsupported(f"input {node.name} of type {type(x).__name__}")
@@ -390,7 +394,7 @@ class _Builder:
                 raise Unsupported(f"{node.name}: uses a keepdim=False reduction elementwise")
             dims = tensors[0].dims
         span = frozenset().union(*(a.span for a in ops))
-        v = Value(self.fresh(node.name), "pw", tm.dtype, dims, span,
+        v = Value(self.fresh(name), "pw", tm.dtype, dims, span,
                   op=name, args=args, node=node.name, exact=name == "to")
         self.check_shape(v, node)
         self.env[node] = self.add(v)
@@ -434,7 +438,7 @@ class _Builder:
         tm = self.meta(node)
         out = tm.dtype
         acc = compute_dtype(out)
-        label = self.fresh(node.name)
+        label = self.fresh(name)
         if name in ("sum", "prod"):
             v = Value(label, "reduce", out, dims, span, op=name, args={"input": x})
         elif name in ("amax", "amin"):

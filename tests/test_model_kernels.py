@@ -244,6 +244,6 @@ def test_pointwise_kernels_follow_the_inputs_memory_order(layout):
     for _ in range(2):
         x, r = make(torch.randn(2, 3, 4, 5, device=DEVICE)), make(torch.randn(2, 3, 4, 5, device=DEVICE))
         same(kernel(x, s, r), fn(x, s, r))  # same() checks eager's strides too
-    assert "a_ptr + offs" in kernel.source  # x is read linearly: no transpose
+    assert "in0_ptr + offs" in kernel.source  # x is read linearly: no transpose
     mixed = kernel(x, s, torch.randn(2, 3, 4, 5, device=DEVICE))  # the first operand decides
     assert mixed.stride() == fn(x, s, torch.randn(2, 3, 4, 5, device=DEVICE)).stride()
