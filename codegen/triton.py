@@ -200,29 +200,39 @@ class _Spec:
         self._configs[shape] = found
         return found
 
-    def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
-            cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
-        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        outs = self.allocate(shape, device)
+    def launch_for(self, inputs: Sequence[Any], outs: list[Any], shape: tuple[int, ...],
+                   cfg: dict[str, Any] | None = None) -> tuple | None:
+        """``(variant, grid, args, constexprs, num_warps)`` of the launch for these inputs
+        and outputs, or None when there is nothing to compute (an empty tensor)."""
         counts, heuristic = self.config(shape)
         cfg = cfg or heuristic
         if self.pointwise:
             n = counts["numel"]
-            if n:
-                if cfg["variant"] == "rows":
-                    grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
-                else:
-                    grid = (triton_cdiv(n, cfg["BLOCK"]),)
-                self._launch(cfg["variant"], grid, self.args(inputs, outs, shape, counts),
-                             {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
-            return outs
-        if counts["cols"] == 0 and self.needs_nonempty:
+            if not n:
+                return None
+            if cfg["variant"] == "rows":
+                grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
+            else:
+                grid = (triton_cdiv(n, cfg["BLOCK"]),)
+            return (cfg["variant"], grid, self.args(inputs, outs, shape, counts),
+                    {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
+        if not counts["rows"]:
+            return None
+        return (cfg["variant"], (triton_cdiv(counts["rows"], cfg["ROWS"]),),
+                self.args(inputs, outs, shape, counts),
+                {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
+
+    def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
+            cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        outs = self.allocate(shape, device)
+        if not self.pointwise and self.needs_nonempty and math.prod(
+                shape[d] for d in self.red) == 0:
             raise IndexError("amax()/amin(): expected the reduced dims to have non-zero size, "
                              "as eager does")
-        if counts["rows"]:
-            blocks = triton_cdiv(counts["rows"], cfg["ROWS"])
-            self._launch(cfg["variant"], (blocks,), self.args(inputs, outs, shape, counts),
-                         {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
+        launch = self.launch_for(inputs, outs, shape, cfg)
+        if launch is not None:
+            self._launch(*launch)
         return outs
 
     def _launch(self, variant: str, grid: tuple[int, ...], args: list[Any],
@@ -322,24 +332,27 @@ class TritonKernel:
             self._current = spec
         return spec
 
+    def select(self, inputs: Sequence[Any]) -> tuple[_Spec | None, Sequence[Any],
+                                                     tuple[int, ...], tuple[int, ...] | None]:
+        """The specialization for ``inputs``, the inputs it runs on, the iteration space and
+        the memory order (None: the logical one; see ``triton_layout``)."""
+        order = memory_order(inputs) if self._reorder else None
+        if order is not None:  # the kernel runs on views in memory order
+            ordered = permute_inputs(inputs, order)
+            key, shape = key_and_shape(ordered)
+            spec = self._spec_for(ordered, key)
+            if spec is not None and all(len(d) == spec.plan.rank for d, _, _ in spec.out_layout):
+                return spec, ordered, shape, order
+        key, shape = key_and_shape(inputs)
+        return self._spec_for(inputs, key), inputs, shape, None
+
     def __call__(self, *inputs: Any) -> Any:
         """Allocate the outputs and launch; returns what the group returns."""
         if self._direct is not None:
             launch = self._direct.get(_fingerprint(inputs))
             if launch is not None:
                 return launch.fast(inputs)
-        order = memory_order(inputs) if self._reorder else None
-        spec = None
-        if order is not None:  # the kernel runs on views in memory order (triton_layout)
-            ordered = permute_inputs(inputs, order)
-            key, shape = key_and_shape(ordered)
-            spec = self._spec_for(ordered, key)
-            if spec is None or any(len(d) != spec.plan.rank for d, _, _ in spec.out_layout):
-                spec, order = None, None
-        if order is None:
-            ordered = inputs
-            key, shape = key_and_shape(inputs)
-            spec = self._spec_for(inputs, key)
+        spec, ordered, shape, order = self.select(inputs)
         if spec is None:
             return self.group(*inputs)
         spec.last_launch = None

@@ -247,3 +247,42 @@ def test_pointwise_kernels_follow_the_inputs_memory_order(layout):
     assert "in0_ptr + offs" in kernel.source  # x is read linearly: no transpose
     mixed = kernel(x, s, torch.randn(2, 3, 4, 5, device=DEVICE))  # the first operand decides
     assert mixed.stride() == fn(x, s, torch.randn(2, 3, 4, 5, device=DEVICE)).stride()
+
+
+# ---------------------------------------------------------------------- cold compile
+def test_repeated_blocks_share_kernel_sources_and_precompile_foresees_them(monkeypatch):
+    from fxlite.codegen import triton_precompile
+
+    model = nn.Sequential(ResBlock(), ResBlock(), ResBlock()).eval().to(DEVICE)
+    x = torch.randn(2, 4, 6, 6, device=DEVICE)
+    fused = lower(model, x)
+    planned: set[str] = set()
+    real_plan = triton_precompile._plan
+
+    def spy(gm, device):
+        jobs, groups, kernels, sources = real_plan(gm, device)
+        planned.update(sources)
+        return jobs, groups, kernels, sources
+
+    monkeypatch.setattr(triton_precompile, "_plan", spy)
+    report = triton_precompile.precompile(fused)
+    assert report["groups"] == report["kernels"] == 6
+    assert report["sources"] == report["compiles"] == 2  # one per distinct group body
+    run = Kernels(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-4)
+    assert {k._current.source_id for k in run.kernels.values()} == planned
+
+
+@pytest.mark.gpu
+def test_precompile_compiles_what_the_first_call_launches():
+    model = nn.Sequential(ConvNeXtBlock(32), ConvNeXtBlock(32)).eval().cuda()
+    x = torch.randn(4, 32, 14, 14, device="cuda")
+    fused = lower(model, x)
+    from fxlite.codegen.triton_precompile import precompile
+
+    report = precompile(fused, "cuda", progress=False)
+    assert report["compiles"] >= 1 and report["kernels"] == report["groups"]
+    run = Kernels(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-3, atol=1e-3)
