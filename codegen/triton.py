@@ -300,8 +300,8 @@ class TritonKernel:
         # A group of pointwise ops only may iterate in its inputs' memory order
         # (triton_layout): nothing in it depends on the order of the dims.
         self._reorder = self.kind == "pointwise" and all(
-            (op_table.lookup(n) or _NOT_POINTWISE).kind == "pointwise"
-            for n in group.graph.nodes if n.op in ("call_function", "call_method"))
+            (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
+            for n in group.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
     @property
     def __name__(self) -> str:  # generated forward code calls the kernel by this name

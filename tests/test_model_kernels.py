@@ -286,3 +286,25 @@ def test_precompile_compiles_what_the_first_call_launches():
     run = Kernels(fused)
     with torch.no_grad():
         torch.testing.assert_close(run(x), model(x), rtol=1e-3, atol=1e-3)
+
+
+def test_an_in_place_relu_module_on_a_private_temporary_fuses():
+    """nn.ReLU(inplace=True) after BN overwrites a value only it reads: one kernel. On a
+    value someone else reads (or a group input) the generator refuses, and eager runs."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _bn(4), nn.ReLU(inplace=True)).eval().to(DEVICE)
+    run = _run_block(model, lambda: torch.randn(1, 3, 6, 6, device=DEVICE))
+    assert len(run.kernels) == 1 and any(n == "_2" for n in run.ops)
+
+    class Shared(nn.Module):  # the in-place input is read again by the add
+        def __init__(self):
+            super().__init__()
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            y = x * 2
+            return self.act(y) + y
+
+    x = torch.randn(4, 5, device=DEVICE)
+    gm = lower(Shared().eval(), x)
+    sub = next(m for name, m in gm.named_children() if name.startswith("fused"))
+    assert generate_kernel(sub, [x]) is None
