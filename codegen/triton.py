@@ -81,7 +81,7 @@ from .triton_layout import inverse, memory_order, permute_inputs
 from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
-from .triton_source import KernelSource
+from .triton_source import KernelSource, division_magic
 
 __all__ = ["DEFAULT_MAX_BLOCK", "TritonKernel", "candidate_configs", "generate_kernel",
            "guard_key", "interpreting", "launch_config", "why_unsupported"]
@@ -169,6 +169,8 @@ class _Spec:
                 vals.append(outs[desc[1]])
             elif tag == "size":
                 vals.append(max(shape[desc[1]], 1))
+            elif tag in ("size_m", "size_s"):
+                vals.append(division_magic(max(shape[desc[1]], 1))[tag == "size_s"])
             elif tag == "stride":
                 t = inputs[desc[1]]
                 vals.append(t.stride(desc[2] - (r - t.dim())))

@@ -236,3 +236,38 @@ def test_half_values_are_rounded_where_the_difference_would_show():
         assert kernel is not None
         same(kernel(x * 2), fn(x * 2))
         assert torch.equal(kernel(x), fn(x))
+
+
+# ---------------------------------------------------------------------- index math
+def test_division_magic_divides_exactly():
+    """Index splitting divides by runtime sizes through magic numbers (triton_source):
+    exact for every index a 32-bit kernel can hold."""
+    import random
+
+    from fxlite.codegen.triton_source import division_magic
+
+    rng = random.Random(0)
+    divisors = list(range(1, 3000)) + [rng.randrange(1, 2**31) for _ in range(3000)] + [
+        2**k + e for k in range(1, 31) for e in (-1, 0, 1)]
+    for d in divisors:
+        m, s = division_magic(d)
+        assert -(2**31) <= m < 2**31 and 0 <= s <= 31
+        mu = m % 2**32  # the unsigned bits the kernel multiplies with
+        for n in [0, 1, d - 1, d, 2**31 - 1, 2**31 - 2] + [rng.randrange(2**31) for _ in range(8)]:
+            if 0 <= n < 2**31:
+                assert ((((n * mu) >> 32) + n) % 2**32) >> s == n // d, (n, d)
+
+
+def test_odd_sizes_split_the_index_right():
+    fn = lambda a, b, c: a * b + c  # noqa: E731
+    a = torch.randn(3, 5, 7, 11, device=DEVICE)
+    b = torch.randn(5, 1, 11, device=DEVICE)
+    c = torch.randn(7, 1, device=DEVICE)
+    kernel = generate_kernel(group(fn, a, b, c), [a, b, c])
+    assert "_fdiv(" in kernel.source
+    for shape in ((3, 5, 7, 11), (2, 13, 9, 3), (1, 17, 4, 255)):
+        a = torch.randn(*shape, device=DEVICE)
+        b = torch.randn(shape[1], 1, shape[3], device=DEVICE)
+        c = torch.randn(shape[2], 1, device=DEVICE)
+        same(kernel(a, b, c), fn(a, b, c))
+        same(kernel(a[:, :, :, ::2], b[:, :, ::2], c), fn(a[:, :, :, ::2], b[:, :, ::2], c))
