@@ -18,6 +18,7 @@ from .networkx import to_networkx
 from .normalize import normalize, normalize_graph, produces_tensor
 from .pass_manager import NumericsError, PassError, PassManager, PassRecord
 from .shape_prop import ShapeProp, TensorMetadata, extract_tensor_metadata
+from .sink_views import sink_views
 from .split_module import split_module
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "normalize_graph",
     "produces_tensor",
     "register_decomposition",
+    "sink_views",
     "split_module",
     "to_dot",
     "to_networkx",
