@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve
+from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve, result_dtype
 from fxlite.proxy import GraphAppendingTracer, Proxy
 
 from .normalize import _copy_graph, normalize_graph
@@ -238,9 +238,20 @@ _HALVES = (torch.float16, torch.bfloat16)
 
 
 def _dtype(x: Any) -> torch.dtype | None:
-    meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
-    dtype = getattr(meta, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else None
+    """The dtype of value ``x``: its ShapeProp record, or for a node an earlier rule made
+    (the bias add of a split linear), the op table's dtype rule over its inputs."""
+    return _node_dtype(x.node, 8) if isinstance(x, Proxy) else None
+
+
+def _node_dtype(node: Node, depth: int) -> torch.dtype | None:
+    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+    if isinstance(dtype, torch.dtype) or depth == 0:
+        return dtype if isinstance(dtype, torch.dtype) else None
+    found = resolve(node, node.graph.owning_module)
+    if found is None:
+        return None
+    info, args = found
+    return result_dtype(info, map_arg(args, lambda n: _node_dtype(n, depth - 1)))
 
 
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:

@@ -308,3 +308,14 @@ def test_an_in_place_relu_module_on_a_private_temporary_fuses():
     gm = lower(Shared().eval(), x)
     sub = next(m for name, m in gm.named_children() if name.startswith("fused"))
     assert generate_kernel(sub, [x]) is None
+
+
+def test_rules_read_the_dtype_of_values_earlier_rules_made():
+    """GELU after a split bf16 linear reads a bias add no ShapeProp has seen: its dtype
+    comes from the op table, so GELU still computes in fp32, as eager's kernel does."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU()).eval().to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    gm = _decomposed(model, x)
+    casts = [n.args[1] for n in gm.graph.nodes if lookup(n) is not None and lookup(n).name == "to"]
+    assert casts == [torch.float32, torch.bfloat16], gm.code
+    torch.testing.assert_close(gm(x), model(x), rtol=3e-2, atol=1e-3)
