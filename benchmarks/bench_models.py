@@ -47,14 +47,15 @@ SEQ = 128  # tokens per sequence for the transformers models
 # cProfile functions whose cumulative time is reported per stage of fxlite's cold compile.
 STAGES = {
     "trace": ("symbolic_trace",),
-    "shape_prop": ("propagate_shapes", "propagate"),
+    "shape_prop": ("propagate_shapes", "propagate", "fill_meta", "propagate_meta"),
+    "functionalize": ("functionalize",),
     "normalize": ("normalize",),
     "decompose": ("decompose",),
     "fuse": ("fuse",),
     "generate_kernel": ("generate_kernel",),
     "precompile": ("precompile",),
     "triton_compile": ("compile",),  # triton.compiler.compiler.compile
-    "first_call_check": ("_assert_same",),
+    "first_call_check": ("_assert_same", "assert_same"),
 }
 
 
