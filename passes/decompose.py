@@ -281,17 +281,38 @@ def _same_shape_source(x: Any) -> Any:
     layer_norm's prologue out of its fused kernel; ``x`` itself has the same size.
     """
     node = x.node
-    shape = _shape(x)
+    shape = _node_shape(node, 8)
     while shape is not None:
         info = lookup(node, node.graph.owning_module)
         if info is None or info.kind != "pointwise":
             break
-        same = [a for a in node.all_input_nodes
-                if getattr(a.meta.get("tensor_meta"), "shape", None) == shape]
+        same = [a for a in node.all_input_nodes if _node_shape(a, 8) == shape]
         if not same:
             break
         node = same[0]
     return x if node is x.node else Proxy(node, x.tracer)
+
+
+def _node_shape(node: Node, depth: int) -> tuple[int, ...] | None:
+    """ShapeProp's shape of ``node``, or for a node an earlier rule made (the math and
+    reshapes of a decomposed batch_norm), its op run on ``meta`` tensors of its inputs'
+    shapes."""
+    meta = node.meta.get("tensor_meta")
+    if hasattr(meta, "shape"):
+        return tuple(meta.shape)
+    if depth == 0 or node.op not in ("call_function", "call_method") or not node.all_input_nodes:
+        return None
+    shapes = {a: _node_shape(a, depth - 1) for a in node.all_input_nodes}
+    if any(s is None for s in shapes.values()):
+        return None
+    fake = lambda a: torch.empty(shapes[a], device="meta")  # noqa: E731
+    args, kwargs = map_arg(node.args, fake), map_arg(node.kwargs, fake)
+    try:  # (rules record methods, x.reshape(...); normalize makes them functions later)
+        fn = node.target if node.op == "call_function" else getattr(args[0], node.target)
+        out = fn(*(args if node.op == "call_function" else args[1:]), **kwargs)
+    except Exception:  # not an op that runs on meta tensors: unknown
+        return None
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
 
 
 def _count(x: Any, dims: tuple[int, ...]) -> Any:

@@ -319,3 +319,25 @@ def test_rules_read_the_dtype_of_values_earlier_rules_made():
     casts = [n.args[1] for n in gm.graph.nodes if lookup(n) is not None and lookup(n).name == "to"]
     assert casts == [torch.float32, torch.bfloat16], gm.code
     torch.testing.assert_close(gm(x), model(x), rtol=3e-2, atol=1e-3)
+
+
+def test_batch_norm_relu_global_pool_is_one_kernel_with_one_output():
+    """The head of resnets, shufflenet and mnasnet: conv, BN, ReLU(inplace), mean over H, W.
+    The mean's element count is read from a value before the BN (sizes read from the BN's
+    math would make it a second output of the kernel, and the ReLU no longer private)."""
+    model = nn.Sequential(nn.Conv2d(4, 8, 1, bias=False), _bn(8), nn.ReLU(inplace=True),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model[:3]
+
+        def forward(self, x):
+            return self.body(x).mean([2, 3])
+
+    run = _run_block(Head(), lambda: torch.randn(2, 4, 3, 3, device=DEVICE))
+    (name,) = run.kernels
+    assert any(n.startswith("sum") for n in run.module.get_submodule(name).meta["nodes"])
+    (call,) = [n for n in run.module.graph.nodes if n.target == name]
+    assert "tensor_meta" in call.meta and hasattr(call.meta["tensor_meta"], "shape")  # one output
