@@ -80,8 +80,10 @@ def _floordiv_float(a, b, m):
     "_fdiv": '''
 @triton.jit
 def _fdiv(n, m, s):
-    # n // d for 0 <= n < 2**31, from d's magic numbers (triton_source.division_magic)
-    q = tl.umulhi(n, m).to(tl.uint32, bitcast=True) + n.to(tl.uint32, bitcast=True)
+    # n // d for 0 <= n < 2**31, from d's magic numbers (triton_source.division_magic).
+    # Unsigned operands: older interpreters sign-extend int32 operands of umulhi.
+    u = n.to(tl.uint32, bitcast=True)
+    q = tl.umulhi(u, m.to(tl.uint32, bitcast=True)) + u
     return (q >> s.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
 ''',
     "_round_half_even": '''
