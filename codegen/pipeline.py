@@ -173,6 +173,11 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     gm.recompile()
     propagate_meta(gm)
     fused = fuse(gm)
+    cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
+    if cuda and not interpreting():  # compile every distinct kernel at once, in parallel
+        from fxlite.codegen.triton_precompile import precompile
+
+        precompile(fused, cuda[0])
     check = _KernelCheck(fused, mode)
     outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)

@@ -16,11 +16,30 @@ runtime arguments marked ``do_not_specialize``, so a resize with the same rank r
 Calling it with inputs of another key generates (and caches) another specialization, or
 runs the group eagerly when that one is unsupported; it is never wrong.
 
-Numerics: f16/bf16 values are computed in fp32 and rounded once at the store, so results
-can differ from eager (which rounds after every op) by up to 1 ulp of the output dtype;
-reductions accumulate halves in fp32. Integer ``//`` and ``%`` floor as torch does, and
-max/min propagate NaN. Under ``TRITON_INTERPRET=1`` kernels run on CPU tensors; libdevice
-(missing from the interpreter) is used only when compiling for a GPU.
+Numerics:
+
+- **fp16/bf16 intermediates are not rounded between fused ops** (the deliberate choice;
+  Inductor's default too). Inside a kernel, half values are held in fp32 and rounded once,
+  where they are stored; eager rounds after every op. So a fused chain gives what the same
+  ops give in fp32, rounded once: usually within 1 ulp of eager, and the more precise value
+  where eager's per-op rounding loses information (``(x + 4e-4) - 1`` on an fp16 ``x = 1``
+  is 0 in eager and 4e-4 here; ``x * 1000 / 1000`` overflows to inf in eager for ``x=100``
+  and gives 100 here). Rounding after every op would cost two conversions per op and
+  element, more than the memory time of a long fp16 chain.
+- A half value *is* rounded first where the difference would be discrete: before a
+  comparison, ``floor``/``round``/``trunc``/``sign``, a cast, ``//``/``%``, and before it
+  is promoted to fp32 by an op with an fp32 operand (``triton_source.DISCRETE``).
+- Reductions accumulate halves in fp32. The decompositions of softmax, layer_norm,
+  rms_norm, mean, var and std cast half inputs to fp32 and the result back, as eager's
+  kernels compute them, so a group's eager fallback agrees with its kernel.
+- Integer ``//`` and ``%`` floor as torch does, and max/min propagate NaN. Integer
+  division by a tensor or a scalar argument (a divisor that may be 0) is refused: eager
+  raises ``ZeroDivisionError`` on the CPU and returns a hardware-defined value on CUDA, and
+  neither can be promised by a kernel, so the group runs in eager. ``x ** 0`` is 1 for
+  every ``x``, NaN and inf included.
+
+Under ``TRITON_INTERPRET=1`` kernels run on CPU tensors; libdevice (missing from the
+interpreter) is used only when compiling for a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from typing import Any
 
 import torch
 
+from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 
 from .cache import cache_root, write_atomic
@@ -49,133 +69,26 @@ from .triton_common import (
     iteration_space,
     key_and_shape,
 )
+from .triton_config import (
+    DEFAULT_MAX_BLOCK,
+    candidate_configs,
+    launch_config,
+    np2,
+    triton_cdiv,
+)
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
+from .triton_layout import inverse, memory_order, permute_inputs
 from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
-from .triton_source import KernelSource
+from .triton_source import KernelSource, division_magic
 
 __all__ = ["DEFAULT_MAX_BLOCK", "TritonKernel", "candidate_configs", "generate_kernel",
            "guard_key", "interpreting", "launch_config", "why_unsupported"]
 
-DEFAULT_MAX_BLOCK = 16384  # longest row (elements, power of 2) kept in registers
-POINTWISE_BLOCK = 1024
-
-
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _np2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
-
-
-def _warps(elements: int) -> int:
-    # Measured on an H200: an 8192-wide fp32 row runs ~15% faster with 16 warps than 8.
-    return 4 if elements <= 2048 else 8 if elements <= 4096 else 16
-
-
-
-def _row_block(cols: int) -> int:
-    """The block for a pointwise rows launch over rows of ``cols`` elements; 0: don't.
-
-    1024, or 256 when 1024 would pad a row by more than 1/8 and 256 would not. Two sizes
-    only: each is a constexpr, so each is one more binary that a resize may compile.
-    """
-    for block in (1024, 256):
-        if triton_cdiv(cols, block) * block * 8 <= cols * 9:
-            return block
-    return 0
-
-
-def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
-                  max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1) -> dict[str, Any]:
-    """The heuristic launch configuration.
-
-    Args:
-        kind: ``"pointwise"`` (``rows`` is the element count) or ``"reduction"``.
-        rows: rows of a reduction (elements of a pointwise kernel).
-        cols: elements per row; for a pointwise kernel with a rows variant, the length of
-            the innermost dim (1 otherwise: the flat variant runs).
-        trailing: the reduced dims are the innermost ones (rows are contiguous).
-        max_block: the longest row kept in registers; longer rows loop.
-        row_inputs: how many inputs a reduction reads whole (a row of each per row).
-
-    Returns:
-        ``{"variant", "BLOCK" or "ROWS"/"BLOCK_C", "num_warps"}``.
-
-    Example::
-
-        launch_config("reduction", 8192, 8192)
-        # {'variant': 'persistent', 'ROWS': 1, 'BLOCK_C': 8192, 'num_warps': 16, ...}
-        launch_config("pointwise", 8192 * 768, 768)
-        # {'variant': 'rows', 'BLOCK': 256, 'num_warps': 1}
-    """
-    if kind == "pointwise":
-        block = _row_block(cols)
-        if block:  # the kernel's rows variant: no per-element index division
-            return {"variant": "rows", "BLOCK": block, "num_warps": max(1, min(4, block // 256))}
-        return {"variant": "pointwise", "BLOCK": POINTWISE_BLOCK, "num_warps": 4}
-    width = _np2(cols)
-    if trailing:
-        if width <= max_block:
-            block = width
-            nrows = min(_np2(rows), max(1, 2048 // block), 64)
-            variant = "persistent"
-            warps = _warps(nrows * block)
-            if row_inputs >= 2:
-                # Measured on an H200, fp32 add+layer_norm (two rows held per program):
-                # 8192 wide, 4 warps reach 101% of copy, 16 94%, 8 only 74%; 16384 wide,
-                # 8 warps 95%, 16 79%, 4 11% (spills). 2048 and 4096 wide: all within 1%.
-                warps = {8192: 4, 16384: 8}.get(nrows * block, warps)
-        else:
-            # Measured on an H200: a looped fp32 softmax runs at 84% of copy with 16 warps
-            # per 2048-4096 chunk, 49% with 4.
-            block, nrows, variant = min(max_block, 4096), 1, "looped"
-            warps = 16 if block >= 2048 else _warps(block)
-    else:
-        # Strided columns: many adjacent rows per program keep the loads coalesced, and
-        # many warps hide the latency of the long column loop (measured: 32 >> 4).
-        nrows = min(_np2(rows), 64)
-        block = min(width, max(1, 2048 // nrows), max_block)
-        variant = "persistent" if width <= block else "looped"
-        warps = 32 if nrows * block >= 2048 else _warps(nrows * block)
-    return {"variant": variant, "ROWS": nrows, "BLOCK_C": block, "num_warps": warps}
-
-
-def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
-                      max_block: int = DEFAULT_MAX_BLOCK) -> list[dict[str, Any]]:
-    """Configurations ``TritonKernel.autotune`` times (``mode="max-autotune"``).
-
-    The heuristic's choice comes first. Example::
-
-        candidate_configs("pointwise", 1 << 20)[0]["BLOCK"]  # 1024
-    """
-    base = launch_config(kind, rows, cols, trailing=trailing, max_block=max_block)
-    out = [base]
-    if kind == "pointwise":
-        for block in (512, 1024, 2048, 4096):
-            for warps in (4, 8):
-                out.append({"variant": "pointwise", "BLOCK": block, "num_warps": warps})
-        if base["variant"] == "rows":
-            for block in (256, 512, 1024, 2048):
-                if block <= 2 * base["BLOCK"]:
-                    for warps in (1, 2, 4, 8):
-                        out.append({"variant": "rows", "BLOCK": block, "num_warps": warps})
-    else:
-        for warps in (2, 4, 8, 16, 32):
-            out.append({**base, "num_warps": warps})
-        if base["variant"] == "persistent":
-            for nrows in (1, 2, 4, 8):
-                if nrows != base["ROWS"] and nrows * base["BLOCK_C"] <= 2 * max_block:
-                    out.append({**base, "ROWS": nrows,
-                                "num_warps": _warps(nrows * base["BLOCK_C"])})
-    unique: list[dict[str, Any]] = []
-    for c in out:
-        if c not in unique:
-            unique.append(c)
-    return unique
 
 
 # ------------------------------------------------------------------------------ loading
@@ -215,7 +128,7 @@ class _Spec:
         self.plan = plan
         self.src = src
         self.max_block = max_block
-        module = load_module(src.text, plan.name)
+        module = load_module(src.text, plan.name)  # plan.name holds a digest of the text
         self.source_id = module.__name__  # carries a digest of the source text
         self.fns = {v: getattr(module, f) for v, f in src.functions.items()}
         self.outs = computed_outputs(plan)
@@ -256,6 +169,8 @@ class _Spec:
                 vals.append(outs[desc[1]])
             elif tag == "size":
                 vals.append(max(shape[desc[1]], 1))
+            elif tag in ("size_m", "size_s"):
+                vals.append(division_magic(max(shape[desc[1]], 1))[tag == "size_s"])
             elif tag == "stride":
                 t = inputs[desc[1]]
                 vals.append(t.stride(desc[2] - (r - t.dim())))
@@ -279,7 +194,7 @@ class _Spec:
         else:
             rows = math.prod(shape[d] for d in self.kept)
             cols = math.prod(shape[d] for d in self.red)
-            found = {"rows": rows, "cols": cols}, self.tuned.get(_np2(cols)) or launch_config(
+            found = {"rows": rows, "cols": cols}, self.tuned.get(np2(cols)) or launch_config(
                 "reduction", rows, cols, trailing=self.trailing, max_block=self.max_block,
                 row_inputs=self.row_inputs)
         if len(self._configs) > 256:
@@ -287,29 +202,39 @@ class _Spec:
         self._configs[shape] = found
         return found
 
-    def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
-            cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
-        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        outs = self.allocate(shape, device)
+    def launch_for(self, inputs: Sequence[Any], outs: list[Any], shape: tuple[int, ...],
+                   cfg: dict[str, Any] | None = None) -> tuple | None:
+        """``(variant, grid, args, constexprs, num_warps)`` of the launch for these inputs
+        and outputs, or None when there is nothing to compute (an empty tensor)."""
         counts, heuristic = self.config(shape)
         cfg = cfg or heuristic
         if self.pointwise:
             n = counts["numel"]
-            if n:
-                if cfg["variant"] == "rows":
-                    grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
-                else:
-                    grid = (triton_cdiv(n, cfg["BLOCK"]),)
-                self._launch(cfg["variant"], grid, self.args(inputs, outs, shape, counts),
-                             {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
-            return outs
-        if counts["cols"] == 0 and self.needs_nonempty:
+            if not n:
+                return None
+            if cfg["variant"] == "rows":
+                grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
+            else:
+                grid = (triton_cdiv(n, cfg["BLOCK"]),)
+            return (cfg["variant"], grid, self.args(inputs, outs, shape, counts),
+                    {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
+        if not counts["rows"]:
+            return None
+        return (cfg["variant"], (triton_cdiv(counts["rows"], cfg["ROWS"]),),
+                self.args(inputs, outs, shape, counts),
+                {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
+
+    def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
+            cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        outs = self.allocate(shape, device)
+        if not self.pointwise and self.needs_nonempty and math.prod(
+                shape[d] for d in self.red) == 0:
             raise IndexError("amax()/amin(): expected the reduced dims to have non-zero size, "
                              "as eager does")
-        if counts["rows"]:
-            blocks = triton_cdiv(counts["rows"], cfg["ROWS"])
-            self._launch(cfg["variant"], (blocks,), self.args(inputs, outs, shape, counts),
-                         {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
+        launch = self.launch_for(inputs, outs, shape, cfg)
+        if launch is not None:
+            self._launch(*launch)
         return outs
 
     def _launch(self, variant: str, grid: tuple[int, ...], args: list[Any],
@@ -339,15 +264,15 @@ class _Spec:
         self.last_launch = (binary, grid3, values)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)
 
 
 class TritonKernel:
     """A generated kernel for one fused group, callable like the group.
 
     Attributes:
-        name: the kernel (function) name.
+        name: the name generated code calls it by (the Triton functions in ``source`` are
+            named by their ops and a digest of the text, so identical groups share them).
         nodes: names of the group's op nodes.
         kind: ``"pointwise"`` or ``"reduction"``.
         compilations: how many specializations (guard keys) have been generated.
@@ -363,10 +288,10 @@ class TritonKernel:
 
     direction = "forward"
 
-    def __init__(self, group: GraphModule, spec: _Spec, *, libdevice: bool | None,
+    def __init__(self, group: GraphModule, spec: _Spec, *, name: str, libdevice: bool | None,
                  max_block: int) -> None:
         self.group = group
-        self.name = spec.plan.name
+        self.name = name
         self.nodes = list(spec.plan.node_names)
         self.kind = spec.plan.kind
         self._libdevice = libdevice
@@ -378,6 +303,11 @@ class TritonKernel:
         # fingerprint of the inputs -> a prepared launch (GPU only; see _DirectLaunch)
         self._direct: dict[tuple, _DirectLaunch] | None = (
             None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
+        # A group of pointwise ops only may iterate in its inputs' memory order
+        # (triton_layout): nothing in it depends on the order of the dims.
+        self._reorder = self.kind == "pointwise" and all(
+            (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
+            for n in group.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
     @property
     def __name__(self) -> str:  # generated forward code calls the kernel by this name
@@ -408,18 +338,34 @@ class TritonKernel:
             self._current = spec
         return spec
 
+    def select(self, inputs: Sequence[Any]) -> tuple[_Spec | None, Sequence[Any],
+                                                     tuple[int, ...], tuple[int, ...] | None]:
+        """The specialization for ``inputs``, the inputs it runs on, the iteration space and
+        the memory order (None: the logical one; see ``triton_layout``)."""
+        order = memory_order(inputs) if self._reorder else None
+        if order is not None:  # the kernel runs on views in memory order
+            ordered = permute_inputs(inputs, order)
+            key, shape = key_and_shape(ordered)
+            spec = self._spec_for(ordered, key)
+            if spec is not None and all(len(d) == spec.plan.rank for d, _, _ in spec.out_layout):
+                return spec, ordered, shape, order
+        key, shape = key_and_shape(inputs)
+        return self._spec_for(inputs, key), inputs, shape, None
+
     def __call__(self, *inputs: Any) -> Any:
         """Allocate the outputs and launch; returns what the group returns."""
         if self._direct is not None:
             launch = self._direct.get(_fingerprint(inputs))
             if launch is not None:
                 return launch.fast(inputs)
-        key, shape = key_and_shape(inputs)
-        spec = self._spec_for(inputs, key)
+        spec, ordered, shape, order = self.select(inputs)
         if spec is None:
             return self.group(*inputs)
         spec.last_launch = None
-        outs = spec.run(inputs, shape)
+        outs = spec.run(ordered, shape)
+        if order is not None:
+            back = inverse(order)
+            outs = [o.permute(back) for o in outs]
         if self._direct is not None:
             direct = _DirectLaunch.build(spec, inputs, outs)
             # A binary checked before (this process or an earlier one) had its direct
@@ -481,7 +427,7 @@ class TritonKernel:
             return {}
         shape = iteration_space(list(inputs))
         counts, base = spec.config(shape)
-        bucket = None if self.kind == "pointwise" else _np2(counts["cols"])
+        bucket = None if self.kind == "pointwise" else np2(counts["cols"])
         if interpreting() or not torch.cuda.is_available():
             spec.tuned[bucket] = base
             spec._configs.clear()
@@ -534,9 +480,20 @@ def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool 
                               "before the first import of triton")
     if libdevice is None:
         libdevice = not interpreting()
-    plan = analyze(group, inputs, name)
+    plan = analyze(group, inputs, _UNNAMED)
     src = (build_pointwise if plan.kind == "pointwise" else build_reduction)(plan, libdevice)
+    # The function is named by what it computes and a digest of its text, not by the
+    # group: identical groups (repeated blocks) give one source, compiled once.
+    ops = list(dict.fromkeys(v.op for v in plan.values if v.kind in ("pw", "reduce")))
+    label = "_".join(["fx"] + ops[:4])
+    plan.name = f"{label}_{hashlib.sha256(src.text.encode()).hexdigest()[:10]}"
+    src = KernelSource(src.text.replace(_UNNAMED, plan.name),
+                       {v: f.replace(_UNNAMED, plan.name) for v, f in src.functions.items()},
+                       src.args)
     return plan, src
+
+
+_UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (triton_common._Builder.fresh)
 
 
 def _identifier(name: str) -> str:
@@ -572,7 +529,8 @@ def generate_kernel(group_gm: GraphModule, example_inputs: Sequence[Any], name: 
     spec = _build(group_gm, inputs, _identifier(name), libdevice, max_block)
     if spec is None:
         return None
-    return TritonKernel(group_gm, spec, libdevice=libdevice, max_block=max_block)
+    return TritonKernel(group_gm, spec, name=_identifier(name), libdevice=libdevice,
+                        max_block=max_block)
 
 
 def why_unsupported(group_gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:

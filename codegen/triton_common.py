@@ -6,6 +6,10 @@ group's tensor inputs; ``S``'s dims are numbered ``0 .. rank-1`` and a value of 
 occupies the last ``k`` of them (torch's right alignment). A value's ``span`` is the set of
 dims along which it varies; reductions remove their dims from it.
 
+Kernel variables are named by position (``in0``, ``in1`` for inputs) and by op (``add``,
+``add_1``), never by the graph's node names: two groups that compute the same thing (the
+repeated blocks of a network) then give the same source text, which compiles once.
+
 The kernel is specialized on the *guard key* (:func:`guard_key`): dtypes, ranks, the
 device type, and per input and dim whether it is size 1 (``"1"``), expanded with stride 0
 (``"0"``) or strided (``"s"``), plus whether each input is dense (contiguous, nothing
@@ -44,14 +48,16 @@ IDENTITY_VIEWS = frozenset({"view", "reshape", "expand", "contiguous", "flatten"
 _COPIES = {torch.Tensor.clone: "clone", torch.Tensor.detach: "detach"}
 
 
-def resolve(node: Node) -> str | None:
+def resolve(node: Node, module: torch.nn.Module | None = None) -> str | None:
     """The op-table name of ``node``'s op when this module can emit it, else None.
+
+    ``module`` (the group) resolves ``call_module`` nodes (``nn.ReLU``).
 
     Example::
 
         resolve(node)  # "add" for torch.add, operator.add and x.add(...)
     """
-    info = op_table.lookup(node)
+    info = op_table.lookup(node, module)
     if info is not None:
         known = info.triton is not None or info.name in REDUCTIONS or info.name in IDENTITY_VIEWS
         return info.name if known else None
@@ -183,9 +189,10 @@ def guard_key(inputs: Sequence[Any]) -> tuple:
 
 
 # ------------------------------------------------------------------------------ analysis
-def _table_args(node: Node, info: op_table.OpInfo) -> dict[str, Any]:
+def _table_args(node: Node, info: op_table.OpInfo, module: torch.nn.Module | None = None
+                ) -> dict[str, Any]:
     """``node``'s arguments by the op table's parameter names, defaults filled in."""
-    args = op_table.canonical_args(node, info)
+    args = op_table.canonical_args(node, info, module)
     defaults = dict(info.defaults)
     extra = [k for k in args if k not in info.params and k not in defaults]
     if extra:
@@ -343,17 +350,17 @@ class _Builder:
             compute_dtype(x.dtype)
             pat = _pattern(x, self.r)
             span = frozenset(d for d, p in enumerate(pat) if p != "1")
-            v = Value(self.fresh(node.name), "input", x.dtype, _natural(x.dim(), self.r), span,
+            v = Value(self.fresh(f"in{i}"), "input", x.dtype, _natural(x.dim(), self.r), span,
                       index=i, node=node.name, exact=True)
         elif isinstance(x, (bool, int, float)):
-            v = Value(self.fresh(node.name), "scalar", None, (), frozenset(), index=i,
+            v = Value(self.fresh(f"in{i}"), "scalar", None, (), frozenset(), index=i,
                       pytype=type(x), node=node.name)
         else:
             raise Unsupported(f"input {node.name} of type {type(x).__name__}")
         self.env[node] = self.add(v)
 
     def call(self, node: Node) -> None:
-        name = resolve(node)
+        name = resolve(node, self.gm)
         if name is None:
             raise Unsupported(f"{node.name}: op {node.target} has no Triton form")
         if name in IDENTITY_VIEWS:
@@ -368,11 +375,13 @@ class _Builder:
         if name in REDUCTIONS:
             self.reduction(node, name)
             return
-        info = op_table.lookup(node)
+        info = op_table.lookup(node, self.gm)
         spec = info.triton
-        bound = self.to_args(node) if name == "to" else _table_args(node, info)
+        bound = self.to_args(node) if name == "to" else _table_args(node, info, self.gm)
         for k in spec.ignore:
-            if bound.get(k) not in (False, None):
+            if k == "inplace" and bound.get(k) is True and self.private(bound.get("input"), node):
+                pass  # it overwrites a temporary nobody else reads: the same as out of place
+            elif bound.get(k) not in (False, None):
                 raise Unsupported(f"{node.name}: {k}={bound[k]!r}")
             bound.pop(k, None)
         args = {k: self.operand(a, node, any_dims=True) for k, a in bound.items()}
@@ -390,10 +399,18 @@ class _Builder:
                 raise Unsupported(f"{node.name}: uses a keepdim=False reduction elementwise")
             dims = tensors[0].dims
         span = frozenset().union(*(a.span for a in ops))
-        v = Value(self.fresh(node.name), "pw", tm.dtype, dims, span,
+        v = Value(self.fresh(name), "pw", tm.dtype, dims, span,
                   op=name, args=args, node=node.name, exact=name == "to")
         self.check_shape(v, node)
         self.env[node] = self.add(v)
+
+    @staticmethod
+    def private(value: Any, user: Node) -> bool:
+        """Whether ``value`` is computed in the group and read by ``user`` alone (so an
+        in-place ``user``, ``nn.ReLU(inplace=True)`` say, changes nothing anyone sees)."""
+        return isinstance(value, Node) and value.op in ("call_function", "call_method",
+                                                        "call_module") \
+            and set(value.users) == {user}
 
     def to_args(self, node: Node) -> dict[str, Any]:
         for a in list(node.args[1:]) + list(node.kwargs.values()):
@@ -434,7 +451,7 @@ class _Builder:
         tm = self.meta(node)
         out = tm.dtype
         acc = compute_dtype(out)
-        label = self.fresh(node.name)
+        label = self.fresh(name)
         if name in ("sum", "prod"):
             v = Value(label, "reduce", out, dims, span, op=name, args={"input": x})
         elif name in ("amax", "amin"):
@@ -528,7 +545,7 @@ def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             b.placeholder(node, placeholders.index(node))
-        elif node.op in ("call_function", "call_method"):
+        elif node.op in ("call_function", "call_method", "call_module"):
             b.call(node)
         elif node.op == "output":
             out_node = node
@@ -554,4 +571,4 @@ def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
                 reduced=b.reduced if b.reduced is not None else frozenset(),
                 trivial=b.trivial, int64=key[2], key=key,
                 node_names=[n.name for n in gm.graph.nodes
-                            if n.op in ("call_function", "call_method")])
+                            if n.op in ("call_function", "call_method", "call_module")])

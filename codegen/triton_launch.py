@@ -192,7 +192,9 @@ class _DirectLaunch:
         self.tensor_slots = [(k, "in" if desc[0] in ("in", "scalar") else "out", desc[1])
                              for k, desc in enumerate(spec.src.args)
                              if desc[0] in ("in", "scalar", "out")]
-        self.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in outs]
+        # Outputs may be permuted views (a kernel run in its inputs' memory order): the
+        # launch allocates them with those strides; only their addresses reach the binary.
+        self.out_specs = [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outs]
         # An output laid out exactly like an input is allocated with empty_like(input):
         # about half the host time of torch.empty(shape, dtype=, device=).
         self.like = {}
@@ -200,7 +202,7 @@ class _DirectLaunch:
             for i, t in enumerate(inputs):
                 if (isinstance(t, torch.Tensor) and t.shape == o.shape and t.dtype == o.dtype
                         and t.device == o.device and t.stride() == o.stride()
-                        and t.is_contiguous()):
+                        and _dense(t)):
                     self.like[j] = i
                     break
         self.results = spec.results
@@ -229,12 +231,18 @@ class _DirectLaunch:
                  "    if _enter is not None and getattr(_enter, 'calls', True):",
                  "        return _general(inputs)"]
         env["_empty_like"] = torch.empty_like
-        for j, (shape, dtype, device) in enumerate(self.out_specs):
+        env["_empty_strided"] = torch.empty_strided
+        for j, (shape, stride, dtype, device) in enumerate(self.out_specs):
             if j in self.like:  # the fingerprint fixes that input's layout
                 lines.append(f"    o{j} = _empty_like(inputs[{self.like[j]}])")
                 continue
             env[f"_shape{j}"], env[f"_dtype{j}"], env[f"_device{j}"] = shape, dtype, device
-            lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
+            if stride == _contiguous_strides(shape):
+                lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
+            else:
+                env[f"_stride{j}"] = stride
+                lines.append(f"    o{j} = _empty_strided(_shape{j}, _stride{j}, dtype=_dtype{j}, "
+                             f"device=_device{j})")
         slots = {k: (f"inputs[{i}]" if tag == "in" else f"o{i}") for k, tag, i in self.tensor_slots}
         args = []
         for k, v in enumerate(self.template):
@@ -292,8 +300,8 @@ class _DirectLaunch:
 
     def __call__(self, inputs: Sequence[Any]) -> Any:
         """The general launch (also when a launch hook is installed)."""
-        outs = [torch.empty(shape, dtype=dtype, device=device)
-                for shape, dtype, device in self.out_specs]
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in self.out_specs]
         values = list(self.template)
         for k, tag, i in self.tensor_slots:  # inputs, scalars included, and outputs
             values[k] = inputs[i] if tag == "in" else outs[i]
@@ -303,6 +311,26 @@ class _DirectLaunch:
         if self.structure == "single":
             return results[0]
         return tuple(results) if self.structure == "tuple" else results
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (some permutation of it is contiguous): what
+    ``empty_like`` reproduces stride for stride."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1)
+    step = 1
+    for s, n in dims:
+        if s != step:
+            return False
+        step *= n
+    return True
 
 
 def fast_key(args: Sequence[Any]) -> tuple | None:

@@ -6,8 +6,8 @@ One record per op, keyed by the op table's canonical name (``fxlite.ops.lookup(n
 
 An emitter gets the :class:`Emitter` (which casts operands and declares helpers), the
 bound arguments and the result's compute dtype, and returns one Triton expression. Values
-of half types are computed in fp32 and rounded once at the store, so a chain of f16 ops
-can differ from eager's per-op rounding by up to 1 ulp of the output dtype.
+of half types are computed in fp32 and rounded once at the store (see "Numerics" in
+``codegen/triton.py`` for where and why this differs from eager's per-op rounding).
 
 Triton's CPU interpreter lacks libdevice (``tanh``, ``log1p``, ``pow``, ``fmod`` ...), so
 every op has a portable expression built from core ``tl`` functions; the libdevice form is
@@ -211,10 +211,29 @@ def _fmod(e: Emitter, x: str, y: str) -> str:
     return f"libdevice.fmod({x}, {y})" if e.libdevice else f"{x} % {y}"
 
 
+def _integer_divisor(a: dict, ct: torch.dtype, param: str = "other") -> None:
+    """Refuse an integer division whose divisor may be zero when the kernel runs.
+
+    Why: for an integer divisor of 0, CPU eager raises ``ZeroDivisionError``, and CUDA
+    eager returns whatever the hardware gives (-1 for int32, 2**32 - 1 for int64 in
+    torch 2.x: pytorch/pytorch#165650, #89418), while in Triton it is undefined behaviour
+    (LLVM may assume a divisor is not 0). No kernel can promise eager's result, so such a
+    group runs in eager. A non-zero literal divisor (``i // 2``, ``i % 3``) is fine.
+    """
+    if ct.is_floating_point:
+        return
+    y = a[param]
+    if isinstance(y, Operand) or y == 0:
+        raise Unsupported("integer division by a value that may be 0: eager raises "
+                          "ZeroDivisionError on the CPU and gives a device-specific value on "
+                          "CUDA, which a kernel cannot promise")
+
+
 def _floordiv(e: Emitter, a: dict, ct: torch.dtype) -> str:
-    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
     if ct == torch.bool:
         raise Unsupported("bool floor division")
+    _integer_divisor(a, ct)
+    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
     if _is_float(ct):
         x, y = e.tmp(x), e.tmp(y)
         return f"{e.helper('_floordiv_float')}({x}, {y}, {_fmod(e, x, y)})"
@@ -222,9 +241,10 @@ def _floordiv(e: Emitter, a: dict, ct: torch.dtype) -> str:
 
 
 def _remainder(e: Emitter, a: dict, ct: torch.dtype) -> str:
-    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
     if ct == torch.bool:
         raise Unsupported("bool remainder")
+    _integer_divisor(a, ct)
+    x, y = e.t(a["input"], ct), e.t(a["other"], ct)
     if _is_float(ct):
         y = e.tmp(y)
         m = e.tmp(_fmod(e, x, y))
@@ -233,9 +253,10 @@ def _remainder(e: Emitter, a: dict, ct: torch.dtype) -> str:
 
 
 def _fmod_op(e: Emitter, a: dict, ct: torch.dtype) -> str:
-    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
     if ct == torch.bool:
         raise Unsupported("bool fmod")
+    _integer_divisor(a, ct)
+    x, y = e.c(a["input"], ct), e.c(a["other"], ct)
     return _fmod(e, x, y) if _is_float(ct) else f"{x} % {y}"
 
 
@@ -254,6 +275,7 @@ def _div(e: Emitter, a: dict, ct: torch.dtype) -> str:
         return _floordiv(e, a, ct)
     if mode != "trunc" or ct == torch.bool:
         raise Unsupported(f"rounding_mode={mode!r}")
+    _integer_divisor(a, ct)
     x, y = e.c(a["input"], ct), e.c(a["other"], ct)
     return _trunc_expr(e, f"{x} / {y}") if _is_float(ct) else f"{x} // {y}"
 
@@ -276,8 +298,8 @@ def _pow(e: Emitter, a: dict, ct: torch.dtype) -> str:
             n = int(exp)
             if n < 0 and not _is_float(ct):
                 raise Unsupported("negative integer power of an integer")
-            if n == 0:
-                return f"tl.full([], {e.lit(1, ct)}, {tl_dtype(ct)}) + 0 * {e.c(base, ct)}"
+            if n == 0:  # 1 everywhere, NaN and inf included (not 1 + 0 * x)
+                return f"tl.full([], {e.lit(1, ct)}, {tl_dtype(ct)}) + tl.zeros_like({e.c(base, ct)})"
             x = e.tmp(e.c(base, ct)) if abs(n) > 1 else e.c(base, ct)
             prod = " * ".join([x] * abs(n))
             return f"1.0 / ({prod})" if n < 0 else prod

@@ -107,7 +107,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     ind = "    "
     flat = [f"{ind}pid = {pid}", f"{ind}offs = pid * BLOCK + tl.arange(0, BLOCK)",
             f"{ind}mask = offs < numel"]
-    decompose(flat, "offs", nt, needed, ind, "rem")
+    decompose(flat, "offs", nt, needed, ind, "rem", fast=not plan.int64)
     variants = [("pointwise", plan.name, flat)]
     if needed and len(nt) >= 2:
         # Each program takes one block of one row of the innermost dim (consecutive
@@ -119,7 +119,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
                 f"{ind}mask = c < cols", f"{ind}offs = r * cols + c"]
         if inner in needed:
             rows.append(f"{ind}i{inner} = c")
-        decompose(rows, "r", nt[:-1], needed - {inner}, ind, "rem")
+        decompose(rows, "r", nt[:-1], needed - {inner}, ind, "rem", fast=not plan.int64)
         variants.append(("rows", f"{plan.name}_rows", rows))
 
     helpers: set[str] = set()

@@ -166,7 +166,7 @@ def _reduce_input(e: Emitter, v: Value) -> str:
 
 def _row_prelude(k: _Kernel, block: str, ind: str) -> list[str]:
     lines = [f"r = {block} * ROWS + tl.arange(0, ROWS)[:, None]", "rmask = r < rows"]
-    decompose(lines, "r", k.kept, k.needed_rows, "", "rrem")
+    decompose(lines, "r", k.kept, k.needed_rows, "", "rrem", fast=not k.plan.int64)
     return [ind + ln for ln in lines]
 
 
@@ -177,7 +177,7 @@ def _pid(int64: bool) -> str:
 def _col_prelude(k: _Kernel, start: str, ind: str) -> list[str]:
     lines = [f"c = {start}tl.arange(0, BLOCK_C)[None, :]", "cmask = c < cols",
              "mask = rmask & cmask"]
-    decompose(lines, "c", k.red, k.needed_cols, "", "crem")
+    decompose(lines, "c", k.red, k.needed_cols, "", "crem", fast=not k.plan.int64)
     return [ind + ln for ln in lines]
 
 

@@ -22,8 +22,8 @@ from fxlite import ops as op_table
 from .triton_common import Plan, Value
 from .triton_ops import Emitter, Operand, compute_dtype, tl_dtype
 
-__all__ = ["HELPERS", "Access", "KernelSource", "decompose", "emit_value", "header", "load_line",
-           "scalar_dtype", "scalar_lines", "signature", "store_line"]
+__all__ = ["HELPERS", "Access", "KernelSource", "decompose", "division_magic", "emit_value",
+           "header", "load_line", "scalar_dtype", "scalar_lines", "signature", "store_line"]
 
 # Helpers broadcast their operands first: Triton's interpreter mistypes a 0-d comparison
 # result once it is splat to a block (the GPU compiler does not).
@@ -76,6 +76,15 @@ def _floordiv_float(a, b, m):
     q = a / b
     res = tl.where(div != 0, fl, tl.where(q < 0, -0.0, 0.0))
     return tl.where(b == 0, q, res)
+''',
+    "_fdiv": '''
+@triton.jit
+def _fdiv(n, m, s):
+    # n // d for 0 <= n < 2**31, from d's magic numbers (triton_source.division_magic).
+    # Unsigned operands: older interpreters sign-extend int32 operands of umulhi.
+    u = n.to(tl.uint32, bitcast=True)
+    q = tl.umulhi(u, m.to(tl.uint32, bitcast=True)) + u
+    return (q >> s.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
 ''',
     "_round_half_even": '''
 @triton.jit
@@ -148,6 +157,8 @@ def header(body: str, helpers: set[str]) -> str:
     if "libdevice." in body:
         lines.append("from triton.language.extra import libdevice")
     text = "\n".join(lines) + "\n"
+    if "_fdiv(" in body:  # index splitting (decompose) uses it without an Emitter
+        helpers = helpers | {"_fdiv"}
     for name in sorted(helpers):
         text += "\n" + HELPERS[name]
     return text
@@ -172,11 +183,17 @@ class Access:
 
 
 def decompose(lines: list[str], linear: str, dims: list[int], needed: set[int],
-              indent: str, tag: str) -> None:
+              indent: str, tag: str, fast: bool = False) -> None:
     """Append lines splitting ``linear`` into ``i<d>`` for the ``needed`` of ``dims``.
 
     ``dims`` are the non-trivial dims the index runs over, outermost first; the size of
     dim ``d`` is the runtime argument ``size<d>``.
+
+    ``fast`` (32-bit indices only): divide through the magic numbers ``size<d>_m`` and
+    ``size<d>_s`` (see :func:`division_magic`) instead of by ``size<d>``. Why: sizes are
+    runtime arguments, and a GPU divides by a runtime integer in about 20 instructions,
+    which is more than a bf16 kernel can spend per element at full bandwidth; the magic
+    form is a multiply-high, an add and a shift (what Inductor gets from sizes it bakes in).
     """
     want = [d for d in dims if d in needed]
     if not want:
@@ -189,11 +206,30 @@ def decompose(lines: list[str], linear: str, dims: list[int], needed: set[int],
         if last and d == dims[0]:
             lines.append(f"{indent}i{d} = {rem}")
             break
+        if fast:
+            quotient = f"{tag}{k}" if not last else f"{tag}q{k}"
+            lines.append(f"{indent}{quotient} = _fdiv({rem}, size{d}_m, size{d}_s)")
+            lines.append(f"{indent}i{d} = {rem} - {quotient} * size{d}")
+            rem = quotient
+            continue
         lines.append(f"{indent}i{d} = {rem} % size{d}")
         if not last:
             nxt = f"{tag}{k}"
             lines.append(f"{indent}{nxt} = {rem} // size{d}")
             rem = nxt
+
+
+def division_magic(d: int) -> tuple[int, int]:
+    """``(m, s)`` with ``n // d == (umulhi(n, m) + n) >> s`` for every ``0 <= n < 2**31``.
+
+    ``s = ceil(log2(d))`` and ``m = ceil(2**(32 + s) / d) - 2**32`` (so that the 33-bit
+    multiplier fits 32 bits; the ``+ n`` adds its top bit back), the classic division by an
+    invariant integer. ``m`` is returned as the signed 32-bit integer with the same bits,
+    so that Triton passes it as an int32.
+    """
+    s = (d - 1).bit_length()
+    m = -(-(1 << (32 + s)) // d) - (1 << 32)
+    return (m - (1 << 32) if m >= 1 << 31 else m), s
 
 
 _HALVES = (torch.float16, torch.bfloat16)
@@ -313,7 +349,8 @@ class KernelSource:
         functions: variant (``"pointwise"``, ``"persistent"``, ``"looped"``) -> function name.
         args: one descriptor per runtime argument, in signature order: ``("in", i)``,
             ``("out", j)``, ``("scalar", i)``, ``("numel",)``, ``("rows",)``, ``("cols",)``,
-            ``("size", d)``, ``("stride", i, d)``, ``("ostride", j, d)``.
+            ``("size", d)``, ``("size_m", d)``, ``("size_s", d)`` (its division magic),
+            ``("stride", i, d)``, ``("ostride", j, d)``.
     """
 
     text: str
@@ -356,6 +393,9 @@ def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, 
     for d in range(plan.rank):
         if re.search(rf"\bsize{d}\b", body):
             add(f"size{d}", ("size", d), True)
+        if re.search(rf"\bsize{d}_m\b", body):
+            add(f"size{d}_m", ("size_m", d), True)
+            add(f"size{d}_s", ("size_s", d), True)
     for v, acc in loads:
         for d, s in acc.strides:
             add(s, ("stride", v.index, d), not align)

@@ -19,6 +19,7 @@ from .networkx import to_networkx
 from .normalize import normalize, normalize_graph, produces_tensor
 from .pass_manager import NumericsError, PassError, PassManager, PassRecord
 from .shape_prop import ShapeProp, TensorMetadata, extract_tensor_metadata
+from .sink_views import sink_views
 from .split_by_tags import split_by_tags
 from .split_module import split_module
 
@@ -43,6 +44,7 @@ __all__ = [
     "normalize_graph",
     "produces_tensor",
     "register_decomposition",
+    "sink_views",
     "split_by_tags",
     "split_module",
     "to_dot",

@@ -12,10 +12,28 @@ Rules live in :data:`DECOMPOSITIONS`, keyed by the op's canonical ``torch_fn``
 (``fxlite.ops``), so a rule registered for ``F.softmax`` also decomposes ``torch.softmax``,
 ``x.softmax(-1)`` and ``nn.Softmax``. The defaults cover softmax, log_softmax, layer_norm,
 rms_norm, gelu (erf and tanh), silu, var, std and mean, and give numerically stable forms
-(softmax subtracts the row max). A rule may return ``NotImplemented`` to keep the node
-(mean, var and std need ShapeProp's ``meta['tensor_meta']`` on their input, to know how
-many elements they reduce). What rules emit is normalized (``x * 2`` becomes
-``torch.mul(x, 2)``) and decomposed again if it holds composites itself.
+(softmax subtracts the row max). A rule may return ``NotImplemented`` to keep the node:
+the reductions (softmax, log_softmax, layer_norm, rms_norm, mean, var, std) need
+ShapeProp's ``meta['tensor_meta']`` on their input, to know its dtype (and, for mean, var
+and std, how many elements they reduce).
+
+Half precision: eager's kernels compute f16/bf16 reductions (and gelu, silu) in fp32 and
+round the result once, so the rules do the same: ``x.to(torch.float32)`` first, the
+result ``.to(x.dtype)`` last. Computing a layer_norm in fp16 instead overflows for a row
+holding 300 (300**2 > 65504), and a mean of values near 60000 becomes inf::
+
+    # F.layer_norm(x, (8,)) on an fp16 x, decomposed
+    to = x.to(torch.float32)
+    ...                               # mean, variance, rsqrt: all fp32
+    to_1 = mul_1.to(torch.float16)    # one rounding, as eager's kernel does
+
+What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomposed again
+if it holds composites itself.
+
+Extern ops get rules where that lets their pointwise part fuse: eval-mode ``batch_norm``
+becomes per-channel pointwise math (which fuses with a following ReLU and residual add),
+and the bias of ``linear`` and ``conv`` becomes an add after a bias-free call, when every
+user of the result can join a kernel (so the add joins their kernel: an epilogue).
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ import torch.nn.functional as F
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve
+from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve, result_dtype
 from fxlite.proxy import GraphAppendingTracer, Proxy
 
 from .normalize import _copy_graph, normalize_graph
@@ -43,7 +61,8 @@ _MAX_DEPTH = 16  # rules that expand into themselves forever are an error, not a
 
 
 def register_decomposition(target: Callable[..., Any],
-                           table: dict[Callable[..., Any], Rule] | None = None
+                           table: dict[Callable[..., Any], Rule] | None = None, *,
+                           when: Callable[[Node, GraphModule], bool] | None = None
                            ) -> Callable[[Rule], Rule]:
     """Decorator: make the decorated function the rule for ``target``'s op.
 
@@ -51,6 +70,8 @@ def register_decomposition(target: Callable[..., Any],
         target: any spelling of the op (``F.gelu``, ``torch.softmax``); the rule is stored
             under the op's canonical ``torch_fn``.
         table: the rule table (defaults to :data:`DECOMPOSITIONS`).
+        when: ``when(node, gm)`` says whether the rule applies to this node (its users, say);
+            stored on the rule as ``rule.when``.
 
     Returns:
         A decorator that registers the rule and returns it unchanged.
@@ -62,6 +83,8 @@ def register_decomposition(target: Callable[..., Any],
             return torch.where(x > 0, x, 0.0)
     """
     def decorator(rule: Rule) -> Rule:
+        if when is not None:
+            rule.when = when  # type: ignore[attr-defined]
         (DECOMPOSITIONS if table is None else table)[_canonical(target)] = rule
         return rule
     return decorator
@@ -98,9 +121,18 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     depth: dict[Node, int] = {}
     created: list[Node] = []
     pending = deque(graph.nodes)
-    while pending:
+    deferred: list[Node] = []  # conditional rules that declined: judged again at the end
+    final = False
+    while pending or (deferred and not final):
+        if not pending:  # users are decomposed now, so a rule's `when` sees what they became
+            final = True
+            pending.extend(n for n in deferred if n.graph is graph and not n._erased)
+            continue
         node = pending.popleft()
-        call = _match(node, gm, table)
+        call = _match(node, gm, table, final)
+        if call is _LATER:
+            deferred.append(node)
+            continue
         if call is None:
             continue
         rule, args, kwargs = call
@@ -121,9 +153,10 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     return gm
 
 
-def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule]
-           ) -> tuple[Rule, tuple, dict[str, Any]] | None:
-    """The rule for ``node`` and the arguments of its canonical call, or None."""
+def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule],
+           final: bool = True) -> tuple[Rule, tuple, dict[str, Any]] | object | None:
+    """The rule for ``node`` and the arguments of its canonical call, or None; ``_LATER``
+    when the rule's ``when`` declines and this is not the ``final`` round."""
     if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
         return None
     found = resolve(node, gm)
@@ -135,7 +168,13 @@ def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule]
         return None
     if node.op == "call_module" and (info.module_params is not None or info.module_kwargs is None):
         return None  # its parameters are not arguments yet: normalize first
+    when = getattr(rule, "when", None)
+    if when is not None and not when(node, gm):
+        return None if final else _LATER
     return (rule, *call_args(info, args))
+
+
+_LATER = object()  # _match: a conditional rule declined for now
 
 
 def _expand(graph: Any, tracer: GraphAppendingTracer, node: Node, rule: Rule, args: tuple,
@@ -195,6 +234,41 @@ def _last_dims(normalized_shape: Any) -> tuple[int, ...] | None:
     return tuple(range(-len(shape), 0)) if shape else None
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _dtype(x: Any) -> torch.dtype | None:
+    """The dtype of value ``x``: its ShapeProp record, or for a node an earlier rule made
+    (the bias add of a split linear), the op table's dtype rule over its inputs."""
+    return _node_dtype(x.node, 8) if isinstance(x, Proxy) else None
+
+
+def _node_dtype(node: Node, depth: int) -> torch.dtype | None:
+    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+    if isinstance(dtype, torch.dtype) or depth == 0:
+        return dtype if isinstance(dtype, torch.dtype) else None
+    found = resolve(node, node.graph.owning_module)
+    if found is None:
+        return None
+    info, args = found
+    return result_dtype(info, map_arg(args, lambda n: _node_dtype(n, depth - 1)))
+
+
+def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
+    """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
+
+    Halves compute in fp32 (``x.to(torch.float32)``, then the result ``.to(dtype)``);
+    other dtypes compute in themselves (no casts).
+    """
+    if dtype in _HALVES:
+        return x.to(torch.float32), dtype
+    return x, None
+
+
+def _back(y: Any, dtype: torch.dtype | None) -> Any:
+    return y if dtype is None else y.to(dtype)
+
+
 def _nonnegative(n: int) -> int:
     """``max(n, 0)``, recorded as one call because a traced ``n`` has no truth value."""
     return max(n, 0)
@@ -207,17 +281,38 @@ def _same_shape_source(x: Any) -> Any:
     layer_norm's prologue out of its fused kernel; ``x`` itself has the same size.
     """
     node = x.node
-    shape = _shape(x)
+    shape = _node_shape(node, 8)
     while shape is not None:
         info = lookup(node, node.graph.owning_module)
         if info is None or info.kind != "pointwise":
             break
-        same = [a for a in node.all_input_nodes
-                if getattr(a.meta.get("tensor_meta"), "shape", None) == shape]
+        same = [a for a in node.all_input_nodes if _node_shape(a, 8) == shape]
         if not same:
             break
         node = same[0]
     return x if node is x.node else Proxy(node, x.tracer)
+
+
+def _node_shape(node: Node, depth: int) -> tuple[int, ...] | None:
+    """ShapeProp's shape of ``node``, or for a node an earlier rule made (the math and
+    reshapes of a decomposed batch_norm), its op run on ``meta`` tensors of its inputs'
+    shapes."""
+    meta = node.meta.get("tensor_meta")
+    if hasattr(meta, "shape"):
+        return tuple(meta.shape)
+    if depth == 0 or node.op not in ("call_function", "call_method") or not node.all_input_nodes:
+        return None
+    shapes = {a: _node_shape(a, depth - 1) for a in node.all_input_nodes}
+    if any(s is None for s in shapes.values()):
+        return None
+    fake = lambda a: torch.empty(shapes[a], device="meta")  # noqa: E731
+    args, kwargs = map_arg(node.args, fake), map_arg(node.kwargs, fake)
+    try:  # (rules record methods, x.reshape(...); normalize makes them functions later)
+        fn = node.target if node.op == "call_function" else getattr(args[0], node.target)
+        out = fn(*(args if node.op == "call_function" else args[1:]), **kwargs)
+    except Exception:  # not an op that runs on meta tensors: unknown
+        return None
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
 
 
 def _count(x: Any, dims: tuple[int, ...]) -> Any:
@@ -237,33 +332,40 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
 @register_decomposition(torch.softmax)
 def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # exp(x - max) / sum(exp(x - max)): the max keeps exp from overflowing
-    if dim is None:
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None:
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
+    x, out = _opmath(x, src)
     e = torch.exp(x - torch.amax(x, dim, keepdim=True))
-    return e / torch.sum(e, dim, keepdim=True)
+    return _back(e / torch.sum(e, dim, keepdim=True), out)
 
 
 @register_decomposition(torch.log_softmax)
 def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # (x - max) - log(sum(exp(x - max)))
-    if dim is None:
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None:
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
+    x, out = _opmath(x, src)
     shifted = x - torch.amax(x, dim, keepdim=True)
-    return shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+    return _back(shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True)), out)
 
 
 @register_decomposition(F.layer_norm)
 def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
                 eps: float = 1e-5) -> Any:
     # (x - mean) * rsqrt(var + eps) * weight + bias, over the trailing normalized_shape dims
+    # (halves: all of it in fp32, weight and bias included, rounded once at the end)
     dims = _last_dims(normalized_shape)
-    if dims is None:
+    src = _dtype(x)
+    if dims is None or src is None:
         return NotImplemented
     n = _count(x, dims)
+    x, out = _opmath(x, src)
     centered = x - torch.sum(x, dims, keepdim=True) / n
     var = torch.sum(centered * centered, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
@@ -271,40 +373,43 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y
+    return _back(y, out)
 
 
 @register_decomposition(F.rms_norm)
 def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Any:
-    # x * rsqrt(mean(x * x) + eps) * weight; eps defaults to the dtype's machine epsilon
+    # x * rsqrt(mean(x * x) + eps) * weight, in fp32 for halves; eps defaults to the machine
+    # epsilon of the dtype it computes in (fp32's for halves, as eager's kernel has it)
     dims = _last_dims(normalized_shape)
-    if eps is None:
-        meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
-        if meta is None or not hasattr(meta, "dtype"):
-            return NotImplemented
-        eps = torch.finfo(meta.dtype).eps
-    if dims is None:
+    src = _dtype(x)
+    if dims is None or src is None:
         return NotImplemented
-    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / _count(x, dims) + eps)
-    return y * weight if weight is not None else y
+    n = _count(x, dims)
+    x, out = _opmath(x, src)
+    if eps is None:
+        eps = torch.finfo(torch.float32 if out is not None else src).eps
+    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
+    return _back(y * weight if weight is not None else y, out)
 
 
 @register_decomposition(F.gelu)
 def _gelu(x: Any, approximate: str = "none") -> Any:
+    if approximate not in ("none", "tanh"):
+        return NotImplemented
+    x, out = _opmath(x, _dtype(x))  # halves: fp32, as eager; unknown dtype: as it comes
     if approximate == "tanh":
         # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))
         inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
-        return x * 0.5 * (torch.tanh(inner) + 1)
-    if approximate != "none":
-        return NotImplemented
+        return _back(x * 0.5 * (torch.tanh(inner) + 1), out)
     # 0.5 * x * (1 + erf(x / sqrt(2)))
-    return x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1)
+    return _back(x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1), out)
 
 
 @register_decomposition(F.silu)
 def _silu(x: Any, inplace: bool = False) -> Any:
     # x * sigmoid(x)
-    return x * torch.sigmoid(x)
+    x, out = _opmath(x, _dtype(x))
+    return _back(x * torch.sigmoid(x), out)
 
 
 def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
@@ -314,22 +419,24 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
     if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
         return NotImplemented
     n = _count(x, dims)
+    x, out = _opmath(x, _dtype(x))
     centered = x - torch.sum(x, dims, keepdim=True) / n
     # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
     denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
-    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator
+    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator, out
 
 
 @register_decomposition(torch.var)
 def _var(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
-    return _var_parts(x, dim, correction, keepdim)
+    parts = _var_parts(x, dim, correction, keepdim)
+    return parts if parts is NotImplemented else _back(*parts)
 
 
 @register_decomposition(torch.std)
 def _std(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
     # sqrt(var)
-    var = _var_parts(x, dim, correction, keepdim)
-    return var if var is NotImplemented else torch.sqrt(var)
+    parts = _var_parts(x, dim, correction, keepdim)
+    return parts if parts is NotImplemented else _back(torch.sqrt(parts[0]), parts[1])
 
 
 @register_decomposition(torch.mean)
@@ -339,8 +446,79 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
     dims = _dims(dim, len(shape)) if shape is not None else None
     if dims is None:
         return NotImplemented
+    src = dtype if dtype is not None else _dtype(x)
+    if src is None or not src.is_floating_point:
+        return NotImplemented  # torch.mean rejects integer tensors; let it say so
+    n = _count(x, dims)
     if dtype is not None:
         x = x.to(dtype)
-    elif not x.node.meta["tensor_meta"].dtype.is_floating_point:
-        return NotImplemented  # torch.mean rejects integer tensors; let it say so
-    return torch.sum(x, dims, keepdim=keepdim) / _count(x, dims)
+    x, out = _opmath(x, src)
+    return _back(torch.sum(x, dims, keepdim=keepdim) / n, out)
+
+
+# ---------------------------------------------------------------------- extern ops
+@register_decomposition(F.batch_norm)
+def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
+                bias: Any = None, training: Any = False, momentum: Any = 0.1,
+                eps: Any = 1e-5) -> Any:
+    # eval mode: (x - mean) * rsqrt(var + eps) * weight + bias, per channel (dim 1);
+    # halves compute in fp32, as eager's kernel
+    shape, src = _shape(x), _dtype(x)
+    if training is not False or running_mean is None or running_var is None or shape is None \
+            or len(shape) < 2 or src is None or type(eps) not in (int, float):
+        return NotImplemented
+    channel = (-1,) + (1,) * (len(shape) - 2)
+    x, out = _opmath(x, src)
+    y = (x - running_mean.reshape(channel)) * torch.rsqrt(running_var.reshape(channel) + eps)
+    if weight is not None:
+        y = y * weight.reshape(channel)
+    if bias is not None:
+        y = y + bias.reshape(channel)
+    return _back(y, out)
+
+
+_FUSIBLE_KINDS = ("pointwise", "reduction", "composite")
+
+
+def _feeds_kernels(node: Node, gm: GraphModule) -> bool:
+    """Every user of ``node`` can join a kernel (through a permute or transpose, too).
+
+    Why: a bias split off a matmul or conv is worth it only when the add joins a kernel
+    that runs anyway; an add that stays alone costs one more pass over the result.
+    """
+    if not node.users:
+        return False
+    for user in node.users:
+        info = lookup(user, gm)
+        if info is None or is_impure(user, gm):
+            return False
+        if info.name in ("permute", "transpose"):
+            if not _feeds_kernels(user, gm):
+                return False
+        elif info.kind not in _FUSIBLE_KINDS:
+            return False
+    return True
+
+
+@register_decomposition(F.linear, when=_feeds_kernels)
+def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    # linear(x, w, b) -> linear(x, w) + b: the bias add joins the next kernel
+    if bias is None:
+        return NotImplemented
+    return F.linear(x, weight) + bias
+
+
+def _conv_rule(conv: Callable[..., Any], spatial: int) -> Rule:
+    def rule(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+             dilation: Any = 1, groups: Any = 1) -> Any:
+        # conv(x, w, b) -> conv(x, w) + b per channel: the bias add joins the next kernel
+        if bias is None:
+            return NotImplemented
+        y = conv(x, weight, None, stride, padding, dilation, groups)
+        return y + bias.reshape((-1,) + (1,) * spatial)
+    rule.__name__ = f"_{conv.__name__}"
+    return rule
+
+
+for _conv, _spatial in ((F.conv1d, 1), (F.conv2d, 2), (F.conv3d, 3)):
+    register_decomposition(_conv, when=_feeds_kernels)(_conv_rule(_conv, _spatial))

@@ -18,7 +18,9 @@ Rules:
   ``input``/``dim``/``keepdim``/``dtype`` parameters); ``var``/``std`` are decomposed or
   stay outside.
 * **Iteration space.** A pointwise group is nodes of one output shape ``I`` (inputs may
-  broadcast). A reduction group has ``I = outer + inner``: every reduction in it reduces an
+  broadcast), plus pointwise nodes whose smaller shape broadcasts into ``I`` (a
+  per-channel ``rsqrt(var + eps)`` of an eval-mode batch_norm): the kernel recomputes those
+  per element instead of launching a kernel of their own. A reduction group has ``I = outer + inner``: every reduction in it reduces an
   ``I``-shaped value over the trailing ``inner`` dims (``keepdim`` either way). Its
   values are either *full* (broadcast right-aligned against ``I``: shape ``I`` or
   ``outer + (1,)*len(inner)``) or *row* (shape ``outer``, from ``keepdim=False``); a node
@@ -27,7 +29,9 @@ Rules:
 * **Views** join the group of the value they view, and only when they merely insert or
   drop size-1 dims (view/reshape/flatten/squeeze/unsqueeze/contiguous) or broadcast
   (expand), so that the viewed value stays the same function of the iteration index.
-  Anything else (permute, transpose, slicing, real reshapes) stays outside.
+  Anything else (permute, transpose, slicing, real reshapes) stays outside; but first
+  ``sink_views`` moves permutes and transposes above the pointwise ops they follow, onto
+  the inputs, where a kernel reads through them (see ``passes/sink_views.py``).
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
@@ -60,6 +64,7 @@ from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 
 from .shape_prop import TensorMetadata
+from .sink_views import sink_views
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
 
 __all__ = ["fuse"]
@@ -240,6 +245,8 @@ def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mappi
             tag = FULL
         elif split is not None and cls.shape == outer:
             tag = ROW
+        elif _aligned(cls.shape, shape) is not None:
+            tag = FULL  # smaller, broadcast into the space: recomputed per element
         else:
             return None
         for inp in node.all_input_nodes:
@@ -276,7 +283,12 @@ def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mappi
 
 def _merged_space(a: _Group, b: _Group) -> tuple[Shape, int | None] | None:
     if a.split is None and b.split is None:
-        return (a.shape, None) if a.shape == b.shape else None
+        if a.shape == b.shape:
+            return a.shape, None
+        # a group of smaller values (a per-channel scale) joins the group it broadcasts into
+        if _aligned(a.shape, b.shape) is not None:
+            return b.shape, None
+        return (a.shape, None) if _aligned(b.shape, a.shape) is not None else None
     if a.split is not None and b.split is not None:
         return (a.shape, a.split) if (a.shape, a.split) == (b.shape, b.split) else None
     red = a if a.split is not None else b
@@ -475,7 +487,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
             raise ValueError(
                 f"fuse needs shape metadata, but node {n.name!r} has none: run "
                 f"ShapeProp(gm).propagate(*example_inputs) first")
-    gm = _decomposed(gm)
+    gm = sink_views(_decomposed(gm))  # permutes move onto inputs, out of the way of groups
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()
     return _build(gm, groups, partitioner.segment, partitioner.barriers)

@@ -80,7 +80,7 @@ CANONICAL = {
 @pytest.mark.parametrize("name", sorted(CANONICAL))
 def test_canonical_ops_become_table_primitives(name):
     fn, make = CANONICAL[name]
-    gm = lower(fn, make())
+    gm = lower(fn, make(), shapes=True)
     assert_golden(f"decompose_{name}", gm.code)
     assert_primitive(gm)
     for _ in range(3):  # more random inputs
@@ -100,7 +100,7 @@ def test_canonical_ops_become_table_primitives(name):
         "silu_gelu", "two_softmax"])
 def test_default_rules_match_torch(fn):
     x = torch.randn(2, 3, 8)
-    gm = lower(fn, x)
+    gm = lower(fn, x, shapes=True)
     assert_primitive(gm)
 
 
@@ -114,8 +114,10 @@ def test_default_rules_match_torch(fn):
     lambda x: x.std(),
     lambda x: torch.std(x, 0, keepdim=True),
     lambda x: F.rms_norm(x, (8,)),
+    lambda x: F.softmax(x, -1),
+    lambda x: F.layer_norm(x, (8,)),
 ], ids=["mean", "mean_dims", "mean_dtype", "var", "var_unbiased", "var_correction", "std",
-        "std_dim", "rms_norm_default_eps"])
+        "std_dim", "rms_norm_default_eps", "softmax", "layer_norm"])
 def test_shape_dependent_rules_need_shapeprop(fn):
     x = torch.randn(3, 5, 8)
     gm = lower(fn, x, shapes=True)

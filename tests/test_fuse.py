@@ -211,16 +211,28 @@ def test_no_fusion_through_extern_and_no_cycle() -> None:
     torch.testing.assert_close(fused(x), f(x))
 
 
-def test_different_iteration_spaces_stay_apart() -> None:
+def test_smaller_values_join_the_group_they_broadcast_into() -> None:
     def f(x, w):
-        return x + w * 2  # (8,) then (4, 8)
+        return x + torch.rsqrt(w * 2 + 1)  # (8,) then (4, 8): one group over (4, 8)
 
-    x, w = torch.randn(4, 8), torch.randn(8)
+    x, w = torch.randn(4, 8), torch.rand(8)
     fused = fuse(_prep(f, x, w))
+    groups = _group_of(fused)
+    assert groups["mul"] == groups["rsqrt"] == groups["add_1"]
+    assert fused.get_submodule(groups["mul"]).meta["iteration_shape"] == (4, 8)
+    torch.testing.assert_close(fused(x, w), f(x, w))
+
+
+def test_different_iteration_spaces_stay_apart() -> None:
+    def f(w, y):
+        return (w * 2).reshape(2, 4) + y  # (8,), then a real reshape to (2, 4)
+
+    w, y = torch.randn(8), torch.randn(2, 4)
+    fused = fuse(_prep(f, w, y))
     groups = _group_of(fused)
     assert groups["mul"] != groups["add"]
     assert fused.get_submodule(groups["mul"]).meta["iteration_shape"] == (8,)
-    torch.testing.assert_close(fused(x, w), f(x, w))
+    torch.testing.assert_close(fused(w, y), f(w, y))
 
 
 def test_cross_row_broadcast_is_not_fused() -> None:

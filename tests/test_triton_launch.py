@@ -64,7 +64,7 @@ def _launch(structure: str, results: list, template: list, slots: list,
     d.binary, d.hooks = binary, (None, None)
     d.grid, d.device, d.stream_of = (8, 1, 1), 0, lambda device: 1234
     d.template, d.tensor_slots = template, slots
-    d.out_specs = [((4,), torch.float32, torch.device("cpu"))]
+    d.out_specs = [((4,), (1,), torch.float32, torch.device("cpu"))]
     d.results, d.structure, d.like = results, structure, {}
     d.fast = d._generate()
     return d, calls
@@ -83,6 +83,18 @@ def test_generated_launcher_passes_current_inputs_and_fresh_outputs() -> None:
     assert calls[0][10] is x and calls[0][11] is first and calls[0][14] == 0.5
     assert calls[1][10] is y and calls[1][11] is second and calls[1][14] == 1.5
     assert calls[0][12:14] == (1024, 7) and calls[0][15] == float("inf")
+
+
+def test_generated_launcher_allocates_outputs_in_their_layout() -> None:
+    """A kernel run in its inputs' memory order returns permuted (channels-last) outputs:
+    the prepared launch allocates them with those strides, not contiguous."""
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    d, calls = _launch("single", [("out", 0)], [x, None, 1024], [(0, "in", 0), (1, "out", 0)])
+    d.out_specs = [(tuple(x.shape), x.stride(), x.dtype, x.device)]
+    d.fast = d._generate()
+    out = d.fast([x])
+    assert out.shape == x.shape and out.stride() == x.stride()
+    assert d([x]).stride() == x.stride()  # the general launch too
 
 
 def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> None:

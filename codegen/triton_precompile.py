@@ -1,0 +1,172 @@
+"""Cold compile: every kernel of a fused module compiled before its first run, in parallel.
+
+Without this, each group's kernel is compiled when the first call reaches it, one after
+another on one core (convnext_tiny: 59 kernels, 20 s on an H200 host, most of it in
+``ptxas``, LLVM and Triton's MLIR passes, which release the GIL). :func:`precompile` reads
+each group's inputs from its ShapeProp metadata, builds the kernel and the exact launch
+the first call will make (memory order, block sizes, argument specialization), drops the
+launches that compile to the same binary (identical sources: the repeated blocks of a
+network), and compiles the rest on a thread pool. The first call then finds every binary
+in Triton's in-process cache::
+
+    fused = fuse(gm)
+    report = precompile(fused, torch.device("cuda"))   # {"groups": 59, "compiles": 17, ...}
+    run(fused)                                         # no compile on the way
+
+Nothing here can make a result wrong: a launch it did not foresee compiles when it runs,
+as before. Under ``TRITON_INTERPRET=1`` nothing is compiled; the plan is still made (and
+reported), which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from fxlite.graph_module import GraphModule
+
+from .triton import generate_kernel, interpreting
+
+__all__ = ["precompile"]
+
+# Stand-in values for scalar inputs: integer scalars are never specialized on
+# (do_not_specialize), floats are fp32 arguments; only the type matters.
+_SCALARS = {int: 2, float: 2.0, bool: True}
+
+
+def _example_inputs(group: GraphModule) -> list[Any] | None:
+    """Inputs like the ones the group's ShapeProp run saw: ``meta`` tensors and scalars."""
+    out: list[Any] = []
+    for n in group.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        tm = n.meta.get("tensor_meta")
+        if hasattr(tm, "shape") and hasattr(tm, "stride") and tm.stride != ():
+            out.append(torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta"))
+        elif n.meta.get("type") in _SCALARS:
+            out.append(_SCALARS[n.meta["type"]])
+        else:
+            return None
+    return out
+
+
+def _signature(a: Any) -> Any:
+    """What Triton specializes a launch argument on."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if type(a) is int:
+        return (int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+    return type(a)
+
+
+def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], int, int, set]:
+    """The distinct launches to compile: key -> (fn, args, grid, constexprs, warps)."""
+    stand_ins: dict[torch.dtype, torch.Tensor] = {}
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        t = stand_ins.get(a.dtype)
+        if t is None:  # a fresh allocation is aligned, as the real tensors' usually are
+            t = stand_ins[a.dtype] = torch.empty(16, dtype=a.dtype, device=device)
+        return t
+
+    jobs: dict[tuple, tuple] = {}
+    groups = kernels = 0
+    sources: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = gm.get_submodule(node.target)
+        if not getattr(sub, "meta", {}).get("fused_kind"):
+            continue
+        groups += 1
+        inputs = _example_inputs(sub)
+        if inputs is None:
+            continue
+        try:
+            kernel = generate_kernel(sub, inputs, name=f"triton_{node.target}")
+            if kernel is None:
+                continue
+            spec, ordered, shape, _ = kernel.select(inputs)
+            if spec is None:
+                continue
+            launch = spec.launch_for(ordered, spec.allocate(shape, torch.device("meta")), shape)
+        except Exception:  # a plan that fails here fails (and falls back) at run time
+            continue
+        kernels += 1
+        sources.add(spec.source_id)
+        if launch is None:
+            continue
+        variant, grid, args, constexprs, warps = launch
+        args = [real(a) for a in args]
+        key = (spec.source_id, variant, tuple(map(_signature, args)),
+               tuple(sorted(constexprs.items())), warps)
+        jobs.setdefault(key, (spec.fns[variant], args, grid, constexprs, warps))
+    return jobs, groups, kernels, sources
+
+
+def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
+               workers: int | None = None, progress: bool | None = None) -> dict[str, Any]:
+    """Compile the kernels of every fused group of ``gm`` ahead of its first call.
+
+    Args:
+        gm: the output of ``fuse`` (groups carry ShapeProp metadata).
+        device: the GPU the module will run on (default: the current CUDA device).
+        workers: compile threads (default: the CPU count, at most 32).
+        progress: show a progress line on stderr; default: when stderr is a terminal and
+            there are 8 or more compiles.
+
+    Returns:
+        ``{"groups", "kernels", "sources", "compiles", "seconds"}``: fused groups, groups
+        with a kernel, distinct kernel sources, distinct binaries compiled, and wall time.
+
+    Example::
+
+        report = precompile(fuse(gm), "cuda")
+        print(f"{report['sources']} sources for {report['kernels']} kernels")
+    """
+    start = time.perf_counter()
+    if device is None:
+        device = torch.device("cpu") if interpreting() else torch.device("cuda")
+    jobs, groups, kernels, sources = _plan(gm, torch.device(device))
+    report = {"groups": groups, "kernels": kernels, "sources": len(sources),
+              "compiles": len(jobs), "seconds": 0.0}
+    if interpreting() or not jobs:
+        report["seconds"] = time.perf_counter() - start
+        return report
+    todo = list(jobs.values())
+    show = progress if progress is not None else (len(todo) >= 8 and sys.stderr.isatty())
+    done = 0
+    lock = threading.Lock()
+
+    def compile_one(job: tuple) -> None:
+        nonlocal done
+        fn, args, grid, constexprs, warps = job
+        try:
+            fn.warmup(*args, grid=grid, **constexprs, num_warps=warps)
+        except Exception:  # compiled (and reported) again when the launch happens
+            pass
+        with lock:
+            done += 1
+            if show:
+                bar = "#" * (30 * done // len(todo))
+                sys.stderr.write(f"\rfxlite: compiling {len(todo)} kernels [{bar:<30}] "
+                                 f"{done}/{len(todo)}")
+                sys.stderr.flush()
+
+    compile_one(todo[0])  # the first one initializes Triton's driver and target
+    threads = workers or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(compile_one, todo[1:]))
+    if show:
+        sys.stderr.write("\n")
+    report["seconds"] = time.perf_counter() - start
+    return report
+

@@ -1,0 +1,171 @@
+"""sink_views: move permutes and transposes above the pointwise ops they follow.
+
+A permute is a view: free on its own, but the fusion partitioner cannot put a value and
+its permuted view in one kernel, so ``permute(x + b)`` followed by more pointwise ops is
+two kernels with a round trip through memory between them. Pointwise ops commute with
+permutes, so the permute can move onto the op's inputs instead, where it is only a
+different way to index a kernel's loads::
+
+    # before                                    # after
+    add = torch.add(mm, bias)                   permute_1 = torch.permute(mm, (0, 3, 1, 2))
+    permute = torch.permute(add, (0, 3, 1, 2))  unsqueeze = torch.unsqueeze(bias, 0) ...
+    mul = torch.mul(permute, scale)             permute_2 = torch.permute(unsqueeze_2, (0, 3, 1, 2))
+                                                add = torch.add(permute_1, permute_2)
+                                                mul = torch.mul(add, scale)   # one group now
+
+A permute sinks through a pointwise op only when the op has no other user (its unpermuted
+value is not needed), and only when the permute feeds an op that can join a kernel; then
+it keeps sinking through the op's producers. Inputs of lower rank first get leading size-1 dims up to
+the op's rank (broadcasting aligns them on the right), 0-d tensors and Python scalars stay
+as they are. No size is written into the graph, so it stays valid after a resize.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, map_arg
+from fxlite.ops import is_impure, lookup
+
+from .normalize import _copy_graph
+from .shape_prop import TensorMetadata, extract_tensor_metadata
+
+__all__ = ["sink_views"]
+
+_PERMUTES = ("permute", "transpose")
+_FUSIBLE = ("pointwise", "reduction")
+
+
+def sink_views(gm: GraphModule) -> GraphModule:
+    """Sink permutes and transposes through single-use pointwise producers.
+
+    Args:
+        gm: a module with ShapeProp metadata on every node (canonical form, as ``fuse``
+            expects it).
+
+    Returns:
+        ``gm`` itself when nothing moves; otherwise a new GraphModule (``gm`` unchanged)
+        whose new nodes carry ``tensor_meta`` computed on the ``meta`` device.
+    """
+    if not any(_sinkable(n, gm) for n in gm.graph.nodes):
+        return gm
+    graph = _copy_graph(gm)
+    todo = [n for n in graph.nodes if _sinkable(n, gm)]
+    while todo:
+        view = todo.pop()
+        if view._erased or not _sinkable(view, gm):
+            continue
+        todo.extend(_sink(view, gm))
+    graph.lint()
+    out = GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.meta = dict(getattr(gm, "meta", {}))
+    return out
+
+
+def _tm(n: Any) -> TensorMetadata | None:
+    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
+    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
+
+
+def _perm(view: Node, rank: int, gm: GraphModule) -> tuple[int, ...] | None:
+    """The full permutation ``view`` applies, or None if its dims are not plain ints."""
+    info = lookup(view, gm)
+    args = list(view.args[1:])
+    if info.name == "transpose":
+        if len(args) != 2 or not all(type(d) is int for d in args) or view.kwargs:
+            return None
+        a, b = (d % rank for d in args)
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+        return tuple(order)
+    dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+    if view.kwargs or len(dims) != rank or not all(type(d) is int for d in dims):
+        return None
+    return tuple(d % rank for d in dims) if rank else None
+
+
+def _sinkable(view: Node, gm: GraphModule) -> bool:
+    if view.op != "call_function" or not view.args:
+        return False
+    info = lookup(view, gm)
+    if info is None or info.name not in _PERMUTES:
+        return False
+    src = view.args[0]
+    if not isinstance(src, Node) or len(src.users) != 1 or _tm(src) is None:
+        return False
+    src_info = lookup(src, gm)
+    if src_info is None or src_info.kind != "pointwise" or is_impure(src, gm) \
+            or src.op != "call_function":
+        return False
+    rank = len(_tm(src).shape)
+    if _perm(view, rank, gm) is None:
+        return False
+    for a in src.all_input_nodes:  # tensors of known rank (a traced size would need its value)
+        if _tm(a) is None or len(_tm(a).shape) > rank:
+            return False
+    # worth it only when the permuted value feeds a kernel (directly or via more permutes)
+    return any(_feeds(u, gm) for u in view.users)
+
+
+def _feeds(n: Node, gm: GraphModule) -> bool:
+    info = lookup(n, gm)
+    if info is None or is_impure(n, gm):
+        return False
+    if info.name in _PERMUTES:
+        return any(_feeds(u, gm) for u in n.users)
+    return info.kind in _FUSIBLE
+
+
+def _sink(view: Node, gm: GraphModule) -> list[Node]:
+    """Rewrite ``view(op(a, b))`` to ``op(view'(a), view'(b))``; the new views it made."""
+    graph = view.graph
+    src = view.args[0]
+    rank = len(_tm(src).shape)
+    perm = _perm(view, rank, gm)
+    made: list[Node] = []
+    with graph.inserting_before(view):
+        def move(a: Node) -> Node:
+            tm = _tm(a)
+            if tm is None or len(tm.shape) == 0:
+                return a  # scalars and 0-d tensors broadcast anywhere
+            x = a
+            if len(tm.shape) < rank:  # a[None, None, ...]: one view, no sizes written
+                index = (None,) * (rank - len(tm.shape)) + (Ellipsis,)
+                x = _with_meta(graph.call_function(operator.getitem, (a, index)))
+            new = _with_meta(graph.call_function(torch.permute, (x, perm)))
+            made.append(new)
+            return new
+
+        args = map_arg(src.args, move)
+        kwargs = map_arg(src.kwargs, move)
+        op = _with_meta(graph.call_function(src.target, args, kwargs))
+    op.meta.update({k: v for k, v in src.meta.items() if k not in ("tensor_meta", "type")})
+    view.replace_all_uses_with(op)
+    graph.erase_node(view)
+    graph.erase_node(src)
+    # A size read from the op would make it a producer of the size and split its kernel
+    # (a layer_norm's count); a permuted input of the same shape has the same sizes.
+    same = [m for m in made if _tm(m).shape == _tm(op).shape]
+    for user in list(op.users):
+        if same and user.op == "call_method" and user.target == "size" and user.args[0] is op:
+            user.replace_input_with(op, same[0])
+    return made
+
+
+def _with_meta(node: Node) -> Node:
+    """Give a new node the ``tensor_meta`` of its value, computed on the ``meta`` device."""
+    def fake(a: Node) -> Any:
+        tm = _tm(a)
+        if tm is None:
+            raise ValueError(f"sink_views: {a.name} has no tensor metadata")
+        return torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta")
+
+    args, kwargs = map_arg(node.args, fake), map_arg(node.kwargs, fake)
+    value = node.target(*args, **kwargs)
+    node.meta["tensor_meta"] = extract_tensor_metadata(value)
+    node.meta["type"] = torch.Tensor
+    return node
