@@ -390,7 +390,8 @@ class _Builder:
         if not ops:
             raise Unsupported(f"{node.name}: no tensor operand")
         dims = _natural(len(tm.shape), self.r)
-        tensors = [a for a in ops if a.kind != "scalar"]
+        # 0-d values broadcast against anything, at any dims
+        tensors = [a for a in ops if a.kind != "scalar" and a.dims != ()]
         if any(a.dims != _natural(len(a.dims), self.r) for a in tensors):
             # A keepdim=False reduction's result sits at its kept dims, not right-aligned:
             # fine when every tensor operand sits there too (``sum(x, -1) / n``), since

@@ -201,4 +201,4 @@ def test_autocast_regions_fuse_with_autocasts_dtypes(grad):
             (out, warned), want = quiet(c, x), m(x)
         assert out.dtype == want.dtype and warned == [] and c.fallbacks == []
         torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
-    assert len(c.kernels) >= 3
+    assert len(c.kernels) >= 2  # bias+gelu; bias+layer_norm+softmax
