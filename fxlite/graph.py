@@ -280,7 +280,7 @@ class Graph:
         for node in g.nodes:
             if node in val_map:
                 continue
-            lookup = _lookup_defined(val_map, node, "copy")
+            lookup = _lookup_defined(val_map, node, "cannot copy the graph")
             if node.op == "output":
                 out = map_arg(node.args[0], lookup)
                 return node if return_output_node else out
@@ -430,7 +430,7 @@ class Graph:
         records = []
         with gc_paused():  # allocating a record per node would trigger superlinear collections
             for n in self.nodes:
-                ref = _lookup_defined(index, n, "pickle", _NodeRef)
+                ref = _lookup_defined(index, n, "cannot pickle the graph", _NodeRef)
                 records.append((n.name, str(n.op), n.target, _shallow(map_arg(n.args, ref)),
                                 _shallow(map_arg(n.kwargs, ref)), n.type, n.meta))
                 index[n] = len(index)
@@ -463,6 +463,20 @@ class Graph:
                 made.append(n)
 
 
+def check_order(graph: Graph, what: str) -> None:
+    """Raise RuntimeError naming the first node that reads a value not defined before it.
+
+    A cheap part of ``lint`` that passes run before changing anything: a cycle (or a node
+    moved above its input) would otherwise surface as a bare KeyError deep inside them.
+    """
+    seen: set[Node] = set()
+    for node in graph.nodes:
+        for inp in node._input_nodes:
+            if inp not in seen:
+                _lookup_defined({}, node, what)(inp)
+        seen.add(node)
+
+
 def _lookup_defined(done: dict[Node, Any], node: Node, what: str,
                     wrap: Callable[[Any], Any] = lambda v: v) -> Callable[[Node], Any]:
     """``n -> wrap(done[n])`` for the inputs of ``node``, raising a clear error for an input
@@ -473,9 +487,9 @@ def _lookup_defined(done: dict[Node, Any], node: Node, what: str,
         except KeyError:
             where = "after it" if n.graph is node.graph and not n._erased else \
                 "in another graph" if n.graph is not node.graph else "nowhere (it was erased)"
-            raise RuntimeError(f"cannot {what} the graph: node {node.name!r} ({node.format_node()}) "
-                               f"reads {n.name!r}, which is defined {where}; the graph is "
-                               f"malformed (a cycle?), and graph.lint() names the problem") from None
+            raise RuntimeError(f"{what}: node {node.name!r} ({node.format_node()}) reads "
+                               f"{n.name!r}, which is defined {where}; the graph is malformed "
+                               "(a cycle?) and was left unchanged") from None
     return lookup
 
 
