@@ -154,7 +154,7 @@ def test_annotations_are_rebuilt_readably():
     b = g.placeholder("b", type_expr=list[int])
     c = g.placeholder("c", type_expr=typing.Callable[[int], str])
     d = g.placeholder("d", type_expr=int | None)
-    e = g.placeholder("e", type_expr=typing.Tuple[torch.Tensor, ...])
+    e = g.placeholder("e", type_expr=typing.Tuple[torch.Tensor, ...])  # noqa: UP006 (the typing form on purpose)
     g.output((a, b, c, d, e), type_expr=typing.Any)
     gm = fx.GraphModule(nn.Module(), g)
     code = gm.code
@@ -167,7 +167,7 @@ def test_annotations_are_rebuilt_readably():
     hints = typing.get_type_hints(gm.forward)  # evaluates the text: it names the same objects
     assert hints["a"] == typing.Optional[torch.Tensor] and hints["b"] == list[int]
     assert hints["c"] == typing.Callable[[int], str] and hints["d"] == (int | None)
-    assert hints["e"] == typing.Tuple[torch.Tensor, ...] and hints["return"] == typing.Any
+    assert hints["e"] == typing.Tuple[torch.Tensor, ...] and hints["return"] == typing.Any  # noqa: UP006
 
 
 # ---------------------------------------------------------------------- node names
