@@ -478,18 +478,29 @@ def check_order(graph: Graph, what: str) -> None:
 
 
 def _lookup_defined(done: dict[Node, Any], node: Node, what: str,
-                    wrap: Callable[[Any], Any] = lambda v: v) -> Callable[[Node], Any]:
-    """``n -> wrap(done[n])`` for the inputs of ``node``, raising a clear error for an input
-    that is not yet in ``done`` (one defined after ``node``: a cycle, or an unordered graph)."""
-    def lookup(n: Node) -> Any:
-        try:
-            return wrap(done[n])
-        except KeyError:
-            where = "after it" if n.graph is node.graph and not n._erased else \
-                "in another graph" if n.graph is not node.graph else "nowhere (it was erased)"
-            raise RuntimeError(f"{what}: node {node.name!r} ({node.format_node()}) reads "
-                               f"{n.name!r}, which is defined {where}; the graph is malformed "
-                               "(a cycle?) and was left unchanged") from None
+                    wrap: Callable[[Any], Any] | None = None) -> Callable[[Node], Any]:
+    """``n -> done[n]`` (or ``wrap(done[n])``) for the inputs of ``node``, raising a clear
+    error for an input not yet in ``done``: one defined after ``node`` (a cycle, or an
+    unordered graph), in another graph, or erased."""
+    def missing(n: Node) -> RuntimeError:
+        where = "after it" if n.graph is node.graph and not n._erased else \
+            "in another graph" if n.graph is not node.graph else "nowhere (it was erased)"
+        return RuntimeError(f"{what}: node {node.name!r} ({node.format_node()}) reads "
+                            f"{n.name!r}, which is defined {where}; the graph is malformed "
+                            "(a cycle?) and was left unchanged")
+
+    if wrap is None:
+        def lookup(n: Node) -> Any:
+            try:
+                return done[n]
+            except KeyError:
+                raise missing(n) from None
+    else:
+        def lookup(n: Node) -> Any:
+            try:
+                return wrap(done[n])
+            except KeyError:
+                raise missing(n) from None
     return lookup
 
 

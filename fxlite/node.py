@@ -59,6 +59,16 @@ def map_aggregate(a: Argument, fn: Callable[[Any], Any]) -> Argument:
     """Apply ``fn`` to every leaf of ``a``, rebuilding tuples, lists, dicts and slices."""
     if not isinstance(a, _AGGREGATES):
         return fn(a)
+    if not isinstance(a, slice):  # the common case, flat (x, 1.0), without the general walk
+        for x in (a.values() if isinstance(a, dict) else a):
+            if isinstance(x, _AGGREGATES):
+                break
+        else:
+            if isinstance(a, dict):
+                return {k: fn(v) for k, v in a.items()}
+            items = [fn(x) for x in a]
+            return items if isinstance(a, list) else type(a)(*items) if hasattr(a, "_fields") \
+                else tuple(items)
     # A post-order walk over an explicit stack: no depth of nesting overflows Python's stack.
     stack: list[tuple[Any, Any, list]] = [(a, _items(a), [])]
     while True:
