@@ -253,6 +253,8 @@ class _Emitter:
             return f"slice({', '.join(parts)})"
         if hasattr(a, "_fields"):  # a namedtuple
             return f"{self.qualified(t)}({', '.join(parts)})"
+        if t is torch.Size:  # not a plain tuple: x.new_zeros(size) and torch.Size methods differ
+            return f"{self.bind('torch', torch)}.Size([{', '.join(parts)}])"
         return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
     def leaf(self, a: Any) -> str:
