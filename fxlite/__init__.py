@@ -39,6 +39,8 @@ _LAZY = {
     "Match": "fxlite.rewrite",
     "ReplacedPatterns": "fxlite.rewrite",
     "compile": "fxlite.codegen.compile",
+    "save": "fxlite.serialize",
+    "load": "fxlite.serialize",
 }
 
 __all__ = ["Graph", "GraphModule", "Node", "Proxy", "TraceError", "Tracer", "map_arg",
