@@ -23,37 +23,42 @@ import os
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import fxlite as fx
 from fxlite.rewrite import replace_pattern_with_filters
 
-EXAMPLES = int(os.environ.get("FXLITE_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("FXLITE_FUZZ_EXAMPLES", "200"))
 RANDOM = os.environ.get("FXLITE_FUZZ_RANDOM") == "1"
 
-# op name -> (arity, spellings); a spelling is ("f", callable) or ("m", method name).
+# op name -> (arity, spellings); a spelling builds the node from the graph and operands.
+f = lambda fn, **kw: (lambda g, *a: g.call_function(fn, a, kw))
+m = lambda name, **kw: (lambda g, *a: g.call_method(name, a, kw))
 OPS = {
-    "relu": (1, [("f", torch.relu), ("f", F.relu), ("m", "relu")]),
-    "neg": (1, [("f", torch.neg), ("f", operator.neg), ("m", "neg")]),
-    "sigmoid": (1, [("f", torch.sigmoid), ("m", "sigmoid")]),
-    "tanh": (1, [("f", torch.tanh), ("m", "tanh")]),
-    "abs": (1, [("f", torch.abs), ("m", "abs")]),
-    "add": (2, [("f", torch.add), ("f", operator.add), ("m", "add")]),
-    "sub": (2, [("f", torch.sub), ("f", operator.sub), ("m", "sub")]),
-    "mul": (2, [("f", torch.mul), ("f", operator.mul), ("m", "mul")]),
-    "maximum": (2, [("f", torch.maximum), ("m", "maximum")]),
-    "add_c": (1, [("f", operator.add), ("f", torch.add)]),  # a + constant
-    "mul_c": (1, [("f", operator.mul), ("f", torch.mul)]),  # a * constant
+    "relu": (1, [f(torch.relu), f(F.relu), m("relu"), lambda g, a: g.call_module("act", (a,))]),
+    "neg": (1, [f(torch.neg), f(operator.neg), m("neg")]),
+    "sigmoid": (1, [f(torch.sigmoid), m("sigmoid")]),
+    "tanh": (1, [f(torch.tanh), m("tanh")]),
+    "abs": (1, [f(torch.abs), m("abs")]),
+    "sum0": (1, [f(torch.sum, dim=0, keepdim=True), m("sum", dim=0, keepdim=True),
+                 lambda g, a: g.call_method("sum", (a, 0, True))]),
+    "add": (2, [f(torch.add), f(operator.add), m("add")]),
+    "sub": (2, [f(torch.sub), f(operator.sub), m("sub")]),
+    "mul": (2, [f(torch.mul), f(operator.mul), m("mul")]),
+    "maximum": (2, [f(torch.maximum), m("maximum")]),
+    "add_c": (2, [f(operator.add), f(torch.add)]),  # a + constant
+    "mul_c": (2, [f(operator.mul), f(torch.mul)]),  # a * constant
 }
 CONSTANTS = [1.5, 2.0, -0.5]
 
 
-def _call(g: fx.Graph, spelling: tuple, args: tuple) -> fx.Node:
-    kind, target = spelling
-    if kind == "f":
-        return g.call_function(target, args)
-    return g.call_method(target, args)
+class Root(torch.nn.Module):
+    """Owns the module spelling of relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = torch.nn.ReLU()
 
 
 # Exact equivalents, as functions of the graph and the operands: replacement programs.
@@ -66,6 +71,8 @@ EQUIVALENTS = {
             lambda g, a: g.call_function(torch.neg, (a,))],
     "sigmoid": [lambda g, a: g.call_method("sigmoid", (a,))],
     "tanh": [lambda g, a: g.call_function(torch.tanh, (a,))],
+    "sum0": [lambda g, a: g.call_function(torch.sum, (a, 0, True)),
+             lambda g, a: g.call_function(torch.sum, (a,), {"keepdim": True, "dim": 0})],
     "abs": [lambda g, a: g.call_function(torch.maximum, (a, g.call_function(torch.neg, (a,)))),
             lambda g, a: g.call_function(torch.abs, (a,))],
     "add": [lambda g, a, b: g.call_function(operator.add, (b, a)),
@@ -91,13 +98,14 @@ def programs(draw):
         name = draw(st.sampled_from(sorted(OPS)))
         arity, spellings = OPS[name]
         spelling = draw(st.sampled_from(spellings))
-        operands = tuple(draw(st.sampled_from(values)) for _ in range(arity))
         const = None
         if name in ("add_c", "mul_c"):
+            operands = (draw(st.sampled_from(values)),)
             const = draw(st.sampled_from(CONSTANTS))
-            node = _call(g, spelling, (operands[0], const))
+            node = spelling(g, operands[0], const)
         else:
-            node = _call(g, spelling, operands)
+            operands = tuple(draw(st.sampled_from(values)) for _ in range(arity))
+            node = spelling(g, *operands)
         ops[node] = (name, operands, const)
         values.append(node)
     sinks = [n for n in ops if not n.users]
@@ -108,7 +116,7 @@ def programs(draw):
 def _connected_subgraph(draw, ops: dict) -> list[fx.Node]:
     start = draw(st.sampled_from(list(ops)))
     chosen = [start]
-    for _ in range(draw(st.integers(0, 3))):
+    for _ in range(draw(st.sampled_from([0, 1, 2, 3, 4]))):
         frontier = sorted({n for c in chosen for n in (*c.all_input_nodes, *c.users)
                            if n in ops and n not in chosen}, key=lambda n: n.name)
         if not frontier:
@@ -134,7 +142,8 @@ def _pattern_and_replacement(draw, piece: list[fx.Node], ops: dict):
     for graph, env in ((pattern, penv), (replacement, renv)):
         result = [env[o] for o in outputs]
         graph.output(tuple(result) if len(result) > 1 else result[0])
-    return pattern, replacement
+    # A module owns the pattern's call_module targets (a bare Graph's "act" is no known op).
+    return fx.GraphModule(Root(), pattern), replacement
 
 
 def _placeable(piece: list[fx.Node], g: fx.Graph) -> bool:
@@ -157,7 +166,7 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @given(st.data())
 def test_rewrite_fuzz(data):
     g, ops = data.draw(programs())
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm = fx.GraphModule(Root(), g)
     piece = _connected_subgraph(data.draw, ops)
     pattern, replacement = _pattern_and_replacement(data.draw, piece, ops)
     inputs = [_inputs(s) for s in range(3)]
@@ -165,6 +174,8 @@ def test_rewrite_fuzz(data):
     before = {n: (n.op, n.target, n.args, n.kwargs) for n in g.nodes}
 
     done = replace_pattern_with_filters(gm, pattern, replacement)
+    event(f"matches: {min(len(done), 3)}{'+' if len(done) > 3 else ''}")
+    event(f"pattern nodes: {len(piece)}")
 
     if _placeable(piece, g):  # else the rewriter skips the match: it does not reorder nodes
         assert done, "the pattern was cut from this graph, so it must match at least there"
