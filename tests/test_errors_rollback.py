@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
+from fxlite.passes import PassError, PassManager, cse, decompose, normalize, split_module
 from torch import nn
 
 import fxlite as fx
 from fxlite.graph import _NodeRef
-from fxlite.passes import PassError, PassManager, cse, decompose, normalize, split_module
 
 
 def _cyclic() -> fx.GraphModule:
