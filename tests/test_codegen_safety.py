@@ -127,6 +127,17 @@ def test_annotation_repr_cannot_break_out(annotation, tmp_path):
     _exercise(gm, tmp_path, expect=torch.tensor([1.0, 0.0]), folder=False)
 
 
+def test_traced_function_with_hostile_annotations(tmp_path):
+    def f(x, y=None):
+        return torch.relu(x) * 2
+
+    f.__annotations__ = {"x": EvilRepr(), "y": EvilStr("int"), "return": typing.Literal[Color.RED]}
+    gm = fx.symbolic_trace(f)
+    _exercise(gm, tmp_path, expect=torch.tensor([0.0, 4.0]), folder=False)
+    gm.to_folder(tmp_path / "hostile", "Hostile")  # the annotations become inert strings
+    _no_payload((tmp_path / "hostile" / "module.py").read_text())
+
+
 def test_literal_enum_annotation_traces_and_runs(tmp_path):
     # Was: SyntaxError in generated code, since repr(Literal[E.A]) is "<E.A: 1>".
     class Mode(enum.Enum):
