@@ -566,7 +566,12 @@ def _field(rec: dict, key: str, kind: type, what: str) -> Any:
     return value
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"forward", "training"}
+
+
 def _attr_name(name: Any, what: str) -> str:
-    if type(name) is not str or not name or "." in name:
+    """A name the file may give an attribute: never one of nn.Module's own, nor a dunder."""
+    if type(name) is not str or not name or "." in name or name in _MODULE_INTERNALS \
+            or (name.startswith("__") and name.endswith("__")):
         raise _Bad(f"{what}: bad attribute name {_text(name)[:60]}")
     return name

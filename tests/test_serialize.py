@@ -131,6 +131,25 @@ def test_constants_and_odd_values(tmp_path):
     assert type(out[3]) is torch.Size and type(out2[3]) is torch.Size and out2[3] == out[3]
 
 
+def test_odd_attribute_names(tmp_path):
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("__secret", torch.tensor([2.0]))
+            self.register_parameter("class", nn.Parameter(torch.tensor([3.0])))
+            self.add_module("my-mod", nn.ReLU())
+            self.register_buffer("it's", torch.tensor([1.0]))
+
+        def forward(self, x):
+            h = getattr(self, "my-mod")(x * getattr(self, "__secret") + getattr(self, "class"))
+            return h - getattr(self, "it's")
+
+    m = Odd()
+    gm2 = _round_trip(fx.symbolic_trace(m), tmp_path)
+    x = torch.tensor([-4.0, 1.0])
+    _assert_same(gm2(x), m(x))
+
+
 def test_deeply_nested_argument(tmp_path):
     g = fx.Graph()
     x = g.placeholder("x")
@@ -303,10 +322,12 @@ def _args(doc, name):
     (lambda d: _args(d, "relu").__setitem__(0, {"tensor": "t99"}), "no tensor 't99'"),
     (lambda d: d["root"].update(kind="module", **{"class": "subprocess.Popen"}), "'subprocess.Popen' is not in the allowlist"),
     (lambda d: d.update(version=99), "format version 99"),
+    (lambda d: d["root"]["constants"].update(_parameters=1), "bad attribute name '_parameters'"),
+    (lambda d: d["root"]["constants"].update(__class__=1), "bad attribute name '__class__'"),
     (lambda d: d["root"]["nodes"].pop(), "output"),
 ], ids=["os.system", "torch.load", "operator.call", "unregistered", "dunder-method", "storage-method",
         "getattr-dunder", "op", "forward-ref", "unknown-tag", "function-value", "tensor-key",
-        "module-class", "version", "no-output"])
+        "module-class", "version", "module-internal", "dunder", "no-output"])
 def test_crafted_file_is_refused_naming_the_problem(tmp_path, edit, message):
     path, doc, tensors = _saved(tmp_path)
     edit(doc)
