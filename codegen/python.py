@@ -8,21 +8,34 @@ Each node becomes one statement, and values are freed after their last use::
         relu = torch.relu(linear);  linear = None
         return relu
 
-Safety: node names are identifiers by construction; attribute and module paths that are
-not plain identifiers are emitted as ``getattr(self, '...')`` with the name as a string
-literal, so no module or attribute name can inject code. Objects that have no literal
-spelling are bound as globals of the generated function, never pasted as text.
+Safety: the source holds only identifiers checked here and literals written here, so no
+name, target, annotation or repr can inject code:
+
+- a node name is used only if it is an identifier that shadows nothing (``self``,
+  ``torch``, a builtin); any other is replaced by a fresh name in the code;
+- an attribute, module path or method name that is not a plain identifier (or that
+  Python would mangle, ``__x``) becomes ``getattr(x, '...')`` with the name as a literal;
+- a function prints as a dotted path (``torch.relu``) only if every atom is an identifier
+  and the path leads back to that very object;
+- annotations are rebuilt from their parts (``typing.Optional[torch.Tensor]``);
+- everything else (objects without a literal spelling, odd annotations) is bound as a
+  global of the generated function, never pasted as text.
+
+Arguments nested deeper than Python's parser allows are built in steps, through
+temporaries (``_nested = (x,)``), so no depth of nesting overflows a stack.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 import keyword
 import linecache
 import math
 import operator
 import sys
 import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +47,7 @@ from fxlite.node import Node
 
 from .python_hooks import CodeGen
 
-__all__ = ["PythonCode", "generate"]
+__all__ = ["PythonCode", "generate", "import_spelling"]
 
 _INFIX = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -46,10 +59,57 @@ _INFIX = {
 _PREFIX = {operator.neg: "-", operator.pos: "+", operator.invert: "~", operator.not_: "not "}
 # Modules whose functions print by their dotted name (torch.relu, math.sqrt).
 _NAMED_MODULES = ("torch", "math", "operator", "builtins", "typing", "numpy")
+# Brackets one expression may nest before a temporary takes over (the parser allows 200).
+_MAX_NESTING = 64
 
 
-def _is_ident(s: str) -> bool:
-    return s.isidentifier() and not keyword.iskeyword(s)
+def _is_ident(s: Any) -> bool:
+    # type() and not isinstance(): a str subclass could override isidentifier().
+    return type(s) is str and s.isidentifier() and not keyword.iskeyword(s)
+
+
+def _is_attr(s: Any) -> bool:
+    """An identifier that may follow a dot, even in a class body (where ``__x`` is mangled)."""
+    return _is_ident(s) and not (s.startswith("__") and not s.endswith("__"))
+
+
+def _is_var(s: Any) -> bool:
+    """A name generated code may define: an identifier that shadows nothing."""
+    return _is_ident(s) and s not in _RESERVED
+
+
+def _plain(s: str) -> str:
+    """The characters of ``s`` as an exact ``str`` (whose repr() cannot be overridden)."""
+    return str.__str__(s)
+
+
+def _safe_repr(obj: Any) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = None
+    return _plain(text) if isinstance(text, str) else f"<{type(obj).__name__} object>"
+
+
+def import_spelling(obj: Any) -> tuple[str, str] | None:
+    """``(module, qualname)`` if ``from module import qualname`` gives back ``obj``, else None.
+
+    Every atom of both is checked to be an identifier, so the pair can be written into a
+    source file as it is.
+    """
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not (type(mod) is str and type(qual) is str and mod in sys.modules):
+        return None
+    if not all(_is_ident(a) for a in mod.split(".")) or not all(_is_attr(a) for a in qual.split(".")):
+        return None
+    target: Any = sys.modules[mod]
+    for atom in qual.split("."):
+        target = getattr(target, atom, None)
+    return (mod, qual) if target is obj else None
+
+
+class _Unspellable(Exception):
+    """An annotation needs a global that a stand-alone source file could not import."""
 
 
 @dataclass
@@ -72,18 +132,39 @@ class PythonCode:
 class _Emitter:
     """Turns values into Python expressions, binding globals for anything without a literal."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, root_module: str = "self", portable: bool = False) -> None:
         self.names = _Namespace()
+        self.names.reserve(root_module)
+        # The name each node has in the code: its own, when that is a safe identifier.
+        self.ref: dict[Node, str] = {}
+        odd: list[Node] = []
         for n in graph.nodes:
-            self.names.reserve(n.name)
+            # In a class body (portable source), Python would mangle a name like __x.
+            if _is_var(n.name) and n.name not in self.names._used and not (
+                    portable and n.name.startswith("__")):
+                self.names.reserve(n.name)
+                self.ref[n] = n.name
+            else:
+                odd.append(n)
+        for n in odd:
+            hint = _plain(n.name) if isinstance(n.name, str) else "node"
+            self.ref[n] = self.names.create_name(hint.lstrip("_") or "node")
         self.globals: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
         self._spelled: dict[int, str] = {}  # id(obj) -> qualified(obj); objects outlive this
+        self.pre: list[str] = []  # statements that must run before the current one
+        self.temps: list[str] = []  # the temporaries they define
+        self.portable = portable  # annotations may bind only importable objects
+        self._in_annotation = False
 
     def bind(self, hint: str, obj: Any) -> str:
         """A global name for ``obj``; the same object always gets the same name."""
         name = self._by_id.get(id(obj))
         if name is None:
+            if self._in_annotation and self.portable and not isinstance(obj, types.ModuleType) \
+                    and import_spelling(obj) is None:
+                raise _Unspellable
+            hint = _plain(hint)
             if isinstance(obj, types.ModuleType) and hint == obj.__name__ and _is_ident(hint) \
                     and hint not in self.names._used:
                 name = hint
@@ -92,9 +173,16 @@ class _Emitter:
                 name = hint  # keep the user's spelling (CustomArgObject), as torch.fx does
                 self.names.reserve(hint)
             else:
-                name = self.names.create_name(hint)
+                name = self.names.create_name("_" + hint.lstrip("_") if hint.startswith("__") else hint)
             self.globals[name] = obj
             self._by_id[id(obj)] = name
+        return name
+
+    def node(self, n: Node) -> str:
+        name = self.ref.get(n)
+        if name is None:
+            raise RuntimeError(f"codegen: an argument refers to node {n.name!r}, which is not in "
+                               "this graph (graph.lint() reports such problems)")
         return name
 
     def qualified(self, obj: Any) -> str:
@@ -102,46 +190,85 @@ class _Emitter:
         # Cached: resolving a dotted path costs several getattrs, once per node otherwise.
         text = self._spelled.get(id(obj))
         if text is None:
-            text = self._spelled[id(obj)] = self._qualify(obj)
+            text = self._qualify(obj)
+            if text is not None:
+                self._spelled[id(obj)] = text
+            else:
+                name = getattr(obj, "__name__", None)
+                text = self.bind(name if isinstance(name, str) else type(obj).__name__, obj)
         return text
 
-    def _qualify(self, obj: Any) -> str:
+    def _qualify(self, obj: Any) -> str | None:
         if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             path = _torch_op_path(obj)  # torch.ops.aten.add.Tensor, as torch.fx prints it
-            if path is not None:
+            if path is not None and all(_is_attr(a) for a in path.split(".")):
                 return self.bind("torch", torch) + path[len("torch"):]
         name = getattr(obj, "__name__", None)
-        if isinstance(name, str) and getattr(builtins, name, None) is obj:
+        if not _is_attr(name):
+            return None
+        if getattr(builtins, name, None) is obj:
             return name
-        mod = getattr(obj, "__module__", None) or ""
-        mod = {"_operator": "operator"}.get(mod, mod)
-        if not mod and isinstance(name, str) and getattr(torch.Tensor, name, None) is obj:
+        mod = getattr(obj, "__module__", None)
+        mod = {"_operator": "operator"}.get(mod, mod) if type(mod) is str else ""
+        if not mod and getattr(torch.Tensor, name, None) is obj:
             return self.bind("torch", torch) + ".Tensor." + name  # torch.Tensor.view: no __module__
         top = mod.split(".")[0]
-        if top in _NAMED_MODULES and top in sys.modules and isinstance(name, str):
+        if top in _NAMED_MODULES and top in sys.modules:
             qual = getattr(obj, "__qualname__", name)
             for path in (f"{mod}.{qual}", f"{mod}.{name}", f"{top}.{name}"):
-                if _resolves(path, obj):
+                if all(_is_attr(a) for a in path.split(".")) and _resolves(path, obj):
                     root = self.bind(top, sys.modules[top])
                     return root + path[len(top):]
-        return self.bind(name if isinstance(name, str) else type(obj).__name__, obj)
+        return None
 
+    # ------------------------------------------------------------------ values
     def expr(self, a: Any) -> str:
-        """A Python expression for an argument value."""
+        """A Python expression for an argument value (nested ones are walked without recursion)."""
         if isinstance(a, Node):
-            return a.name
+            return self.node(a)
+        if _children(a) is None:
+            return self.leaf(a)
+        # Post-order walk over an explicit stack: [value, its children, their (text, depth)].
+        stack: list[tuple[Any, list, list]] = [(a, _children(a), [])]
+        while True:
+            value, kids, done = stack[-1]
+            if len(done) < len(kids):
+                kid = kids[len(done)]
+                grandkids = None if isinstance(kid, Node) else _children(kid)
+                if grandkids is None:
+                    done.append((self.node(kid) if isinstance(kid, Node) else self.leaf(kid), 1))
+                else:
+                    stack.append((kid, grandkids, []))
+                continue
+            stack.pop()
+            text = self._join(value, [t for t, _ in done])
+            depth = 1 + max((d for _, d in done), default=0)
+            if depth > _MAX_NESTING:
+                name = self.names.create_name("_nested")
+                self.pre.append(f"{name} = {text}")
+                self.temps.append(name)
+                text, depth = name, 1
+            if not stack:
+                return text
+            stack[-1][2].append((text, depth))
+
+    def _join(self, a: Any, parts: list[str]) -> str:
         t = type(a)
-        if t is tuple or (isinstance(a, tuple) and not hasattr(a, "_fields")):
-            inner = ", ".join(self.expr(x) for x in a)
-            return f"({inner},)" if len(a) == 1 else f"({inner})"
-        if isinstance(a, tuple):
-            return f"{self.qualified(t)}({', '.join(self.expr(x) for x in a)})"
         if t is list:
-            return "[" + ", ".join(self.expr(x) for x in a) + "]"
+            return "[" + ", ".join(parts) + "]"
         if t is dict:
-            return "{" + ", ".join(f"{self.expr(k)}: {self.expr(v)}" for k, v in a.items()) + "}"
+            return "{" + ", ".join(f"{k}: {v}" for k, v in zip(parts[::2], parts[1::2])) + "}"
         if t is slice:
-            return f"slice({self.expr(a.start)}, {self.expr(a.stop)}, {self.expr(a.step)})"
+            return f"slice({', '.join(parts)})"
+        if hasattr(a, "_fields"):  # a namedtuple
+            return f"{self.qualified(t)}({', '.join(parts)})"
+        if t is torch.Size:  # not a plain tuple: x.new_zeros(size) and torch.Size methods differ
+            return f"{self.bind('torch', torch)}.Size([{', '.join(parts)}])"
+        return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+    def leaf(self, a: Any) -> str:
+        """A Python expression for a value that holds no other values."""
+        t = type(a)
         if a is ...:
             return "..."
         if t in (int, bool, str, bytes, type(None)):
@@ -149,9 +276,11 @@ class _Emitter:
         if t is float:
             return repr(a) if math.isfinite(a) else f"float('{a}')"
         if t is complex:
-            return f"complex({self.expr(a.real)}, {self.expr(a.imag)})"
+            return f"complex({self.leaf(a.real)}, {self.leaf(a.imag)})"
         if t in (torch.dtype, torch.memory_format, torch.layout):
-            return f"{self.bind('torch', torch)}.{str(a).split('.')[-1]}"
+            name = str(a).split(".")[-1]
+            if _is_attr(name) and getattr(torch, name, None) is a:
+                return f"{self.bind('torch', torch)}.{name}"
         if t is torch.device:
             return f"{self.bind('torch', torch)}.device({str(a)!r})"
         if isinstance(a, (types.FunctionType, types.BuiltinFunctionType, type)):
@@ -166,7 +295,7 @@ class _Emitter:
 
     def receiver(self, a: Any) -> str:
         # The object of `.attr`, `.method()` or `[...]`: parenthesize anything but a name.
-        return a.name if isinstance(a, Node) else f"({self.expr(a)})"
+        return self.node(a) if isinstance(a, Node) else f"({self.expr(a)})"
 
     def index(self, idx: Any) -> str:
         """Subscript text: ``x[:, 0]``, ``x[..., None]``, ``x[1:3]``."""
@@ -184,26 +313,85 @@ class _Emitter:
 
     def call_args(self, args: tuple, kwargs: dict) -> str:
         parts = [self.expr(a) for a in args]
-        plain = {k: v for k, v in kwargs.items() if _is_ident(k)}
+        plain = {k: v for k, v in kwargs.items() if _is_attr(k)}
         parts += [f"{k} = {self.expr(v)}" for k, v in plain.items()]
         odd = {k: v for k, v in kwargs.items() if k not in plain}
         if odd:
             parts.append("**" + self.expr(odd))
         return ", ".join(parts)
 
+    # ------------------------------------------------------------------ annotations
     def annotation(self, t: Any) -> str:
+        """An annotation, rebuilt from its parts; unspellable parts become globals.
+
+        With ``portable``, an annotation that would need a global that cannot be imported
+        by name becomes a string annotation holding its repr.
+        """
+        self._in_annotation = True
+        try:
+            return self._annotation(t)
+        except _Unspellable:
+            return repr(_safe_repr(t))
+        finally:
+            self._in_annotation = False
+
+    def _annotation(self, t: Any) -> str:
+        if t is None or t is type(None):
+            return "None"
+        if t is ...:
+            return "..."
         if isinstance(t, str):
-            return repr(t)
-        if isinstance(t, types.GenericAlias):  # list[int], tuple[torch.Tensor, ...]
-            inner = ", ".join("..." if a is Ellipsis else self.annotation(a) for a in t.__args__)
-            return f"{self.annotation(t.__origin__)}[{inner}]"
-        if isinstance(t, type):
+            return repr(_plain(t))
+        if type(t) is list:  # the parameter list of Callable[[int], str]
+            return "[" + ", ".join(self._annotation(a) for a in t) + "]"
+        if isinstance(t, type) and not isinstance(t, types.GenericAlias):
             return self.qualified(t)
-        text = repr(t)
-        if text.startswith("typing."):
-            self.bind("typing", sys.modules["typing"])
-            return text
-        return self.bind("_annotation", t)
+        text = self._generic(t)
+        return text if text is not None else self.bind("_annotation", t)
+
+    def _generic(self, t: Any) -> str | None:
+        """``list[int]``, ``int | None``, ``typing.Optional[X]``...; None if ``t`` is none of them."""
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        try:
+            if origin is None or not args:
+                name = getattr(t, "_name", None)
+                if _is_attr(name) and getattr(typing, name, None) is t:  # typing.Any, typing.List
+                    return f"{self.bind('typing', typing)}.{name}"
+                return None
+            if isinstance(t, types.GenericAlias):
+                if types.GenericAlias(origin, args) != t:
+                    return None
+                head = self._annotation(origin)
+            elif isinstance(t, types.UnionType):
+                if functools.reduce(operator.or_, args) != t:
+                    return None
+                return " | ".join(self._annotation(a) for a in args)
+            elif origin is typing.Union and len(args) == 2 and type(None) in args:
+                other = args[0] if args[1] is type(None) else args[1]
+                return f"{self.bind('typing', typing)}.Optional[{self._annotation(other)}]"
+            else:
+                name = "Union" if origin is typing.Union else \
+                    "Literal" if origin is typing.Literal else getattr(t, "_name", None)
+                form = getattr(typing, name, None) if _is_attr(name) else None
+                if form is None or form[args if len(args) > 1 else args[0]] != t:
+                    return None
+                head = f"{self.bind('typing', typing)}.{name}"
+        except Exception:  # an alias that cannot be rebuilt from its parts, or compared
+            return None
+        part = self.leaf if origin is typing.Literal else self._annotation
+        return f"{head}[{', '.join(part(a) for a in args)}]"
+
+
+def _children(a: Any) -> list | None:
+    """The values inside a container argument, or None for a value that is not one."""
+    t = type(a)
+    if t is list or isinstance(a, tuple):
+        return list(a)
+    if t is dict:
+        return [x for kv in a.items() for x in kv]
+    if t is slice:
+        return [a.start, a.stop, a.step]
+    return None
 
 
 def _torch_op_path(op: Any) -> str | None:
@@ -231,8 +419,8 @@ def _resolves(path: str, obj: Any) -> bool:
 def attr_path(base: str, path: str) -> str:
     """``self.a.b`` for a dotted path, with ``getattr(x, '...')`` for atoms that are not identifiers."""
     expr = base
-    for atom in path.split("."):
-        expr = f"{expr}.{atom}" if _is_ident(atom) else f"getattr({expr}, {atom!r})"
+    for atom in _plain(path).split("."):
+        expr = f"{expr}.{atom}" if _is_attr(atom) else f"getattr({expr}, {atom!r})"
     return expr
 
 
@@ -244,7 +432,7 @@ def _statement(node: Node, em: _Emitter, root: str) -> str:
         return f"{attr_path(root, target)}({em.call_args(args, kwargs)})"
     if op == "call_method":
         obj = em.receiver(args[0])
-        fn = f"{obj}.{target}" if _is_ident(target) else f"getattr({obj}, {target!r})"
+        fn = f"{obj}.{target}" if _is_attr(target) else f"getattr({obj}, {_plain(target)!r})"
         return f"{fn}({em.call_args(args[1:], kwargs)})"
     # call_function
     if not kwargs:
@@ -254,8 +442,7 @@ def _statement(node: Node, em: _Emitter, root: str) -> str:
             return f"{_PREFIX[target]}{em.operand(args[0])}"
         if target is operator.getitem and len(args) == 2:
             return f"{em.receiver(args[0])}[{em.index(args[1])}]"
-        if target is builtins.getattr and len(args) == 2 and isinstance(args[1], str) \
-                and _is_ident(args[1]):
+        if target is builtins.getattr and len(args) == 2 and _is_attr(args[1]):
             return f"{em.receiver(args[0])}.{args[1]}"
     return f"{em.qualified(target)}({em.call_args(args, kwargs)})"
 
@@ -283,16 +470,18 @@ def _inplace(node: Node, em: _Emitter) -> str | None:
         return None
     if op is None:
         return None
-    target = node.args[0].name
-    return f"{target} {op} {em.operand(node.args[1])};  {node.name} = {target}"
+    target = em.node(node.args[0])
+    return f"{target} {op} {em.operand(node.args[1])};  {em.ref[node]} = {target}"
 
 
-def generate(graph: Graph, root_module: str = "self") -> PythonCode:
+def generate(graph: Graph, root_module: str = "self", *, portable: bool = False) -> PythonCode:
     """Generate ``def forward(self, ...)`` for ``graph``.
 
     Args:
         graph: the graph to print.
         root_module: the name of the module argument (``self``).
+        portable: write annotations that would need a global that cannot be imported by
+            name as strings, so that the source can stand alone (``to_folder``).
 
     Returns:
         The source and the globals it refers to.
@@ -303,7 +492,9 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
         print(code.src)
         forward = code.compile()
     """
-    em = _Emitter(graph)
+    if not _is_var(root_module) and root_module != "self":
+        raise ValueError(f"root_module must be an identifier that shadows nothing, not {root_module!r}")
+    em = _Emitter(graph, root_module, portable)
     nodes = list(graph.nodes)
     # Free each value right after its last use, so memory peaks as it would in eager code.
     last_use: dict[Node, Node] = {}
@@ -316,8 +507,8 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
                                    "arg_transform)) before generating code")
     to_free: dict[Node, list[str]] = {}
     for value, user in last_use.items():
-        if user.op != "output":
-            to_free.setdefault(user, []).append(value.name)
+        if user.op != "output" and value in em.ref:
+            to_free.setdefault(user, []).append(em.ref[value])
 
     hooks = getattr(graph, "_codegen", None)
     if type(hooks) is CodeGen:
@@ -328,7 +519,7 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
     returns = ""
     for n in nodes:
         if n.op == "placeholder":
-            text = n.name
+            text = em.ref[n]
             if n.type is not None:
                 text += f" : {em.annotation(n.type)}"
             if str(n.target).startswith("**"):
@@ -336,7 +527,12 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
             elif str(n.target).startswith("*"):
                 text, seen_star = "*" + text, True
             elif n.args:
-                text += f" = {em.expr(n.args[0])}"
+                default = em.expr(n.args[0])
+                if em.pre:  # too deep to spell inline: a default holds no nodes, so bind it
+                    em.pre.clear()
+                    em.temps.clear()
+                    default = em.bind("_default", n.args[0])
+                text += f" = {default}"
                 seen_default = True
             elif seen_default and not seen_star:
                 params.append("*")
@@ -349,17 +545,20 @@ def generate(graph: Graph, root_module: str = "self") -> PythonCode:
             if hooks is not None:
                 hooks._expr = em.expr  # for the duration of this call only (see below)
                 try:
-                    body.append(hooks.generate_output(n.args[0]))
+                    line = hooks.generate_output(n.args[0])
                 finally:
                     del hooks._expr
             else:
-                body.append(f"return {em.expr(n.args[0])}")
-            continue
-        line = _inplace(n, em) or f"{n.name} = {_statement(n, em, root_module)}"
-        freed = to_free.get(n)
-        if freed:
-            line += f";  {' = '.join(freed)} = None"
+                line = f"return {em.expr(n.args[0])}"
+        else:
+            line = _inplace(n, em) or f"{em.ref[n]} = {_statement(n, em, root_module)}"
+            freed = to_free.get(n, [])
+            if em.temps or freed:
+                line += f";  {' = '.join([*em.temps, *freed])} = None"
+        body += em.pre
         body.append(line)
+        em.pre.clear()
+        em.temps.clear()
     if not body or not body[-1].startswith("return"):
         body.append("return None")
     imports = [f"import {name}" for name, v in em.globals.items()

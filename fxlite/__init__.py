@@ -44,6 +44,8 @@ _LAZY = {
     "set_logs": "fxlite.logs",
     "has_side_effect": "fxlite.ops",
     "CodeGen": "fxlite.codegen.python_hooks",
+    "save": "fxlite.serialize",
+    "load": "fxlite.serialize",
 }
 
 __all__ = ["PH", "Graph", "GraphModule", "Node", "PHBase", "PHWithMeta", "Proxy",

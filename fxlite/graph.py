@@ -303,10 +303,11 @@ class Graph:
         for node in g.nodes:
             if node in val_map:
                 continue
+            lookup = _lookup_defined(val_map, node, "cannot copy the graph")
             if node.op == "output":
-                out = map_arg(node.args[0], lambda n: val_map[n])
+                out = map_arg(node.args[0], lookup)
                 return node if return_output_node else out
-            val_map[node] = self.node_copy(node, lambda n: val_map[n])
+            val_map[node] = self.node_copy(node, lookup)
         return None
 
     def erase_node(self, to_erase: Node) -> None:
@@ -476,11 +477,15 @@ class Graph:
 
     def __getstate__(self) -> dict:
         # A flat record per node keeps pickling iterative on graphs of any size.
-        index = {n: i for i, n in enumerate(self.nodes)}
-        ref = lambda n: _NodeRef(index[n])
+        index: dict[Node, int] = {}
+        records = []
         with gc_paused():  # allocating a record per node would trigger superlinear collections
-            records = [(n.name, str(n.op), _TorchOp.wrap(n.target), map_arg(n.args, ref),
-                        map_arg(n.kwargs, ref), n.type, n.meta) for n in self.nodes]
+            for n in self.nodes:
+                ref = _lookup_defined(index, n, "cannot pickle the graph", _NodeRef)
+                records.append((n.name, str(n.op), _TorchOp.wrap(n.target),
+                                _shallow(map_arg(n.args, ref)), _shallow(map_arg(n.kwargs, ref)),
+                                n.type, n.meta))
+                index[n] = len(index)
         # The tracer class is informational; a local class (not importable) is left out, so
         # a graph pickles without it.
         cls = self._tracer_cls
@@ -492,7 +497,15 @@ class Graph:
         Graph.__init__(self, tracer_cls=state.get("tracer_cls"))
         self._codegen = state.get("codegen")
         made: list[Node] = []
-        unref = lambda r: made[r.index] if isinstance(r, _NodeRef) else r
+
+        def unref(r: Any) -> Any:
+            if not isinstance(r, _NodeRef):
+                return r
+            if not 0 <= r.index < len(made):
+                raise RuntimeError(f"unpickling a Graph: node {name!r} reads node #{r.index}, "
+                                   f"which is not defined before it (the data is damaged)")
+            return made[r.index]
+
         from .node import map_aggregate
 
         with gc_paused():  # as in __deepcopy__: collections during the rebuild are superlinear
@@ -501,6 +514,47 @@ class Graph:
                                      map_aggregate(kwargs, unref), name, type_expr)
                 n.meta = meta
                 made.append(n)
+
+
+def check_order(graph: Graph, what: str) -> None:
+    """Raise RuntimeError naming the first node that reads a value not defined before it.
+
+    A cheap part of ``lint`` that passes run before changing anything: a cycle (or a node
+    moved above its input) would otherwise surface as a bare KeyError deep inside them.
+    """
+    seen: set[Node] = set()
+    for node in graph.nodes:
+        for inp in node._input_nodes:
+            if inp not in seen:
+                _lookup_defined({}, node, what)(inp)
+        seen.add(node)
+
+
+def _lookup_defined(done: dict[Node, Any], node: Node, what: str,
+                    wrap: Callable[[Any], Any] | None = None) -> Callable[[Node], Any]:
+    """``n -> done[n]`` (or ``wrap(done[n])``) for the inputs of ``node``, raising a clear
+    error for an input not yet in ``done``: one defined after ``node`` (a cycle, or an
+    unordered graph), in another graph, or erased."""
+    def missing(n: Node) -> RuntimeError:
+        where = "after it" if n.graph is node.graph and not n._erased else \
+            "in another graph" if n.graph is not node.graph else "nowhere (it was erased)"
+        return RuntimeError(f"{what}: node {node.name!r} ({node.format_node()}) reads "
+                            f"{n.name!r}, which is defined {where}; the graph is malformed "
+                            "(a cycle?) and was left unchanged")
+
+    if wrap is None:
+        def lookup(n: Node) -> Any:
+            try:
+                return done[n]
+            except KeyError:
+                raise missing(n) from None
+    else:
+        def lookup(n: Node) -> Any:
+            try:
+                return wrap(done[n])
+            except KeyError:
+                raise missing(n) from None
+    return lookup
 
 
 class _NodeRef:
@@ -540,3 +594,67 @@ class _TorchOp:
         namespace, _, op = target.name.partition("::")
         packet = getattr(getattr(torch.ops, namespace), op)
         return packet if target.overload is None else getattr(packet, target.overload)
+
+
+_DEEP = 200  # nesting beyond which an argument pickles as a flat program (pickle recurses)
+
+
+def _shallow(a: Any) -> Any:
+    """``a``, or a :class:`_Flat` of it when it nests too deep for pickle's recursion."""
+    if not isinstance(a, (tuple, list, dict)):
+        return a
+    stack = [(a, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > _DEEP:
+            return _Flat(a)
+        for y in (x.values() if isinstance(x, dict) else x):
+            if isinstance(y, (tuple, list, dict, slice)):
+                stack.append((y.__reduce__()[1] if isinstance(y, slice) else y, depth + 1))
+    return a
+
+
+class _Flat:
+    """A deeply nested argument, pickled as a post-order program instead of nested containers.
+
+    The program lists leaves as they are and closes each container with a
+    ``(_Flat, kind, size, keys)`` marker; a loop rebuilds it, so depth costs no stack.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        program: list[Any] = []
+        stack: list[tuple[Any, bool]] = [(self.value, False)]
+        while stack:
+            x, closing = stack.pop()
+            kind = "tuple" if type(x) is tuple else "list" if type(x) is list else \
+                "dict" if type(x) is dict else "slice" if type(x) is slice else None
+            if kind is None:
+                program.append(x)
+            elif closing:
+                keys = tuple(x) if kind == "dict" else None
+                program.append((_Flat, kind, len(x) if kind != "slice" else 3, keys))
+            else:
+                items = list(x.values()) if kind == "dict" else \
+                    [x.start, x.stop, x.step] if kind == "slice" else list(x)
+                stack.append((x, True))
+                stack.extend((y, False) for y in reversed(items))
+        return (_unflatten, (program,))
+
+
+def _unflatten(program: list[Any]) -> Any:
+    values: list[Any] = []
+    for item in program:
+        if type(item) is tuple and len(item) == 4 and item[0] is _Flat:
+            _, kind, size, keys = item
+            parts = values[len(values) - size:] if size else []
+            del values[len(values) - size:]
+            values.append(tuple(parts) if kind == "tuple" else parts if kind == "list" else
+                          dict(zip(keys, parts)) if kind == "dict" else slice(*parts))
+        else:
+            values.append(item)
+    return values[0]

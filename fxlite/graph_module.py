@@ -11,13 +11,15 @@ import copy
 import itertools
 import linecache
 import os
+import re
 import sys
 import types
+from keyword import iskeyword
 from typing import Any
 
 import torch
 
-from fxlite.codegen.python import PythonCode, generate
+from fxlite.codegen.python import PythonCode, generate, import_spelling
 
 from .graph import Graph, gc_paused
 
@@ -209,7 +211,7 @@ class GraphModule(torch.nn.Module):
         return text
 
     def _readable(self, name: str, indent: str = "") -> str:
-        lines = [f"{indent}class {name}(torch.nn.Module):"]
+        lines = [f"{indent}class {_class_name(name)}(torch.nn.Module):"]
         for sub_name, sub in self.named_children():
             if isinstance(sub, GraphModule):
                 lines.append(sub._readable(sub_name, indent + "    "))
@@ -288,30 +290,38 @@ class GraphModule(torch.nn.Module):
         """Write this module as an importable package: ``from folder import module_name``.
 
         ``folder/module.py`` holds the class with the generated ``forward``; tensors and
-        submodules are saved beside it and loaded by ``__init__``.
+        submodules are saved beside it and loaded by ``__init__``. Annotations that name
+        something the file could not import (a local class) are written as strings.
+
+        Raises:
+            ValueError: ``module_name`` is not a Python identifier.
+            RuntimeError: the code needs an object that cannot be imported by name.
         """
+        if type(module_name) is not str or not module_name.isidentifier() or iskeyword(module_name):
+            raise ValueError(f"to_folder: module_name must be a Python identifier, not {module_name!r}")
         os.makedirs(folder, exist_ok=True)
         tensors = {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
         init = ["super().__init__()", "_here = os.path.dirname(os.path.abspath(__file__))",
                 "_state = torch.load(os.path.join(_here, 'state.pt'), weights_only=True)"]
+        lit = lambda name: repr(str.__str__(name))  # a str subclass could override __repr__
         for name, p in self._parameters.items():
             if p is not None:
-                init.append(f"self.register_parameter({name!r}, torch.nn.Parameter("
-                            f"_state['param:' + {name!r}], requires_grad={p.requires_grad}))")
+                init.append(f"self.register_parameter({lit(name)}, torch.nn.Parameter("
+                            f"_state['param:' + {lit(name)}], requires_grad={bool(p.requires_grad)}))")
         for name in self._buffers:
-            init.append(f"self.register_buffer({name!r}, _state['buffer:' + {name!r}])")
+            init.append(f"self.register_buffer({lit(name)}, _state['buffer:' + {lit(name)}])")
         for name in tensors:
-            init.append(f"setattr(self, {name!r}, _state['tensor:' + {name!r}])")
+            init.append(f"setattr(self, {lit(name)}, _state['tensor:' + {lit(name)}])")
         state = {f"param:{k}": v.detach() for k, v in self._parameters.items() if v is not None}
         state.update({f"buffer:{k}": v for k, v in self._buffers.items() if v is not None})
         state.update({f"tensor:{k}": v for k, v in tensors.items()})
         for i, (name, sub) in enumerate(self._modules.items()):
             torch.save(sub, os.path.join(folder, f"submodule_{i}.pt"))
-            init.append(f"self.add_module({name!r}, torch.load(os.path.join(_here, "
+            init.append(f"self.add_module({lit(name)}, torch.load(os.path.join(_here, "
                         f"'submodule_{i}.pt'), weights_only=False))")
         torch.save(state, os.path.join(folder, "state.pt"))
-        code = generate(self._graph, "self")
-        header = ["import os", "import torch", *_import_lines(code)]
+        code = generate(self._graph, "self", portable=True)
+        header = list(dict.fromkeys(["import os", "import torch", *_import_lines(code)]))
         forward = [line for line in code.src.splitlines() if not line.startswith("import ")]
         src = "\n".join([*header, "", "", f"class {module_name}(torch.nn.Module):",
                          "    def __init__(self):", *("        " + line for line in init), "",
@@ -326,19 +336,32 @@ def _import_lines(code: PythonCode) -> list[str]:
     """Import statements that recreate the globals of generated code in a source file."""
     lines = []
     for name, obj in code.globals.items():
-        if isinstance(obj, types.ModuleType):
-            lines.append(f"import {obj.__name__}" if name == obj.__name__
-                         else f"import {obj.__name__} as {name}")
+        mod_name = getattr(obj, "__name__", None) if isinstance(obj, types.ModuleType) else None
+        if mod_name is not None and sys.modules.get(mod_name) is obj and all(
+                _is_ident(a) for a in mod_name.split(".")):
+            lines.append(f"import {mod_name}" if name == mod_name else f"import {mod_name} as {name}")
             continue
-        mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-        target: Any = sys.modules.get(mod or "")
-        for atom in (qual or "<unknown>").split("."):
-            target = getattr(target, atom, None)
-        if target is not obj:
+        spelling = import_spelling(obj)
+        if spelling is None:
             raise RuntimeError(f"to_folder cannot write {name} ({obj!r}): it is not importable "
                                "by name; make it a module-level function or a module attribute")
-        lines.append(f"from {mod} import {qual} as {name}")
+        head, _, rest = spelling[1].partition(".")
+        lines.append(f"from {spelling[0]} import {head} as {name}")
+        if rest:  # a nested name (Outer.inner): import the outer one, then look it up
+            lines.append(f"{name} = {name}.{rest}")
     return lines
+
+
+def _is_ident(s: Any) -> bool:
+    return type(s) is str and s.isidentifier() and not iskeyword(s)
+
+
+def _class_name(name: str) -> str:
+    """``name`` if it can follow ``class`` in source (``<lambda>`` cannot), else a cleaned-up one."""
+    if _is_ident(name):
+        return name
+    cleaned = re.sub(r"\W+", "_", str.__str__(name) if isinstance(name, str) else "").strip("_")
+    return cleaned if _is_ident(cleaned) else f"GraphModule_{cleaned}" if cleaned else "GraphModule"
 
 
 class _CompileOnFirstUse:

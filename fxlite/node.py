@@ -52,18 +52,57 @@ Target = Union[Callable[..., Any], str]
 Argument = Any  # a Node, a constant, or a list/tuple/dict/slice of Arguments
 
 
+_AGGREGATES = (tuple, list, dict, slice)
+
+
 def map_aggregate(a: Argument, fn: Callable[[Any], Any]) -> Argument:
     """Apply ``fn`` to every leaf of ``a``, rebuilding tuples, lists, dicts and slices."""
+    if not isinstance(a, _AGGREGATES):
+        return fn(a)
+    if not isinstance(a, slice):  # the common case, flat (x, 1.0), without the general walk
+        for x in (a.values() if isinstance(a, dict) else a):
+            if isinstance(x, _AGGREGATES):
+                break
+        else:
+            if isinstance(a, dict):
+                return {k: fn(v) for k, v in a.items()}
+            items = [fn(x) for x in a]
+            return items if isinstance(a, list) else type(a)(*items) if hasattr(a, "_fields") \
+                else tuple(items)
+    # A post-order walk over an explicit stack: no depth of nesting overflows Python's stack.
+    stack: list[tuple[Any, Any, list]] = [(a, _items(a), [])]
+    while True:
+        value, items, done = stack[-1]
+        while len(done) < len(items):
+            x = items[len(done)]
+            if isinstance(x, _AGGREGATES):
+                stack.append((x, _items(x), []))
+                break
+            done.append(fn(x))
+        else:
+            stack.pop()
+            built = _rebuild(value, done)
+            if not stack:
+                return built
+            stack[-1][2].append(built)
+
+
+def _items(a: Any) -> Any:
+    if isinstance(a, dict):
+        return list(a.values())
+    if isinstance(a, slice):
+        return (a.start, a.stop, a.step)
+    return a
+
+
+def _rebuild(a: Any, items: list) -> Any:
     if isinstance(a, tuple):
-        items = [map_aggregate(x, fn) for x in a]
         return type(a)(*items) if hasattr(a, "_fields") else tuple(items)  # keep namedtuples
     if isinstance(a, list):
-        return [map_aggregate(x, fn) for x in a]
+        return items
     if isinstance(a, dict):
-        return {k: map_aggregate(v, fn) for k, v in a.items()}
-    if isinstance(a, slice):
-        return slice(map_aggregate(a.start, fn), map_aggregate(a.stop, fn), map_aggregate(a.step, fn))
-    return fn(a)
+        return dict(zip(a.keys(), items))
+    return slice(*items)
 
 
 def map_arg(a: Argument, fn: Callable[[Node], Argument]) -> Argument:
@@ -330,16 +369,35 @@ def _format_type(t: Any) -> str:
 
 
 def _format_arg(a: Argument, prefix: str = "%") -> str:
-    if isinstance(a, Node):
-        return f"{prefix}{a.name}"
-    custom = getattr(type(a), "_custom_fx_repr_fn", None)
-    if custom is not None:  # an argument type that says how it prints (as in torch.fx)
-        return a._custom_fx_repr_fn()
-    if isinstance(a, tuple):
-        inner = ", ".join(_format_arg(x, prefix) for x in a)
-        return f"({inner},)" if len(a) == 1 else f"({inner})"
-    if isinstance(a, list):
-        return "[" + ", ".join(_format_arg(x, prefix) for x in a) + "]"
-    if isinstance(a, dict):
-        return "{" + ", ".join(f"{k}: {_format_arg(v, prefix)}" for k, v in a.items()) + "}"
-    return repr(a)
+    def leaf(x: Any) -> str:
+        if isinstance(x, Node):
+            return f"{prefix}{x.name}"
+        if getattr(type(x), "_custom_fx_repr_fn", None) is not None:
+            return x._custom_fx_repr_fn()  # an argument type that says how it prints (torch.fx)
+        return repr(x)
+
+    if not isinstance(a, (tuple, list, dict, slice)) or hasattr(type(a), "_custom_fx_repr_fn"):
+        return leaf(a)
+    # Iterative, like map_aggregate: arguments may nest deeper than Python's stack allows.
+    stack: list[tuple[Any, Any, list[str]]] = [(a, _items(a), [])]
+    while True:
+        value, items, done = stack[-1]
+        while len(done) < len(items):
+            x = items[len(done)]
+            if isinstance(x, _AGGREGATES) and not hasattr(type(x), "_custom_fx_repr_fn"):
+                stack.append((x, _items(x), []))
+                break
+            done.append(leaf(x))
+        else:
+            stack.pop()
+            if isinstance(value, dict):
+                text = "{" + ", ".join(f"{k}: {v}" for k, v in zip(value, done)) + "}"
+            elif isinstance(value, list):
+                text = "[" + ", ".join(done) + "]"
+            elif isinstance(value, slice):
+                text = f"slice({', '.join(done)})"
+            else:
+                text = f"({done[0]},)" if len(done) == 1 else "(" + ", ".join(done) + ")"
+            if not stack:
+                return text
+            stack[-1][2].append(text)

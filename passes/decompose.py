@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxlite.graph import check_order
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import call_args, is_impure, lookup, lookup_target, resolve, result_dtype
@@ -116,6 +117,7 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
                                                        return truediv
     """
     table = DECOMPOSITIONS if rules is None else {_canonical(k): v for k, v in rules.items()}
+    check_order(gm.graph, "decompose")
     graph = _copy_graph(gm)
     tracer = GraphAppendingTracer(graph)
     depth: dict[Node, int] = {}

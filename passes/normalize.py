@@ -52,8 +52,8 @@ def normalize(gm: GraphModule) -> GraphModule:
         gm: the module to rewrite in place.
 
     Returns:
-        ``gm``, recompiled. If anything raises, ``gm`` is left as it was (every rewrite is
-        planned before the first one is applied).
+        ``gm``, recompiled. If anything raises, ``gm`` is left as it was (the graph is
+        linted first, and every rewrite is planned before the first one is applied).
 
     Example::
 
@@ -67,6 +67,10 @@ def normalize(gm: GraphModule) -> GraphModule:
             return lin                                 lin = torch._C._nn.linear(sum_1, lin_weight, lin_bias)
                                                        return lin
     """
+    try:  # check first: a malformed graph must fail before any node is rewritten
+        gm.graph.lint()
+    except RuntimeError as e:
+        raise RuntimeError(f"normalize: the graph is malformed and was left unchanged: {e}") from None
     normalize_graph(gm.graph, gm)
     gm.graph.lint()
     gm.recompile()

@@ -91,6 +91,25 @@ def _clone(value: Any) -> Any:
     return value
 
 
+def _uncopyable(gm: torch.nn.Module) -> str:
+    """Which attribute of ``gm`` (or of a submodule) ``copy.deepcopy`` fails on, in words."""
+    for prefix, mod in gm.named_modules(remove_duplicate=False):
+        items = [(k, v) for k, v in vars(mod).items() if k not in ("_modules", "_graph", "_code")]
+        items += list(mod._parameters.items()) + list(mod._buffers.items())
+        for key, value in items:
+            if isinstance(value, dict) and key.startswith("_"):
+                value_items = list(value.items())  # torch's own tables (hooks...): look inside
+            else:
+                value_items = [(None, value)]
+            for _, v in value_items:
+                try:
+                    copy.deepcopy(v)
+                except Exception:
+                    path = f"{prefix}.{key}" if prefix else key
+                    return f"the module attribute {path!r} ({type(v).__name__})"
+    return "one of the module's attributes"
+
+
 def _compare(ref: Any, got: Any, rtol: float | None, atol: float | None, where: str = "output"
              ) -> tuple[str, float] | None:
     """None if ``got`` matches ``ref``; else (what differs, max abs difference)."""
@@ -254,7 +273,15 @@ class PassManager:
         before = len(current.graph.nodes)
         record = PassRecord(name, 0.0, before, None, "raised")
         self.records.append(record)
-        work = copy.deepcopy(current)
+        try:
+            work = copy.deepcopy(current)
+        except Exception as e:
+            record.status = "copy failed"
+            raise PassError(name, f"pass {name!r} did not run: PassManager runs each pass on a "
+                                  f"deep copy, so that a failing pass leaves the module as it was, "
+                                  f"and {_uncopyable(current)} cannot be deep-copied "
+                                  f"({type(e).__name__}: {e}); remove it before running the "
+                                  "passes, or give its type a __deepcopy__") from e
         start = time.perf_counter()
         try:
             result = p(work)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fxlite.graph import Graph
+from fxlite.graph import Graph, check_order
 from fxlite.graph_module import GraphModule, _copy_attr
 from fxlite.node import Argument, Node
 
@@ -144,6 +144,7 @@ def split_module(gm: GraphModule, root_m: torch.nn.Module, split_callback: Calla
         print(split.code)   # submod_0 = self.submod_0(x); submod_1 = self.submod_1(submod_0) ...
     """
     graph = gm.graph
+    check_order(graph, "split_module")
     index = {n: i for i, n in enumerate(graph.nodes)}
     part_of: dict[Node, Hashable] = {}
     parts: dict[Hashable, _Partition] = {}
