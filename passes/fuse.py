@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections import ChainMap
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ _BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
 _REDUCTION_KEYS = frozenset({"input", "dim", "keepdim", "dtype"})
 _SCALAR_TYPES = (int, float, bool)
 FULL, ROW = "full", "row"
+_FEW_ROWS, _LONG_ROW = 64, 1 << 16
 
 Shape = tuple[int, ...]
 
@@ -202,6 +204,11 @@ def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape
         return None  # only trailing dims: one row per program
     expected = in_shape[:split] + ((1,) * len(dims) if keepdim else ())
     if expected != shape:
+        return None
+    rows, cols = math.prod(in_shape[:split]), math.prod(in_shape[split:])
+    if rows < _FEW_ROWS and cols >= _LONG_ROW:
+        # A kernel runs one program per row: a few long rows (x.sum() of a big tensor)
+        # would keep a handful of SMs busy, where torch splits each row over many blocks.
         return None
     return _Cls("reduction", shape, src, in_shape, split, keepdim)
 

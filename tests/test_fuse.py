@@ -367,3 +367,23 @@ def test_fuse_decomposes_composites_itself_when_the_graph_was_not_decomposed() -
     assert fused.fused_0.meta["fused_kind"] == "reduction"
     x2 = torch.randn(4, 8)  # fresh input
     torch.testing.assert_close(fused(x2), model(x2))
+
+
+def test_a_few_long_rows_stay_with_torch():
+    # One program per row: x.sum() over 2**16+ elements would run on one SM; torch splits it.
+    import fxlite
+    from fxlite.passes import ShapeProp, fuse
+
+    gm = fxlite.symbolic_trace(lambda x: (x * 2).sum() + 1)
+    x = torch.randn(256, 512)
+    ShapeProp(gm).propagate(x)
+    fused = fuse(gm)
+    kinds = [m.meta["fused_kind"] for m in fused.children() if hasattr(m, "meta") and
+             "fused_kind" in m.meta]
+    assert "reduction" not in kinds and "pointwise" in kinds
+    torch.testing.assert_close(fused(x), (x * 2).sum() + 1)
+    small = torch.randn(4, 8)
+    gm2 = fxlite.symbolic_trace(lambda x: (x * 2).sum(-1))
+    ShapeProp(gm2).propagate(small)
+    assert any(m.meta.get("fused_kind") == "reduction" for m in fuse(gm2).children()
+               if hasattr(m, "meta"))
