@@ -173,6 +173,8 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     gm.recompile()
     propagate_meta(gm)
     fused = fuse(gm)
+    if any(n.meta.get("autocast") for n in gm.graph.nodes):
+        _groups_without_autocast(fused)
     cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
     if cuda and not interpreting():  # compile every distinct kernel at once, in parallel
         from fxlite.codegen.triton_precompile import precompile
@@ -185,6 +187,27 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
                                check.records, check.fallbacks, outputs)
     compiled.seeded = seeded  # its masks are not eager's: no comparison with eager values
     return compiled
+
+
+class AutocastOff(torch.nn.Module):
+    """A fused group that runs without autocast: ``explicit_autocast`` already spelled out
+    the casts autocast made, and the kernel (which autocast never sees) computes as
+    written; the group's eager ops must too, or they would be cast a second time."""
+
+    def __init__(self, inner: GraphModule) -> None:
+        super().__init__()
+        self.inner = inner
+        self.meta = inner.meta
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return self.inner(*args)
+
+
+def _groups_without_autocast(fused: GraphModule) -> None:
+    for name, sub in list(fused.named_children()):
+        if getattr(sub, "meta", {}).get("fused_kind"):
+            setattr(fused, name, AutocastOff(sub))
 
 
 def fill_meta(gm: GraphModule) -> None:
@@ -305,11 +328,12 @@ class _KernelCheck(_Replay):
             return sub(*args, **kwargs)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                            for a in args):
-            return self._autograd_group(target, sub, args)
+            return self._autograd_group(target, getattr(sub, "inner", sub), args)
         from fxlite.codegen.triton import generate_kernel
 
         try:
-            kernel = generate_kernel(sub, list(args), name=f"triton_{target}")
+            kernel = generate_kernel(getattr(sub, "inner", sub), list(args),
+                                     name=f"triton_{target}")
         except Exception as e:  # the generator must never break a model: fall back
             kernel, reason = None, f"{type(e).__name__}: {e}"
         else:
@@ -356,8 +380,8 @@ class _KernelCheck(_Replay):
         return got
 
 
-def _site_of(sub: GraphModule) -> str:
-    for node in sub.graph.nodes:
+def _site_of(sub: Any) -> str:
+    for node in getattr(sub, "inner", sub).graph.nodes:
         trace = node.meta.get("stack_trace")
         if trace:
             return "\n  " + trace.replace("\n", "\n  ")
