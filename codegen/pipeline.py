@@ -173,13 +173,13 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     gm.recompile()
     propagate_meta(gm)
     fused = fuse(gm)
-    if any(n.meta.get("autocast") for n in gm.graph.nodes):
-        _groups_without_autocast(fused)
     cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
     if cuda and not interpreting():  # compile every distinct kernel at once, in parallel
         from fxlite.codegen.triton_precompile import precompile
 
         precompile(fused, cuda[0])
+    if any(n.meta.get("autocast") for n in gm.graph.nodes):
+        _groups_without_autocast(fused)
     check = _KernelCheck(fused, mode)
     outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)

@@ -109,6 +109,9 @@ class Emitter:
                 return 'float("nan")'
             if math.isinf(v):
                 return 'float("inf")' if v > 0 else 'float("-inf")'
+            if ct == torch.float64 and float(torch.tensor(v, dtype=torch.float32)) != v:
+                # Triton makes a Python float a float32 constant: keep float64's digits
+                return f"tl.full([], {v!r}, tl.float64)"
             return repr(v)
         if isinstance(value, float) and not value.is_integer():
             raise Unsupported(f"float literal {value} in an integer op")

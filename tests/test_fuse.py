@@ -371,8 +371,9 @@ def test_fuse_decomposes_composites_itself_when_the_graph_was_not_decomposed() -
 
 def test_a_few_long_rows_stay_with_torch():
     # One program per row: x.sum() over 2**16+ elements would run on one SM; torch splits it.
-    import fxlite
     from fxlite.passes import ShapeProp, fuse
+
+    import fxlite
 
     gm = fxlite.symbolic_trace(lambda x: (x * 2).sum() + 1)
     x = torch.randn(256, 512)

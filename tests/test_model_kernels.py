@@ -136,7 +136,7 @@ def test_eval_batch_norm_decomposes_to_pointwise_math():
 def test_half_batch_norm_computes_in_fp32(dtype):
     bn = _bn(3).eval()
     fn = lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, eps=1e-5)  # noqa: E731
-    params = [t.to(dtype) for t in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+    params = [t.to(DEVICE, dtype) for t in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
     x = torch.randn(2, 3, 4, 4, device=DEVICE).to(dtype)
     run = Kernels(lower(fn, x, *params))
     same(run(x, *params), fn(x, *params))
