@@ -31,14 +31,18 @@ import torch
 from fxlite.codegen.capture import format_site, record, recording_thread
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.pipeline import (
+    CompiledSegment,
     ambient_restored,
     compile_segment,
+    direct_forward,
     expand_kernels,
+    interpreting,
     set_ambient,
 )
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
+from fxlite.codegen.trial import Trial
 
 from fxlite.graph_module import GraphModule
 from fxlite.logs import log_break, log_graph, log_kernel
@@ -149,7 +153,8 @@ class CompiledFunction:
             self._last = []
             return self._fn(*args, **kwargs)
         if root.read is None and root.compiled is not None and root.compiled.kernels and (
-                fast is not None or graphs is not None) and not kwargs and _plain(root, leaves):
+                fast is not None or graphs is not None) and not kwargs and _plain(root, leaves) \
+                and not isinstance(root.run, Trial):
             self._last = [root]
             if graphs is not None:
                 return root.result(graphs.run(replay_key, root.run, args, root))
@@ -358,6 +363,10 @@ class CompiledFunction:
                 compiled = compile_segment(seg.gm, sample, backend=backend, mode=self._mode,
                                            expected=_expected(rec, seg), warn=warn)
                 seg.compiled, seg.run = compiled, compiled.run
+                if compiled.kernels and any(
+                        isinstance(a, torch.Tensor) and a.is_cuda for a in sample) and \
+                        not interpreting():
+                    seg.run = _on_trial(seg)
                 for kernel in compiled.kernels:
                     log_kernel(kernel)
                 env.update(zip(seg.outputs, compiled.outputs or ()))
@@ -428,6 +437,24 @@ def _short(x: Any) -> str:
         return f"{x.dtype} {list(x.shape)}"
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _on_trial(seg: Segment) -> Trial:
+    """Let real calls decide between the segment's kernels and its recorded ops."""
+    compiled = seg.compiled
+    recorded = CompiledSegment(direct_forward(seg.gm), seg.gm)
+
+    def decide(kernels_win: bool, ours: float, theirs: float) -> None:
+        if kernels_win:
+            seg.run = compiled.run
+            return
+        recorded.fallbacks.append(
+            f"its recorded ops ran faster than its {len(compiled.kernels)} kernels "
+            f"({theirs:.3f} ms against {ours:.3f} ms a call, medians of real calls), so "
+            "they run instead")
+        seg.compiled, seg.run = recorded, recorded.run
+
+    return Trial(compiled.run, recorded.run, decide)
 
 
 def _plain(seg: Segment, leaves: list[Any]) -> bool:

@@ -30,7 +30,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, Opcode, map_aggregate
 
-__all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segment",
+__all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
            "expand_kernels", "interpreting", "set_ambient"]
 
 

@@ -761,3 +761,27 @@ def test_activation_modules_fuse_into_one_kernel():
         torch.testing.assert_close(c(x), m(x))
     # 7 activations and the Linear's bias add (split off the matmul: an epilogue)
     assert len(c.kernels) == 1 and len(c.kernels[0].nodes) == 8 and c.fallbacks == []
+
+
+@pytest.mark.parametrize("slow", ["compiled", "recorded"])
+def test_a_trial_keeps_the_faster_side_after_timed_calls(monkeypatch, slow):
+    # On a GPU a compiled segment first runs on trial against its recorded ops.
+    import time as _time
+
+    from fxlite.codegen.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, decided = {"compiled": 0, "recorded": 0}, []
+
+    def side(name):
+        def run(x):
+            calls[name] += 1
+            _time.sleep(0.004 if name == slow else 0.0)
+            return x + 1
+        return run
+
+    trial = Trial(side("compiled"), side("recorded"), lambda *a: decided.append(a))
+    for _ in range(10):
+        assert trial(1) == 2
+    assert len(decided) == 1 and decided[0][0] is (slow == "recorded")
+    assert calls["compiled"] >= 4 and calls["recorded"] >= 4
