@@ -255,24 +255,6 @@ def stage_seconds(profile: cProfile.Profile) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(best.items())}
 
 
-def _install_precompile(device: str) -> None:
-    """Compile fxlite's kernels in parallel after fuse, until codegen/compile.py does so."""
-    import fxlite.passes.fuse as fuse_module
-    from fxlite.codegen.triton_precompile import precompile
-
-    original = fuse_module.fuse
-    if getattr(original, "_bench_precompile", False):
-        return
-
-    def fuse_then_precompile(gm: Any, **kwargs: Any) -> Any:
-        fused = original(gm, **kwargs)
-        precompile(fused, device)
-        return fused
-
-    fuse_then_precompile._bench_precompile = True  # type: ignore[attr-defined]
-    fuse_module.fuse = fuse_then_precompile
-
-
 def measure(compiler: str, model: Any, inputs: tuple, want: Any, args: argparse.Namespace,
             row: dict[str, Any]) -> None:
     """Compile ``model`` with ``compiler``; add its cold, median, error and kernel columns."""
@@ -424,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("bench_models.py: no CUDA device; use --device cpu for a smoke test")
         torch.backends.cuda.matmul.allow_tf32 = True  # "f32" means f32 weights with TF32 on
         torch.backends.cudnn.allow_tf32 = True
-        if not args.no_precompile:
-            _install_precompile("cuda")
+        if args.no_precompile:
+            import fxlite.codegen.pipeline as pipeline
+
+            pipeline.PRECOMPILE = False
     budget = args.budget if args.budget is not None else (480.0 if args.device == "cuda" else None)
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []

@@ -34,6 +34,9 @@ __all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segmen
            "expand_kernels", "interpreting", "set_ambient"]
 
 
+PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     import os
@@ -174,7 +177,7 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     propagate_meta(gm)
     fused = fuse(gm)
     cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
-    if cuda and not interpreting():  # compile every distinct kernel at once, in parallel
+    if cuda and PRECOMPILE and not interpreting():  # every distinct kernel at once, in parallel
         from fxlite.codegen.triton_precompile import precompile
 
         precompile(fused, cuda[0])
