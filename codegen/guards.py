@@ -162,6 +162,11 @@ class StateGuard:
         self.modules: list[torch.nn.Module] = []
         self._attrs: list[tuple[str, ...]] = []
         self._children: list[tuple[int, ...]] = []
+        self._params: list[Any] = []
+        self._sizes: list[int] = []
+        self._roots: list[torch.nn.Module] = []
+        self._epoch = -1
+        self._modules_key: tuple = ()
 
     def bound_objects(self) -> tuple[Any, ...]:
         """What the function carries or names now (its self, closure cells, globals)."""
@@ -180,38 +185,63 @@ class StateGuard:
         return out
 
     def _rebuild(self, roots: list[torch.nn.Module]) -> None:
+        self._roots = list(roots)
         modules: dict[int, torch.nn.Module] = {}
         for root in roots:
             for m in root.modules():
                 modules.setdefault(id(m), m)
         self.modules = list(modules.values())
         self._children = [tuple(map(id, m._modules.values())) for m in self.modules]
-        self._attrs = [tuple(k for k, v in m.__dict__.items()
-                             if k not in _MODULE_INTERNALS and not k.endswith("hooks")
-                             and isinstance(v, (*_SCALARS, torch.Tensor)))
-                       for m in self.modules]
+        self._params = [p for m in self.modules for p in m._parameters.values()]
+        self._attrs = [_plain_attrs(m) for m in self.modules]
+        self._sizes = [len(m.__dict__) for m in self.modules]
 
     def key(self, arg_modules: tuple[torch.nn.Module, ...] = ()) -> tuple:
-        """The current state, as a tuple equal to an earlier one iff nothing changed."""
+        """The current state, as a tuple equal to an earlier one iff nothing changed.
+
+        The walk over every module runs only when some module changed since the last
+        walk (``module_epoch``); otherwise it is reused, and only what changes without a
+        module setattr is read again: parameters' requires_grad, global hooks, bound values.
+        """
         bound = [g() for _, g in self._getters]
         roots = [v for v in bound if isinstance(v, torch.nn.Module)] + list(arg_modules)
         ids = tuple(map(id, roots))
-        if ids != self._root_ids:
-            self._rebuild(roots)
-            self._root_ids = ids
-        out: list[Any] = [ids]
+        epoch = _EPOCH[0]
+        if ids != self._root_ids or epoch != self._epoch:
+            if ids != self._root_ids:
+                self._rebuild(roots)
+                self._root_ids = ids
+            self._modules_key = self._walk()
+            self._epoch = epoch
+        out: list[Any] = [ids, self._modules_key,
+                          tuple(map(_requires_grad, self._params))]
         append = out.append
-        for m, attrs, children in zip(self.modules, self._attrs, self._children):
+        if self.modules:
+            for hooks in _global_hooks():
+                append(tuple(map(id, hooks.values())) if hooks else ())
+        for v in bound:
+            if isinstance(v, tuple):  # defaults
+                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else id(x) for x in v))
+            else:
+                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+        return tuple(out)
+
+    def _walk(self) -> tuple:
+        """Every module's flags, parameters, buffers, children, hooks and attributes."""
+        out: list[Any] = []
+        append = out.append
+        for i, (m, attrs, children) in enumerate(zip(self.modules, self._attrs, self._children)):
             d = m.__dict__
-            params = d["_parameters"]
+            if len(d) != self._sizes[i]:  # an attribute was added or deleted: list them again
+                attrs = self._attrs[i] = _plain_attrs(m)
+                self._sizes[i] = len(d)
             append(d.get("training"))
-            append(tuple(map(id, params.values())))
-            append(tuple(p is not None and p.requires_grad for p in params.values()))
+            append(tuple(map(id, d["_parameters"].values())))
             append(tuple(map(id, d["_buffers"].values())))
             now = tuple(map(id, d["_modules"].values()))
             if now != children:  # a submodule was replaced, added or removed: walk again
-                self._root_ids = None
-                return self.key(arg_modules)
+                self._rebuild([m for m in self._roots])
+                return self._walk()
             append(now)
             for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                          "_backward_pre_hooks"):
@@ -220,16 +250,60 @@ class StateGuard:
             for name in attrs:
                 v = d.get(name, _EMPTY)
                 append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
-        if self.modules:
-            from torch.nn.modules import module as mm
-
-            for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                         "_global_backward_hooks", "_global_backward_pre_hooks"):
-                hooks = getattr(mm, name, None)
-                append(tuple(map(id, hooks.values())) if hooks else ())
-        for v in bound:
-            if isinstance(v, tuple):  # defaults
-                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else id(x) for x in v))
-            else:
-                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
         return tuple(out)
+
+
+def _plain_attrs(m: torch.nn.Module) -> tuple[str, ...]:
+    """The module's plain attributes a forward may read: numbers, strings, flags, tensors."""
+    return tuple(k for k, v in m.__dict__.items()
+                 if k not in _MODULE_INTERNALS and not k.endswith("hooks")
+                 and isinstance(v, (*_SCALARS, torch.Tensor)))
+
+
+def _requires_grad(p: Any) -> bool:
+    return p is not None and p.requires_grad
+
+
+def _global_hooks() -> list[Any]:
+    from torch.nn.modules import module as mm
+
+    return [getattr(mm, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks")]
+
+
+# ---------------------------------------------------------------------- the module epoch
+# A counter bumped by every change to any module made through nn.Module's own methods
+# (attribute assignment and deletion, registering parameters, buffers, submodules and
+# hooks, removing a hook), so a guard re-walks a model only after one of them. The
+# wrappers only count; each calls the original method. Changes made behind nn.Module's
+# back (writing m.__dict__ or m._parameters directly) are not seen: documented.
+_EPOCH = [0]
+_COUNTED = ("__setattr__", "__delattr__", "register_parameter", "register_buffer",
+            "register_module", "add_module", "register_forward_hook",
+            "register_forward_pre_hook", "register_full_backward_hook",
+            "register_full_backward_pre_hook", "register_backward_hook")
+
+
+def _counting(method: Any) -> Any:
+    @functools.wraps(method)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _EPOCH[0] += 1
+        return method(*args, **kwargs)
+    counted.__fxlite_counted__ = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _install_epoch() -> None:
+    from torch.utils.hooks import RemovableHandle
+
+    for name in _COUNTED:
+        method = torch.nn.Module.__dict__.get(name)
+        if method is not None and not getattr(method, "__fxlite_counted__", False):
+            setattr(torch.nn.Module, name, _counting(method))
+    remove = RemovableHandle.__dict__.get("remove")
+    if remove is not None and not getattr(remove, "__fxlite_counted__", False):
+        RemovableHandle.remove = _counting(remove)
+
+
+_install_epoch()

@@ -393,3 +393,23 @@ def test_random_ops_follow_the_seed_as_eager_does():
         return F.dropout(x, 0.5, training=True) + torch.rand_like(x)
 
     same_as_eager(noisy, repeat((rand(4, 8),), n=4))
+
+
+def test_guards_see_changes_made_through_module_methods_only_then_walk():
+    # The per-call state check walks the modules only after nn.Module's own methods changed
+    # one (an epoch counter); flags that change without a setattr are read every call.
+    from fxlite.codegen.guards import StateGuard
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    guard = StateGuard(m)
+    first = guard.key()
+    assert guard.key() == first
+    changes = [lambda: m.train(not m.training),
+               lambda: m[0].weight.requires_grad_(not m[0].weight.requires_grad),
+               lambda: setattr(m[1], "eps", m[1].eps * 2),
+               lambda: m[0].register_forward_hook(lambda *a: None).remove(),
+               lambda: setattr(m[0], "added_later", 1.0)]
+    for change in changes:
+        before = guard.key()
+        change()
+        assert guard.key() != before or change is changes[3]  # a removed hook: back as before
