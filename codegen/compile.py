@@ -122,8 +122,12 @@ class CompiledFunction:
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
-        fast = self._fast
-        if fast is not None and not kwargs:  # laid out as seen before: launch directly
+        fast, graphs = self._fast, self._graphs
+        # Both shortcuts serve calls whose arguments are all tensors (so the state key has
+        # no module arguments, as below): check that before computing any key.
+        tensors_only = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        fkey: Any = (None,)
+        if fast is not None and tensors_only:  # laid out as seen before: launch directly
             from fxlite.codegen.triton_launch import fast_key
 
             fkey = (fast_key(args), ambient_key(), self._state_key())
@@ -131,8 +135,8 @@ class CompiledFunction:
             if found is not None:
                 self._last = [found[1]]
                 return found[1].result(found[0](*args))
-        graphs = self._graphs
-        if graphs is not None and not kwargs:  # a CUDA graph captured for these very inputs
+        replay_key = None
+        if graphs is not None and tensors_only:  # a CUDA graph captured for these inputs
             replay_key = graphs.key(args, (ambient_key(), self._state_key()))
             found = graphs.replay(replay_key)
             if found is not graphs.MISS:
@@ -153,7 +157,7 @@ class CompiledFunction:
             self._last = []
             return self._fn(*args, **kwargs)
         if root.read is None and root.compiled is not None and root.compiled.kernels and (
-                fast is not None or graphs is not None) and not kwargs and _plain(root, leaves) \
+                fast is not None or graphs is not None) and tensors_only and _plain(root, leaves) \
                 and not isinstance(root.run, Trial):
             self._last = [root]
             if graphs is not None:
