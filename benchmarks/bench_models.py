@@ -47,7 +47,7 @@ SEQ = 128  # tokens per sequence for the transformers models
 # cProfile functions whose cumulative time is reported per stage of fxlite's cold compile.
 STAGES = {
     "trace": ("symbolic_trace",),
-    "shape_prop": ("propagate_shapes", "propagate", "fill_meta", "propagate_meta"),
+    "shape_prop": ("propagate", "fill_meta", "propagate_meta"),
     "functionalize": ("functionalize",),
     "normalize": ("normalize",),
     "decompose": ("decompose",),
