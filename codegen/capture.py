@@ -129,7 +129,9 @@ def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
     value in the new path is ``read_value``.
 
     Node names stay the same, so values computed by the prefix's segments can be found
-    by name in the new path."""
+    by name in the new path. ``pre_state`` starts empty: the prefix's snapshots hold the
+    values of the call that recorded it, while the new segments are checked on this
+    call's values, which the recorder snapshots before the new part first writes them."""
     import copy
 
     stop = prefix.reads[upto].node
@@ -153,7 +155,7 @@ def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
     kept = {n.name for n in graph.nodes}
     rec = Recording(graph, prefix.holder, prefix.in_spec, list(prefix.placeholders),
                     steps=steps, reads=reads,
-                    sizes_read=prefix.sizes_read, pre_state=dict(prefix.pre_state),
+                    sizes_read=prefix.sizes_read,
                     unknown_pre_state=prefix.unknown_pre_state,
                     externals=dict(prefix.externals),
                     dynamic={n for n in prefix.dynamic if n in kept})

@@ -1,0 +1,76 @@
+"""Bugs the program fuzzer (tests/fuzz/) found, each as the minimal program it shrank to.
+
+Every test calls the compiled function several times with fresh inputs (benign first,
+then the trap) and compares results, inputs and buffers with eager PyTorch, and that no
+segment or kernel had to be replaced by eager (``fallbacks``), which would hide the bug.
+
+The ``xfail(strict=True)`` tests at the end are open bugs that other work is fixing; the
+fuzzer steers around their triggers (``tests/fuzz/fuzz_catalog.py``: ``KNOWN_OPEN``). When
+one starts passing, pytest fails it: remove its mark and its ``KNOWN_OPEN`` entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("triton")
+
+import fxlite
+
+
+def _run(fn, calls, *, fallbacks_ok: bool = False):
+    """Compile ``fn`` and call it with each argument tuple of ``calls`` (fresh tensors per
+    call), next to eager on copies; returns the compiled function."""
+    from fxlite.codegen import compile as compile_module
+
+    compile_module._warned.clear()  # fxlite warns once per message and process
+    eager = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
+    compiled = fxlite.compile(fn)
+    for i, args in enumerate(calls):
+        mine = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        theirs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        torch.manual_seed(i)
+        want = eager(*theirs)
+        torch.manual_seed(i)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(*mine)
+        eager_paths = [str(w.message) for w in caught if "eager" in str(w.message)]
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"call {i}: {m}")
+        torch.testing.assert_close(mine, theirs, equal_nan=True,
+                                   msg=lambda m: f"call {i}, inputs after: {m}")
+        if isinstance(fn, nn.Module):
+            torch.testing.assert_close(fn.state_dict(), eager.state_dict(), equal_nan=True,
+                                       msg=lambda m: f"call {i}, buffers: {m}")
+        if not fallbacks_ok:
+            assert compiled.fallbacks == [] and not eager_paths, \
+                f"call {i}: {compiled.fallbacks} {eager_paths}"
+    return compiled
+
+
+def _raises_like_eager(fn, good, bad) -> None:
+    compiled = fxlite.compile(fn)
+    for _ in range(2):
+        compiled(*[a.clone() for a in good])
+    with pytest.raises(Exception) as eager_error:
+        fn(*[a.clone() for a in bad])
+    with pytest.raises(eager_error.type):  # the error eager raises, of the same type
+        compiled(*[a.clone() for a in bad])
+
+
+def test_path_recorded_after_a_read_is_checked_on_this_calls_values():
+    # The new path's checks used the inputs of the call that recorded the first path.
+    def f(x):
+        if x.sum() > 0:
+            x.mul_(2)
+        return torch.log_softmax(x, dim=-1)
+
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    b = -a
+    b[0, 0] = float("nan")
+    _run(f, [(a,), (b,), (a.clone(),), (-a,)])
