@@ -246,7 +246,19 @@ class Recorder(TorchFunctionMode):
         if func in DYNAMIC_SHAPE or self._dynamic.intersection(
                 n.name for n in node.all_input_nodes) or bool_index(func, args):
             self._dynamic.add(node.name)
-        self._bind_out(out, node)
+        if args and out is args[0] and not mutated and isinstance(out, torch.Tensor):
+            # It returned its input object (x.float() of a float tensor, x.contiguous() of
+            # a contiguous one): the object keeps its name, so a result that is this
+            # object is the caller's own tensor, as in eager, not a compiled copy. A random
+            # op does so only for an empty tensor (dropout): then sizes are part of the key.
+            meta["returns_input"] = True
+            if meta.get("impure"):
+                self.rec.sizes_read = True
+            meta["type"] = type(out)
+            meta["requires_grad"] = out.requires_grad
+            meta["tensor_meta_rec"] = tensor_meta(out)
+        else:
+            self._bind_out(out, node)
         self.rec.steps.append(Step(func, node.name, structure(out)))
         return out
 
@@ -459,6 +471,8 @@ class Recorder(TorchFunctionMode):
                 self.off = not self.record_rest
             return value
         node = self._nodes[step.node]
+        if node.meta.get("returns_input") and args and isinstance(args[0], torch.Tensor):
+            return args[0]  # it returned its input, which keeps its own name
         if node.meta.get("same_object") is not None and args and isinstance(args[0], torch.Tensor):
             out: Any = args[0]  # an in-place op returns the tensor it wrote
         else:

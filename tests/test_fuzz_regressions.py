@@ -74,3 +74,31 @@ def test_path_recorded_after_a_read_is_checked_on_this_calls_values():
     b = -a
     b[0, 0] = float("nan")
     _run(f, [(a,), (b,), (a.clone(),), (-a,)])
+
+
+def test_op_that_returns_its_input_keeps_the_callers_tensor():
+    # x.float() of a float tensor is x; the compiled call returned a copy.
+    compiled = fxlite.compile(lambda x: x.float())
+    for _ in range(3):
+        x = torch.randn(7)
+        assert compiled(x) is x
+
+    # flatten(x, 1) of an (n, 1) tensor is x: a write through it writes the input.
+    def f(x0, x1):
+        v1 = torch.sub(x0, x1)
+        v3 = torch.flatten(x1, 1)
+        v3[0] = 3
+        return v1, x1
+
+    _run(f, [(torch.randn(4, 1), torch.randn(4, 1)) for _ in range(3)])
+
+
+def test_dropout_of_an_empty_tensor_does_not_stand_for_its_input():
+    # Dropout returns an empty input itself; the recording bound the input to the
+    # dropout's result, and a later call with data computed clamp_min(dropout(x)).
+    def f(x0):
+        v0 = torch.alpha_dropout(x0, 0.3, True)
+        torch.mm(v0, x0.t())
+        return torch.clamp_min(x0, 1e-3)
+
+    _run(f, [(torch.randn(2, 0),)] * 3 + [(torch.randn(2, 2),), (torch.randn(2, 2),)])
