@@ -495,7 +495,10 @@ class Recorder(TorchFunctionMode):
         if kind == "seq":
             items = [self._stand_in(sub, self._getitem_name(name, i) if name else None)
                      for i, sub in enumerate(structure[2])]
-            return structure[1](items) if structure[1] in (tuple, list) else structure[1](*items)
+            cls = structure[1]
+            # tuple, list and torch.return_types (struct sequences) take one sequence;
+            # named tuples take their fields
+            return cls(items) if cls in (tuple, list) or hasattr(cls, "n_fields") else cls(*items)
         return structure[1]
 
     def _latest_value(self, name: str) -> Any:

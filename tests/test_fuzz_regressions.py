@@ -102,3 +102,15 @@ def test_dropout_of_an_empty_tensor_does_not_stand_for_its_input():
         return torch.clamp_min(x0, 1e-3)
 
     _run(f, [(torch.randn(2, 0),)] * 3 + [(torch.randn(2, 2),), (torch.randn(2, 2),)])
+
+
+def test_path_recorded_after_a_read_replays_min_with_dim():
+    # Fast-forwarding to the read rebuilt torch.return_types.min from its fields wrongly.
+    def f(x0, x1):
+        v0 = torch.min(x1, 0).values
+        if x0.sum() > 0:
+            return v0.sigmoid()
+        return v0 * 0.5
+
+    x1 = torch.tensor([[True, False, True, True, False]])
+    _run(f, [(torch.tensor([[s * k for k in range(1, 6)]] * 3), x1) for s in (1, -1, 1, -1)])
