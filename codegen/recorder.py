@@ -324,6 +324,10 @@ class Recorder(TorchFunctionMode):
                     aliased = True
             if t._base is not None:
                 aliased = True
+            if aliased and not self._is_external(name):
+                # a write through a view also writes the inputs, parameters or buffers it
+                # views: they count as written (segments then sandbox them in checks)
+                names += [n for n, _ in self._externals_sharing(t) if n not in names]
             if (self._nodes[name].op in ("placeholder", "get_attr")
                     or name in self._prefix_names) and name not in self.rec.pre_state:
                 self.rec.unknown_pre_state = True
@@ -341,12 +345,34 @@ class Recorder(TorchFunctionMode):
         state the call started from."""
         for t in tensors:
             name = self._name_of(t) or self._external(t)
-            if self._nodes[name].op not in ("placeholder", "get_attr") and \
-                    name not in self._prefix_names:
+            targets = [(name, t)]
+            if not self._is_external(name):  # a view of an input writes the input
+                targets = self._externals_sharing(t)
+            for name, value in targets:
+                if self._is_external(name) and name not in self.rec.pre_state:
+                    with torch.no_grad():
+                        self.rec.pre_state[name] = value.detach().clone()
+
+    def _is_external(self, name: str) -> bool:
+        return self._nodes[name].op in ("placeholder", "get_attr") or name in self._prefix_names
+
+    def _externals_sharing(self, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The inputs, parameters and buffers whose storage ``t`` shares."""
+        try:
+            storage = t.untyped_storage()._cdata
+        except Exception:
+            return []
+        found = []
+        for ref, name in list(self._env.values()):
+            other = ref()
+            if other is None or not self._is_external(name):
                 continue
-            if name not in self.rec.pre_state:
-                with torch.no_grad():
-                    self.rec.pre_state[name] = t.detach().clone()
+            try:
+                if other.untyped_storage()._cdata == storage:
+                    found.append((name, other))
+            except Exception:
+                continue
+        return found
 
     def _read(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         return self._read_value_of(out, None, func, args, kwargs)

@@ -114,3 +114,30 @@ def test_path_recorded_after_a_read_replays_min_with_dim():
 
     x1 = torch.tensor([[True, False, True, True, False]])
     _run(f, [(torch.tensor([[s * k for k in range(1, 6)]] * 3), x1) for s in (1, -1, 1, -1)])
+
+
+def test_checks_never_write_the_callers_input_through_a_view():
+    # The second segment's compile-time check wrote through t() into the real input.
+    def f(x1):
+        v2 = x1.t()
+        if x1.sum() > 0:
+            v2.mul_(2)
+        return v2 * 1
+
+    base = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    _run(f, [(base.clone().t(),), ((-base).t(),), (base.clone().t(),)])
+
+
+def test_checks_never_write_a_buffer_through_a_view():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+        def forward(self, x):
+            v = self.b.t()
+            if x.sum() > 0:
+                v.mul_(2)
+            return v * x
+
+    _run(M(), [(torch.ones(2, 2) * s,) for s in (1, -1, 1)])
