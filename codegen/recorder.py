@@ -221,7 +221,10 @@ class Recorder(TorchFunctionMode):
         before = [t._version for t in tensors]
         self._snapshot(mutation_candidates(func, args, kwargs))
         out = func(*args, **kwargs)
-        mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
+        mutated = []
+        for i, t in enumerate(tensors):  # each tensor once: x.add_(x) passes x twice
+            if t._version != before[i] and all(t is not m for m in mutated):
+                mutated.append(t)
         mutated += [t for t in hidden_writes(func, args, kwargs) if all(t is not m for m in mutated)]
         if kind == "read" or (not has_tensor(out) and out is not None and kind != "effect"):
             if isinstance(out, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
@@ -536,8 +539,9 @@ class Recorder(TorchFunctionMode):
                 older = node.meta.get("same_object")
                 if older is not None:
                     self._versions[older] = node.name
-        value = None
-        while name is not None:
+        value, seen = None, set()
+        while name is not None and name not in seen:
+            seen.add(name)
             value = self._values.get(name, value)
             name = self._versions.get(name)
         return value

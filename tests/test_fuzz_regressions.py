@@ -141,3 +141,20 @@ def test_checks_never_write_a_buffer_through_a_view():
             return v * x
 
     _run(M(), [(torch.ones(2, 2) * s,) for s in (1, -1, 1)])
+
+
+def test_write_of_a_tensor_onto_itself_keeps_later_paths_right():
+    # v.copy_(v) counted v twice, so its in-place version pointed at itself; a path
+    # recorded later for other sizes used a stand-in of the old shape (a wrong result).
+    def f(x0):
+        v0 = x0.le(x0)
+        v0.copy_(v0)
+        v2 = v0
+        for _ in range(int(x0.sum()) % 3):
+            v2 = v2 + v2
+        return v0.type(torch.int64)
+
+    gen = torch.Generator().manual_seed(0)
+    calls = [((torch.rand(1, 3, 1, 2 * w, generator=gen) > 0.5)[..., ::2],)
+             for w in (2, 2, 2, 2, 4)]
+    _run(f, calls)
