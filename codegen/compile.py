@@ -349,13 +349,16 @@ class CompiledFunction:
             torch.set_rng_state(cpu_state)
             for d, state in zip(devices, cuda_states):
                 torch.cuda.set_rng_state(state, d)
+            private: dict[str, Any] = {}
             for seg in segments[start:]:
                 sample = []
                 for n in seg.inputs:
-                    if n in rec.pre_state:  # a private copy of its value before the call
-                        value = rec.pre_state[n].clone()
-                        if _recorded_grad(seg, n) and value.is_floating_point():
-                            value.requires_grad_()
+                    if n in rec.pre_state:  # a private copy of its value before the call,
+                        value = private.get(n)  # one per path: later segments see the
+                        if value is None:       # writes the earlier ones' checks made
+                            value = private[n] = rec.pre_state[n].clone()
+                            if _recorded_grad(seg, n) and value.is_floating_point():
+                                value.requires_grad_()
                         sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])

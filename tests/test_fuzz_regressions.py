@@ -158,3 +158,16 @@ def test_write_of_a_tensor_onto_itself_keeps_later_paths_right():
     calls = [((torch.rand(1, 3, 1, 2 * w, generator=gen) > 0.5)[..., ::2],)
              for w in (2, 2, 2, 2, 4)]
     _run(f, calls)
+
+
+def test_later_segment_sees_an_earlier_segments_write_to_an_input():
+    # Each segment's check started from the input's value before the call.
+    def f(x0):
+        x0[..., ::2] = 3.0
+        if x0.sum() > 0:
+            v2 = -x0
+        else:
+            v2 = x0.abs()
+        return torch.relu(x0), v2
+
+    _run(f, [(torch.randn(2, 3, 4) * s,) for s in (1, -1, 1)])
