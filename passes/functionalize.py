@@ -54,6 +54,7 @@ def functionalize(gm: GraphModule) -> GraphModule:
     graph = gm.graph
     final: dict[Node, Node] = {}  # input placeholder -> the last pure value written to it
     root_of: dict[Node, Node] = {}
+    by_name = {n.name: n for n in graph.nodes}
     changed = False
     for node in list(graph.nodes):
         plan = _pure_form(node)
@@ -67,6 +68,15 @@ def functionalize(gm: GraphModule) -> GraphModule:
         changed = True
         value = _keep_dtype(node, written)
         root = root_of.get(written, written)
+        # an in-place write left as it is (``b.copy_(v)``) returns the tensor it wrote:
+        # a pure write to its result is a write to that tensor
+        seen = {root}
+        while root.op != "placeholder" and root.meta.get("same_object") in by_name:
+            older = by_name[root.meta["same_object"]]
+            root = root_of.get(older, older)
+            if root in seen:
+                break
+            seen.add(root)
         root_of[value] = root
         if root.op == "placeholder":
             final[root] = value

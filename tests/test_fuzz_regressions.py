@@ -171,3 +171,18 @@ def test_later_segment_sees_an_earlier_segments_write_to_an_input():
         return torch.relu(x0), v2
 
     _run(f, [(torch.randn(2, 3, 4) * s,) for s in (1, -1, 1)])
+
+
+def test_pure_write_after_a_kept_copy_reaches_the_buffer():
+    # functionalize: b.add_() after b.copy_() became a new value never written back.
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b0", torch.zeros(3))
+
+        def forward(self, x1):
+            self.b0.copy_(x1.mean().expand_as(self.b0))
+            self.b0.add_(self.b0.sum())
+            return x1 + 1
+
+    _run(M(), [(torch.tensor(float(i + 1)),) for i in range(3)])
