@@ -323,6 +323,8 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
     Why not the traced shape: a compiled graph is reused for other sizes of the same rank,
     so a literal count would be wrong after a resize.
     """
+    if not dims:  # a 0-d tensor: one element
+        return 1
     x = _same_shape_source(x)
     n = None
     for d in dims:

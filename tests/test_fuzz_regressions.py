@@ -186,3 +186,9 @@ def test_pure_write_after_a_kept_copy_reaches_the_buffer():
             return x1 + 1
 
     _run(M(), [(torch.tensor(float(i + 1)),) for i in range(3)])
+
+
+def test_mean_var_std_of_a_0d_tensor():
+    # decompose counted no elements (None) for a 0-d tensor: the pipeline failed.
+    _run(lambda x: x.mean() + x.var(correction=0) + x.std(correction=0) + x.sum(),
+         [(torch.tensor(v),) for v in (1.5, -2.0, float("nan"))])
