@@ -145,7 +145,7 @@ class _Spec:
         self.row_inputs = sum(1 for p in plan.patterns if p is not None and nt and all(
             p[d] == "s" for d in nt))
         self.needs_nonempty = any(v.kind == "reduce" and v.op in ("max", "min")
-                                  for v in plan.values)
+                                  and not v.empty_ok for v in plan.values)
         self.pointwise = plan.kind == "pointwise"
         self.out_layout = [(tuple(v.dims), v.span, v.dtype) for _, v in self.outs]
         self.tuned: dict[Any, dict[str, Any]] = {}

@@ -97,6 +97,7 @@ class Value:
     pytype: type | None = None
     node: str | None = None
     exact: bool = False  # a half-typed value that holds exactly its rounded value
+    empty_ok: bool = False  # a max/min that may reduce nothing (softmax's): no error then
 
     def deps(self) -> list[Value]:
         return [a for a in self.args.values() if isinstance(a, Value)]
@@ -457,7 +458,8 @@ class _Builder:
             v = Value(label, "reduce", out, dims, span, op=name, args={"input": x})
         elif name in ("amax", "amin"):
             v = Value(label, "reduce", out, dims, span, op="max" if name == "amax" else "min",
-                      args={"input": x}, exact=x.exact)
+                      args={"input": x}, exact=x.exact,
+                      empty_ok=bool(node.meta.get("empty_ok")))
         else:
             if not acc.is_floating_point:
                 raise Unsupported(f"{node.name}: {name} of {x.dtype}")

@@ -333,16 +333,30 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
     return n
 
 
+def _row_max(x: Any, dim: int) -> Any:
+    """``amax(x, dim, keepdim=True)`` for softmax: marked ``empty_ok``, because softmax
+    over an empty dim is empty where amax would raise (kernels skip the check for it)."""
+    m = torch.amax(x, dim, keepdim=True)
+    m.node.meta["empty_ok"] = True
+    return m
+
+
+def _empty_dim(x: Any, dim: Any) -> bool:
+    shape = _shape(x)
+    return isinstance(dim, int) and bool(shape) and -len(shape) <= dim < len(shape) and \
+        shape[dim] == 0
+
+
 @register_decomposition(torch.softmax)
 def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # exp(x - max) / sum(exp(x - max)): the max keeps exp from overflowing
     src = dtype if dtype is not None else _dtype(x)
-    if dim is None or src is None:
+    if dim is None or src is None or _empty_dim(x, dim):  # amax of nothing has no value
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
     x, out = _opmath(x, src)
-    e = torch.exp(x - torch.amax(x, dim, keepdim=True))
+    e = torch.exp(x - _row_max(x, dim))
     return _back(e / torch.sum(e, dim, keepdim=True), out)
 
 
@@ -350,12 +364,12 @@ def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
 def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     # (x - max) - log(sum(exp(x - max)))
     src = dtype if dtype is not None else _dtype(x)
-    if dim is None or src is None:
+    if dim is None or src is None or _empty_dim(x, dim):
         return NotImplemented
     if dtype is not None:
         x = x.to(dtype)
     x, out = _opmath(x, src)
-    shifted = x - torch.amax(x, dim, keepdim=True)
+    shifted = x - _row_max(x, dim)
     return _back(shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True)), out)
 
 

@@ -192,3 +192,14 @@ def test_mean_var_std_of_a_0d_tensor():
     # decompose counted no elements (None) for a 0-d tensor: the pipeline failed.
     _run(lambda x: x.mean() + x.var(correction=0) + x.std(correction=0) + x.sum(),
          [(torch.tensor(v),) for v in (1.5, -2.0, float("nan"))])
+
+
+def test_softmax_over_an_empty_dim():
+    # The first call failed in the pipeline; a graph compiled for other sizes raised
+    # IndexError (amax of nothing) where eager returns an empty tensor.
+    f = lambda x: torch.log_softmax(x, 1) * 2 + torch.softmax(x, 1)  # noqa: E731
+    _run(f, [(torch.randn(2, 0),)] * 2)
+    _run(f, [(torch.randn(2, 3),), (torch.randn(2, 3),), (torch.randn(2, 0),)])
+    # amax of nothing still raises, as in eager
+    _raises_like_eager(lambda x: x - x.amax(1, keepdim=True), [torch.randn(2, 3)],
+                       [torch.randn(2, 0)])
