@@ -121,6 +121,15 @@ def load_module(text: str, name: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ kernels
+def _no_storage(t: Any) -> Any:
+    """An empty tensor replaced by one zero element of the same rank: a reduction over an
+    empty dim still loads its broadcast inputs once per row (the values are masked out,
+    every other load is masked off), and an empty tensor may have no storage at all."""
+    if not isinstance(t, torch.Tensor) or t.numel():
+        return t
+    return torch.zeros([1] * t.dim(), dtype=t.dtype, device=t.device)
+
+
 class _Spec:
     """One specialization: a plan, its source and the launcher's recipe."""
 
@@ -228,13 +237,20 @@ class _Spec:
             cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         outs = self.allocate(shape, device)
-        if not self.pointwise and self.needs_nonempty and math.prod(
-                shape[d] for d in self.red) == 0:
+        empty = not self.pointwise and math.prod(shape[d] for d in self.red) == 0
+        if empty and self.needs_nonempty:
             raise IndexError("amax()/amin(): expected the reduced dims to have non-zero size, "
                              "as eager does")
+        # nothing to reduce: no load may touch an empty input's storage
+        stand_ins = empty and any(isinstance(t, torch.Tensor) and t.numel() == 0
+                                  for t in inputs)
+        if stand_ins:
+            inputs = [_no_storage(t) for t in inputs]
         launch = self.launch_for(inputs, outs, shape, cfg)
         if launch is not None:
             self._launch(*launch)
+            if stand_ins:
+                self.last_launch = None  # its arguments are stand-ins: no direct replays
         return outs
 
     def _launch(self, variant: str, grid: tuple[int, ...], args: list[Any],

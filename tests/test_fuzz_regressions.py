@@ -12,6 +12,9 @@ one starts passing, pytest fails it: remove its mark and its ``KNOWN_OPEN`` entr
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -203,3 +206,25 @@ def test_softmax_over_an_empty_dim():
     # amax of nothing still raises, as in eager
     _raises_like_eager(lambda x: x - x.amax(1, keepdim=True), [torch.randn(2, 3)],
                        [torch.randn(2, 0)])
+
+
+def test_reduction_over_an_empty_dim_never_reads_an_empty_input():
+    # The kernel loaded a broadcast (stride 0) empty input through its pointer: a
+    # segfault under the interpreter, an illegal address on a GPU. In a subprocess.
+    code = textwrap.dedent("""
+        import warnings, torch, torch.nn.functional as F, fxlite
+        warnings.simplefilter("ignore")
+        f = fxlite.compile(lambda x: F.rms_norm(x, (0,)))
+        x = torch.empty(0).as_strided((0,), (0,))
+        for _ in range(3):
+            assert f(x).shape == (0,)
+        g = fxlite.compile(lambda x: x.sum(-1) + 1)
+        for _ in range(2):
+            g(torch.randn(2, 3))
+        y = torch.empty(2, 0).as_strided((2, 0), (0, 0))
+        torch.testing.assert_close(g(y), y.sum(-1) + 1)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
