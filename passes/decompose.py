@@ -271,6 +271,29 @@ def _back(y: Any, dtype: torch.dtype | None) -> Any:
     return y if dtype is None else y.to(dtype)
 
 
+def _normalized_count(sizes: tuple[int, ...], expected: Any) -> int:
+    """How many elements a layer/rms norm normalizes; raises, as eager does, when the
+    input's trailing sizes are not ``normalized_shape`` (a graph reused for other sizes
+    must not normalize over whatever the last dims now hold)."""
+    expected = tuple(expected) if isinstance(expected, (list, tuple)) else (expected,)
+    if tuple(sizes) != expected:
+        raise RuntimeError(f"Given normalized_shape={list(expected)}, expected input with "
+                           f"shape [*, {', '.join(map(str, expected))}], but got input whose "
+                           f"trailing sizes are {list(sizes)}")
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _norm_count(x: Any, dims: tuple[int, ...], normalized_shape: Any) -> Any:
+    """``_count`` for layer/rms norm, checked against ``normalized_shape`` when it runs."""
+    src = _same_shape_source(x)
+    sizes = tuple(src.size(d) for d in dims)
+    return x.tracer.create_proxy("call_function", _normalized_count, (sizes, normalized_shape),
+                                 {})
+
+
 def _nonnegative(n: int) -> int:
     """``max(n, 0)``, recorded as one call because a traced ``n`` has no truth value."""
     return max(n, 0)
@@ -382,7 +405,7 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
     src = _dtype(x)
     if dims is None or src is None:
         return NotImplemented
-    n = _count(x, dims)
+    n = _norm_count(x, dims, normalized_shape)
     x, out = _opmath(x, src)
     centered = x - torch.sum(x, dims, keepdim=True) / n
     var = torch.sum(centered * centered, dims, keepdim=True) / n
@@ -402,7 +425,7 @@ def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None
     src = _dtype(x)
     if dims is None or src is None:
         return NotImplemented
-    n = _count(x, dims)
+    n = _norm_count(x, dims, normalized_shape)
     x, out = _opmath(x, src)
     if eps is None:
         eps = torch.finfo(torch.float32 if out is not None else src).eps

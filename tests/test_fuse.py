@@ -39,7 +39,7 @@ def _compute_kinds(gm: GraphModule) -> list[str]:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output") or n.target is operator.getitem:
             continue
-        if n.op == "call_method" and n.target == "size":  # an element count, not tensor work
+        if n.meta.get("type") is int:  # an element count (size, norms' checked count)
             continue
         out.append(n.target if n.op == "call_module" else getattr(n.target, "__name__", str(n.target)))
     return out
@@ -53,7 +53,7 @@ def _group_of(fused: GraphModule) -> dict[str, str]:
 
 def _all_computing(gm: GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
-            and not (n.op == "call_method" and n.target == "size")]
+            and n.meta.get("type") is not int]  # element counts are not tensor work
 
 
 # ---------------------------------------------------------------------- canonical results
@@ -105,9 +105,10 @@ def test_layer_norm_residual_affine_is_one_group() -> None:
     meta = fused.fused_0.meta
     assert meta["fused_kind"] == "reduction" and meta["reduction_dims"] == (1,)
     assert meta["nodes"] == _all_computing(gm)
-    # One input per tensor the group reads (x, r, w, b), plus the row length, read at run time.
+    # One input per tensor the group reads (x, r, w, b), plus the row length, read (and
+    # checked against normalized_shape) at run time.
     assert [n.name for n in fused.fused_0.graph.nodes if n.op == "placeholder"] == [
-        "x", "r", "size", "w", "b"]
+        "x", "r", "_normalized_count", "w", "b"]
     torch.testing.assert_close(fused(x, r, w, b), f(x, r, w, b))
 
 

@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -228,3 +229,10 @@ def test_reduction_over_an_empty_dim_never_reads_an_empty_input():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_norm_with_a_literal_shape_rejects_other_sizes():
+    # A layer_norm(x, (3,)) graph reused for inputs of 5 columns normalized over 5.
+    for norm in (lambda x: F.layer_norm(x, (3,)) * 2, lambda x: F.rms_norm(x, (3,)) * 2):
+        _raises_like_eager(norm, [torch.randn(2, 3)], [torch.randn(2, 5)])
+    _run(lambda x: F.layer_norm(x, x.shape[-1:]), [(torch.randn(2, 3),), (torch.randn(2, 5),)])
