@@ -235,6 +235,13 @@ class _Spec:
 
     def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
             cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        for d, size in self.plan.size_checks:
+            if (shape[d] == 1) if size < 0 else (shape[d] != size):
+                raise RuntimeError(
+                    f"{self.plan.name}: a view in it expects "
+                    f"{'a size other than 1' if size < 0 else f'size {size}'} in dim {d}, "
+                    f"but the inputs now have shape {list(shape)} (eager raises, or "
+                    "squeezes the dim, here)")
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         outs = self.allocate(shape, device)
         empty = not self.pointwise and math.prod(shape[d] for d in self.red) == 0

@@ -120,6 +120,9 @@ class Plan:
     int64: bool
     key: tuple
     node_names: list[str]
+    # (iteration dim, size) pairs the launch must find: the literal sizes of views that
+    # were no-ops when recorded (size -1: the dim must not be 1, for squeeze)
+    size_checks: tuple[tuple[int, int], ...] = ()
 
     @property
     def kind(self) -> str:
@@ -190,6 +193,33 @@ def guard_key(inputs: Sequence[Any]) -> tuple:
 
 
 # ------------------------------------------------------------------------------ analysis
+def _view_size_checks(node: Node, name: str, v: Value, module: Any = None
+                      ) -> list[tuple[int, int]]:
+    """What a view that changed nothing when recorded needs to stay a no-op: the literal
+    sizes it names (``x.view(3, 5)``, ``x.expand(2, 4)``), and for ``squeeze`` dims that
+    must not become 1. Without these checks, a kernel reused for other sizes would skip
+    the error eager raises (or the squeeze it does)."""
+    info = op_table.lookup(node, module)
+    try:
+        args = op_table.canonical_args(node, info, module) if info is not None else {}
+    except Exception:
+        return []
+    if name == "squeeze":
+        dim = args.get("dim")
+        dims = range(len(v.dims)) if dim is None else (
+            [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple))
+            else [])
+        return [(v.dims[d], -1) for d in dims if isinstance(d, int) and
+                -len(v.dims) <= d < len(v.dims)]
+    sizes = args.get("size", args.get("shape")) if name in ("view", "reshape", "expand") \
+        else None
+    if isinstance(sizes, int):
+        sizes = (sizes,)
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != len(v.dims):
+        return []
+    return [(v.dims[i], s) for i, s in enumerate(sizes) if type(s) is int and s >= 0]
+
+
 def _table_args(node: Node, info: op_table.OpInfo, module: torch.nn.Module | None = None
                 ) -> dict[str, Any]:
     """``node``'s arguments by the op table's parameter names, defaults filled in."""
@@ -300,6 +330,7 @@ class _Builder:
         self.reduced: frozenset[int] | None = None
         self.trivial: frozenset[int] = frozenset()
         self.metas = meta_values(gm, inputs)
+        self.size_checks: list[tuple[int, int]] = []
 
     def meta(self, node: Node) -> torch.Tensor:
         tm = self.metas.get(node)
@@ -372,6 +403,7 @@ class _Builder:
                     or tuple(self.metas[src].shape) != tuple(tm.shape):
                 raise Unsupported(f"{node.name}: a view that changes the shape")
             self.env[node] = v
+            self.size_checks += _view_size_checks(node, name, v, self.gm)
             return
         if name in REDUCTIONS:
             self.reduction(node, name)
@@ -574,4 +606,5 @@ def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
                 reduced=b.reduced if b.reduced is not None else frozenset(),
                 trivial=b.trivial, int64=key[2], key=key,
                 node_names=[n.name for n in gm.graph.nodes
-                            if n.op in ("call_function", "call_method", "call_module")])
+                            if n.op in ("call_function", "call_method", "call_module")],
+                size_checks=tuple(b.size_checks))

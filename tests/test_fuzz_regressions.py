@@ -236,3 +236,10 @@ def test_norm_with_a_literal_shape_rejects_other_sizes():
     for norm in (lambda x: F.layer_norm(x, (3,)) * 2, lambda x: F.rms_norm(x, (3,)) * 2):
         _raises_like_eager(norm, [torch.randn(2, 3)], [torch.randn(2, 5)])
     _run(lambda x: F.layer_norm(x, x.shape[-1:]), [(torch.randn(2, 3),), (torch.randn(2, 5),)])
+
+
+def test_no_op_view_with_literal_sizes_in_a_kernel_rejects_other_sizes():
+    # expand(2, 4) of a (2, 4) value vanished into the kernel, with eager's size check.
+    _raises_like_eager(lambda x: (x * 2).expand(2, 4) + 1, [torch.randn(2, 4)],
+                       [torch.randn(2, 6)])
+    _run(lambda x: (x * 2).squeeze(0) + 1, [(torch.randn(3, 5),), (torch.randn(1, 5),)])
