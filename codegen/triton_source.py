@@ -141,11 +141,15 @@ def _expm1(x):
 @triton.jit
 def _pow(x, y):
     # Portable pow through exp2/log2 in fp64, with torch's signs and special cases.
+    # C's special cases: (-inf) ** y is +-inf or 0, (-1) ** +-inf is 1, x ** +-inf even.
     a, b = tl.broadcast(x.to(tl.float64), y.to(tl.float64))
     m = tl.exp2(b * tl.log2(tl.abs(a)))
+    inf_b = tl.abs(b) == float("inf")
     whole = tl.floor(b) == b
-    odd = whole & (b - 2.0 * tl.floor(b * 0.5) != 0)
-    m = tl.where(a < 0, tl.where(whole, tl.where(odd, -m, m), float("nan")), m)
+    odd = whole & (b - 2.0 * tl.floor(b * 0.5) != 0) & ~inf_b
+    signed = tl.where(odd, -m, m)
+    m = tl.where(a < 0, tl.where(whole | (a == float("-inf")), signed, float("nan")), m)
+    m = tl.where((a == -1.0) & inf_b, 1.0, m)
     return tl.where((b == 0) | (a == 1), 1.0, m)
 ''',
 }

@@ -243,3 +243,12 @@ def test_no_op_view_with_literal_sizes_in_a_kernel_rejects_other_sizes():
     _raises_like_eager(lambda x: (x * 2).expand(2, 4) + 1, [torch.randn(2, 4)],
                        [torch.randn(2, 6)])
     _run(lambda x: (x * 2).squeeze(0) + 1, [(torch.randn(3, 5),), (torch.randn(1, 5),)])
+
+
+def test_pow_of_infinities_and_minus_one():
+    # The interpreter's pow gave NaN for (-inf) ** 2.5 and (-1) ** inf, -inf for
+    # (-2) ** inf; C (and eager) give inf, 1 and inf.
+    x = torch.tensor([float("-inf"), float("inf"), -2.0, -1.0, -0.5, 2.0, float("nan")])
+    for e in (2.5, -1.5, float("inf"), float("-inf")):
+        y = torch.full_like(x, e)
+        _run(lambda a, b: torch.pow(a, b) + 0, [(torch.rand(7) + 1, y), (x, y)])
