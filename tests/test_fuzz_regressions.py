@@ -252,3 +252,17 @@ def test_pow_of_infinities_and_minus_one():
     for e in (2.5, -1.5, float("inf"), float("-inf")):
         y = torch.full_like(x, e)
         _run(lambda a, b: torch.pow(a, b) + 0, [(torch.rand(7) + 1, y), (x, y)])
+
+
+def test_training_batch_norm_of_an_input_without_channels():
+    # Eager leaves the running statistics alone; the running-stat update crashed.
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("rm", torch.zeros(5))
+            self.register_buffer("rv", torch.ones(5))
+
+        def forward(self, x):
+            return F.batch_norm(x, self.rm, self.rv, training=True) * 2
+
+    _run(M(), [(torch.randn(3, 0),)] * 2)
