@@ -427,7 +427,8 @@ for _name in _ARITH:
     _dunder = _name.rstrip("_")
     setattr(Proxy, f"__{_dunder}__", _binary(getattr(operator, _name)))
     setattr(Proxy, f"__r{_dunder}__", _reflected(getattr(operator, _name)))
-    setattr(Proxy, f"__i{_dunder}__", _binary(getattr(operator, f"i{_dunder}")))
+    if _dunder != "matmul":  # tensors have no in-place matmul: `a @= b` is `a = a @ b`
+        setattr(Proxy, f"__i{_dunder}__", _binary(getattr(operator, f"i{_dunder}")))
 for _name in ["eq", "ne", "lt", "le", "gt", "ge", "getitem"]:
     setattr(Proxy, f"__{_name}__", _binary(getattr(operator, _name)))
 for _name in ["neg", "pos", "invert", "abs"]:

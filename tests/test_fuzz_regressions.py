@@ -192,6 +192,21 @@ def test_pure_write_after_a_kept_copy_reaches_the_buffer():
     _run(M(), [(torch.tensor(float(i + 1)),) for i in range(3)])
 
 
+def test_traced_matmul_assignment_leaves_the_other_name_alone():
+    # `v @= x` traced as operator.imatmul, generated as `x @= x; imatmul = x`: tensors
+    # have no in-place matmul, so that rebound x, and `x /= 2` then halved the result.
+    def f(x0):
+        v0 = x0
+        v0 @= x0
+        x0 /= 2
+        return v0
+
+    gm = fxlite.symbolic_trace(f)
+    a, b = torch.arange(9.0).reshape(3, 3), torch.arange(9.0).reshape(3, 3)
+    torch.testing.assert_close(gm(a), f(b))
+    torch.testing.assert_close(a, b)
+
+
 def test_mean_var_std_of_a_0d_tensor():
     # decompose counted no elements (None) for a 0-d tensor: the pipeline failed.
     _run(lambda x: x.mean() + x.var(correction=0) + x.std(correction=0) + x.sum(),
