@@ -506,7 +506,8 @@ def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
     # halves compute in fp32, as eager's kernel
     shape, src = _shape(x), _dtype(x)
     if training is not False or running_mean is None or running_var is None or shape is None \
-            or len(shape) < 2 or src is None or type(eps) not in (int, float):
+            or len(shape) < 2 or src is None or type(eps) not in (int, float) \
+            or shape[1] == 0:  # no channels: eager ignores the statistics' length
         return NotImplemented
     channel = (-1,) + (1,) * (len(shape) - 2)
     x, out = _opmath(x, src)

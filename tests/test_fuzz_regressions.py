@@ -281,3 +281,6 @@ def test_training_batch_norm_of_an_input_without_channels():
             return F.batch_norm(x, self.rm, self.rv, training=True) * 2
 
     _run(M(), [(torch.randn(3, 0),)] * 2)
+    # eval mode: the decomposition broadcast the input against 5 statistics
+    _run(lambda x: F.batch_norm(x, torch.zeros(5), torch.ones(5)) * 2,
+         [(torch.randn(3, 0),)] * 2)
