@@ -48,6 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The program fuzzer's counts and op coverage (tests/fuzz/), when it ran."""
+    check = sys.modules.get("fuzz_check")
+    if check is not None and check.STATS:
+        terminalreporter.write_line(check.summary())
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     """Every test starts from the same random state, so failures reproduce."""
