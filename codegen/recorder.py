@@ -91,6 +91,9 @@ class Recorder(TorchFunctionMode):
 
     def bind_input(self, t: torch.Tensor, name: str) -> None:
         self._bind(t, name)
+        node = self._nodes.get(name)
+        if node is not None and node.op == "placeholder":  # a path recorded after a read
+            node.meta["tensor_meta_rec"] = tensor_meta(t)  # has this call's layouts
 
     # ------------------------------------------------------------------ tensors <-> nodes
     def _bind(self, t: torch.Tensor, name: str) -> None:
@@ -506,6 +509,8 @@ class Recorder(TorchFunctionMode):
             out: Any = args[0]  # an in-place op returns the tensor it wrote
         else:
             out = self._stand_in(step.out, step.node)
+        if isinstance(out, torch.Tensor):  # this call's layout, not the recording call's
+            node.meta["tensor_meta_rec"] = tensor_meta(out)
         self._rebind(out, step.node)
         return out
 

@@ -208,6 +208,21 @@ def test_traced_matmul_assignment_leaves_the_other_name_alone():
     torch.testing.assert_close(a, b)
 
 
+def test_path_recorded_after_a_read_sees_this_calls_sizes():
+    # The new path's graph copied the first recording's shapes for its inputs: softmax
+    # over a dim that is empty now was decomposed (amax of nothing) and the pipeline failed.
+    def f(x0, x1):
+        if x1.sum() > 0:
+            v = torch.relu(x1)
+        else:
+            v = x1 - 1
+        return x0.softmax(2), v
+
+    pos = torch.ones(1, 3, 1, dtype=torch.int32)
+    _run(f, [(torch.randn(2, 3, 4), pos), (torch.randn(2, 3, 4), pos),
+             (torch.randn(2, 3, 0), -pos)])
+
+
 # ---------------------------------------------------------------------- passes and kernels
 def test_nn_softmax_compiles_into_a_kernel():
     # nn.Softmax passes _stacklevel=5 to F.softmax: the decomposition raised TypeError.
