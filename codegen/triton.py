@@ -365,14 +365,21 @@ class TritonKernel:
                                                      tuple[int, ...], tuple[int, ...] | None]:
         """The specialization for ``inputs``, the inputs it runs on, the iteration space and
         the memory order (None: the logical one; see ``triton_layout``)."""
-        order = memory_order(inputs) if self._reorder else None
-        if order is not None:  # the kernel runs on views in memory order
-            ordered = permute_inputs(inputs, order)
-            key, shape = key_and_shape(ordered)
-            spec = self._spec_for(ordered, key)
-            if spec is not None and all(len(d) == spec.plan.rank for d, _, _ in spec.out_layout):
-                return spec, ordered, shape, order
-        key, shape = key_and_shape(inputs)
+        try:
+            order = memory_order(inputs) if self._reorder else None
+            if order is not None:  # the kernel runs on views in memory order
+                ordered = permute_inputs(inputs, order)
+                key, shape = key_and_shape(ordered)
+                spec = self._spec_for(ordered, key)
+                if spec is not None and all(len(d) == spec.plan.rank
+                                            for d, _, _ in spec.out_layout):
+                    return spec, ordered, shape, order
+            key, shape = key_and_shape(inputs)
+        except RuntimeError:
+            # inputs that share no iteration space now, though they did when the group was
+            # made (a dim reduced before it broadcasts against a longer one): the group's
+            # own ops decide, as eager would
+            return None, inputs, (), None
         return self._spec_for(inputs, key), inputs, shape, None
 
     def __call__(self, *inputs: Any) -> Any:

@@ -223,6 +223,14 @@ def test_path_recorded_after_a_read_sees_this_calls_sizes():
              (torch.randn(2, 3, 0), -pos)])
 
 
+def test_group_whose_inputs_stop_broadcasting_runs_its_ops():
+    # min(x, prod(b, 3, keepdim)): with x and b of one shape when recorded, the kernel's
+    # iteration space was theirs; x longer in dim 3 later raised 'do not broadcast'.
+    b = torch.randn(2, 3, 2, 2)
+    _run(lambda x: torch.min(x, torch.prod(b, dim=3, keepdim=True)),
+         [(torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 4),)])
+
+
 # ---------------------------------------------------------------------- passes and kernels
 def test_nn_softmax_compiles_into_a_kernel():
     # nn.Softmax passes _stacklevel=5 to F.softmax: the decomposition raised TypeError.
