@@ -41,6 +41,7 @@ class G:
         self.d, self.s, self.index = draw, state, index
         self.out = f"v{index}"
         self.reads: list[str] = []
+        self.weak: list[str] = []  # reads of only a shape, dtype or device
         self.init: list[str] = []
         self._params = 0
 
@@ -145,7 +146,7 @@ class G:
     def expr(self, record: str, code: str, rule: str = "exact", alias: bool = False,
              **kw: Any) -> Step:
         return Step([f"{self.out} = {code}"], record, tuple(self.reads), out=self.out,
-                    rule=rule, alias=alias, init=self.init, **kw)
+                    rule=rule, alias=alias, init=self.init, weak=tuple(self.weak), **kw)
 
     def stmt(self, record: str, code: str | list[str], writes: str | None,
              rule: str = "exact", **kw: Any) -> Step:
@@ -380,6 +381,7 @@ def to_other(g: G) -> Step:
         b = g.t(exact=not g.sample(a).is_floating_point())
         if not g.sample(b).is_floating_point() and g.sample(a).is_floating_point():
             raise Skip("float to integer")
+        g.weak.append(b)  # only its dtype and device count: the compiler may drop b
         return g.expr("to_other", f"{a}.to({b})")
     if form == 1:
         return g.expr("to_other", f"{a}.to({a}.device, torch.float32)")

@@ -242,9 +242,11 @@ def random_op(g: G) -> Step:
                 f"torch.randn(3, device={a}.device)",
                 f"torch.randint(0, 5, {a}.shape, device={a}.device)"][which]
         record = form.split("(")[0]
+        g.weak.append(a)  # only its shape, dtype and device count
         return g.expr(record, form, "exact")
     if which == 6:
         a = g.t()
+        g.weak.append(a)
         return g.expr("torch.randperm", f"torch.randperm({max(1, g.sample(a).numel())}, "
                       f"device={a}.device)")
     if which == 7:

@@ -131,6 +131,7 @@ class Step:
     init: list[str] = field(default_factory=list)
     branches: bool = False  # reads a tensor's value in Python (a graph break)
     traceable: bool = True  # symbolic_trace can trace it (no value reads, no printing)
+    weak: tuple[str, ...] = ()  # reads of only a shape, dtype or device (not values)
 
 
 @dataclass
@@ -167,9 +168,11 @@ class Program:
             return {f"r{i}": e for i, e in enumerate(flags)}
         return flags
 
-    def live(self) -> Program | None:
-        """The program without the steps nothing depends on (values no later step reads
-        and the result does not hold), or None if that drops nothing."""
+    def value_steps(self) -> set[int]:
+        """The steps whose values matter: they write an input, a buffer or a value that
+        matters, have effects (print, assert), or make a value a later such step or the
+        result reads (reads of only a shape or device do not count: a compiler may drop
+        the value)."""
         source = {s.out: s.reads[0] for s in self.steps if s.alias and s.out and s.reads}
 
         def root(name: str) -> str:
@@ -181,15 +184,24 @@ class Program:
         keep: set[int] = set()
         for i in range(len(self.steps) - 1, -1, -1):
             s = self.steps[i]
-            effect = s.out is None and s.writes is None  # print, assert: may raise
+            effect = s.out is None and s.writes is None
             writes = s.writes is not None and (
                 not root(s.writes).startswith("v") or root(s.writes) in {root(n) for n in needed})
             if effect or writes or s.out in needed:
                 keep.add(i)
-                needed.update(s.reads)
-        if len(keep) == len(self.steps):
-            return None
-        return rebuild(self, lambda i, s: i in keep)
+                needed.update(n for n in s.reads if n not in s.weak)
+        return keep
+
+    def step_at(self, lineno: int) -> int | None:
+        """The step whose code is at line ``lineno`` of :meth:`source`, if any."""
+        first = 2 if not self.is_module else 6 + len(self.buffers) + sum(
+            len(s.init) for s in self.steps)
+        line = first
+        for i, s in enumerate(self.steps):
+            if line <= lineno < line + len(s.code):
+                return i
+            line += len(s.code)
+        return None
 
     def source(self) -> str:
         """The program as Python source: a class ``Program`` or a function ``program``."""
@@ -365,7 +377,8 @@ class State:
         for line in step.init:
             exec(line, self.env)
         exec("\n".join(step.code), self.env)
-        reads_exact = all(self.get(n).exact for n in step.reads if _is_value(self, n))
+        reads_exact = all(self.get(n).exact for n in step.reads
+                          if n not in step.weak and _is_value(self, n))
         if step.out is not None:
             value = self.env[step.out]
             if not isinstance(value, torch.Tensor):
