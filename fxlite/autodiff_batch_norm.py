@@ -41,8 +41,9 @@ def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.T
     with torch.no_grad():
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
-        if (running_mean is None and running_var is None) or mean.numel() == 0:
-            return  # no statistics, or no channels (eager leaves the buffers as they are)
+        if (running_mean is None and running_var is None) or mean.numel() == 0 or n == 0:
+            return  # no statistics, or no channels or no values in them (eager leaves
+            # the buffers as they are)
         factor: Any = momentum
         if factor is None:  # a 0-d tensor: no host sync on a GPU
             factor = 1.0 / num_batches_tracked.double() if num_batches_tracked is not None else 0.0

@@ -317,6 +317,21 @@ def test_training_batch_norm_of_an_input_without_channels():
          [(torch.randn(3, 0),)] * 2)
 
 
+def test_training_batch_norm_of_an_empty_batch_keeps_its_statistics():
+    # A call with no values per channel updated the running statistics with 0 / 0.
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("rm", torch.zeros(3))
+            self.register_buffer("rv", torch.ones(3))
+
+        def forward(self, x):
+            return F.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
+
+    _run(M(), [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),), (torch.randn(2, 3, 0),)],
+         fallbacks_ok=True)  # the kernel of the batch's mean (0 / 0) is replaced by eager
+
+
 # ---------------------------------------------------------------------- fixed elsewhere
 # Found by the fuzzer while other work fixed them on main (the kernels' pow, float16 norms,
 # integer division, result layouts): kept as regression tests.
