@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")
     import torch
     from fuzz_catalog import draw_step
-    from fuzz_check import COVERAGE, STATS, check_compiled, check_passes
+    from fuzz_check import COVERAGE, NOTES, STATS, check_compiled, check_passes
     from fuzz_programs import RandomDraw, generate, rebuild, shrink
 
     out = open(args.out, "a", buffering=1)
@@ -97,6 +97,9 @@ def worker(args: argparse.Namespace) -> None:
                 emit(event="failure", seed=seed, path=path, failures=failures[:4],
                      source=small.source(), inputs=repr(small.inputs),
                      buffers=repr(small.buffers), training=small.training)
+        for note_seed, note in NOTES:
+            emit(event="note", seed=note_seed, note=note)
+        NOTES.clear()
         emit(event="done", seed=seed, paths=paths)
         if n % 100 == 99:  # what a worker that dies later has covered
             emit(event="coverage", coverage=dict(COVERAGE), stats={})
@@ -215,6 +218,7 @@ def _report(args: argparse.Namespace, device: str, records: list[dict],
 
     done = [r for r in records if r["event"] == "done"]
     failures = [r for r in records if r["event"] == "failure"]
+    notes = [r for r in records if r["event"] == "note"]
     coverage: Counter[str] = Counter()
     stats: Counter[str] = Counter()
     for r in records:
@@ -233,6 +237,7 @@ def _report(args: argparse.Namespace, device: str, records: list[dict],
         "coverage": f"{len(names) - len(missed)} of {len(names)} records",
         "not_exercised": missed, "excluded": EXCLUDED, "stats": dict(stats),
         "failing": failures,
+        "replaced_by_eager_after_disagreeing": notes,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
     print(f"fuzz: {len(done)} programs ({', '.join(f'{v} {k}' for k, v in paths.items())}) "
@@ -242,6 +247,8 @@ def _report(args: argparse.Namespace, device: str, records: list[dict],
     for k, v in sorted(stats.items()):
         if not k.startswith("programs"):
             print(f"fuzz: {k}: {v}")
+    for n in notes[:10]:
+        print(f"note, seed {n['seed']}: {n['note'][:200]}")
     for f in failures[:10]:
         print(f"\n--- seed {f['seed']} ({f['path']}): " + "\n    ".join(f["failures"]))
         if f.get("source"):
