@@ -43,7 +43,7 @@ def _report(program: Program, failures: list[str]) -> str:
             f"training: {program.training}, seed: {program.seed}")
 
 
-@settings(max_examples=500 * SCALE, **_SETTINGS)
+@settings(max_examples=300 * SCALE, **_SETTINGS)
 @given(data=st.data())
 def test_compiled_programs_match_eager(data: st.DataObject) -> None:
     """fxlite.compile with Triton kernels: results, inputs and buffers as eager leaves
@@ -53,7 +53,7 @@ def test_compiled_programs_match_eager(data: st.DataObject) -> None:
     assert not failures, _report(program, failures)
 
 
-@settings(max_examples=150 * SCALE, **_SETTINGS)
+@settings(max_examples=100 * SCALE, **_SETTINGS)
 @given(data=st.data())
 def test_python_backend_programs_match_eager(data: st.DataObject) -> None:
     program = _program(data)
@@ -61,7 +61,7 @@ def test_python_backend_programs_match_eager(data: st.DataObject) -> None:
     assert not failures, _report(program, failures)
 
 
-@settings(max_examples=400 * SCALE, **_SETTINGS)
+@settings(max_examples=200 * SCALE, **_SETTINGS)
 @given(data=st.data())
 def test_passes_keep_programs_equal(data: st.DataObject) -> None:
     """symbolic_trace, normalize, cse, decompose and fuse, run directly. Tracing needs
