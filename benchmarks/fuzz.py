@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "tests" / "fuzz"
+CONTEXT_LOST = 3  # a worker's exit status after a CUDA error, which no later call survives
 
 
 # ---------------------------------------------------------------------- worker
@@ -73,7 +74,10 @@ def worker(args: argparse.Namespace) -> None:
                                 lambda i, s: s.traceable)
             if traceable is not None:
                 paths.append("passes")
+        lost = False
         for path in paths:
+            if lost:
+                break
             subject = traceable if path == "passes" else program
             check = (lambda p: check_passes(p, args.device)) if path == "passes" else (
                 lambda p, b=path: check_compiled(p, b, args.device))
@@ -84,9 +88,10 @@ def worker(args: argparse.Namespace) -> None:
                 failures = [f"{type(e).__name__}: {e}"]
             finally:
                 signal.alarm(0)
+            lost = any("CUDA error" in f for f in failures)
             if failures:
                 small = subject
-                if args.shrink:
+                if args.shrink and not lost:  # shrinking needs CUDA calls
                     signal.alarm(args.program_timeout * 4)
                     try:
                         small = shrink(subject, lambda p, c=check: bool(c(p)), budget=60)
@@ -101,6 +106,10 @@ def worker(args: argparse.Namespace) -> None:
             emit(event="note", seed=note_seed, note=note)
         NOTES.clear()
         emit(event="done", seed=seed, paths=paths)
+        if lost:  # no later CUDA call in this process can succeed
+            emit(event="coverage", coverage=dict(COVERAGE), stats=dict(STATS))
+            out.close()
+            os._exit(CONTEXT_LOST)
         if n % 100 == 99:  # what a worker that dies later has covered
             emit(event="coverage", coverage=dict(COVERAGE), stats={})
         if torch.cuda.is_available() and n % 200 == 199:
@@ -175,6 +184,11 @@ def _run_workers(args: argparse.Namespace, device: str, env: dict, jobs: int,
             del procs[j]
             lines = _read(tmp / f"worker{j}.jsonl")
             if proc.returncode == 0:
+                continue
+            if proc.returncode == CONTEXT_LOST:  # restart after the seed that lost it
+                pending[j] = max(r["seed"] for r in lines if r["event"] == "done") + jobs
+                if pending[j] < args.seed + args.count:
+                    launch(j)
                 continue
             dones = {r["seed"] for r in lines if r["event"] == "done"}
             crashed = next((r["seed"] for r in reversed(lines)

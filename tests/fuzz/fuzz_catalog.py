@@ -387,7 +387,8 @@ def to_other(g: G) -> Step:
         b = g.t(exact=not g.sample(a).is_floating_point())
         if not g.sample(b).is_floating_point() and g.sample(a).is_floating_point():
             raise Skip("float to integer")
-        g.weak.append(b)  # only its dtype and device count: the compiler may drop b
+        if b != a:  # a.to(a) reads a's values: then a is no weak read
+            g.weak.append(b)  # only its dtype and device count: the compiler may drop b
         return g.expr("to_other", f"{a}.to({b})")
     if form == 1:
         return g.expr("to_other", f"{a}.to({a}.device, torch.float32)")

@@ -241,6 +241,13 @@ def _dense(g: G, name: str) -> str:
     return f"{name}.contiguous()"
 
 
+def _finite(code: str) -> str:
+    """``code`` with NaN and infinities replaced: random ops that take probabilities or
+    rates raise on the CPU for them, but fail a device-side assert on CUDA, which ends the
+    process's CUDA context (eager's as much as the compiled function's)."""
+    return f"{code}.nan_to_num(0.5, 1.0, 0.0)"
+
+
 def random_op(g: G) -> Step:
     which = g.d.int(0, 15)
     if which <= 5:
@@ -260,7 +267,8 @@ def random_op(g: G) -> Step:
                       f"device={a}.device)")
     if which == 7:
         a = g.t(kind="float", exact=True)
-        return g.expr("torch.bernoulli", f"torch.bernoulli({_dense(g, a)}.abs().clamp(0, 1))")
+        p = _finite(_dense(g, a))
+        return g.expr("torch.bernoulli", f"torch.bernoulli({p}.abs().clamp(0, 1))")
     if which == 8:
         a = g.t(kind="float")
         g.weak.append(a)
@@ -269,8 +277,9 @@ def random_op(g: G) -> Step:
         a = g.t(kind="float", exact=True)
         if not g.sample(a).numel():
             raise Skip("empty")
-        form = g.choice([f"torch.multinomial({a}.abs().reshape(-1) + 0.1, 2)",
-                         f"({a}.abs().reshape(-1) + 0.1).multinomial(1)"])
+        f = _finite(a)
+        form = g.choice([f"torch.multinomial({f}.abs().reshape(-1) + 0.1, 2)",
+                         f"({f}.abs().reshape(-1) + 0.1).multinomial(1)"])
         return g.expr("torch.multinomial" if form.startswith("torch") else
                       "Tensor.multinomial", form)
     if which == 10:
@@ -278,7 +287,7 @@ def random_op(g: G) -> Step:
         return g.expr("torch.normal", f"torch.normal({_dense(g, a)}, 0.5)", "inexact")
     if which == 11:
         a = g.t(kind="float", exact=True)
-        return g.expr("torch.poisson", f"torch.poisson({_dense(g, a)}.abs())")
+        return g.expr("torch.poisson", f"torch.poisson({_finite(_dense(g, a))}.abs())")
     a = _dense(g, g.t(kind="float"))
     forms = [("torch.dropout", f"torch.dropout({a}, 0.3, True)"),
              ("torch.alpha_dropout", f"torch.alpha_dropout({a}, 0.3, True)"),

@@ -313,6 +313,8 @@ def check_passes(program: Program, device: str = "cpu", calls: int = 2) -> list[
             fused.graph.lint()
         _load(fused, saved)
     except Exception as e:
+        if stage == "ShapeProp" and _call(reference, make_inputs(program, 0, device), 0)[1]:
+            return []  # eager raises too (int matmul on CUDA): the compiled path checks that
         STATS["failures"] += 1
         return [f"{stage} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
     _cover_graph(gm)
