@@ -268,19 +268,25 @@ def _trunc_expr(e: Emitter, x: str) -> str:
     return f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"
 
 
+def _quot(x: str, y: str, ct: torch.dtype) -> str:
+    # Triton's float32 `/` is div.full.f32 on GPUs (up to 2 ulp off), so x / x can give
+    # 0.99999994 and trunc or floor of it 0; eager's division rounds correctly.
+    return f"tl.div_rn({x}, {y})" if ct == torch.float32 else f"{x} / {y}"
+
+
 def _div(e: Emitter, a: dict, ct: torch.dtype) -> str:
     mode = a.get("rounding_mode")
     if mode is None:
         if not _is_float(ct):
             raise Unsupported("true division into an integer dtype")
-        return f"{e.c(a['input'], ct)} / {e.c(a['other'], ct)}"
+        return _quot(e.c(a["input"], ct), e.c(a["other"], ct), ct)
     if mode == "floor":
         return _floordiv(e, a, ct)
     if mode != "trunc" or ct == torch.bool:
         raise Unsupported(f"rounding_mode={mode!r}")
     _integer_divisor(a, ct)
     x, y = e.c(a["input"], ct), e.c(a["other"], ct)
-    return _trunc_expr(e, f"{x} / {y}") if _is_float(ct) else f"{x} // {y}"
+    return _trunc_expr(e, _quot(x, y, ct)) if _is_float(ct) else f"{x} // {y}"
 
 
 def _sqrt(x: str, ct: torch.dtype) -> str:
@@ -580,7 +586,7 @@ TRITON_OPS: dict[str, TritonOp] = {
     "trunc": TritonOp(_F(lambda e, x, a, ct: _trunc_expr(e, x))),
     "round": TritonOp(_round),
     "sign": TritonOp(_sign),
-    "reciprocal": TritonOp(_F(lambda e, x, a, ct: f"1.0 / {x}")),
+    "reciprocal": TritonOp(_F(lambda e, x, a, ct: _quot("1.0", x, ct))),
     "square": TritonOp(lambda e, a, ct: _pow(e, {**a, "exponent": 2}, ct)),
     "gelu": TritonOp(_F(_gelu)),
     "silu": TritonOp(_F(lambda e, x, a, ct: f"{x} / (1.0 + tl.exp(-{x}))"), ("inplace",)),
