@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_norm_train", "update_running_stats"]
+__all__ = ["batch_norm_train", "per_channel", "update_running_stats"]
 
 
 def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
@@ -58,6 +58,22 @@ def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.T
 
 
 update_running_stats._is_impure = True  # type: ignore[attr-defined]  # DCE keeps it
+
+
+def per_channel(values: torch.Tensor, channels: int, rank: int, what: str) -> torch.Tensor:
+    """``values`` (one per channel) as ``(C, 1, ...)``, to broadcast against an input of
+    ``rank`` dims with ``channels`` channels (dim 1); checked as eager checks them.
+
+    Why a call in the graph: a compiled graph is reused for other sizes. Eager raises when
+    the lengths differ, except for an input without channels, which it returns whatever
+    the statistics' length: then the values are an empty view, so the math gives the empty
+    result (a plain reshape broadcasts a length-1 input against them, or raises on 0).
+    """
+    if values.numel() != channels:
+        if channels != 0:
+            raise RuntimeError(f"{what} should contain {channels} elements not {values.numel()}")
+        values = values[:0]
+    return values.reshape((-1,) + (1,) * (rank - 2))
 
 
 def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
@@ -164,6 +180,7 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any,
                eps: float) -> tuple[Any, Any, Any, Any]:
     # statistics over every dim but the channels (dim 1), kept as (1, C, 1, ...)
     dims = (0, *range(2, rank))
+    channels = x.size(1)
     n = x.size(0)  # sizes from x itself, not from its fp32 copy
     for d in range(2, rank):
         n = n * x.size(d)
@@ -179,9 +196,9 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any,
     centered = x - mean
     var = torch.sum(centered * centered, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
-    for p, combine in ((weight, torch.mul), (bias, torch.add)):
-        if p is not None:
-            for _ in range(rank - 2):  # (C,) -> (C, 1, ...): a view of a parameter
-                p = p.unsqueeze(-1)
+    for p, what, combine in ((weight, "weight", torch.mul), (bias, "bias", torch.add)):
+        if p is not None:  # (C,) -> (C, 1, ...), checked against x's channels
+            p = p.tracer.create_proxy("call_function", per_channel,
+                                      (p, channels, rank, what), {})
             y = combine(y, p)
     return (y.to(dtype) if half else y), mean, var, n

@@ -406,6 +406,28 @@ def test_half_batch_norm_of_a_constant_batch():
     _run(M(), calls, upcast_ok=True)
 
 
+def test_eval_batch_norm_when_channels_become_empty():
+    # The decomposed graph, reused for the new size, broadcast the 5 statistics against
+    # 0 channels and raised; eager returns an input without channels whatever the
+    # statistics' length. Training mode with an affine weight did the same.
+    stats = torch.zeros(5), torch.ones(5)
+    f = lambda x: F.batch_norm(x, *stats) * 2  # noqa: E731
+    _run(f, [(torch.randn(3, 5),), (torch.randn(3, 5),), (torch.randn(3, 0),)])
+    w, b = torch.rand(5), torch.randn(5)
+    g = lambda x: F.batch_norm(x, None, None, w, b, training=True) * 2  # noqa: E731
+    _run(g, [(torch.randn(3, 5, 2),), (torch.randn(3, 5, 2),), (torch.randn(3, 0, 2),)])
+
+
+def test_batch_norm_with_one_channel_raises_like_eager():
+    # One channel against 5 statistics broadcast silently to 5 channels.
+    stats = torch.zeros(5), torch.ones(5)
+    _raises_like_eager(lambda x: F.batch_norm(x, *stats) * 2, [torch.randn(3, 5)],
+                       [torch.randn(3, 1)])
+    w = torch.rand(5)
+    _raises_like_eager(lambda x: F.batch_norm(x, None, None, w, training=True) * 2,
+                       [torch.randn(3, 5, 2)], [torch.randn(3, 1, 2)])
+
+
 # ---------------------------------------------------------------------- open bugs
 @pytest.mark.xfail(strict=True, reason="open (models): a fused reduction group's pointwise "
                    "output read by a later segment is written contiguous where eager keeps "
@@ -422,12 +444,3 @@ def test_layout_of_a_value_read_after_a_break():
     for i in range(3):
         x = torch.randn(5, 3).t() * (-1) ** i
         assert compiled(x.clone())[0].stride() == f(x.clone())[0].stride(), f"call {i}"
-
-
-@pytest.mark.xfail(strict=True, reason="open (models): eval batch_norm compiled for inputs "
-                   "with channels raises for an input whose channels became empty, which "
-                   "eager accepts whatever the statistics' length")
-def test_eval_batch_norm_when_channels_become_empty():
-    stats = torch.zeros(5), torch.ones(5)
-    f = lambda x: F.batch_norm(x, *stats) * 2  # noqa: E731
-    _run(f, [(torch.randn(3, 5),), (torch.randn(3, 5),), (torch.randn(3, 0),)])

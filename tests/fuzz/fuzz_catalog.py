@@ -29,9 +29,6 @@ KNOWN_OPEN = {
     "layout_at_break": "a fused reduction group's pointwise output that a later segment "
                        "reads loses the input's layout, so random ops fill it in another "
                        "order (test_layout_of_a_value_read_after_a_break)",
-    "bn_no_channels": "eval batch_norm compiled with channels raises for an input whose "
-                      "channels became empty; eager returns it "
-                      "(test_eval_batch_norm_when_channels_become_empty)",
 }
 
 FLOAT_SCALARS = ["0.5", "2.0", "-1.5", "0.0", "-0.0", "3.0", "1e-3", "float('inf')"]
