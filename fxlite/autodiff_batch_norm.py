@@ -15,7 +15,9 @@ that updates the running statistics as eager does::
                                              update_running_stats(bn.running_mean, bn.running_var,
                                                  bn.num_batches_tracked, mean, var, n, 0.1)
 
-Normalization uses the biased batch variance; the running variance gets the unbiased one
+Halves (fp16, bf16) are cast to fp32 first and ``y`` back at the end, as eager's kernel
+computes: the statistics and the normalization are all fp32. Normalization uses the
+biased batch variance; the running variance gets the unbiased one
 (``var * n / (n - 1)``), ``momentum=None`` is the cumulative average, and the module's
 ``num_batches_tracked`` is incremented, as ``nn.BatchNorm`` does. The update runs without
 grad, so the buffers never join the autograd graph.
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_norm_train", "update_running_stats"]
+__all__ = ["batch_norm_train", "per_channel", "update_running_stats"]
 
 
 def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
@@ -56,6 +58,22 @@ def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.T
 
 
 update_running_stats._is_impure = True  # type: ignore[attr-defined]  # DCE keeps it
+
+
+def per_channel(values: torch.Tensor, channels: int, rank: int, what: str) -> torch.Tensor:
+    """``values`` (one per channel) as ``(C, 1, ...)``, to broadcast against an input of
+    ``rank`` dims with ``channels`` channels (dim 1); checked as eager checks them.
+
+    Why a call in the graph: a compiled graph is reused for other sizes. Eager raises when
+    the lengths differ, except for an input without channels, which it returns whatever
+    the statistics' length: then the values are an empty view, so the math gives the empty
+    result (a plain reshape broadcasts a length-1 input against them, or raises on 0).
+    """
+    if values.numel() != channels:
+        if channels != 0:
+            raise RuntimeError(f"{what} should contain {channels} elements not {values.numel()}")
+        values = values[:0]
+    return values.reshape((-1,) + (1,) * (rank - 2))
 
 
 def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
@@ -130,7 +148,7 @@ def batch_norm_train(gm: Any) -> Any:
             continue
         before = node.prev
         with graph.inserting_before(node):
-            y, mean, var, n = _normalize(Proxy(args["input"], tracer), len(tm.shape),
+            y, mean, var, n = _normalize(Proxy(args["input"], tracer), tm.dtype, len(tm.shape),
                                          *(Proxy(args[k], tracer) if args[k] is not None else None
                                            for k in ("weight", "bias")), args["eps"])
         created += _between(before, node)
@@ -158,19 +176,29 @@ def _between(before: Any, node: Any) -> list[Any]:
     return out
 
 
-def _normalize(x: Any, rank: int, weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any, Any]:
+def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any,
+               eps: float) -> tuple[Any, Any, Any, Any]:
     # statistics over every dim but the channels (dim 1), kept as (1, C, 1, ...)
     dims = (0, *range(2, rank))
-    n = x.size(0)
+    channels = x.size(1)
+    n = x.size(0)  # sizes from x itself, not from its fp32 copy
     for d in range(2, rank):
         n = n * x.size(d)
-    mean = torch.sum(x, dims, keepdim=True) / n
+    # Halves: eager computes in fp32 and rounds y once (a mean rounded to fp16 leaves
+    # x - mean != 0 for a batch whose rows are all equal). The sum reads x itself, so no
+    # fp32 copy of x is written for it.
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half:
+        mean = torch.sum(x, dims, keepdim=True, dtype=torch.float32) / n
+        x = x.to(torch.float32)
+    else:
+        mean = torch.sum(x, dims, keepdim=True) / n
     centered = x - mean
     var = torch.sum(centered * centered, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
-    for p, combine in ((weight, torch.mul), (bias, torch.add)):
-        if p is not None:
-            for _ in range(rank - 2):  # (C,) -> (C, 1, ...): a view of a parameter
-                p = p.unsqueeze(-1)
+    for p, what, combine in ((weight, "weight", torch.mul), (bias, "bias", torch.add)):
+        if p is not None:  # (C,) -> (C, 1, ...), checked against x's channels
+            p = p.tracer.create_proxy("call_function", per_channel,
+                                      (p, channels, rank, what), {})
             y = combine(y, p)
-    return y, mean, var, n
+    return (y.to(dtype) if half else y), mean, var, n

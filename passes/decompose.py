@@ -31,7 +31,8 @@ What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomp
 if it holds composites itself.
 
 Extern ops get rules where that lets their pointwise part fuse: eval-mode ``batch_norm``
-becomes per-channel pointwise math (which fuses with a following ReLU and residual add),
+becomes per-channel pointwise math (which fuses with a following ReLU and residual add;
+its statistics are checked against the input's channels each call, as eager checks),
 and the bias of ``linear`` and ``conv`` becomes an add after a bias-free call, when every
 user of the result can join a kernel (so the add joins their kernel: an epilogue).
 """
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxlite.autodiff_batch_norm import per_channel
 from fxlite.graph import check_order
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
@@ -339,17 +341,27 @@ def _node_shape(node: Node, depth: int) -> tuple[int, ...] | None:
         return tuple(meta.shape)
     if depth == 0 or node.op not in ("call_function", "call_method") or not node.all_input_nodes:
         return None
-    shapes = {a: _node_shape(a, depth - 1) for a in node.all_input_nodes}
-    if any(s is None for s in shapes.values()):
+    fakes = {a: _fake(a, depth - 1) for a in node.all_input_nodes}
+    if any(f is None for f in fakes.values()):
         return None
-    fake = lambda a: torch.empty(shapes[a], device="meta")  # noqa: E731
-    args, kwargs = map_arg(node.args, fake), map_arg(node.kwargs, fake)
+    args, kwargs = map_arg(node.args, fakes.__getitem__), map_arg(node.kwargs, fakes.__getitem__)
     try:  # (rules record methods, x.reshape(...); normalize makes them functions later)
         fn = node.target if node.op == "call_function" else getattr(args[0], node.target)
         out = fn(*(args if node.op == "call_function" else args[1:]), **kwargs)
     except Exception:  # not an op that runs on meta tensors: unknown
         return None
     return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+
+def _fake(node: Node, depth: int) -> Any:
+    """A meta tensor of ``node``'s shape; for a size read (``x.size(1)``, which the
+    per-channel checks of a decomposed batch_norm take), the size; None if unknown."""
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 \
+            and type(node.args[1]) is int and isinstance(node.args[0], Node):
+        shape = _node_shape(node.args[0], depth)
+        return shape[node.args[1]] if shape is not None else None
+    shape = _node_shape(node, depth)
+    return torch.empty(shape, device="meta") if shape is not None else None
 
 
 def _count(x: Any, dims: tuple[int, ...]) -> Any:
@@ -526,13 +538,19 @@ def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
             or len(shape) < 2 or src is None or type(eps) not in (int, float) \
             or shape[1] == 0:  # no channels: eager ignores the statistics' length
         return NotImplemented
-    channel = (-1,) + (1,) * (len(shape) - 2)
+    # Per channel: (C,) -> (C, 1, ...), checked against x's channels when the graph runs
+    # (eager raises on another length, and returns an input without channels as it is).
+    channels = _same_shape_source(x).size(1)
+    per = {what: x.tracer.create_proxy("call_function", per_channel,
+                                       (t, channels, len(shape), what), {})
+           for what, t in (("running_mean", running_mean), ("running_var", running_var),
+                           ("weight", weight), ("bias", bias)) if t is not None}  # eager's order
     x, out = _opmath(x, src)
-    y = (x - running_mean.reshape(channel)) * torch.rsqrt(running_var.reshape(channel) + eps)
+    y = (x - per["running_mean"]) * torch.rsqrt(per["running_var"] + eps)
     if weight is not None:
-        y = y * weight.reshape(channel)
+        y = y * per["weight"]
     if bias is not None:
-        y = y + bias.reshape(channel)
+        y = y + per["bias"]
     return _back(y, out)
 
 

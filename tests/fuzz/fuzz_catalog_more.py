@@ -54,8 +54,6 @@ def norm(g: G) -> Step:
     c = shape[-1]
     which = g.d.int(0, 6)
     a, dt = name, g.sample(name).dtype
-    if which == 6 and dt != torch.float32 and "half_batch_norm" in KNOWN_OPEN:
-        a, dt = f"{name}.float()", torch.float32
     if which == 0:
         return g.expr("softmax", g.choice([f"torch.softmax({a}, {g.dim(name)})",
                                            f"{a}.softmax({g.dim(name)})",

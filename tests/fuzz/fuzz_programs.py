@@ -272,17 +272,15 @@ def make_inputs(program: Program, call: int, device: str = "cpu",
     handle new sizes, or raise where eager raises."""
     specs = program.inputs
     if resize:
-        # KNOWN_OPEN['bn_no_channels']: batch_norm's channels do not become empty
-        empty_ok = "batch_norm" not in program.records
-        specs = [_resized(spec, specs[0].shape, program.seed, empty_ok) for spec in specs]
+        specs = [_resized(spec, specs[0].shape, program.seed) for spec in specs]
     return [make_input(spec, program.seed * 7919 + call * 31 + i, call, device)
             for i, spec in enumerate(specs)]
 
 
-def _resized(spec: InputSpec, first: tuple[int, ...], seed: int, empty_ok: bool) -> InputSpec:
+def _resized(spec: InputSpec, first: tuple[int, ...], seed: int) -> InputSpec:
     if not first or not spec.shape or spec.shape[-1] != first[-1] or first[-1] == 1:
         return spec
-    size = 0 if seed % 3 == 0 and empty_ok else first[-1] + 2
+    size = 0 if seed % 3 == 0 else first[-1] + 2
     return InputSpec((*spec.shape[:-1], size), spec.dtype, spec.layout, spec.special)
 
 
