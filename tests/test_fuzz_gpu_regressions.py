@@ -88,3 +88,27 @@ def test_trunc_division_of_a_tensor_by_itself_is_one_on_the_gpu():
         x = torch.randn(4096, device="cuda")
         assert (compiled(x) == 1).all()
     assert not compiled.fallbacks
+
+
+@pytest.mark.skipif(not CUDA, reason="eager's CUDA kernel is the reference")
+def test_training_batch_norm_running_mean_of_a_channel_with_an_infinity():
+    # Eager's CUDA batch_norm accumulates with Welford's update: a channel holding an
+    # infinity gets a NaN running mean, where a sum / n gives +-inf.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.bn(x) * 2
+
+    eager, mine = M().cuda(), M().cuda()
+    compiled = fxlite.compile(mine)
+    for i in range(3):
+        x = torch.randn(4, 3, device="cuda")
+        if i:
+            x[1, 0], x[2, 2] = math.inf, -math.inf
+        torch.testing.assert_close(compiled(x.clone()), eager(x), equal_nan=True)
+        for k, v in eager.state_dict().items():
+            torch.testing.assert_close(mine.state_dict()[k], v, equal_nan=True, msg=k)
+    assert not compiled.fallbacks
