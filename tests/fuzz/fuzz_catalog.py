@@ -28,9 +28,6 @@ __all__ = ["CATALOG", "EXCLUDED", "G", "draw_step"]
 KNOWN_OPEN = {
     "half_batch_norm": "training batch_norm of a float16/bfloat16 batch rounds the batch "
                        "mean before subtracting it (test_half_batch_norm_of_a_constant_batch)",
-    "layout_at_break": "a fused reduction group's pointwise output that a later segment "
-                       "reads loses the input's layout, so random ops fill it in another "
-                       "order (test_layout_of_a_value_read_after_a_break)",
     "bn_no_channels": "eval batch_norm compiled with channels raises for an input whose "
                       "channels became empty; eager returns it "
                       "(test_eval_batch_norm_when_channels_become_empty)",
