@@ -77,7 +77,7 @@ from .triton_config import (
     triton_cdiv,
 )
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
-from .triton_layout import inverse, memory_order, permute_inputs
+from .triton_layout import dense_strides, inverse, memory_order, permute_inputs
 from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
@@ -156,15 +156,22 @@ class _Spec:
         self.needs_nonempty = any(v.kind == "reduce" and v.op in ("max", "min")
                                   and not v.empty_ok for v in plan.values)
         self.pointwise = plan.kind == "pointwise"
-        self.out_layout = [(tuple(v.dims), v.span, v.dtype) for _, v in self.outs]
+        self.out_layout = [(tuple(v.dims), v.span, v.dtype, v.layout) for _, v in self.outs]
         self.tuned: dict[Any, dict[str, Any]] = {}
         # (binary, grid, every argument value) of the latest GPU launch, for direct launches
         self.last_launch: tuple[Binary, tuple[int, int, int], list[Any]] | None = None
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
     def allocate(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
-        return [torch.empty([shape[d] if d in span else 1 for d in dims], dtype=dtype,
-                            device=device) for dims, span, dtype in self.out_layout]
+        outs = []
+        for dims, span, dtype, layout in self.out_layout:
+            size = [shape[d] if d in span else 1 for d in dims]
+            if layout is None:
+                outs.append(torch.empty(size, dtype=dtype, device=device))
+            else:  # eager's layout for these inputs (triton_layout.eager_layout)
+                outs.append(torch.empty_strided(size, dense_strides(size, layout),
+                                                dtype=dtype, device=device))
+        return outs
 
     def args(self, inputs: Sequence[Any], outs: list[torch.Tensor], shape: tuple[int, ...],
              counts: dict[str, int]) -> list[Any]:
@@ -372,7 +379,7 @@ class TritonKernel:
                 key, shape = key_and_shape(ordered)
                 spec = self._spec_for(ordered, key)
                 if spec is not None and all(len(d) == spec.plan.rank
-                                            for d, _, _ in spec.out_layout):
+                                            for d, *_ in spec.out_layout):
                     return spec, ordered, shape, order
             key, shape = key_and_shape(inputs)
         except RuntimeError:

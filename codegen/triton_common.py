@@ -13,7 +13,8 @@ repeated blocks of a network) then give the same source text, which compiles onc
 The kernel is specialized on the *guard key* (:func:`guard_key`): dtypes, ranks, the
 device type, and per input and dim whether it is size 1 (``"1"``), expanded with stride 0
 (``"0"``) or strided (``"s"``), plus whether each input is dense (contiguous, nothing
-expanded) and whether 64-bit indexing is needed. Sizes and strides are runtime arguments.
+expanded), the order of a strided input's strides (it decides the layout of the outputs,
+as in eager) and whether 64-bit indexing is needed. Sizes and strides are runtime arguments.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node
 
+from .triton_layout import eager_layout, stride_order
 from .triton_ops import REDUCTIONS, Unsupported, compute_dtype
 
 __all__ = ["Plan", "Value", "analyze", "computed_outputs", "guard_key", "iteration_space",
@@ -98,6 +100,7 @@ class Value:
     node: str | None = None
     exact: bool = False  # a half-typed value that holds exactly its rounded value
     empty_ok: bool = False  # a max/min that may reduce nothing (softmax's): no error then
+    layout: tuple[int, ...] | None = None  # an output's dim order as eager lays it out
 
     def deps(self) -> list[Value]:
         return [a for a in self.args.values() if isinstance(a, Value)]
@@ -166,10 +169,12 @@ def key_and_shape(inputs: Sequence[Any]) -> tuple[tuple, tuple[int, ...]]:
             device = t.device.type
             pat = _pattern(t, rank)
             dense = "0" not in pat and t.is_contiguous()
+            # the order of the strides decides the layout eager gives the outputs
+            order = None if dense else stride_order(t)
             if not big and t.numel():
                 big = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) \
                     + _OVERSHOOT > INT32_LIMIT
-            entries.append((t.dtype, pat, dense))
+            entries.append((t.dtype, pat, dense, order))
         else:
             entries.append(type(t))
     return (device, tuple(entries), big), shape
@@ -182,8 +187,9 @@ def guard_key(inputs: Sequence[Any]) -> tuple:
         inputs: the group's inputs (tensors and Python scalars).
 
     Returns:
-        A hashable key: device type; per input its dtype, broadcast/stride pattern and
-        density (or the scalar's type); and whether 64-bit indexing is needed.
+        A hashable key: device type; per input its dtype, broadcast/stride pattern,
+        density and, if not dense, the order of its strides (or the scalar's type); and
+        whether 64-bit indexing is needed.
 
     Example::
 
@@ -595,6 +601,9 @@ def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
         v = b.env.get(item) if isinstance(item, Node) else None
         if v is None or v.kind == "scalar":
             raise Unsupported(f"group output {item!r} is not a tensor value")
+        m = b.metas.get(item)
+        if v.kind != "input" and m is not None and m.dim() == len(v.dims):
+            v.layout = eager_layout(m)
         outputs.append(v)
     inputs_v: list[Value | None] = [None] * len(inputs)
     for v in b.values:

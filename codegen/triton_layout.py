@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["inverse", "memory_order", "permute_inputs"]
+__all__ = ["dense_strides", "eager_layout", "inverse", "memory_order", "permute_inputs",
+           "stride_order"]
 
 
 def _votes(t: torch.Tensor, rank: int, a: int, b: int) -> int:
@@ -60,20 +61,23 @@ def memory_order(inputs: Sequence[Any]) -> tuple[int, ...] | None:
     rank = max((t.dim() for t in tensors), default=0)
     if rank < 2:
         return None
-    order = list(range(rank))  # insertion sort, outermost first; stable for ties
+    # TensorIterator's reorder_dimensions: insertion sort, innermost first. A pair no
+    # tensor tells apart (size 1, broadcast) does not stop the search for a place.
+    perm = list(range(rank - 1, -1, -1))
     for i in range(1, rank):
-        j = i
-        while j > 0:
-            a, b = order[j - 1], order[j]
+        inner = i
+        for outer in range(i - 1, -1, -1):
             vote = 0
             for t in tensors:
-                vote = _votes(t, rank, a, b)
+                vote = _votes(t, rank, perm[inner], perm[outer])
                 if vote:
                     break
-            if vote != 1:  # b should stay inside a
+            if vote == 1:  # perm[outer] belongs inside perm[inner]: swap
+                perm[outer], perm[inner] = perm[inner], perm[outer]
+                inner = outer
+            elif vote == -1:
                 break
-            order[j - 1], order[j] = b, a
-            j -= 1
+    order = perm[::-1]
     return None if order == sorted(order) else tuple(order)
 
 
@@ -100,3 +104,51 @@ def permute_inputs(inputs: Sequence[Any], order: Sequence[int]) -> list[Any]:
             t = t.permute(order)
         out.append(t)
     return out
+
+
+# ---------------------------------------------------------------------- output layouts
+# A kernel that does not run in memory order (a reduction group, say) stores each output
+# in the layout eager gave it: ``softmax(x)`` is row-major whatever ``x``'s layout, but
+# ``x.fmod(x)`` has ``x``'s. The layout comes from the group's metadata (the recording's
+# real tensors, or a run on meta tensors for these inputs), so it depends on the order of
+# the inputs' strides: the guard key holds that order (:func:`stride_order`).
+
+
+def stride_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dims that are neither size 1 nor broadcast, outermost (largest stride) first."""
+    shape, stride = t.shape, t.stride()
+    dims = [d for d in range(t.dim()) if shape[d] != 1 and stride[d] != 0]
+    return tuple(sorted(dims, key=lambda d: -stride[d]))
+
+
+def eager_layout(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s dims (outermost first) that lays it out densely as it is.
+
+    Returns:
+        None when ``t`` is row-major (or is not dense: overlapping or with gaps, which a
+        kernel's fresh output never copies). A size-1 dim sits inside a dim of equal stride.
+
+    Example::
+
+        eager_layout(torch.randn(5, 3).t())    # (1, 0)
+        eager_layout(torch.randn(3, 5))        # None
+    """
+    k = t.dim()
+    shape, stride = t.shape, t.stride()
+    order = tuple(sorted(range(k), key=lambda d: (-stride[d], shape[d] == 1, d)))
+    if order == tuple(range(k)):
+        return None
+    want = dense_strides(shape, order)
+    if any(shape[d] != 1 and want[d] != stride[d] for d in range(k)):
+        return None
+    return order
+
+
+def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` whose dims lie in ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)

@@ -95,7 +95,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     stores: list[tuple[int, Value, Access]] = []
     for j, v in computed_outputs(plan):
         span = v.span & every
-        if span == every:
+        if span == every and v.layout is None:  # else eager's layout: stored by strides
             acc = Access("offs", frozenset({"lin"}))
         else:
             off, strides = _strided(f"out{j}", sorted(span))

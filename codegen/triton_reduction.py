@@ -137,7 +137,8 @@ class _Kernel:
             mask_dims = tuple(d for d in self.kept if d not in v.span)
         self.needed_rows |= {d for d in mask_dims if d in self.kept}
         self.needed_cols |= {d for d in mask_dims if d in self.red}
-        if sk in ([], self.kept) and (not full or (self.trailing and sr == self.red)):
+        if v.layout is None and sk in ([], self.kept) and (
+                not full or (self.trailing and sr == self.red)):
             acc = self._fast(bool(sk), full)
         else:
             off, strides = self._strided(f"out{j}", sk + sr)

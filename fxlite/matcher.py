@@ -223,6 +223,11 @@ class SubgraphMatcher:
         self._plan_search(nodes)
         mod = self.pattern_module
         self._pkey = {n: op_key(n, mod, self.match_spellings) for n in self.op_nodes}
+        # A call_module node whose module the pattern does not own (a bare Graph) cannot
+        # say which op it computes: it matches a graph call_module node of the same
+        # target, as in torch.fx, whatever op that module computes.
+        self._by_target = {n for n in self.op_nodes
+                           if n.op == "call_module" and _fetch(mod, n.target) is _UNBOUND}
         self._pkey[out] = op_key(out, mod, False)
         self._pargs = {n: self._call_args(n, self._pkey[n], mod) for n in (*self.op_nodes, out)}
 
@@ -328,6 +333,12 @@ class _Search:
             k = self.keys[n] = op_key(n, self.module, self.m.match_spellings)
         return k
 
+    def key_for(self, n: Node, pn: Node) -> Any:
+        """``n``'s op key as pattern node ``pn`` compares it (by target, see _by_target)."""
+        if pn in self.m._by_target and n.op == "call_module":
+            return op_key(n, None, False)
+        return self.key(n)
+
     def run(self) -> list[InternalMatch]:
         m, pos = self.m, self.pos
         anchor = m.anchors[0]
@@ -339,7 +350,8 @@ class _Search:
             op = n.op
             if op in _CALLS or op == "get_attr":
                 k = self.keys[n] = op_key(n, module, spellings)
-                if k == akey or (self.explaining and op in _CALLS):
+                if k == akey or (self.explaining and op in _CALLS) or (
+                        op == "call_module" and self.key_for(n, anchor) == akey):
                     candidates.append(n)
             elif op == "output" and anchor.op == "output":
                 candidates.append(n)
@@ -352,7 +364,7 @@ class _Search:
                     self._record(gn, 0)
                 continue
             self._first = None
-            self._relaxed = gn if self.explaining and self.key(gn) != akey else None
+            self._relaxed = gn if self.explaining and self.key_for(gn, anchor) != akey else None
             depth = [0]
             ok = self._unify(anchor, gn) and self._extend(0, depth)
             if ok and self._relaxed is None:
@@ -457,7 +469,7 @@ class _Search:
             return self.explaining and self._note(pn, ga, where, f"graph node %{ga.name} belongs to an "
                                                   "earlier match (overlapping matches are removed)")
         pkey = m._pkey[pn]
-        gkey = self.key(ga)
+        gkey = self.key_for(ga, pn)
         if gkey != pkey:
             if self._relaxed is not ga or pn is not m.anchors[0]:
                 return self.explaining and self._note(pn, ga, where, _op_differs(pn, ga, pkey, gkey))
@@ -511,7 +523,7 @@ class _Search:
         want = self.m._pkey[pu]
         mark = len(self.trail)
         for cand in list(gsrc.users):
-            if cand in self.g2p or self.key(cand) != want:
+            if cand in self.g2p or self.key_for(cand, pu) != want:
                 continue
             if self._unify(pu, cand) and self._extend(step + 1, depth):
                 return True

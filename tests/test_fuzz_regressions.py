@@ -4,9 +4,9 @@ Every test calls the compiled function several times with fresh inputs (benign f
 then the trap) and compares results, inputs and buffers with eager PyTorch, and that no
 segment or kernel had to be replaced by eager (``fallbacks``), which would hide the bug.
 
-The ``xfail(strict=True)`` tests at the end are open bugs that other work is fixing; the
-fuzzer steers around their triggers (``tests/fuzz/fuzz_catalog.py``: ``KNOWN_OPEN``). When
-one starts passing, pytest fails it: remove its mark and its ``KNOWN_OPEN`` entry.
+An open bug goes at the end, as an ``xfail(strict=True)`` test, with a ``KNOWN_OPEN`` entry
+in ``tests/fuzz/fuzz_catalog.py`` that steers the generator around its trigger; when it
+starts passing, pytest fails it: then remove its mark and its entry. None is open now.
 """
 
 from __future__ import annotations
@@ -384,6 +384,56 @@ def test_pointwise_results_keep_the_input_layout():
     _run(f, [((torch.randn(3, 3) * 2).bfloat16().t() * s,) for s in (1, -1, 1)])
 
 
+def test_layout_of_a_value_read_after_a_break():
+    # A fused reduction group's pointwise output that a later segment reads was written
+    # row-major where eager keeps the input's layout (x is transposed): rand_like of it
+    # then drew its numbers in another order than eager.
+    def f(x):
+        v0 = x.fmod(x)
+        v1 = v0.mean()
+        if x.float().mean() < 0.5:
+            v0.sigmoid()
+        return v0, v1
+
+    compiled = fxlite.compile(f)
+    for i in range(3):
+        x = torch.randn(5, 3).t() * (-1) ** i
+        assert compiled(x.clone())[0].stride() == f(x.clone())[0].stride(), f"call {i}"
+
+    def g(x):
+        v0 = x.fmod(x)
+        v1 = v0.mean()
+        if x.float().mean() < 0.5:
+            return torch.rand_like(v0) * v1
+        return torch.randn_like(v0) + v1
+
+    _run(g, [(torch.randn(5, 3).t() * (-1) ** i,) for i in range(3)])
+
+
+@pytest.mark.parametrize("f, make", [
+    (lambda x: (lambda v: (v, v.mean()))(x.fmod(x)), lambda: torch.randn(5, 3).t()),
+    (lambda x: (x.exp(), x.sum(-1, keepdim=True)), lambda: torch.randn(2, 3, 4).permute(2, 0, 1)),
+    (lambda x: x - x.mean(0, keepdim=True), lambda: torch.randn(2, 3, 4).permute(2, 0, 1)),
+    (lambda x: (x.relu(), x.sum((2, 3))),
+     lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)),
+    (lambda x: (x.fmod(x), x.mean()), lambda: torch.randn(5, 6)[:, ::2]),
+    (lambda x: (x.fmod(x), x.mean()), lambda: torch.randn(5, 1, 3).permute(2, 1, 0)),
+    (lambda x: torch.softmax(x, 1), lambda: torch.randn(5, 3).t()),
+], ids=["reduction-group", "keepdim-sum", "centred", "channels-last", "sliced", "size-1-dim",
+        "softmax"])
+def test_returned_outputs_have_eager_strides(f, make):
+    # Outputs of fused groups get the layout eager gives them, on every call (the first
+    # is the recording), whichever kernel computes them.
+    compiled = fxlite.compile(f)
+    for i in range(3):
+        x = make()
+        got, want = compiled(x), f(x)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+            assert g.stride() == w.stride(), f"call {i}"
+
+
 def test_half_batch_norm_of_a_constant_batch():
     # Training batch_norm of an fp16 batch whose rows are equal gave +-0.3 where eager
     # gives about 0: the batch mean was rounded to fp16 before it was subtracted. Now the
@@ -426,21 +476,3 @@ def test_batch_norm_with_one_channel_raises_like_eager():
     w = torch.rand(5)
     _raises_like_eager(lambda x: F.batch_norm(x, None, None, w, training=True) * 2,
                        [torch.randn(3, 5, 2)], [torch.randn(3, 1, 2)])
-
-
-# ---------------------------------------------------------------------- open bugs
-@pytest.mark.xfail(strict=True, reason="open (models): a fused reduction group's pointwise "
-                   "output read by a later segment is written contiguous where eager keeps "
-                   "the input's layout (then rand_like of it draws in another order)")
-def test_layout_of_a_value_read_after_a_break():
-    def f(x):
-        v0 = x.fmod(x)
-        v1 = v0.mean()
-        if x.float().mean() < 0.5:
-            v0.sigmoid()
-        return v0, v1
-
-    compiled = fxlite.compile(f)
-    for i in range(3):
-        x = torch.randn(5, 3).t() * (-1) ** i
-        assert compiled(x.clone())[0].stride() == f(x.clone())[0].stride(), f"call {i}"

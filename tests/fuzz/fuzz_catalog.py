@@ -26,9 +26,6 @@ __all__ = ["CATALOG", "EXCLUDED", "G", "draw_step"]
 # in the mix) and a strict xfail in tests/test_fuzz_regressions.py shows each one. When
 # such a test starts passing, pytest fails it: then delete the entry here.
 KNOWN_OPEN = {
-    "layout_at_break": "a fused reduction group's pointwise output that a later segment "
-                       "reads loses the input's layout, so random ops fill it in another "
-                       "order (test_layout_of_a_value_read_after_a_break)",
 }
 
 FLOAT_SCALARS = ["0.5", "2.0", "-1.5", "0.0", "-0.0", "3.0", "1e-3", "float('inf')"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from fuzz_catalog import KNOWN_OPEN, G, _scalar_kind, unary
+from fuzz_catalog import G, _scalar_kind, unary
 from fuzz_programs import Skip, Step
 
 __all__ = ["MORE"]
@@ -231,14 +231,6 @@ def unknown(g: G) -> Step:
 
 
 # ---------------------------------------------------------------------- random, effects
-def _dense(g: G, name: str) -> str:
-    """``name``, or ``name.contiguous()`` for a computed value (KNOWN_OPEN['layout_at_break']:
-    a random op fills its result in memory order, so both sides need one layout)."""
-    if "layout_at_break" not in KNOWN_OPEN or g.s.get(name).input:
-        return name
-    return f"{name}.contiguous()"
-
-
 def _finite(code: str) -> str:
     """``code`` with NaN and infinities replaced: random ops that take probabilities or
     rates raise on the CPU for them, but fail a device-side assert on CUDA, which ends the
@@ -251,7 +243,6 @@ def random_op(g: G) -> Step:
     if which <= 5:
         a = g.t(kind="float")
         g.weak.append(a)  # only its shape, dtype and device count
-        a = _dense(g, a)
         form = [f"torch.rand_like({a})", f"torch.randn_like({a})",
                 f"torch.randint_like({a}, 0, 5)", f"torch.rand({a}.shape, device={a}.device)",
                 f"torch.randn(3, device={a}.device)",
@@ -265,12 +256,11 @@ def random_op(g: G) -> Step:
                       f"device={a}.device)")
     if which == 7:
         a = g.t(kind="float", exact=True)
-        p = _finite(_dense(g, a))
-        return g.expr("torch.bernoulli", f"torch.bernoulli({p}.abs().clamp(0, 1))")
+        return g.expr("torch.bernoulli", f"torch.bernoulli({_finite(a)}.abs().clamp(0, 1))")
     if which == 8:
         a = g.t(kind="float")
         g.weak.append(a)
-        return g.expr("Tensor.bernoulli", f"{_dense(g, a)}.bernoulli(0.3)")
+        return g.expr("Tensor.bernoulli", f"{a}.bernoulli(0.3)")
     if which == 9:
         a = g.t(kind="float", exact=True)
         if not g.sample(a).numel():
@@ -282,11 +272,11 @@ def random_op(g: G) -> Step:
                       "Tensor.multinomial", form)
     if which == 10:
         a = g.t(kind="float", exact=True)
-        return g.expr("torch.normal", f"torch.normal({_dense(g, a)}, 0.5)", "inexact")
+        return g.expr("torch.normal", f"torch.normal({a}, 0.5)", "inexact")
     if which == 11:
         a = g.t(kind="float", exact=True)
-        return g.expr("torch.poisson", f"torch.poisson({_finite(_dense(g, a))}.abs())")
-    a = _dense(g, g.t(kind="float"))
+        return g.expr("torch.poisson", f"torch.poisson({_finite(a)}.abs())")
+    a = g.t(kind="float")
     forms = [("torch.dropout", f"torch.dropout({a}, 0.3, True)"),
              ("torch.alpha_dropout", f"torch.alpha_dropout({a}, 0.3, True)"),
              ("torch.feature_dropout", f"torch.feature_dropout({a}, 0.3, True)"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 
-import pytest
 import torch
 
 import fxlite as fx
@@ -42,13 +41,19 @@ def test_pattern_module_given_matches_call_module():
     torch.testing.assert_close(gm(x), -torch.relu(x))
 
 
-@pytest.mark.xfail(strict=True, reason="found by the fuzzer: a pattern Graph without a module keys "
-                   "its call_module node by target, while the graph keys the same node by op name "
-                   "('relu'), so they never match; torch.fx's SubgraphMatcher matches by target")
 def test_pattern_graph_without_module_matches_call_module_by_target():
+    # Found by the fuzzer: a pattern Graph without a module keyed its call_module node by
+    # target, the graph keyed the same node by op name ('relu'), so they never matched.
+    # torch.fx's SubgraphMatcher matches call_module nodes by target.
     gm = _graph_with_module_relu()
-    pattern, _ = _bare_pattern()
+    pattern, replacement = _bare_pattern()
     assert len(SubgraphMatcher(pattern).match(gm.graph, gm)) == 1
+    other = fx.Graph()
+    other.output(other.call_module("other", (other.placeholder("a"),)))
+    assert SubgraphMatcher(other).match(gm.graph, gm) == []
+    assert len(replace_pattern_with_filters(gm, pattern, replacement)) == 1
+    x = torch.randn(6)
+    torch.testing.assert_close(gm(x), -torch.relu(x))
 
 
 def test_match_needing_a_reorder_is_skipped_and_changes_nothing():

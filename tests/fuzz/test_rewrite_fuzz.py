@@ -142,8 +142,9 @@ def _pattern_and_replacement(draw, piece: list[fx.Node], ops: dict):
     for graph, env in ((pattern, penv), (replacement, renv)):
         result = [env[o] for o in outputs]
         graph.output(tuple(result) if len(result) > 1 else result[0])
-    # A module owns the pattern's call_module targets (a bare Graph's "act" is no known op).
-    return fx.GraphModule(Root(), pattern), replacement
+    # With a module, the pattern's call_module "act" is the op relu (it matches any
+    # spelling); a bare Graph's "act" matches call_module nodes of that target only.
+    return (fx.GraphModule(Root(), pattern) if draw(st.booleans()) else pattern), replacement
 
 
 def _placeable(piece: list[fx.Node], g: fx.Graph) -> bool:
