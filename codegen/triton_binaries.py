@@ -26,7 +26,7 @@ import torch
 
 from .cache import write_atomic
 
-__all__ = ["binary_key", "load_binary", "save_binary"]
+__all__ = ["binary_key", "has_binary", "load_binary", "save_binary"]
 
 
 def binary_key(source_id: str, variant: str, args: Sequence[Any], constexprs: dict[str, Any],
@@ -53,6 +53,12 @@ def binary_key(source_id: str, variant: str, args: Sequence[Any], constexprs: di
 
 def _entry(cache_dir: Path, key: str) -> Path:
     return cache_dir / "binaries" / f"{key}.json"
+
+
+def has_binary(cache_dir: Path, key: str) -> bool:
+    """Whether the index has a record under ``key`` (:func:`load_binary` may still find
+    its files gone, and then the launch compiles)."""
+    return _entry(cache_dir, key).exists()
 
 
 def save_binary(cache_dir: Path, key: str, compiled: Any, checked: bool = False) -> None:
