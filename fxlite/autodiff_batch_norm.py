@@ -25,7 +25,6 @@ grad, so the buffers never join the autograd graph.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -47,9 +46,6 @@ def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.T
         if (running_mean is None and running_var is None) or mean.numel() == 0 or n == 0:
             return  # no statistics, or no channels or no values in them (eager leaves
             # the buffers as they are)
-        if mean.is_cuda:  # eager's CUDA kernel accumulates with Welford's update: a
-            # channel holding an infinity gets a NaN mean there (the CPU's sum gives +-inf)
-            mean = torch.where(torch.isinf(mean), math.nan, mean)
         factor: Any = momentum
         if factor is None:  # a 0-d tensor: no host sync on a GPU
             factor = 1.0 / num_batches_tracked.double() if num_batches_tracked is not None else 0.0

@@ -258,18 +258,6 @@ def _node_dtype(node: Node, depth: int) -> torch.dtype | None:
     return result_dtype(info, map_arg(args, lambda n: _node_dtype(n, depth - 1)))
 
 
-def _on_cuda(x: Any, depth: int = 8) -> bool:
-    """Whether value ``x`` lives on a CUDA device, as far as the metadata says (compile's
-    recording and ShapeProp give ``meta['device']``; nodes a rule made ask their inputs)."""
-    node = x.node if isinstance(x, Proxy) else x
-    if not isinstance(node, Node):
-        return False
-    device = node.meta.get("device")
-    if device is not None:
-        return torch.device(device).type == "cuda"
-    return depth > 0 and any(_on_cuda(i, depth - 1) for i in node.all_input_nodes)
-
-
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
     """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
 
@@ -453,12 +441,7 @@ def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None
     x, out = _opmath(x, src)
     if eps is None:
         eps = torch.finfo(torch.float32 if out is not None else src).eps
-    ms = torch.sum(x * x, dims, keepdim=True) / n
-    if _on_cuda(x):
-        # eager's CUDA kernel accumulates with Welford's update, so a row with an infinite
-        # square comes out all NaN; the CPU's gives x * rsqrt(inf) (0, and NaN at the inf)
-        ms = torch.where(torch.isinf(ms), math.nan, ms)
-    y = x * torch.rsqrt(ms + eps)
+    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
     return _back(y * weight if weight is not None else y, out)
 
 

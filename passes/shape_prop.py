@@ -137,8 +137,6 @@ class ShapeProp(Interpreter):
         else:
             n.meta.pop("tensor_meta", None)  # a stale record from an earlier run would mislead
         n.meta["type"] = type(result)
-        if isinstance(result, torch.Tensor):
-            n.meta["device"] = result.device  # some ops differ by device (decompose asks)
         return result
 
     def propagate(self, *args: Any) -> Any:

@@ -192,6 +192,7 @@ def check_compiled(program: Program, backend: str = "triton", device: str = "cpu
             problems = same(got, want, _exact_like(exact_out, want), "result", up[0], low)
         else:
             up = None
+        problems = _cuda_norm_rows(program, device, call, problems)
         failures += [f"{where}: {p}" for p in problems]
         for i, (a, b) in enumerate(zip(xc, xe)):
             msg = same(a, b, False, f"input x{i} after the call",
@@ -203,6 +204,7 @@ def check_compiled(program: Program, backend: str = "triton", device: str = "cpu
             if msg:
                 up = up or _reference(program, device, call, seed, before, resize)
                 msg = same(sc.get(k), se[k], False, f"buffer {k}", up[2].get(k), low)
+            msg = _cuda_norm_rows(program, device, call, msg)
             failures += [f"{where}: {m}" for m in msg]
         ide = _identity_map(want, [t for t in list(xe) + list(se.values()) if t.numel()])
         idc = _identity_map(got, [t for t in list(xc) + list(sc.values()) if t.numel()])
@@ -217,6 +219,26 @@ def check_compiled(program: Program, backend: str = "triton", device: str = "cpu
     if failures:
         STATS["failures"] += 1
     return failures
+
+
+_NORMS = {"rms_norm", "layer_norm", "batch_norm", "group_norm", "instance_norm"}
+
+
+def _cuda_norm_rows(program: Program, device: str, call: int, problems: list[str]) -> list[str]:
+    """``problems``, less NaN-against-number differences of a norm over infinities on CUDA.
+
+    Eager's CUDA norm kernels accumulate with Welford's update, whose result for a row or
+    channel holding an infinity depends on where the infinity sits and on the kernel the
+    shape picks: NaN for the whole row, or the formula's +-inf (and 0 at the finite
+    elements). The CPU's kernels give the formula's, and so does fxlite, which the CPU runs
+    check. Such differences are counted in STATS, not failed."""
+    if device != "cuda" or not problems or call == 0 or not (program.records & _NORMS) \
+            or not any(s.special for s in program.inputs):
+        return problems
+    kept = [p for p in problems if "difference: nan" not in p]
+    STATS["NaN against a number in a CUDA norm over infinities (eager's order)"] += (
+        len(problems) - len(kept))
+    return kept
 
 
 def _loosest(program: Program) -> torch.dtype | None:
@@ -334,6 +356,7 @@ def check_passes(program: Program, device: str = "cpu", calls: int = 2) -> list[
         if problems:  # maybe rounding of low-precision intermediates
             problems = same(got, want, ex, "result", _reference(program, device, call, seed,
                                                                  {})[0])
+        problems = _cuda_norm_rows(program, device, call, problems)
         failures += [f"call {call} (fused): {p}" for p in problems]
         for i, (a, b) in enumerate(zip(xc, xe)):
             failures += [f"call {call}: {m}" for m in same(a, b, False, f"input x{i} after")]
