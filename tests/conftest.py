@@ -27,6 +27,10 @@ if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
 if not os.environ.get("FXLITE_CACHE_DIR"):
     os.environ["FXLITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxlite-tests-")
 
+# On a GPU, compiled segments race their recorded ops before keeping the faster side
+# (codegen/trial.py, which has its own tests): tests check what the kernels do.
+os.environ.setdefault("FXLITE_TRIAL", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 # A checkout that is not installed: put it on the path. fxlite itself then maps the
 # folders passes/ and codegen/ to fxlite.passes and fxlite.codegen (fxlite/__init__.py).
