@@ -61,6 +61,14 @@ def memory_order(inputs: Sequence[Any]) -> tuple[int, ...] | None:
     rank = max((t.dim() for t in tensors), default=0)
     if rank < 2:
         return None
+    # TensorIterator's fast setup first: inputs of one shape, all contiguous (row-major
+    # output) or all channels-last (a channels-last one), whatever their size-1 strides.
+    if all(t.shape == tensors[0].shape for t in tensors):
+        if all(t.is_contiguous() for t in tensors):
+            return None
+        if rank == 4 and all(t.is_contiguous(memory_format=torch.channels_last)
+                             for t in tensors):
+            return (0, 2, 3, 1)
     # TensorIterator's reorder_dimensions: insertion sort, innermost first. A pair no
     # tensor tells apart (size 1, broadcast) does not stop the search for a place.
     perm = list(range(rank - 1, -1, -1))

@@ -353,6 +353,24 @@ def test_training_batch_norm_of_an_empty_batch_keeps_its_statistics():
          fallbacks_ok=True)  # the kernel of the batch's mean (0 / 0) is replaced by eager
 
 
+def test_write_of_a_value_into_itself_after_a_channels_last_kernel():
+    # Found on an H200 (10,000 programs), reproduced on the CPU: eager gives reciprocal of
+    # a channels-last (1, 3, 1, 2) input the input's strides, (6, 1, 6, 3); the kernel gave
+    # (6, 1, 3, 3) (the size-1 dim's stride differs), and then ``v2[0] = v2``, which eager
+    # accepts as an exact self-overlap, raised a partial-overlap error.
+    def f(x):
+        v1 = torch.reciprocal(x)
+        v2 = v1 + int(x.sum().item())
+        v2[0] = v2
+        return v1, v2
+
+    calls = [((torch.randn(1, 3, 1, 2) * (i + 1) * (-1) ** i).contiguous(
+        memory_format=torch.channels_last),) for i in range(3)]
+    compiled = _run(f, calls)
+    x = calls[0][0]
+    assert compiled(x)[0].stride() == torch.reciprocal(x).stride() == (6, 1, 6, 3)
+
+
 # ---------------------------------------------------------------------- fixed elsewhere
 # Found by the fuzzer while other work fixed them on main (the kernels' pow, float16 norms,
 # integer division, result layouts): kept as regression tests.
