@@ -332,6 +332,38 @@ def test_training_batch_norm_of_an_empty_batch_keeps_its_statistics():
          fallbacks_ok=True)  # the kernel of the batch's mean (0 / 0) is replaced by eager
 
 
+# ---------------------------------------------------------------------- gradients
+# Found by the gradient check (tests/fuzz/fuzz_check_grad.py): compiled and eager
+# backward of the same program, from the same weighted sum of its results.
+def _grads(fn, calls, weights=None):
+    """Compile ``fn``; per call, backward from ``sum(w * out)`` over its results in both
+    and compare the results and every input's ``.grad`` (None where eager's is None)."""
+    compiled = fxlite.compile(fn)
+    for i, args in enumerate(calls):
+        runs = []
+        for f in (fn, compiled):
+            xs = [a.clone().requires_grad_() for a in args]
+            out = f(*xs)
+            outs = out if isinstance(out, tuple) else (out,)
+            ws = weights or [1.0] * len(outs)
+            sum((o * w).sum() for o, w in zip(outs, ws) if w is not None).backward()
+            runs.append((out, [x.grad for x in xs]))
+        (want, want_g), (got, got_g) = runs
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"call {i}: {m}")
+        assert [g is None for g in got_g] == [g is None for g in want_g], f"call {i}"
+        torch.testing.assert_close(got_g, want_g, equal_nan=True,
+                                   msg=lambda m: f"call {i}, grads: {m}")
+
+
+def test_remainder_grad_of_an_infinite_dividend_is_nan():
+    # d(x % y)/dy = -(x // y), which eager's floor division makes NaN for an infinite x;
+    # the rule's floor(x / y) gave -inf (fmod: trunc division, which gives inf as eager).
+    x = torch.tensor([float("inf"), float("-inf"), 4.3, -1.2, float("nan")])
+    y = torch.tensor([1.87, -0.5, 0.5, 2.8, 1.0])
+    for f in (lambda a, b: a % b, torch.fmod):
+        _grads(f, [(torch.randn(5), torch.rand(5) + 1), (x, y)])
+
+
 # ---------------------------------------------------------------------- fixed elsewhere
 # Found by the fuzzer while other work fixed them on main (the kernels' pow, float16 norms,
 # integer division, result layouts): kept as regression tests.
