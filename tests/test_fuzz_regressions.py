@@ -364,6 +364,17 @@ def test_remainder_grad_of_an_infinite_dividend_is_nan():
         _grads(f, [(torch.randn(5), torch.rand(5) + 1), (x, y)])
 
 
+def test_input_reached_only_by_an_unused_result_gets_no_grad():
+    # A fused group returning (trunc(a) * 2, minimum(tanh(b), trunc(a))): backward from the
+    # first result alone gave b a zero gradient where eager leaves b.grad None (an
+    # optimizer then skips b).
+    def f(a, b):
+        t = a.trunc()
+        return t * 2, torch.minimum(torch.tanh(b), t)
+
+    _grads(f, [(torch.randn(2, 3), torch.randn(2, 3))] * 3, weights=[1.0, None])
+
+
 # ---------------------------------------------------------------------- fixed elsewhere
 # Found by the fuzzer while other work fixed them on main (the kernels' pow, float16 norms,
 # integer division, result layouts): kept as regression tests.
