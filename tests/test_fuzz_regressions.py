@@ -343,6 +343,7 @@ def _grads(fn, calls, weights=None):
         runs = []
         for f in (fn, compiled):
             xs = [a.clone().requires_grad_() for a in args]
+            torch.manual_seed(i)
             out = f(*xs)
             outs = out if isinstance(out, tuple) else (out,)
             ws = weights or [1.0] * len(outs)
@@ -450,3 +451,11 @@ def test_eval_batch_norm_when_channels_become_empty():
     stats = torch.zeros(5), torch.ones(5)
     f = lambda x: F.batch_norm(x, *stats) * 2  # noqa: E731
     _run(f, [(torch.randn(3, 5),), (torch.randn(3, 5),), (torch.randn(3, 0),)])
+
+
+@pytest.mark.xfail(strict=True, reason="open (autodiff): on the CPU eager's backward of "
+                   "torch.max(x) gives a NaN cotangent to the maxima only; fxlite's rule "
+                   "multiplies it by the mask (as eager on CUDA): NaN everywhere")
+def test_max_of_all_elements_with_a_nan_gradient_on_the_cpu():
+    _grads(lambda x: x.max().var(), [(torch.randn(3, 5),)] * 3)
+
