@@ -86,6 +86,10 @@ class _GroupFunction(torch.autograd.Function):
         ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
                       for a in args]
         outs = results[:grad.n_outputs]
+        # an output the loss does not use gets None, not zeros: the inputs only it reaches
+        # then get None too, as in eager (backward below)
+        ctx.set_materialize_grads(False)
+        ctx.outs = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in grad.tangents]
         ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
                                       if i not in grad.tangents and isinstance(o, torch.Tensor)))
         return tuple(outs)
@@ -101,11 +105,19 @@ class _GroupFunction(torch.autograd.Function):
         grad = variant.grad
         tensors = iter(ctx.saved_tensors)
         saved = [next(tensors) if v is None else v for v in ctx.plain]
-        results = variant.backward(*saved, *(grads[i] for i in grad.tangents))
+        used = [grads[i] is not None for i in grad.tangents]
+        reached = frozenset().union(*(s for s, u in zip(grad.sources, used) if u))
+        if not reached:
+            return (None,) * (1 + len(ctx.inputs))
+        tangents = [grads[i] if u else torch.zeros(shape, dtype=dtype, device=device)
+                    for i, u, (shape, dtype, device) in zip(grad.tangents, used, ctx.outs)]
+        results = variant.backward(*saved, *tangents)
         out: list[Any] = [None]
         for i, spec in enumerate(ctx.inputs):
             k = grad.grads[i]
-            if k is not None:
+            if i not in reached:
+                out.append(None)
+            elif k is not None:
                 g = results[k]
                 out.append(g if g.shape == spec[0] else g.expand(spec[0]))
             elif i in grad.zero_grads:

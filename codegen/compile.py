@@ -359,7 +359,9 @@ class CompiledFunction:
                         if value is None:       # writes the earlier ones' checks made
                             value = private[n] = rec.pre_state[n].clone()
                             if _recorded_grad(seg, n) and value.is_floating_point():
-                                value.requires_grad_()
+                                # not a leaf: the segment may write it in place, as the
+                                # program wrote the (non-leaf) value it stands for
+                                value = private[n] = value.requires_grad_().clone()
                         sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])

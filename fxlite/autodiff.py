@@ -67,6 +67,9 @@ class GroupGrad:
         grads: per group input, the index of its gradient among the backward's results, or
             None (the input needs none, or gets zero).
         zero_grads: inputs that need a gradient but get zero (piecewise-constant ops).
+        sources: per tangent, the inputs a differentiable path joins to its output. An
+            input that no output with a gradient reaches gets None, as in eager (an output
+            the loss does not use gets no gradient).
     """
 
     forward: GraphModule
@@ -77,6 +80,7 @@ class GroupGrad:
     tangents: list[int]
     grads: list[int | None]
     zero_grads: list[int]
+    sources: list[frozenset[int]]
 
 
 # ---------------------------------------------------------------------- values and meta
@@ -123,6 +127,7 @@ class _Joint:
     grads: list[Node | None]  # per primal
     needs_grad: list[bool]  # per primal
     created: list[Node]
+    sources: dict[Node, frozenset[int]]  # per live node: the primals it is computed from
 
 
 def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]) -> _Joint:
@@ -157,10 +162,13 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
     # Which values carry a gradient: floats computed from an input that needs one.
     needs_grad = [bool(r) and _float_tensor(values[p]) for p, r in zip(primals, requires_grad)]
     live = {p for p, r in zip(primals, needs_grad) if r}
+    sources = {p: frozenset({i}) for i, p in enumerate(primals) if p in live}
     ops = [n for n in graph.nodes if n.op != "placeholder"]
     for n in ops:
         if _float_tensor(values[n]) and any(i in live for i in n.all_input_nodes):
             live.add(n)
+            sources[n] = frozenset().union(*(sources[i] for i in n.all_input_nodes
+                                             if i in live))
 
     # Tangents, one per differentiable output, right after the inputs.
     tangents: list[Node | None] = []
@@ -182,7 +190,8 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
 
     grads = [cotangent[p].node if p in live and p in cotangent else None for p in primals]
     graph.output((*outputs, *(g for g in grads if g is not None)))
-    return _Joint(graph, primals, outputs, single, tangents, grads, needs_grad, tracer.created)
+    return _Joint(graph, primals, outputs, single, tangents, grads, needs_grad, tracer.created,
+                  sources)
 
 
 def _accumulate(cotangent: dict[Node, Any], node: Node, grad: Any) -> None:
@@ -440,7 +449,9 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
         if g is None and joint.needs_grad[i]:
             zero.append(i)
     return GroupGrad(fw, bw, len(outputs), joint.single, where,
-                     [i for i, t in enumerate(joint.tangents) if t is not None], grads, zero)
+                     [i for i, t in enumerate(joint.tangents) if t is not None], grads, zero,
+                     [joint.sources[o] for o, t in zip(joint.outputs, joint.tangents)
+                      if t is not None])
 
 
 def _ancestors(nodes: list[Node], stop: set[Node]) -> set[Node]:

@@ -137,10 +137,12 @@ def _pow(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 
 
 def _remainder(trunc: bool) -> Rule:
-    # x - y * floor(x / y) (fmod: trunc): d/dx = 1, d/dy = -floor(x / y)
+    # x - y * floor(x / y) (fmod: trunc): d/dx = 1, d/dy = -(x // y), as eager divides:
+    # its floor division gives NaN for an infinite x, where floor(x / y) gives inf
+    mode = "trunc" if trunc else "floor"
+
     def rule(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
-        q = a["input"] / a["other"]
-        return {"input": g, "other": -g * (torch.trunc(q) if trunc else torch.floor(q))}
+        return {"input": g, "other": -g * torch.div(a["input"], a["other"], rounding_mode=mode)}
     return rule
 
 

@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 
 from fuzz_catalog import draw_step
 from fuzz_check import check_compiled, check_passes
-from fuzz_programs import HypothesisDraw, Program, generate, rebuild
+from fuzz_check_grad import check_backward, gradable
+from fuzz_programs import HypothesisDraw, Program, RandomDraw, generate, rebuild
 from fxlite.codegen.triton import interpreting
 
 DEVICE = "cpu" if interpreting() else "cuda"
@@ -73,6 +74,16 @@ def test_passes_keep_programs_equal(data: st.DataObject) -> None:
         return
     failures = check_passes(traceable, DEVICE)
     assert not failures, _report(traceable, failures)
+
+
+# Programs (``RandomDraw`` seeds) whose gradients were wrong or whose compile failed:
+# 31, remainder's divisor gradient at an infinite dividend; 139, a segment that writes a
+# value requiring grad in place; 235, an input only an unused result reaches.
+@pytest.mark.parametrize("seed", [31, 139, 235])
+def test_gradient_programs_found(seed: int) -> None:
+    program = gradable(generate(RandomDraw(seed), seed, draw_step))
+    failures = check_backward(program, DEVICE)
+    assert not failures, _report(program, failures)
 
 
 def test_every_record_is_exercised() -> None:
