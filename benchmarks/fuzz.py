@@ -7,8 +7,9 @@ Programs are drawn with ``random.Random(seed + i)`` (the tests draw with hypothe
 run is reproducible and ``--seed S --count 1`` replays program ``S``. Each program runs
 through the Triton backend (five calls, the last with other sizes); one in
 ``--python-every`` also through the Python backend, one in ``--passes-every`` through
-symbolic_trace, normalize, cse, decompose and fuse. ``--jobs`` worker processes share
-fxlite's kernel cache folder (a kernel compiled by one is loaded by the others); a worker
+symbolic_trace, normalize, cse, decompose and fuse, and one in ``--grad-every`` through
+the gradient check (``tests/fuzz/fuzz_check_grad.py``: backward, every input's ``.grad``).
+``--jobs`` worker processes share fxlite's kernel cache folder (a kernel compiled by one is loaded by the others); a worker
 that dies (a crash in a kernel) is restarted after the program it was running, which
 counts as a failure. A failing program is shrunk (``fuzz_programs.shrink``) and its
 minimal source saved in the JSON. At the end: the program count, op coverage, failures.
@@ -47,6 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from fuzz_catalog import draw_step
     from fuzz_check import COVERAGE, NOTES, STATS, check_compiled, check_passes
+    from fuzz_check_grad import check_backward, gradable
     from fuzz_programs import RandomDraw, generate, rebuild, shrink
 
     out = open(args.out, "a", buffering=1)
@@ -74,13 +76,19 @@ def worker(args: argparse.Namespace) -> None:
                                 lambda i, s: s.traceable)
             if traceable is not None:
                 paths.append("passes")
+        grad = None
+        if args.grad_every and n % args.grad_every == 0:
+            grad = gradable(program)
+            if grad is not None:
+                paths.append("grad")
         lost = False
         for path in paths:
             if lost:
                 break
-            subject = traceable if path == "passes" else program
-            check = (lambda p: check_passes(p, args.device)) if path == "passes" else (
-                lambda p, b=path: check_compiled(p, b, args.device))
+            subject = {"passes": traceable, "grad": grad}.get(path, program)
+            check = {"passes": lambda p: check_passes(p, args.device),
+                     "grad": lambda p: check_backward(p, args.device)}.get(
+                path, lambda p, b=path: check_compiled(p, b, args.device))
             signal.alarm(args.program_timeout)
             try:
                 failures = check(subject)
@@ -128,6 +136,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--python-every", type=int, default=5)
     parser.add_argument("--passes-every", type=int, default=3)
+    parser.add_argument("--grad-every", type=int, default=4,
+                        help="one program in N also through the gradient check (0: none)")
     parser.add_argument("--program-timeout", type=int, default=120)
     parser.add_argument("--time-limit", type=float, default=0.0)
     parser.add_argument("--no-shrink", dest="shrink", action="store_false")
@@ -168,7 +178,8 @@ def _run_workers(args: argparse.Namespace, device: str, env: dict, jobs: int,
                str(args.count), "--start", str(pending[j]), "--jobs", str(jobs), "--device",
                device, "--out", str(tmp / f"worker{j}.jsonl"), "--python-every",
                str(args.python_every), "--passes-every", str(args.passes_every),
-               "--program-timeout", str(args.program_timeout), "--deadline", str(deadline)]
+               "--program-timeout", str(args.program_timeout), "--deadline", str(deadline),
+               "--grad-every", str(args.grad_every)]
         if not args.shrink:
             cmd.append("--no-shrink")
         with open(tmp / f"worker{j}.err", "a") as err:

@@ -86,6 +86,23 @@ def test_gradient_programs_found(seed: int) -> None:
     assert not failures, _report(program, failures)
 
 
+def test_compiled_gradients_on_a_seed_range() -> None:
+    """The gradient check over 60 programs drawn from fixed seeds (``benchmarks/fuzz.py
+    --grad-every`` runs thousands): results, which require grad, and every input's grad."""
+    checked, failing = 0, []
+    for seed in range(1000, 1000 + 60 * SCALE):
+        program = gradable(generate(RandomDraw(seed), seed, draw_step))
+        if program is None:
+            continue
+        checked += 1
+        failures = check_backward(program, DEVICE)
+        if failures:
+            failing.append(_report(program, failures))
+    print(f"fuzz gradients: {checked} programs; {len(failing)} failing")
+    assert checked >= 40 * SCALE
+    assert not failing, "\n\n".join(failing[:3])
+
+
 def test_every_record_is_exercised() -> None:
     """One program aimed at each op-table record (``fuzz_catalog.aiming_at``), checked
     like the others; then every record but the excluded ones must appear in the captured
