@@ -24,7 +24,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from fxlite.codegen.triton import interpreting
+
 import fxlite
+
+INTERPRETING = interpreting()  # kernels run on CPU tensors (else only CUDA ones have kernels)
 
 
 def _run(fn, calls, *, fallbacks_ok: bool = False, upcast_ok: bool = False):
@@ -256,7 +260,7 @@ def test_group_whose_inputs_stop_broadcasting_runs_its_ops():
 def test_nn_softmax_compiles_into_a_kernel():
     # nn.Softmax passes _stacklevel=5 to F.softmax: the decomposition raised TypeError.
     compiled = _run(nn.Softmax(dim=-1), [(torch.randn(3, 5),)] * 2)
-    assert compiled.kernels
+    assert compiled.kernels or not INTERPRETING  # (CPU tensors on a GPU machine: no kernels)
 
 
 def test_mean_var_std_of_a_0d_tensor():
@@ -541,7 +545,8 @@ def test_batch_norm_with_one_channel_raises_like_eager():
 
 
 # ---------------------------------------------------------------------- open bugs
-@pytest.mark.xfail(strict=True, reason="open (autodiff): on the CPU eager's backward of "
+@pytest.mark.xfail(INTERPRETING, strict=True, reason="open (autodiff): on the CPU eager's "
+                   "backward of "
                    "torch.max(x) gives a NaN cotangent to the maxima only; fxlite's rule "
                    "multiplies it by the mask (as eager on CUDA): NaN everywhere")
 def test_max_of_all_elements_with_a_nan_gradient_on_the_cpu():
