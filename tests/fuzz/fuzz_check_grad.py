@@ -32,6 +32,7 @@ from fuzz_check import (
     _FINDINGS,
     NOTES,
     STATS,
+    _cuda_norm_rows,
     _dead_code_error,
     _flatten,
     _loosest,
@@ -105,6 +106,10 @@ def _call_grad(fn: Any, args: list[Any], seed: int, device: str
             return None, e, stage, [str(w.message) for w in caught]
 
 
+_RANDOM = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poisson", "rrelu",
+           "RReLU", "gumbel")
+
+
 def check_backward(program: Program, device: str = "cpu", calls: int = 2) -> list[str]:
     """Failures of ``fxlite.compile(program)``'s results and input gradients against
     eager's, under grad mode, over ``calls + 1`` calls (the last with other sizes)."""
@@ -112,6 +117,11 @@ def check_backward(program: Program, device: str = "cpu", calls: int = 2) -> lis
 
     import fxlite
 
+    if device == "cuda" and any(k in r for r in program.records for k in _RANDOM):
+        # under grad, dropout and its kin draw in fxlite's kernels from seeds: other
+        # numbers than eager's CUDA generator gives (documented); the CPU runs check them
+        STATS["grad programs with random ops on CUDA (other masks than eager's)"] += 1
+        return []
     STATS["programs (grad)"] += 1
     compile_module._warned.clear()
     eager = program.build(device)
@@ -158,7 +168,8 @@ def _compare(program: Program, device: str, call: int, seed: int,
              before: dict[str, torch.Tensor], resize: bool, got: Any, want: Any,
              xc: list[torch.Tensor], xe: list[torch.Tensor], low: torch.dtype | None
              ) -> list[str]:
-    problems = same(got, want, False, "result", None, low)
+    problems = _cuda_norm_rows(program, device, call, same(got, want, False, "result", None,
+                                                           low))
     for i, (g, w) in enumerate(zip(_flatten(got), _flatten(want))):
         if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) and \
                 g.requires_grad != w.requires_grad:
@@ -174,7 +185,8 @@ def _compare(program: Program, device: str, call: int, seed: int,
         # maybe rounding of low-precision intermediates: run in higher precision
         up_out, up_x = _reference(program, device, call, seed, before, resize)
         if up_out is not None:
-            problems = same(got, want, False, "result", up_out, low)
+            problems = _cuda_norm_rows(program, device, call,
+                                       same(got, want, False, "result", up_out, low))
             for i, (a, b, u) in enumerate(zip(xc, xe, up_x)):
                 if b.grad is not None:
                     problems += same(a.grad, b.grad, False, f"x{i}.grad", u.grad, low)
