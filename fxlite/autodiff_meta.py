@@ -83,7 +83,7 @@ def _dims(dim: Any, rank: int) -> list[int]:
 def _view_shape(info: OpInfo, x: torch.Tensor, a: dict[str, Any]) -> list[int] | None:
     shape, rank = list(x.shape), x.dim()
     name = info.name
-    if name in ("contiguous", "identity"):
+    if name in ("contiguous", "identity", "detach"):
         return shape
     if name == "unsqueeze":
         d = a["dim"] % (rank + 1)

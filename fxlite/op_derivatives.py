@@ -442,7 +442,7 @@ RULES: dict[str, Rule] = {
     "erf": lambda g, a, o: {"input": g * torch.exp(-(a["input"] * a["input"])) * _TWO_OVER_SQRT_PI},
     "sigmoid": lambda g, a, o: {"input": g * o * (1 - o)},
     "tanh": lambda g, a, o: {"input": g * (1 - o * o)},
-    **{name: ZERO for name in ("floor", "ceil", "trunc", "round", "sign")},
+    **{name: ZERO for name in ("floor", "ceil", "trunc", "round", "sign", "detach")},
     # activations
     "relu": lambda g, a, o: {"input": torch.where(a["input"] > 0, g, 0.0)},
     "leaky_relu": lambda g, a, o: {

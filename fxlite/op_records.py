@@ -378,4 +378,8 @@ _op("embedding", "extern", F.embedding, (), (), modules=(nn.Embedding,),
               ("scale_grad_by_freq", False), ("sparse", False)),
     dtype_rule=lambda a: a.get("weight") if isinstance(a.get("weight"), torch.dtype) else None,
     module_params=_embedding_params)
+
+# The same values, cut from autograd (decompose uses it where a term's gradient is 0).
+_op("detach", "view", torch.detach, (T.detach,), ("detach",), params=("input",), positional=1,
+    dtype_rule="same")
 del T

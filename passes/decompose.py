@@ -473,7 +473,9 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
         return NotImplemented
     n = _count(x, dims)
     x, out = _opmath(x, _dtype(x))
-    centered = x - torch.sum(x, dims, keepdim=True) / n
+    # the mean's own gradient term is 0 (the centred values sum to 0), so it is cut from
+    # autograd: differentiated, it would spread a row's NaN (x - inf) over the whole row
+    centered = x - (torch.sum(x, dims, keepdim=True) / n).detach()
     # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
     denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
     return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator, out
@@ -487,9 +489,14 @@ def _var(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) ->
 
 @register_decomposition(torch.std)
 def _std(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
-    # sqrt(var)
+    # sqrt(var), written so that its gradient is 0 where std is 0, as eager's std_backward
+    # has it (sqrt's own is g / 0 there, and NaN once multiplied by the centred zeros)
     parts = _var_parts(x, dim, correction, keepdim)
-    return parts if parts is NotImplemented else _back(torch.sqrt(parts[0]), parts[1])
+    if parts is NotImplemented:
+        return parts
+    var, out = parts
+    zero = var == 0
+    return _back(torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, var))), out)
 
 
 @register_decomposition(torch.mean)

@@ -71,7 +71,8 @@ from .split_module import extract_subgraph, set_call_meta, unpack_outputs
 __all__ = ["fuse"]
 
 # Views that only add or drop size-1 dims (or copy), and views that broadcast.
-_UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity"})
+_UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity",
+                         "detach"})
 _BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
 _REDUCTION_KEYS = frozenset({"input", "dim", "keepdim", "dtype"})
 _SCALAR_TYPES = (int, float, bool)
