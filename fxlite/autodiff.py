@@ -165,7 +165,8 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
     sources = {p: frozenset({i}) for i, p in enumerate(primals) if p in live}
     ops = [n for n in graph.nodes if n.op != "placeholder"]
     for n in ops:
-        if _float_tensor(values[n]) and any(i in live for i in n.all_input_nodes):
+        if _float_tensor(values[n]) and not _detaches(n, gm) and any(
+                i in live for i in n.all_input_nodes):
             live.add(n)
             sources[n] = frozenset().union(*(sources[i] for i in n.all_input_nodes
                                              if i in live))
@@ -192,6 +193,13 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
     graph.output((*outputs, *(g for g in grads if g is not None)))
     return _Joint(graph, primals, outputs, single, tangents, grads, needs_grad, tracer.created,
                   sources)
+
+
+def _detaches(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` is ``detach``: its value carries no gradient (unlike ops whose
+    derivative is 0, such as floor, whose results still require grad in eager)."""
+    found = resolve(n, gm)
+    return found is not None and found[0].name == "detach"
 
 
 def _accumulate(cotangent: dict[Node, Any], node: Node, grad: Any) -> None:

@@ -440,6 +440,24 @@ def test_std_gradient_where_std_is_zero():
     _grads(lambda t: torch.std(t, 0, keepdim=True, unbiased=False), [(torch.randn(1, 4),)] * 2)
 
 
+def test_detach_inside_a_group_cuts_the_gradient():
+    # Found by the gradient fuzzer on an H200 (seeds 5288, 9484) once detach had a record:
+    # a result computed only from x.detach() required grad, and x got a zero gradient
+    # where eager gives None. Then x.detach() * x: the gradient flows through one factor.
+    def only(x, y):
+        v = torch.clamp(x, min=2.0, max=0.0).detach()
+        return F.softmax(F.gelu(torch.std(v, dim=-1, correction=0, keepdim=True)), -1,
+                         dtype=torch.float32) + y
+
+    compiled = fxlite.compile(only)
+    for _ in range(3):
+        x, y = torch.randn(1, 4, requires_grad=True), torch.randn(1, 1, requires_grad=True)
+        out = compiled(x, y)
+        out.sum().backward()
+        assert x.grad is None and y.grad is not None
+    _grads(lambda t: t.detach() * t + t, [(torch.randn(2, 4),)] * 3)
+
+
 # ---------------------------------------------------------------------- fixed elsewhere
 # Found by the fuzzer while other work fixed them on main (the kernels' pow, float16 norms,
 # integer division, result layouts): kept as regression tests.
