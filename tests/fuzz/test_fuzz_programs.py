@@ -113,12 +113,16 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 @pytest.mark.parametrize("seed, path", [(5344, "triton"), (5712, "triton"), (9969, "triton"),
                                         (3301, "grad"), (6065, "grad"), (9133, "grad")])
 def test_open_findings(seed: int, path: str) -> None:
+    from fuzz_check import STATS
+
     program = generate(RandomDraw(seed), seed, draw_step)
+    counted = STATS["failures"]  # known findings: the summary counts the fuzz runs alone
     if path == "grad":
         program = gradable(program)
         failures = check_backward(program, DEVICE)
     else:
         failures = check_compiled(program, "triton", DEVICE)
+    STATS["failures"] = counted
     assert not failures, _report(program, failures)
 
 
