@@ -93,7 +93,8 @@ def grads(fn, inputs, tangent_seed=1):
     return outs, got
 
 
-def check_grads(fn, make_inputs, directions, *, decomposed=True, atol=1e-9, eager_ok=()):
+def check_grads(fn, make_inputs, directions, *, decomposed=True, atol=1e-9, eager_ok=(),
+                out_rtol=1e-9):
     """Compiled and eager gradients agree, on two calls with fresh inputs; no part runs
     eagerly but the groups named in ``eager_ok`` (ops the kernel generator lacks)."""
     compiled = build(fn, make_inputs(), decomposed=decomposed)
@@ -103,7 +104,7 @@ def check_grads(fn, make_inputs, directions, *, decomposed=True, atol=1e-9, eage
         directions.clear()
         got_out, got = grads(compiled, inputs)
         for g, e in zip(got_out, exp_out):
-            torch.testing.assert_close(g, e, rtol=1e-9, atol=atol, equal_nan=True)
+            torch.testing.assert_close(g, e, rtol=out_rtol, atol=atol, equal_nan=True)
         for g, e in zip(got, expected):
             if e is None:
                 assert g is None or not g.any()
@@ -165,7 +166,11 @@ BINARY = {
 
 @pytest.mark.parametrize("name", UNARY)
 def test_unary(name, directions):
-    check_grads(UNARY[name], lambda: [req(edgy(3, 4))], directions)
+    # eager's CUDA hardsigmoid and hardswish scale by a float32 1/6 (1.0f / 6.0f) even in
+    # float64, 3e-8 off; the kernels divide by 6 in float64 (the CPU's eager does too)
+    loose = DEVICE == "cuda" and name in ("hardsigmoid", "hardswish")
+    check_grads(UNARY[name], lambda: [req(edgy(3, 4))], directions,
+                out_rtol=1e-7 if loose else 1e-9)
 
 
 @pytest.mark.parametrize("name", POSITIVE)
