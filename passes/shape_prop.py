@@ -98,6 +98,22 @@ def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
         is_quantized=t.is_quantized, qparams=qparams)
 
 
+def _tensor_meta_of(value: Any) -> Any:
+    """``value`` with each tensor in it replaced by its :class:`TensorMetadata`, or None
+    when it holds no tensor."""
+    found = False
+
+    def record(obj: Any) -> Any:
+        nonlocal found
+        if isinstance(obj, torch.Tensor):
+            found = True
+            return extract_tensor_metadata(obj)
+        return obj
+
+    meta = map_aggregate(value, record)
+    return meta if found else None
+
+
 class ShapeProp(Interpreter):
     """An Interpreter that records every node's tensor metadata as it runs.
 
@@ -122,17 +138,8 @@ class ShapeProp(Interpreter):
     def run_node(self, n: Node) -> Any:
         """Run ``n`` as the Interpreter would, then store its metadata in ``n.meta``."""
         result = super().run_node(n)
-        found = False
-
-        def record(obj: Any) -> Any:
-            nonlocal found
-            if isinstance(obj, torch.Tensor):
-                found = True
-                return extract_tensor_metadata(obj)
-            return obj
-
-        meta = map_aggregate(result, record)
-        if found:
+        meta = _tensor_meta_of(result)
+        if meta is not None:
             n.meta["tensor_meta"] = meta
         else:
             n.meta.pop("tensor_meta", None)  # a stale record from an earlier run would mislead
@@ -188,17 +195,8 @@ def fill_missing_meta(gm: torch.nn.Module) -> None:
                 env[n] = unknown  # the op cannot run on meta tensors: leave it unknown
                 continue
             env[n] = value
-            found = False
-
-            def record(obj: Any) -> Any:
-                nonlocal found
-                if isinstance(obj, torch.Tensor):
-                    found = True
-                    return extract_tensor_metadata(obj)
-                return obj
-
-            meta = map_aggregate(value, record)
-            if found:
+            meta = _tensor_meta_of(value)
+            if meta is not None:
                 n.meta["tensor_meta"] = meta
             n.meta["type"] = type(value)
         else:
