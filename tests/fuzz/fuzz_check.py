@@ -271,11 +271,9 @@ def _exact_like(exact: Any, want: Any) -> Any:
     return exact
 
 
-def _reference(program: Program, device: str, call: int, seed: int,
-               before: dict[str, torch.Tensor], resize: bool = False
-               ) -> tuple[Any, list[Any], dict[str, Any]]:
-    """The program in higher precision (float16 and bfloat16 as float32, float32 as
-    float64), from the state eager had before the call: (result, inputs after, state)."""
+def upcast_program(program: Program, device: str, before: dict[str, torch.Tensor]) -> Any:
+    """``program`` built with the state ``before`` (if any) and its buffers upcast
+    (float16 and bfloat16 to float32, float32 to float64)."""
     ref = program.build(device)
     if isinstance(ref, torch.nn.Module):
         if before:
@@ -283,6 +281,15 @@ def _reference(program: Program, device: str, call: int, seed: int,
         for name, buf in list(ref.named_buffers()):
             owner = ref.get_submodule(name.rpartition(".")[0]) if "." in name else ref
             owner._buffers[name.rpartition(".")[2]] = _upcast(buf)
+    return ref
+
+
+def _reference(program: Program, device: str, call: int, seed: int,
+               before: dict[str, torch.Tensor], resize: bool = False
+               ) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The program in higher precision (float16 and bfloat16 as float32, float32 as
+    float64), from the state eager had before the call: (result, inputs after, state)."""
+    ref = upcast_program(program, device, before)
     xs = [_upcast(x) for x in make_inputs(program, call, device, resize)]
     out, err, _ = _call(ref, xs, seed)
     return (out if err is None else None), xs, _state(ref)

@@ -39,6 +39,7 @@ from fuzz_check import (
     _state,
     _upcast,
     same,
+    upcast_program,
 )
 from fuzz_programs import FLOATS, Program, make_inputs, rebuild
 
@@ -197,13 +198,7 @@ def _reference(program: Program, device: str, call: int, seed: int,
                before: dict[str, torch.Tensor], resize: bool
                ) -> tuple[Any, list[torch.Tensor]]:
     """The program in higher precision, under grad mode: (result, leaf inputs)."""
-    ref = program.build(device)
-    if isinstance(ref, torch.nn.Module):
-        if before:
-            ref.load_state_dict(before)
-        for name, buf in list(ref.named_buffers()):
-            owner = ref.get_submodule(name.rpartition(".")[0]) if "." in name else ref
-            owner._buffers[name.rpartition(".")[2]] = _upcast(buf)
+    ref = upcast_program(program, device, before)
     xs = _leaves([_upcast(x) for x in make_inputs(program, call, device, resize)])
     out, err, _, _ = _call_grad(ref, xs, seed, device)
     return (out if err is None else None), xs
