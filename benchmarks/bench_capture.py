@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 _CACHE = tempfile.mkdtemp(prefix="fxlite-bench-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
@@ -31,7 +30,12 @@ os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_CACHE, "triton"))
 os.environ.setdefault("FXLITE_CACHE_DIR", os.path.join(_CACHE, "fxlite"))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
+from bench_kernels import (  # noqa: E402  (the same timing, in this folder)
+    bench,
+    copy_bandwidth,
+    first_call_seconds,
+    host_cost_us,
+)
 from tabulate import tabulate  # noqa: E402
 
 import fxlite  # noqa: E402
@@ -54,39 +58,6 @@ def no_break(a, b):
     return a / (torch.abs(a) + 1) * b
 
 
-def device_ms(fn, args) -> float:
-    return triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=200, return_mode="median")
-
-
-def copy_gbs(n: int) -> float:
-    x = torch.randn(n, n, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    return 2 * x.numel() * x.element_size() / ms / 1e6
-
-
-def host_us(fn, args, calls: int = 2000, loops: int = 5) -> float:
-    for _ in range(50):
-        fn(*args)
-    best = float("inf")
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
-
-
-def first_call_s(fn, args) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(*args)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4096, help="tensors are n x n (default 4096)")
@@ -95,17 +66,18 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture.py needs a CUDA device")
     n = args.n
-    gbs = copy_gbs(n)
+    gbs = copy_bandwidth(n)
     a = torch.randn(n, n, device="cuda")
     b = torch.randn(n, n, device="cuda").abs() + 0.1
     inductor, ours = torch.compile(bar), fxlite.compile(bar)
-    cold = {"torch.compile": first_call_s(inductor, (a, b)), "fxlite": first_call_s(ours, (a, b))}
+    cold = {"torch.compile": first_call_seconds(inductor, (a, b)),
+            "fxlite": first_call_seconds(ours, (a, b))}
     rows, out = [], {"device": torch.cuda.get_device_name(), "n": n, "copy_GBps": gbs,
                      "cold_s": cold, "branches": {}}
     for name, bb in (("b.sum() >= 0", b), ("b.sum() < 0", -b)):
         for fn in (inductor, ours):
             fn(a, bb)  # the second branch compiles here, outside the timing
-        eager_ms, ind_ms, ours_ms = (device_ms(f, (a, bb)) for f in (bar, inductor, ours))
+        eager_ms, ind_ms, ours_ms = (bench(f, (a, bb)) for f in (bar, inductor, ours))
         torch.testing.assert_close(ours(a, bb), bar(a, bb))
         moved = 3 * a.numel() * a.element_size()
         pct = moved / ours_ms / 1e6 / gbs * 100
@@ -125,7 +97,7 @@ def main() -> None:
     host = {}
     for label, fn in (("bar", bar), ("bar_fixed", bar_fixed), ("no_break", no_break)):
         compiled = {"eager": fn, "torch.compile": torch.compile(fn), "fxlite": fxlite.compile(fn)}
-        host[label] = {k: host_us(f, (ta, tb)) for k, f in compiled.items()}
+        host[label] = {k: host_cost_us(f, (ta, tb)) for k, f in compiled.items()}
     out["host_us"] = host
     print("\nhost cost per call on 16-element tensors (us, best of 5 loops of 2,000 calls)")
     print(tabulate([[k, *(f"{v[c]:.1f}" for c in ("eager", "torch.compile", "fxlite"))]
