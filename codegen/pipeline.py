@@ -105,23 +105,26 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
         compiled = _triton(GraphModule(work, copy.deepcopy(work.graph), type(work).__name__),
                            sample, mode)
     except Exception as e:  # the pipeline must never break a model: run the recorded ops
-        reason = f"the compile pipeline failed ({type(e).__name__}: {e}); its ops run in eager"
-        warn(reason)
-        python.fallbacks.append(reason)
-        set_ambient(entry)
-        python.outputs = _run_checked(work, sample)
-        return python
+        return _recorded_ops(python, work, sample, entry, warn, "the compile pipeline failed "
+                             f"({type(e).__name__}: {e}); its ops run in eager")
     for reason in compiled.fallbacks:
         warn(reason)
     problem = None if compiled.seeded else _disagreement(compiled.outputs, expected)
     if problem is not None:
-        reason = f"the compiled segment disagreed with eager ({problem}); its ops run in eager"
-        warn(reason)
-        python.fallbacks.append(reason)
-        set_ambient(entry)
-        python.outputs = _run_checked(work, sample)
-        return python
+        return _recorded_ops(python, work, sample, entry, warn, "the compiled segment "
+                             f"disagreed with eager ({problem}); its ops run in eager")
     return compiled
+
+
+def _recorded_ops(python: CompiledSegment, work: GraphModule, sample: list[Any], entry: Any,
+                  warn: Callable[[str], None], reason: str) -> CompiledSegment:
+    """Fall back to ``python`` (the recorded ops) for ``reason``, from the ambient state
+    ``entry`` the attempt started in."""
+    warn(reason)
+    python.fallbacks.append(reason)
+    set_ambient(entry)
+    python.outputs = _run_checked(work, sample)
+    return python
 
 
 def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
