@@ -31,6 +31,21 @@ import fxlite
 INTERPRETING = interpreting()  # kernels run on CPU tensors (else only CUDA ones have kernels)
 
 
+class _TrainingBatchNorm(nn.Module):
+    """``F.batch_norm`` in training mode over ``channels`` running statistics (momentum
+    0.1), times ``scale``."""
+
+    def __init__(self, channels: int, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.register_buffer("rm", torch.zeros(channels))
+        self.register_buffer("rv", torch.ones(channels))
+
+    def forward(self, x):
+        y = F.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
+        return y * self.scale if self.scale != 1.0 else y
+
+
 def _run(fn, calls, *, fallbacks_ok: bool = False, upcast_ok: bool = False):
     """Compile ``fn`` and call it with each argument tuple of ``calls`` (fresh tensors per
     call), next to eager on copies; returns the compiled function.
@@ -327,16 +342,7 @@ def test_pow_of_infinities_and_minus_one():
 
 def test_training_batch_norm_of_an_input_without_channels():
     # Eager leaves the running statistics alone; the running-stat update crashed.
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("rm", torch.zeros(5))
-            self.register_buffer("rv", torch.ones(5))
-
-        def forward(self, x):
-            return F.batch_norm(x, self.rm, self.rv, training=True) * 2
-
-    _run(M(), [(torch.randn(3, 0),)] * 2)
+    _run(_TrainingBatchNorm(5, scale=2), [(torch.randn(3, 0),)] * 2)
     # eval mode: the decomposition broadcast the input against 5 statistics
     _run(lambda x: F.batch_norm(x, torch.zeros(5), torch.ones(5)) * 2,
          [(torch.randn(3, 0),)] * 2)
@@ -344,16 +350,8 @@ def test_training_batch_norm_of_an_input_without_channels():
 
 def test_training_batch_norm_of_an_empty_batch_keeps_its_statistics():
     # A call with no values per channel updated the running statistics with 0 / 0.
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("rm", torch.zeros(3))
-            self.register_buffer("rv", torch.ones(3))
-
-        def forward(self, x):
-            return F.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
-
-    _run(M(), [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),), (torch.randn(2, 3, 0),)],
+    _run(_TrainingBatchNorm(3), [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),),
+                                  (torch.randn(2, 3, 0),)],
          fallbacks_ok=True)  # the kernel of the batch's mean (0 / 0) is replaced by eager
 
 
@@ -432,11 +430,13 @@ def test_var_gradient_of_a_row_holding_an_infinity():
 def test_std_gradient_where_std_is_zero():
     # Found with the one above (seeds 847, 6000, 7445): std's gradient is 0 where std is 0
     # in eager (std_backward masks it); sqrt's derivative there is g / 0, and NaN once
-    # multiplied by the centred zeros. A single element, a constant row, then an infinity.
+    # multiplied by the centred zeros. Benign rows first, then a constant row and an
+    # infinity, then a single element.
     const = torch.tensor([[2.0, 2.0, 2.0], [1.0, -3.0, 0.5]])
     inf = const.clone()
     inf[1, 1] = float("inf")
-    _grads(lambda t: torch.std(t, -1, unbiased=False), [(const,), (inf,), (const,)])
+    _grads(lambda t: torch.std(t, -1, unbiased=False),
+           [(torch.randn(2, 3),), (const,), (inf,), (const,)])
     _grads(lambda t: torch.std(t, 0, keepdim=True, unbiased=False), [(torch.randn(1, 4),)] * 2)
 
 
@@ -546,19 +546,10 @@ def test_half_batch_norm_of_a_constant_batch():
     # so rsqrt(eps) ~ 316 magnifies any rounding of x - mean: fxlite gets 0, as eager in
     # float64 and eager's CUDA kernel ((x - mean) * invstd) do; eager's CPU kernel
     # (x * alpha + beta) leaves up to 3e-5, over fp16's atol. Hence upcast_ok.
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("rm", torch.zeros(3))
-            self.register_buffer("rv", torch.ones(3))
-
-        def forward(self, x):
-            return F.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
-
     row = torch.tensor([[0.9131, -5.0273, -0.1282]], dtype=torch.float16)
     calls = [(torch.randn(3, 3).half(),), (row.expand(3, 3).clone(),),
              ((row * 3).expand(3, 3).clone(),)]
-    _run(M(), calls, upcast_ok=True)
+    _run(_TrainingBatchNorm(3), calls, upcast_ok=True)
 
 
 def test_eval_batch_norm_when_channels_become_empty():
