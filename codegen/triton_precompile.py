@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,13 +114,13 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     return jobs, groups, kernels, sources
 
 
-def _known(key: tuple, job: tuple) -> bool:
+def _known(key: tuple, job: tuple, cache: Path) -> bool:
     """Whether the launch path will find this job's binary without Triton's JIT: in this
     process, or in the disk index (warming it up would cost Triton's cache key, a hash of
     its own sources: 0.4 s in a new process)."""
     fn, args, grid, constexprs, warps = job
     found = binary_key(key[0], key[1], args, constexprs, warps)
-    return found in _BINARIES or has_binary(_cache_dir(), found)
+    return found in _BINARIES or has_binary(cache, found)
 
 
 def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
@@ -149,7 +150,8 @@ def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
     report = {"groups": groups, "kernels": kernels, "sources": len(sources),
               "compiles": len(jobs), "seconds": 0.0}
     if not interpreting():  # binaries of earlier calls or processes need no compile
-        jobs = {k: j for k, j in jobs.items() if not _known(k, j)}
+        cache = _cache_dir()
+        jobs = {k: j for k, j in jobs.items() if not _known(k, j, cache)}
         report["compiles"] = len(jobs)
     if interpreting() or not jobs:
         report["seconds"] = time.perf_counter() - start
