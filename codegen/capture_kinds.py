@@ -198,7 +198,12 @@ def autocast_state() -> tuple:
 
 
 def set_autocast(state: tuple) -> None:
-    """Restore an ``autocast_state()``; recorded where autocast changes inside a function."""
+    """Restore an ``autocast_state()``; recorded where autocast changes inside a function.
+
+    It also empties autocast's cache of weight casts, as leaving ``torch.autocast`` does:
+    a cast kept from an earlier call would hold the weights from before an optimizer step.
+    """
+    torch.clear_autocast_cache()
     for d, (enabled, dtype) in zip(_DEVICE_TYPES, state):
         torch.set_autocast_enabled(d, enabled)
         torch.set_autocast_dtype(d, dtype)

@@ -186,6 +186,36 @@ def test_training_mode_dropout_in_compiled_kernels():
     assert {"forward", "backward"} <= {k.direction for k in c.kernels}
 
 
+@pytest.mark.parametrize("backend", ["triton", "python"])
+def test_autocast_step_casts_the_weights_of_each_step(backend):
+    # Regression: replaying an autocast region never emptied autocast's cache of weight
+    # casts, so from the third step on the forward used the weights of the second (the
+    # loss stopped changing) while eager trained on. The recorded ops run under the python
+    # backend, and on a GPU wherever the trial finds them faster than the kernels.
+    torch.manual_seed(0)
+    base = nn.Linear(16, 16).to(DEVICE)
+    x = torch.randn(8, 16, device=DEVICE)
+
+    def step(m, opt, x):
+        opt.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            y = m(x)
+        loss = y.float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def train(fn):  # one run after the other: eager's autocast exits empty the cache
+        m = copy.deepcopy(base)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        return [(fn(m, opt, x).detach(), m.weight.detach().clone()) for _ in range(5)]
+
+    want, got = train(step), train(fxlite.compile(step, backend=backend))
+    for (loss, weight), (want_loss, want_weight) in zip(got, want):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(weight, want_weight, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_autocast_regions_fuse_with_autocasts_dtypes(grad):
     # Under autocast an op may run in another dtype than promotion gives (layer_norm of a
