@@ -203,3 +203,18 @@ def test_reduction_groups_it_cannot_prove_fall_back():
     assert generate_kernel(gm, [x]) is None
     gm = group(lambda a: a.sum(-1) * a[:, 0], x)  # getitem: not a kernel op
     assert generate_kernel(gm, [x]) is None
+
+
+def test_sums_over_batch_and_space_launch_one_row_per_program():
+    # Regression (measured on an H200): a batch norm's gradient sums over (N, H, W) of an
+    # NCHW tensor were launched like reductions over leading dims, 64 channels per program,
+    # so 64 channels ran as one program: 0.26 ms a kernel, 75% of a resnet18 step.
+    x = rand(4, 64, 8, 8)
+    k = generate_kernel(group(lambda a: a.sum((0, 2, 3)), x), [x])
+    same(k(x), x.sum((0, 2, 3)))
+    counts, config = k._current.config(tuple(x.shape))
+    assert counts == {"rows": 64, "cols": 256}
+    assert config["ROWS"] <= 8  # at least 8 programs for 64 channels
+    y = rand(64, 256)  # over a leading dim the kept rows are adjacent: packing them pays
+    k2 = generate_kernel(group(lambda a: a.sum(0), y), [y])
+    assert k2._current.config(tuple(y.shape))[1]["ROWS"] == 64
