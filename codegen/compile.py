@@ -21,7 +21,6 @@ and, per segment, when a pass or kernel fails or its results disagree with eager
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import warnings
@@ -32,18 +31,17 @@ import torch
 from fxlite.codegen.capture import format_site, record, recording_thread
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.pipeline import (
-    CompiledSegment,
     ambient_restored,
     compile_segment,
-    direct_forward,
     expand_kernels,
     interpreting,
     set_ambient,
 )
 from fxlite.codegen.report import kernel_report
+from fxlite.codegen.segment_graphs import side_stream
 from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
-from fxlite.codegen.trial import Trial
+from fxlite.codegen.trial import Trial, choose_runner
 
 from fxlite.graph_module import GraphModule
 from fxlite.logs import log_break, log_graph, log_kernel
@@ -162,7 +160,8 @@ class CompiledFunction:
                 and not isinstance(root.run, Trial):
             self._last = [root]
             if graphs is not None:
-                return root.result(graphs.run(replay_key, root.run, args, root))
+                run = getattr(root.run, "plain", root.run)  # not SegmentGraphs inside a graph
+                return root.result(graphs.run(replay_key, run, args, root))
             out = self._straight_line(fkey, root, args)
             if out is not None:
                 return root.result(out)
@@ -223,8 +222,9 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
-        result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
-                             fullgraph=self._fullgraph, bound=self._guard.bound_objects())
+        with side_stream(self._graphs_wanted()):
+            result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
+                                 fullgraph=self._fullgraph, bound=self._guard.bound_objects())
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         segments = split(rec)
@@ -251,6 +251,11 @@ class CompiledFunction:
         self._trees[key] = segments[0]
         self._last = segments
         return result
+
+    def _graphs_wanted(self) -> bool:
+        """Whether segments may be captured in CUDA graphs (``mode="reduce-overhead"``)."""
+        return self._mode == "reduce-overhead" and torch.cuda.is_available() and \
+            not interpreting()
 
     def _state_key(self, arg_modules: tuple = ()) -> tuple:
         """(module and closure state, which watched gradients are None)."""
@@ -286,9 +291,10 @@ class CompiledFunction:
             site = format_site(seg.read.site) if seg.read is not None else ""
             self._over_limit(f"the value read at\n  {site}\nkeeps changing")
         roots = self._guard.roots(leaves)
-        result, rec = record(self._fn, args, kwargs, roots=roots, prefix=seg.recording,
-                             upto=seg.index, values=env, read_value=value,
-                             record_rest=not (eager or over), bound=self._guard.bound_objects())
+        with side_stream(self._graphs_wanted()):
+            result, rec = record(self._fn, args, kwargs, roots=roots, prefix=seg.recording,
+                                 upto=seg.index, values=env, read_value=value,
+                                 record_rest=not (eager or over), bound=self._guard.bound_objects())
         if eager or over:
             return result
         self._recordings += 1
@@ -373,13 +379,18 @@ class CompiledFunction:
                 compiled = compile_segment(seg.gm, sample, backend=backend, mode=self._mode,
                                            expected=_expected(rec, seg), warn=warn)
                 seg.compiled, seg.run = compiled, compiled.run
-                if compiled.kernels and any(
-                        isinstance(a, torch.Tensor) and a.is_cuda for a in sample) and \
-                        not interpreting() and os.environ.get("FXLITE_TRIAL") != "0":
-                    seg.run = _on_trial(seg)
+                cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in sample) and \
+                    not interpreting()
+                graphed = cuda and self._mode == "reduce-overhead" and backend in (
+                    "triton", "python")
+                seg.run = choose_runner(seg, cuda, graphed)
                 for kernel in compiled.kernels:
                     log_kernel(kernel)
                 env.update(zip(seg.outputs, compiled.outputs or ()))
+                # The check run's values hold its autograd graph, and with it the grad
+                # accumulators of the parameters, made on this stream: a later CUDA graph
+                # capture whose backward met them would sync with this stream and fail.
+                compiled.outputs = None
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -447,24 +458,6 @@ def _short(x: Any) -> str:
         return f"{x.dtype} {list(x.shape)}"
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _on_trial(seg: Segment) -> Trial:
-    """Let real calls decide between the segment's kernels and its recorded ops."""
-    compiled = seg.compiled
-    recorded = CompiledSegment(direct_forward(seg.gm), seg.gm)
-
-    def decide(kernels_win: bool, ours: float, theirs: float) -> None:
-        if kernels_win:
-            seg.run = compiled.run
-            return
-        recorded.fallbacks.append(
-            f"its recorded ops ran faster than its {len(compiled.kernels)} kernels "
-            f"({theirs:.3f} ms against {ours:.3f} ms a call, medians of real calls), so "
-            "they run instead")
-        seg.compiled, seg.run = recorded, recorded.run
-
-    return Trial(compiled.run, recorded.run, decide)
 
 
 def _plain(seg: Segment, leaves: list[Any]) -> bool:
@@ -568,7 +561,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     tensor as text, reading its address, reseeding, changing Python state the function
     reads; more than ``CompiledFunction.recompile_limit`` recordings; and any segment
     whose passes or kernels fail or disagree with eager on the recording's inputs.
-    Calls that need autograd run the recorded ops (kernels are inference-only).
+    Groups under autograd run a Triton forward and a generated Triton backward.
 
     Args:
         fn: a function or ``nn.Module``; omit it to use ``@fxlite.compile(...)``.
@@ -576,8 +569,9 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
             or a callable ``backend(gm, example_inputs) -> callable`` given each segment.
         fullgraph: raise :class:`fxlite.TraceError` (naming the line) instead of splitting
             the function where it reads a tensor's value, or falling back to eager.
-        mode: None, ``"reduce-overhead"`` (replay CUDA graphs for small inputs) or
-            ``"max-autotune"`` (try several block sizes per kernel).
+        mode: None, ``"reduce-overhead"`` (replay segments from CUDA graphs, training
+            steps included; see ``fxlite.codegen.segment_graphs``) or ``"max-autotune"``
+            (try several block sizes per kernel).
 
     Returns:
         A callable with the original's signature (a module for a module).

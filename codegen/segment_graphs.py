@@ -1,0 +1,531 @@
+"""CUDA graphs for whole segments (``mode="reduce-overhead"``), training steps included.
+
+A compiled segment launches one kernel or library call per op, so a small step is bound
+by host time. Under ``mode="reduce-overhead"`` a :class:`SegmentGraphs` runs the segment
+instead: it splits the segment's nodes into *host* nodes, which must run as Python on
+every call, and *regions* of device work in between, and replays each region from a CUDA
+graph. For the tutorial's training step::
+
+    segment                                   runs as
+    p.grad = None   (zero_grad)   ┐ host      Python, every call
+    conv2d, fused kernels, loss   ┐
+    loss.backward()               ┘ region 1  one graph replay (gradients included)
+    opt.step()                      host      Python (Adam's step counts live on the CPU)
+    running-stat updates            region 2  one graph replay
+
+Which nodes are host: setting or reading ``.grad``; calls outside torch and fxlite (an
+optimizer, a scheduler, a user function); tensors made from host data; seeds drawn on
+the host; and, as seen on the observed calls, nodes touching CPU tensors, nodes that
+synchronize with the device, and nodes fed a Python value that changed between calls.
+
+Calls with a new input layout are observed three times (run node by node; first calls
+may still build and check kernels), then the regions are captured on the fourth call and
+replayed from then on. Each replay first checks what
+its graph assumed and otherwise runs that region's nodes normally:
+
+- inputs that were the same tensor on every observed call (parameters, buffers) must
+  still be; others are copied into the graph's own input buffers;
+- Python values flowing into a region equal the captured ones;
+- gradients a region's backward made are in the state they were at capture (None, or the
+  same tensor) and nobody else holds them; after the replay they are put back on
+  ``.grad``, so ``optimizer.step()`` reads them as it would in eager;
+- nobody holds a region output from an earlier call (it would be overwritten).
+
+Tensors a region hands to the caller are copied out of the graph's memory. A loss
+returned by a captured step comes back without its autograd graph: its backward already
+ran inside the region. A segment whose regions cannot be captured (an output that needs
+autograd outside the region, an input that requires grad but changes every call, a
+failed capture) runs as it would without graphs, from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
+from fxlite.node import Node, map_aggregate, map_arg
+
+__all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "side_stream"]
+
+WARMUP = 3  # observed calls per input layout before the capture (syncs count on the last)
+MAX_LAYOUTS = 4  # captured input layouts per segment
+MAX_MISSES = 4  # replays refused (inputs moved, outputs held) before graphs are dropped
+_HOST_MODULES = ("torch.optim", "torch.amp", "torch.cuda", "torch.utils", "torch.distributed",
+                 "torch.random", "torch.autograd.profiler", "torch.profiler")
+_FROM_HOST_DATA = frozenset({"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer",
+                             "new_tensor", "draw_seed"})
+_PYTHON_EFFECTS = frozenset({"register_hook", "retain_grad", "requires_grad_",
+                             "register_post_accumulate_grad_hook", "item", "tolist"})
+_ERROR_MODE = "thread_local"  # other threads may use the GPU meanwhile
+_PURE_PYTHON = ("operator", "_operator", "builtins", "math")
+_STATE = frozenset({"set_autocast_enabled", "set_autocast_dtype", "manual_seed", "seed",
+                    "set_rng_state"})
+# Grad mode and autocast set by the recording: set again after each replay of a region
+# holding them (the graph already has their effect on the device work).
+_AMBIENT = frozenset({"_set_grad_enabled", "set_autocast"})
+
+
+def host_node(n: Node) -> bool:
+    """Whether ``n`` must run as Python on every call (see the module docstring).
+
+    Example::
+
+        [n.name for n in gm.graph.nodes if host_node(n)]  # ['setattr_1', 'step']
+    """
+    if n.op in ("placeholder", "output", "get_attr", "call_module"):
+        return False
+    if n.op == "call_method":
+        return n.target in _PYTHON_EFFECTS or n.target in _FROM_HOST_DATA
+    t = n.target
+    if t is setattr or t is delattr:
+        return True
+    if t is getattr:
+        return len(n.args) > 1 and n.args[1] == "grad"
+    name = getattr(t, "__name__", "") or ""
+    module = getattr(t, "__module__", None) or type(t).__module__ or ""
+    if name in _FROM_HOST_DATA or name in _STATE or "profiler" in module or "profiler" in name \
+            or type(t).__name__ == "CondOp":
+        return True
+    if module.startswith(("torch", "fxlite")):
+        return module.startswith(_HOST_MODULES)
+    return module not in _PURE_PYTHON
+
+
+def ambient_node(n: Node) -> bool:
+    """Whether ``n`` sets grad mode or autocast (recorded state changes)."""
+    return n.op == "call_function" and getattr(n.target, "__name__", "") in _AMBIENT
+
+
+def _device_op(n: Node) -> bool:
+    module = getattr(n.target, "__module__", None) or ""
+    return n.op in ("call_method", "call_module") or (
+        n.op == "call_function" and module not in _PURE_PYTHON)
+
+
+def regions(nodes: list[Node], host: set[Node], min_ops: int = 2) -> list[list[Node]]:
+    """Maximal runs of non-host nodes holding at least ``min_ops`` device ops.
+
+    Example::
+
+        regions(list(gm.graph.nodes), {n for n in gm.graph.nodes if host_node(n)})
+    """
+    out: list[list[Node]] = []
+    run: list[Node] = []
+    for n in [*nodes, None]:
+        if n is None or n in host or n.op in ("placeholder", "output"):
+            if sum(map(_device_op, run)) >= min_ops:
+                out.append(run)
+            run = []
+        else:
+            run.append(n)
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_aggregate(value, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
+    return found
+
+
+def _python_part(value: Any) -> Any:
+    """``value`` with its tensors blanked out (to compare what Python passes along)."""
+    return map_aggregate(value, lambda x: None if isinstance(x, torch.Tensor) else x)
+
+
+class _Runner(Interpreter):
+    """Runs chosen nodes of the segment on an env shared with the replays."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+
+    def run_nodes(self, nodes: list[Node]) -> None:
+        env = self.env
+        for n in nodes:
+            env[n] = self.run_node(n)
+
+    def capture_nodes(self, nodes: list[Node]) -> None:
+        """``run_nodes`` under a capture: a failure names the node it happened at."""
+        for n in nodes:
+            try:
+                self.env[n] = self.run_node(n)
+            except Exception as e:
+                raise RuntimeError(f"at {n.format_node()}: {str(e).splitlines()[0]}") from e
+
+
+class _Region:
+    """One run of device work: its graph, what it assumed, and where its values go."""
+
+    def __init__(self, nodes: list[Node], end: str = "") -> None:
+        inside = set(nodes)
+        self.end = end  # where and why the region ends, for messages
+        self.nodes = nodes
+        self.inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes
+                                         if i not in inside))
+        self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        self.backward = any(n.target == "backward" or n.target is torch.autograd.backward
+                            for n in nodes)
+        self.ambient = [n for n in nodes if ambient_node(n)]
+        self.graph: Any = None
+        self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
+        self.writes: list[tuple[int, torch.Tensor]] = []  # copied inputs it writes
+        self.values: list[Any] = []  # its outputs, in the graph's memory
+        self.grads: list[tuple[torch.Tensor, Any, torch.Tensor]] = []  # (leaf, before, after)
+        self.held: list[torch.Tensor] = []  # tensors nobody else may hold at a replay
+        self.base: list[int] = []
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, runner: _Runner, stable: list[bool], pool: Any) -> None:
+        env = runner.env
+        feeds, args = [], []
+        for i, (node, same) in enumerate(zip(self.inputs, stable)):
+            v = env[node]
+            if not isinstance(v, torch.Tensor):
+                if _tensors(v):
+                    raise _NotCapturable(f"{node.name} passes tensors in a container")
+                feeds.append((i, "value", v))
+                args.append(v)
+            elif v.requires_grad and not v.is_leaf:
+                # its autograd graph was built outside the region: a backward inside would
+                # be captured reading that call's saved tensors
+                raise _NotCapturable(f"{node.name} carries an autograd graph into the region")
+            elif same:
+                feeds.append((i, "same", v))
+                args.append(v)
+            else:
+                buf = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                buf.copy_(v)
+                feeds.append((i, "copy", buf))
+                args.append(buf)
+        versions = [ref._version if kind == "copy" else 0 for _, kind, ref in feeds]
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad
+                  and a.is_leaf]
+        before = [t.grad for t in leaves]
+        originals = [env[node] for node in self.inputs]
+        for node, a in zip(self.inputs, args):
+            env[node] = a
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        cache = torch.is_autocast_cache_enabled()
+        torch.clear_autocast_cache()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=_ERROR_MODE):
+                runner.capture_nodes(self.nodes)
+            values = [self._kept(n, env[n]) for n in self.outputs]
+        except BaseException:
+            for t, g in zip(leaves, before):  # the capture's gradients were never computed
+                t.grad = g
+            raise
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        self.graph, self.feeds = graph, feeds
+        # copied inputs the region writes in place: written back to the caller's after a replay
+        self.writes = [(i, ref) for (i, kind, ref), v in zip(feeds, versions)
+                       if kind == "copy" and ref._version != v]
+        self.grads = [(t, g, t.grad) for t, g in zip(leaves, before)
+                      if t.grad is not g and t.grad is not None]
+        self.values = values
+        graph.replay()  # the capture computed nothing: this call's values come from here
+        self._bind(env, originals)
+        env.update(zip(self.inputs, originals))  # later nodes see the caller's tensors
+
+    def _kept(self, n: Node, value: Any) -> Any:
+        """An output as the region keeps it: detached (replays build no autograd graph).
+
+        Only a region that runs a backward may hand on values that require grad: their
+        autograd graph was used up inside it, as the backward frees it in eager.
+        """
+        if not self.backward and any(t.requires_grad for t in _tensors(value)):
+            raise _NotCapturable(f"{n.name} needs autograd after the region ({self.end})")
+        return map_aggregate(value, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
+
+    def watch(self) -> None:
+        """Take the baseline of references to our tensors, once the call has ended."""
+        inputs = {t.untyped_storage().data_ptr() for _, kind, t in self.feeds if kind == "same"}
+        held = [g for _, _, g in self.grads]
+        for v in self.values:
+            held += [t for t in _tensors(v) if t.untyped_storage().data_ptr() not in inputs]
+        self.held = list({id(t): t for t in held}.values())
+        self.base = self._counts()
+
+    def _counts(self) -> list[int]:
+        use = torch._C._storage_Use_Count
+        return [sys.getrefcount(t) for t in self.held] + [
+            use(t.untyped_storage()._cdata) for t in self.held]
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, runner: _Runner) -> bool:
+        """Replay into ``runner.env``; False (nothing done) when an assumption fails."""
+        env = runner.env
+        inputs = self.inputs
+        for i, kind, ref in self.feeds:
+            v = env[inputs[i]]
+            if kind == "same":
+                if v is not ref:
+                    return False
+            elif kind == "copy":
+                if not isinstance(v, torch.Tensor) or v.shape != ref.shape or \
+                        v.stride() != ref.stride() or v.dtype != ref.dtype or v.device != ref.device:
+                    return False
+            elif v is not ref and v != ref:
+                return False
+        for t, before, _ in self.grads:
+            if t.grad is not before:
+                return False
+        if any(c > b for c, b in zip(self._counts(), self.base)):
+            return False
+        for i, kind, ref in self.feeds:
+            if kind == "copy":
+                ref.copy_(env[inputs[i]])
+        self.graph.replay()
+        self._bind(env, [env[n] for n in inputs])
+        runner.run_nodes(self.ambient)
+        return True
+
+    def _bind(self, env: dict[Node, Any], originals: list[Any]) -> None:
+        for i, buf in self.writes:
+            originals[i].copy_(buf)
+        for t, _, after in self.grads:
+            t.grad = after
+        for n, v in zip(self.outputs, self.values):
+            env[n] = v
+
+
+class _NotCapturable(Exception):
+    pass
+
+
+class _Layout:
+    """Observations and captures for one input layout."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seen: list[dict[Node, Any]] = []  # per observed call: node -> Python part
+        self.host: dict[Node, str] = {}  # observed host nodes, and why
+        self.objects: list[dict[Node, Any]] = []  # per observed call: node -> weakref
+        self.regions: list[_Region] | None = None
+
+
+class SegmentGraphs:
+    """Runs a compiled segment with its device work replayed from CUDA graphs.
+
+    Args:
+        gm: the segment's graph as it runs (kernels swapped in, or the recorded ops).
+        plain: the segment's usual runner: used inside another capture, for layouts past
+            ``MAX_LAYOUTS``, and after graphs are given up (``off`` says why).
+        fallbacks: a list to note there why graphs were given up (the segment's own).
+
+    Example::
+
+        run = SegmentGraphs(compiled.gm, compiled.run)
+        out = run(*inputs)   # calls 1-3 observed, 4 captured, then replays
+    """
+
+    def __init__(self, gm: GraphModule, plain: Callable[..., Any],
+                 fallbacks: list[str] | None = None) -> None:
+        self.gm, self.plain = gm, plain
+        self.fallbacks = fallbacks if fallbacks is not None else []
+        self.nodes = list(gm.graph.nodes)
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.body = self.nodes[len(self.placeholders):-1]
+        self.out_node = self.nodes[-1]
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.static_host = {n for n in self.nodes if host_node(n)}
+        self.layouts: dict[tuple, _Layout] = {}
+        self.runner = _Runner(gm)
+        self.pool: Any = None
+        self.off: str | None = None  # why graphs were given up
+        self.misses = 0
+        self.host_reasons: dict[str, str] = {}  # observed host nodes of the latest plan
+
+    @property
+    def captured(self) -> int:
+        """How many regions have a captured graph, over all input layouts."""
+        return sum(r.graph is not None for lay in self.layouts.values() for r in lay.regions or [])
+
+    def __call__(self, *args: Any) -> Any:
+        if self.off is not None or torch.cuda.is_current_stream_capturing():
+            return self.plain(*args)
+        key = tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                    else type(a) for a in args)
+        layout = self.layouts.get(key)
+        if layout is None:
+            if len(self.layouts) >= MAX_LAYOUTS:
+                return self.plain(*args)
+            layout = self.layouts[key] = _Layout()
+        layout.calls += 1
+        if layout.regions is not None:
+            return self._run(layout, args, capture=False)
+        if layout.calls <= WARMUP:
+            return self._observe(layout, args)
+        try:
+            layout.regions = self._plan(layout)
+        except _NotCapturable as e:
+            self._give_up(str(e))
+            return self.plain(*args)
+        return self._run(layout, args, capture=True)
+
+    # ------------------------------------------------------------------ observing
+    def _observe(self, layout: _Layout, args: tuple) -> Any:
+        with side_stream():  # as CUDA graphs want their warm-up (see side_stream)
+            return self._observe_nodes(layout, args)
+
+    def _observe_nodes(self, layout: _Layout, args: tuple) -> Any:
+        runner = self.runner
+        env = runner.env = dict(zip(self.placeholders, args))
+        seen: dict[Node, Any] = {n: _python_part(a) for n, a in zip(self.placeholders, args)}
+        for n in self.body:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    env[n] = value = runner.run_node(n)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            touched = _tensors(value) + _tensors(runner.fetch_args_kwargs_from_env(n))
+            synced = [w for w in caught if "synchroniz" in str(w.message)]
+            if synced and layout.calls == WARMUP:  # earlier calls may check new kernels
+                layout.host[n] = "synchronizes with the device"
+            elif any(not t.is_cuda for t in touched):
+                layout.host[n] = "works on CPU tensors"
+            elif not touched and _device_op(n) and not ambient_node(n) and not getattr(
+                    n.target, "__module__", "").startswith("fxlite"):  # fxlite's are pure
+                layout.host[n] = "touches no tensor (Python state)"
+            for w in caught:  # the user's own warnings still reach the user
+                if w not in synced:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            seen[n] = _python_part(value)
+        layout.seen.append(seen)
+        layout.objects.append({n: weakref.ref(v) for n, v in env.items()
+                               if isinstance(v, torch.Tensor)})
+        result = runner.run_node(self.out_node)
+        runner.env = {}
+        return result
+
+    def _plan(self, layout: _Layout) -> list[_Region]:
+        first, last = layout.seen[0], layout.seen[-1]
+        changing = {n for n in first if not _same(first[n], last.get(n))}
+        why = {n: "it must run as Python (host_node)" for n in self.static_host}
+        why.update(layout.host)
+        # a Python value that changes between calls cannot be baked into a graph
+        why.update({n: "a Python value it takes changes between calls" for n in self.body
+                    if n in changing or any(i in changing for i in n.all_input_nodes)})
+        self.host_reasons = {n.name: r for n, r in why.items() if n not in self.static_host}
+        made = []
+        for nodes in regions(self.nodes, set(why)):
+            after = self.nodes[self.position[nodes[-1]] + 1]
+            made.append(_Region(nodes, f"the region ends at {after.name}: "
+                                f"{why.get(after, 'the end of the segment')}"))
+        if not made:
+            raise _NotCapturable("it has no device work to replay")
+        return made
+
+    # ------------------------------------------------------------------ running
+    def _run(self, layout: _Layout, args: tuple, capture: bool) -> Any:
+        runner, nodes = self.runner, self.nodes
+        env = runner.env = dict(zip(self.placeholders, args))
+        made: set[Node] = set()  # outputs of this call's captured regions: stable objects
+        done = len(self.placeholders)
+        for region in layout.regions or []:
+            start = self.position[region.nodes[0]]
+            runner.run_nodes(nodes[done:start])
+            done = start + len(region.nodes)
+            if capture and self.off is None:
+                stable = [i in made or self._stable(layout, i) for i in region.inputs]
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                try:
+                    region.capture(runner, stable, self.pool)
+                    made.update(region.outputs)
+                    continue
+                except Exception as e:  # never a crash where eager works: run it normally
+                    _end_failed_capture()
+                    self._give_up(f"capturing failed ({type(e).__name__}: {e})")
+            elif not capture and region.replay(runner):
+                continue
+            elif not capture:
+                self.misses += 1
+                if self.misses > MAX_MISSES:
+                    self._give_up("its graphs' inputs or outputs kept changing hands")
+            runner.run_nodes(region.nodes)
+        runner.run_nodes(nodes[done:-1])
+        escaping = {n for r in layout.regions or [] for n in r.outputs
+                    if self.out_node in n.users}
+        result = map_arg(self.out_node.args[0],
+                         lambda n: _copy_out(env[n]) if n in escaping else env[n])
+        env.clear()  # drop our references before taking the baseline below
+        if self.off is None and capture:
+            for region in layout.regions or []:
+                region.watch()
+        return result
+
+    def _give_up(self, why: str) -> None:
+        """Run the plain segment from now on (graphs already captured are dropped)."""
+        self.off = why
+        self.layouts = {}
+        self.fallbacks.append(f"CUDA graphs are off for this segment: {why}")
+
+    @staticmethod
+    def _stable(layout: _Layout, node: Node) -> bool:
+        """Whether every observed call gave ``node`` the same tensor object."""
+        refs = [objs.get(node) for objs in layout.objects]
+        alive = [r() if r is not None else None for r in refs]
+        return alive[0] is not None and all(a is alive[0] for a in alive)
+
+
+_SIDE: list[Any] = []
+
+
+@contextlib.contextmanager
+def side_stream(enabled: bool = True) -> Iterator[None]:
+    """Run the block on a side stream, ordered after and before the current stream's work.
+
+    Why: the calls before a capture (the recording, the observed calls) must not run on
+    the default stream. Libraries set up per-stream state there, and autograd keeps the
+    stream a parameter's gradient accumulator was made on: a loss the caller still holds
+    from such a call keeps its accumulators, and a captured backward that meets one made
+    on the legacy default stream must sync with that stream, which ends the capture.
+    """
+    if not enabled:
+        yield
+        return
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    side, current = _SIDE[0], torch.cuda.current_stream()
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
+
+
+def _end_failed_capture() -> None:
+    """Leave no capture state behind a failed capture: torch's CUDA generator stays in its
+    capture mode when one fails (later random ops then raise), so end a trivial one."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.empty(1, device="cuda").zero_()
+    except Exception:  # nothing more can be done here
+        pass
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # values without a plain ==
+        return False
+
+
+def _copy_out(value: Any) -> Any:
+    return map_aggregate(value, lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
+
