@@ -3,9 +3,12 @@
 Run on a CUDA machine::
 
     python benchmarks/profile_step.py --case gpt2_block_f32 [--steps 30] [--top 25]
+    FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --gpu   # device time
 
 Uses the cases of ``bench_training.py``; prints each contender's median step time, then the
 functions with the most own time in fxlite's steps (after warm-up, so no compiling).
+With ``--gpu``, it prints instead how long the GPU was busy per step (torch.profiler over
+3 steps) and the kernels that kept it busy longest, for each contender.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
                         choices=["resnet18", "gpt2_block_f32", "gpt2_block_bf16"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--gpu", action="store_true", help="profile device time instead")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -44,13 +48,30 @@ def main() -> None:
             fn(model, opt, *data[i % len(data)])
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
-        if label == "fxlite":
+        if args.gpu:
+            gpu_profile(fn, model, opt, data, args.top)
+        elif label == "fxlite":
             print("fallbacks:", [f[:160] for f in fn.fallbacks][:4])
             profile = cProfile.Profile()
             profile.enable()
             time_steps(fn, model, opt, data, args.steps)
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+def gpu_profile(fn, model, opt, data, top: int) -> None:
+    """Print the GPU's busy time per step and its longest-running kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            fn(model, opt, *data[i % len(data)])
+        torch.cuda.synchronize()
+    busy = sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 3 / 1e3
+    print(f"GPU busy {busy:.2f} ms a step")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top,
+                                    max_name_column_width=60))
 
 
 if __name__ == "__main__":
