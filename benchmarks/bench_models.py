@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compilers", default=",".join(COMPILERS),
                    help="comma-separated, from eager, inductor, fxlite (eager always runs)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: f32, bf16")
+    p.add_argument("--mode", default=None, help="compile mode of both compilers, such as "
+                   "reduce-overhead (CUDA graphs)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--quick", action="store_true",
@@ -271,9 +273,9 @@ def measure(compiler: str, model: Any, inputs: tuple, want: Any, args: argparse.
         torch._dynamo.reset()
         if metrics is not None:
             metrics.reset()
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, mode=args.mode)
     else:
-        compiled = fxlite.compile(model)
+        compiled = fxlite.compile(model, mode=args.mode)
     call = functools.partial(compiled, *inputs)
     profile = cProfile.Profile() if args.profile and compiler == "fxlite" else None
     if profile is not None:
@@ -297,7 +299,8 @@ def run_case(name: str, dtype: str, batch: int, args: argparse.Namespace) -> dic
     import torch
 
     model, inputs = cast(*build(name, args.quick, batch, args.device), dtype)
-    row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch}
+    row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch,
+                           "mode": args.mode or "default"}
     with torch.no_grad():
         want = model(*inputs)
         row["eager_ms"] = median_ms(functools.partial(model, *inputs), args.device, args.quick)
