@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -176,6 +177,7 @@ class _Region:
         self.graph: Any = None
         self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
         self.writes: list[tuple[int, torch.Tensor]] = []  # copied inputs it writes
+        self.addresses: dict[int, int] = {}  # where the "same" inputs' data was
         self.values: list[Any] = []  # its outputs, in the graph's memory
         self.grads: list[tuple[torch.Tensor, Any, torch.Tensor]] = []  # (leaf, before, after)
         self.held: list[torch.Tensor] = []  # tensors nobody else may hold at a replay
@@ -227,6 +229,7 @@ class _Region:
         finally:
             torch.set_autocast_cache_enabled(cache)
         self.graph, self.feeds = graph, feeds
+        self.addresses = {i: ref.data_ptr() for i, kind, ref in feeds if kind == "same"}
         # copied inputs the region writes in place: written back to the caller's after a replay
         self.writes = [(i, ref) for (i, kind, ref), v in zip(feeds, versions)
                        if kind == "copy" and ref._version != v]
@@ -268,14 +271,14 @@ class _Region:
         inputs = self.inputs
         for i, kind, ref in self.feeds:
             v = env[inputs[i]]
-            if kind == "same":
-                if v is not ref:
+            if kind == "same":  # the same tensor, still on the same memory (`p.data = ...`)
+                if v is not ref or v.data_ptr() != self.addresses[i]:
                     return False
             elif kind == "copy":
                 if not isinstance(v, torch.Tensor) or v.shape != ref.shape or \
                         v.stride() != ref.stride() or v.dtype != ref.dtype or v.device != ref.device:
                     return False
-            elif v is not ref and v != ref:
+            elif not _same(v, ref):
                 return False
         for t, before, _ in self.grads:
             if t.grad is not before:
@@ -341,6 +344,7 @@ class SegmentGraphs:
         self.static_host = {n for n in self.nodes if host_node(n)}
         self.layouts: dict[tuple, _Layout] = {}
         self.runner = _Runner(gm)
+        self.lock = threading.Lock()  # one call at a time uses the runner and the graphs
         self.pool: Any = None
         self.off: str | None = None  # why graphs were given up
         self.misses = 0
@@ -354,6 +358,14 @@ class SegmentGraphs:
     def __call__(self, *args: Any) -> Any:
         if self.off is not None or torch.cuda.is_current_stream_capturing():
             return self.plain(*args)
+        if not self.lock.acquire(blocking=False):  # another thread is in: run it plainly
+            return self.plain(*args)
+        try:
+            return self._call(args)
+        finally:
+            self.lock.release()
+
+    def _call(self, args: tuple) -> Any:
         key = tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
                     else type(a) for a in args)
         layout = self.layouts.get(key)
@@ -481,7 +493,7 @@ class SegmentGraphs:
         return alive[0] is not None and all(a is alive[0] for a in alive)
 
 
-_SIDE: list[Any] = []
+_SIDE: dict[int, Any] = {}  # device -> side stream
 
 
 @contextlib.contextmanager
@@ -497,9 +509,11 @@ def side_stream(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    if not _SIDE:
-        _SIDE.append(torch.cuda.Stream())
-    side, current = _SIDE[0], torch.cuda.current_stream()
+    device = torch.cuda.current_device()
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     try:
         with torch.cuda.stream(side):
