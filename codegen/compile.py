@@ -381,8 +381,7 @@ class CompiledFunction:
                 seg.compiled, seg.run = compiled, compiled.run
                 cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in sample) and \
                     not interpreting()
-                graphed = cuda and self._mode == "reduce-overhead" and backend in (
-                    "triton", "python")
+                graphed = cuda and self._graphs_wanted() and backend in ("triton", "python")
                 seg.run = choose_runner(seg, cuda, graphed)
                 for kernel in compiled.kernels:
                     log_kernel(kernel)

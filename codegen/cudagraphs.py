@@ -19,10 +19,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["GraphReplays"]
+__all__ = ["GraphReplays", "reference_counts"]
 
 SMALL_NUMEL = 1 << 20  # inputs above this gain little from replay and cost memory
 MAX_KEYS = 16
+
+
+def reference_counts(tensors: list[torch.Tensor], storages: list[int]) -> list[int]:
+    """What says whether anyone else holds tensors living in a graph's memory: Python
+    references to each tensor (views hold their base), plus the uses of each storage
+    (``storages``: their ``_cdata``), since ``y.detach()`` shares the memory through a new
+    tensor that does not reference ``y``. Compare with a baseline taken the same way."""
+    use_count = torch._C._storage_Use_Count
+    return [sys.getrefcount(t) for t in tensors] + [use_count(s) for s in storages]
 
 
 class _Captured:
@@ -45,11 +54,7 @@ class _Captured:
         self.base = self._counts()
 
     def _counts(self) -> list[int]:
-        # Python references to the output tensors (views hold their base), plus the
-        # references to their storages: ``y.detach()`` shares the memory through a new
-        # tensor that does not reference ``y``.
-        use_count = torch._C._storage_Use_Count
-        return [sys.getrefcount(t) for t in self.flat] + [use_count(s) for s in self.storages]
+        return reference_counts(self.flat, self.storages)
 
     def free(self) -> bool:
         return self._counts() == self.base

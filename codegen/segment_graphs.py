@@ -41,7 +41,6 @@ failed capture) runs as it would without graphs, from then on.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import warnings
 import weakref
@@ -49,12 +48,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from fxlite.codegen.cudagraphs import reference_counts
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate, map_arg
 
-__all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "side_stream"]
+__all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "runs_backward",
+           "side_stream"]
 
 WARMUP = 3  # observed calls per input layout before the capture (syncs count on the last)
 MAX_LAYOUTS = 4  # captured input layouts per segment
@@ -98,6 +99,11 @@ def host_node(n: Node) -> bool:
     if module.startswith(("torch", "fxlite")):
         return module.startswith(_HOST_MODULES)
     return module not in _PURE_PYTHON
+
+
+def runs_backward(n: Node) -> bool:
+    """Whether ``n`` runs autograd's backward (``loss.backward()``, ``autograd.backward``)."""
+    return n.target == "backward" or n.target is torch.autograd.backward
 
 
 def ambient_node(n: Node) -> bool:
@@ -171,8 +177,9 @@ class _Region:
         self.inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes
                                          if i not in inside))
         self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        self.backward = any(n.target == "backward" or n.target is torch.autograd.backward
-                            for n in nodes)
+        # outputs the segment returns: copied out of the graph's memory for the caller
+        self.returned = {n for n in self.outputs if any(u.op == "output" for u in n.users)}
+        self.backward = any(map(runs_backward, nodes))
         self.ambient = [n for n in nodes if ambient_node(n)]
         self.graph: Any = None
         self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
@@ -181,6 +188,7 @@ class _Region:
         self.values: list[Any] = []  # its outputs, in the graph's memory
         self.grads: list[tuple[torch.Tensor, Any, torch.Tensor]] = []  # (leaf, before, after)
         self.held: list[torch.Tensor] = []  # tensors nobody else may hold at a replay
+        self.storages: list[int] = []  # their storages
         self.base: list[int] = []
 
     # ------------------------------------------------------------------ capture
@@ -257,12 +265,12 @@ class _Region:
         for v in self.values:
             held += [t for t in _tensors(v) if t.untyped_storage().data_ptr() not in inputs]
         self.held = list({id(t): t for t in held}.values())
+        # (their storages stay valid while self.held holds the tensors)
+        self.storages = [t.untyped_storage()._cdata for t in self.held]
         self.base = self._counts()
 
     def _counts(self) -> list[int]:
-        use = torch._C._storage_Use_Count
-        return [sys.getrefcount(t) for t in self.held] + [
-            use(t.untyped_storage()._cdata) for t in self.held]
+        return reference_counts(self.held, self.storages)
 
     # ------------------------------------------------------------------ replay
     def replay(self, runner: _Runner) -> bool:
@@ -315,6 +323,7 @@ class _Layout:
         self.host: dict[Node, str] = {}  # observed host nodes, and why
         self.objects: list[dict[Node, Any]] = []  # per observed call: node -> weakref
         self.regions: list[_Region] | None = None
+        self.returned: set[Node] = set()  # region outputs the segment returns
 
 
 class SegmentGraphs:
@@ -380,6 +389,7 @@ class SegmentGraphs:
             return self._observe(layout, args)
         try:
             layout.regions = self._plan(layout)
+            layout.returned = {n for r in layout.regions for n in r.returned}
         except _NotCapturable as e:
             self._give_up(str(e))
             return self.plain(*args)
@@ -469,10 +479,9 @@ class SegmentGraphs:
                     self._give_up("its graphs' inputs or outputs kept changing hands")
             runner.run_nodes(region.nodes)
         runner.run_nodes(nodes[done:-1])
-        escaping = {n for r in layout.regions or [] for n in r.outputs
-                    if self.out_node in n.users}
+        returned = layout.returned
         result = map_arg(self.out_node.args[0],
-                         lambda n: _copy_out(env[n]) if n in escaping else env[n])
+                         lambda n: _copy_out(env[n]) if n in returned else env[n])
         env.clear()  # drop our references before taking the baseline below
         if self.off is None and capture:
             for region in layout.regions or []:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.pipeline import CompiledSegment, direct_forward
-from fxlite.codegen.segment_graphs import SegmentGraphs
+from fxlite.codegen.segment_graphs import SegmentGraphs, runs_backward
 
 __all__ = ["Trial", "choose_runner"]
 
@@ -104,7 +104,7 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
 
 def _trains(seg: Any, compiled: CompiledSegment) -> bool:
     """Whether ``seg`` runs a backward or autograd-aware kernels (a training segment)."""
-    return any(n.target == "backward" for n in seg.gm.graph.nodes) or any(
+    return any(map(runs_backward, seg.gm.graph.nodes)) or any(
         hasattr(k, "_variants") for k in compiled.kernels)
 
 
