@@ -7,6 +7,8 @@ fresh inputs, and checks module state, gradients and optimizer state, not only r
 
 from __future__ import annotations
 
+from test_compile_training import train_step  # isort: skip  (zero_grad, loss, backward, step)
+
 import copy
 import warnings
 
@@ -34,18 +36,10 @@ class _Net(nn.Module):
         return self.fc(self.drop(y.mean((2, 3))))
 
 
-def _step(model, opt, x, y):
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def _recorded_step_graph():
     model = _Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    fn = fxlite.compile(_step, backend="python")
+    fn = fxlite.compile(train_step, backend="python")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(2):
@@ -102,14 +96,18 @@ def _segment_runner(fn):
     return run
 
 
+def _net_and_batches(batches: int):
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
+            for _ in range(batches)]
+    return _Net().cuda(), data
+
+
 @cuda
 def test_training_step_replays_graphs_and_trains_as_eager():
-    torch.manual_seed(0)
-    base = _Net().cuda()
-    data = [(torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
-            for _ in range(3)]
-    fn = fxlite.compile(_step, mode="reduce-overhead")
-    want = _train(_step, base, data, 7)
+    base, data = _net_and_batches(3)
+    fn = fxlite.compile(train_step, mode="reduce-overhead")
+    want = _train(train_step, base, data, 7)
     got = _train(fn, base, data, 7)
     run = _segment_runner(fn)
     assert run.off is None and run.captured >= 1, run.off
@@ -126,12 +124,9 @@ def test_training_step_replays_graphs_and_trains_as_eager():
 
 @cuda
 def test_gradients_the_user_keeps_are_not_overwritten_by_the_next_replay():
-    torch.manual_seed(0)
-    base = _Net().cuda()
-    data = [(torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
-            for _ in range(2)]
-    fn = fxlite.compile(_step, mode="reduce-overhead")
-    got, want = _train(fn, base, data, 6), _train(_step, base, data, 6)
+    base, data = _net_and_batches(2)
+    fn = fxlite.compile(train_step, mode="reduce-overhead")
+    got, want = _train(fn, base, data, 6), _train(train_step, base, data, 6)
     kept = got[3][4]  # the user held step 5's gradients through step 6
     for a, b in zip(kept, want[3][4]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
@@ -144,7 +139,7 @@ def test_dropout_in_a_captured_step_draws_new_masks():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay: only masks differ
     x = torch.randn(4, 3, 8, 8, device="cuda")
     y = torch.randint(0, 10, (4,), device="cuda")
-    fn = fxlite.compile(_step, mode="reduce-overhead")
+    fn = fxlite.compile(train_step, mode="reduce-overhead")
     losses = {float(fn(model, opt, x, y)) for _ in range(8)}
     assert len(losses) >= 6
 
