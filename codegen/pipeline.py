@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,6 +312,13 @@ class _Replay(Interpreter):
     def run_node(self, n: Node) -> Any:
         if n.meta.get("external"):
             return None
+        if n.target is getattr and n.args[1:] == ("grad",):
+            # The sample stands in for a parameter with a non-leaf copy (the segment may
+            # write it): its .grad is None, as the program's was, and torch's warning
+            # about reading a non-leaf's .grad is about fxlite's copy, not the user's code.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor")
+                return super().run_node(n)
         return super().run_node(n)
 
 

@@ -139,6 +139,21 @@ def test_a_compiled_training_step_matches_eager_over_five_steps():
     assert {"forward", "backward"} <= {k.direction for k in step.kernels}
 
 
+def test_compiling_a_training_step_shows_no_warning_about_fxlites_own_copies():
+    """The compile-time check reads ``.grad`` of fxlite's non-leaf stand-ins for the
+    parameters; torch's warning about non-leaf ``.grad`` reads used to reach the user."""
+    model = small_convnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = fxlite.compile(train_step)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            step(model, opt, x, y)
+        assert [str(w.message) for w in record] == []
+
+
 def test_a_learning_rate_scheduler_in_the_step_keeps_stepping():
     model = nn.Linear(4, 2).to(DEVICE)
     ref = copy.deepcopy(model)
