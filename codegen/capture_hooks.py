@@ -129,6 +129,9 @@ def _state_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+_NOTHING = object()
+
+
 def _opaque_names(obj: Any) -> tuple[str, ...]:
     import sys
 
@@ -151,19 +154,30 @@ def opaque_methods(objects: list[Any]) -> Iterator[None]:
             continue
         seen.add(id(obj))
         for name in _opaque_names(obj):
-            if name in obj.__dict__:  # already an instance attribute: leave it alone
-                continue
-            method = getattr(obj, name)
+            own = obj.__dict__.get(name, _NOTHING)
+            if own is not _NOTHING and not getattr(own, "_wrapped_by_lr_sched", False):
+                continue  # an instance attribute someone else set: leave it alone
+            # A learning-rate scheduler wraps its optimizer's step in an instance
+            # attribute that notes the call: the recording calls that wrapper, and the
+            # replays the step itself (the note is already made).
+            method = getattr(type(obj), name).__get__(obj)
+            runner = method if own is _NOTHING else own
 
-            def wrapper(*args: Any, _method: Any = method, _obj: Any = obj, **kwargs: Any) -> Any:
+            def wrapper(*args: Any, _method: Any = method, _runner: Any = runner,
+                        _obj: Any = obj, **kwargs: Any) -> Any:
                 rec = _active()
                 if rec is None:
-                    return _method(*args, **kwargs)
-                return rec.call_opaque(_method, _method, args, kwargs, _state_tensors(_obj))
+                    return _runner(*args, **kwargs)
+                return rec.call_opaque(_method, _runner, args, kwargs, _state_tensors(_obj))
+            if own is not _NOTHING:
+                wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             obj.__dict__[name] = wrapper
-            undo.append((obj, name))
+            undo.append((obj, name, own))
     try:
         yield
     finally:
-        for obj, name in undo:
-            obj.__dict__.pop(name, None)
+        for obj, name, own in undo:
+            if own is _NOTHING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = own
