@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
 
 from fxlite.graph_module import GraphModule
@@ -83,6 +84,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
     if callable(backend):
         return CompiledSegment(backend(work, list(sample)), work,
                                outputs=_run_checked(work, sample))
+    fused_optimizer_steps(work)
     branches = _compile_conds(work, backend, mode, warn)
     result = _compile_work(work, sample, backend, mode, expected, warn)
     for b in branches:  # torch.cond's branch kernels count as the segment's
