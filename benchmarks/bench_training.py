@@ -13,11 +13,13 @@ Each compiler compiles the whole step, as the compile tutorial does::
 
 Cases: the tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
 GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
-float32 and under bfloat16 autocast. Reported per case: the median step time of each contender (CUDA
-events around each step, after warm-up), speedups over eager and against inductor, cold
-compile (the first step, fresh caches), the kernels fxlite ran (forward/backward), and the
-largest relative difference of the first steps' losses from eager's (same data and
-initial weights; every contender starts from a copy of one model).
+float32 and under bfloat16 autocast. Contenders: eager, eager with the optimizer's own
+``fused=True`` kernels (which needs no compiler), torch.compile and fxlite.compile.
+Reported per case: the median step time of each contender (CUDA events around each step,
+after warm-up), speedups over eager and against inductor, cold compile (the first step,
+fresh caches), the kernels fxlite ran (forward/backward), and the largest relative
+difference of the first steps' losses from eager's (same data and initial weights; every
+contender starts from a copy of one model).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def resnet18_case():
         loss.backward()
         opt.step()
         return loss
-    return model, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), data, step, None
+    return model, lambda m, **kw: torch.optim.Adam(m.parameters(), lr=1e-3, **kw), data, step, None
 
 
 def gpt2_block_case(dtype):
@@ -79,7 +81,8 @@ def gpt2_block_case(dtype):
         loss.backward()
         opt.step()
         return loss
-    return block, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), data, step, dtype
+    return (block, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=1e-4, **kw), data, step,
+            dtype)
 
 
 # Steps before timing, for every contender alike: fxlite's trial takes 8 calls and its
@@ -104,10 +107,12 @@ def run_case(name, case, steps, mode=None):
     base, make_opt, data, step, _ = case
     results, losses = {}, {}
     fx_step = None
-    for label in ("eager", "torch.compile", "fxlite"):
+    for label in ("eager", "eager_fused", "torch.compile", "fxlite"):
         model = copy.deepcopy(base)
-        opt = make_opt(model)
-        if label == "eager":
+        # eager_fused: eager with the optimizer's own fused=True kernels, which a user
+        # can ask for without any compiler
+        opt = make_opt(model, fused=True) if label == "eager_fused" else make_opt(model)
+        if label.startswith("eager"):
             fn = step
         elif label == "torch.compile":
             fn = torch.compile(step, mode=mode)
@@ -133,6 +138,7 @@ def run_case(name, case, steps, mode=None):
             **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
             "fxlite_vs_eager": eager_ms / fx_ms, "fxlite_vs_inductor": ind_ms / fx_ms,
             "inductor_vs_eager": eager_ms / ind_ms, "loss_max_rel_diff": rel,
+            "fxlite_vs_eager_fused": results["eager_fused"]["ms"] / fx_ms,
             "kernels_forward": directions.count("forward"),
             "kernels_backward": directions.count("backward"),
             "fallbacks": list(fx_step.fallbacks) if fx_step is not None else []}
@@ -163,12 +169,15 @@ def main() -> None:
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
           f"{steps} steps; TF32 on; mode {args.mode or 'default'}")
     print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",
-                     f"{r['fxlite_ms']:.2f}", f"{r['fxlite_vs_eager']:.2f}x",
+                     f"{r['fxlite_ms']:.2f}", f"{r['eager_fused_ms']:.2f}",
+                     f"{r['fxlite_vs_eager']:.2f}x", f"{r['fxlite_vs_eager_fused']:.2f}x",
                      f"{r['inductor_vs_eager']:.2f}x", f"{r['fxlite_vs_inductor']:.2f}x",
                      f"{r['torch.compile_cold_s']:.1f}", f"{r['fxlite_cold_s']:.1f}",
                      f"{r['kernels_forward']}/{r['kernels_backward']}",
                      f"{r['loss_max_rel_diff']:.1e}"] for r in rows],
-                   headers=["case", "eager ms", "inductor ms", "fxlite ms", "fxlite vs eager",
+                   headers=["case", "eager ms", "inductor ms", "fxlite ms",
+                            "eager fused-optimizer ms", "fxlite vs eager",
+                            "fxlite vs eager fused-optimizer",
                             "inductor vs eager", "fxlite vs inductor", "inductor cold s",
                             "fxlite cold s", "kernels fwd/bwd", "loss rel diff"]))
     if args.json:

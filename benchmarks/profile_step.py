@@ -4,6 +4,7 @@ Run on a CUDA machine::
 
     python benchmarks/profile_step.py --case gpt2_block_f32 [--steps 30] [--top 25]
     FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --gpu   # device time
+    python benchmarks/profile_step.py --case resnet18 --gpu --mode reduce-overhead --inductor
 
 Uses the cases of ``bench_training.py``; prints each contender's median step time, then the
 functions with the most own time in fxlite's steps (after warm-up, so no compiling).
@@ -35,16 +36,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--gpu", action="store_true", help="profile device time instead")
+    parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
+    parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     make = {"resnet18": resnet18_case, "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
             "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16)}[args.case]
     base, make_opt, data, step, _ = make()
-    for label, fn in (("eager", step), ("fxlite", fxlite.compile(step))):
+    contenders = [("eager", step), ("fxlite", fxlite.compile(step, mode=args.mode))]
+    if args.inductor:
+        contenders.insert(1, ("torch.compile", torch.compile(step, mode=args.mode)))
+    for label, fn in contenders:
         model = copy.deepcopy(base)
         opt = make_opt(model)
-        for i in range(10):
+        for i in range(16):
             fn(model, opt, *data[i % len(data)])
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
