@@ -86,7 +86,8 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
     """Let real calls decide between the segment's kernels and its recorded ops; with
     ``graphed``, the winner then runs from CUDA graphs."""
     compiled = seg.compiled
-    recorded = CompiledSegment(direct_forward(seg.gm), seg.gm)
+    gm = compiled.recorded if compiled.recorded is not None else seg.gm
+    recorded = CompiledSegment(direct_forward(gm), gm)
 
     def decide(kernels_win: bool, ours: float, theirs: float) -> None:
         winner = compiled if kernels_win else recorded
@@ -113,10 +114,11 @@ def _graphed_recording(seg: Any, compiled: CompiledSegment) -> SegmentGraphs:
     CUDA graphs. Measured on an H200 with the host cost gone, cuDNN's and cuBLAS's
     forward and backward beat the fused autograd groups or tie with them (resnet18 step:
     2.4 ms of GPU time against 3.5; GPT-2 block: 1.56 ms a step against 1.57)."""
-    recorded = CompiledSegment(direct_forward(seg.gm), seg.gm)
+    gm = compiled.recorded if compiled.recorded is not None else compiled.gm
+    recorded = CompiledSegment(direct_forward(gm), gm)
     if compiled.kernels:
         recorded.fallbacks.append(
             f"mode='reduce-overhead' replays the recorded ops of this training segment from "
             f"CUDA graphs instead of its {len(compiled.kernels)} kernels")
     seg.compiled = recorded
-    return SegmentGraphs(seg.gm, recorded.run, recorded.fallbacks)
+    return SegmentGraphs(gm, recorded.run, recorded.fallbacks)

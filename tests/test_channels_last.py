@@ -1,0 +1,175 @@
+"""Channels-last convolutions (``passes/channels_last.py``): the graph's inputs to conv2d
+are converted, the layout carries through the net, and what the graph returns has
+eager's layout. On the CPU the pass is switched on by hand (fxlite applies it on CUDA)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import fxlite.codegen.pipeline as pipeline
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fxlite.passes.channels_last import channels_last_convs
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+
+CL = torch.channels_last
+
+
+def traced(fn, *inputs):
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*inputs)
+    return gm
+
+
+def block(x, w1, w2):
+    y = F.relu(F.conv2d(x, w1, padding=1))
+    return F.conv2d(y, w2, padding=1) + y
+
+
+def inputs():
+    torch.manual_seed(0)
+    return torch.randn(2, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4, 4, 3, 3)
+
+
+def test_conv_inputs_become_channels_last_and_the_result_keeps_eagers_layout():
+    args = inputs()
+    gm = traced(block, *args)
+    assert channels_last_convs(gm)
+    code = gm.code
+    assert code.count("memory_format = torch.channels_last") == 1  # x only: w is not read
+    seen = {}
+
+    class Spy(fxlite.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            seen[n.name] = out
+            return out
+
+    out = Spy(gm).run(*args)
+    torch.testing.assert_close(out, block(*args))
+    assert out.is_contiguous()  # given back as eager had it
+    convs = [v for k, v in seen.items() if k.startswith("conv2d")]
+    assert convs and all(c.is_contiguous(memory_format=CL) and not c.is_contiguous()
+                         for c in convs)  # the layout carried through both convolutions
+    assert args[0].is_contiguous()  # the caller's input itself is untouched
+
+
+@pytest.mark.parametrize("tail", ["view", "permute", "stride"])
+def test_a_layout_sensitive_use_leaves_the_graph_unchanged(tail):
+    def fn(x, w):
+        y = F.conv2d(x, w)
+        if tail == "view":
+            return y.view(y.shape[0], -1)
+        if tail == "permute":
+            return y.permute(0, 2, 3, 1)
+        return y * y.stride(1)
+
+    x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 1, 1)
+    gm = traced(fn, x, w)
+    before = gm.code
+    assert not channels_last_convs(gm)
+    assert gm.code == before
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        y = self.bn2(self.conv2(y)) + y
+        y = y.relu_()
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1)), y
+
+
+@pytest.fixture
+def channels_last_on_cpu(monkeypatch):
+    calls = []
+
+    def wanted(sample):
+        calls.append(1)
+        return True
+    monkeypatch.setattr(pipeline, "channels_last_wanted", wanted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["python", "triton"])
+def test_a_compiled_conv_net_with_channels_last_matches_eager(backend, channels_last_on_cpu):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from fxlite.codegen.triton import interpreting
+
+        if not interpreting():
+            pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    compiled = fxlite.compile(model, backend=backend)
+    for _ in range(3):  # training mode: batch statistics and running-stat updates
+        x = torch.randn(2, 3, 8, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            logits, feats = compiled(x)
+        want_logits, want_feats = ref(x)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+        assert feats.stride() == want_feats.stride()  # eager's layout, not channels-last
+        torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert channels_last_on_cpu
+    assert "channels_last" in compiled.code
+
+
+def test_a_training_step_with_channels_last_gives_eagers_gradients(channels_last_on_cpu):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+
+    def loss_of(m, x):
+        logits, _ = m(x)
+        return logits.square().mean()
+
+    def step(m, x):
+        loss = loss_of(m, x)
+        loss.backward()
+        return loss
+
+    compiled = fxlite.compile(step, backend="python")
+    for _ in range(3):
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        torch.testing.assert_close(compiled(model, x), step(ref, x_ref))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+            assert p.grad.stride() == q.grad.stride(), name
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+        assert x.grad.stride() == x_ref.grad.stride()
+    assert "channels_last" in compiled.code
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite applies it on CUDA")
+def test_on_the_gpu_a_conv_net_runs_channels_last_when_asked(monkeypatch):
+    monkeypatch.setenv("FXLITE_CHANNELS_LAST", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # eager's exact algorithms
+    torch.manual_seed(0)
+    model = Net().cuda().eval()
+    compiled = fxlite.compile(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 3, 16, 16, device="cuda")
+            (logits, feats), (want_logits, want_feats) = compiled(x), model(x)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+            assert feats.stride() == want_feats.stride()
+    assert "channels_last" in compiled.code
