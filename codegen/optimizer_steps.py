@@ -132,6 +132,13 @@ class FusedStep:
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
+def _state_names(group: dict) -> tuple[str, ...]:
+    """The state a step of ``group`` reads per parameter (Adam's has betas, SGD's not)."""
+    if "betas" in group:
+        return (*_ADAM_STATE, "max_exp_avg_sq") if group.get("amsgrad") else _ADAM_STATE
+    return ("momentum_buffer",) if group["momentum"] else ()
+
+
 class _Plan:
     """One fused call: the parameters of one group on one device, of one dtype, that have
     gradients, with their state tensors and the device copies of their step counts."""
@@ -146,10 +153,8 @@ class _Plan:
         self.slots = [state.get(p) for p in params]  # (state[p] would add an entry)
         self.adam = "betas" in group
         self.decoupled = group.get("decoupled_weight_decay", adamw)
-        names = ((*_ADAM_STATE, "max_exp_avg_sq") if group.get("amsgrad") else _ADAM_STATE) \
-            if self.adam else (("momentum_buffer",) if group["momentum"] else ())
-        self.names = names
-        self.tensors = {k: [slot[k] for slot in self.slots] for k in names}
+        self.names = _state_names(group)
+        self.tensors = {k: [slot[k] for slot in self.slots] for k in self.names}
         if self.adam:
             counts = self.tensors["step"]
             device = params[0].device
@@ -162,8 +167,7 @@ class _Plan:
     def make(group: dict, grads: list[Any], state: dict, adamw: bool) -> list[_Plan] | None:
         """Plans for ``group``, or None if any parameter must be stepped eagerly."""
         adam = "betas" in group
-        names = ((*_ADAM_STATE, "max_exp_avg_sq") if group.get("amsgrad") else _ADAM_STATE) \
-            if adam else (("momentum_buffer",) if group["momentum"] else ())
+        names = _state_names(group)
         kinds: dict[tuple, list[int]] = defaultdict(list)
         for i, (p, g) in enumerate(zip(group["params"], grads)):
             if g is None:

@@ -258,16 +258,14 @@ def _groups_without_autocast(fused: GraphModule) -> None:
 
 def fill_meta(gm: GraphModule) -> None:
     """ShapeProp's ``tensor_meta`` and ``type`` for every node, from the recording."""
-    from fxlite.passes.shape_prop import TensorMetadata
+    from fxlite.passes.shape_prop import TensorMetadata, memory_format_of
 
-    formats = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
     for node in gm.graph.nodes:
         rec = node.meta.get("tensor_meta_rec")
         if rec is None:
             continue
         shape, stride, dtype, device, requires_grad = rec
-        probe = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        fmt = next((f for f in formats if probe.is_contiguous(memory_format=f)), None)
+        fmt = memory_format_of(shape, stride)
         node.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, requires_grad,
                                                   tuple(stride), fmt)
         node.meta["type"] = torch.Tensor

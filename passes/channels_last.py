@@ -35,12 +35,14 @@ import operator
 from typing import Any
 
 import torch
+from fxlite.passes.shape_prop import memory_format_of
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 
 __all__ = ["channels_last_convs"]
 
+CL = torch.channels_last
 _CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # ops whose result may share memory with an argument (a conservative list: any other op
@@ -68,11 +70,8 @@ def _layout(node: Node) -> tuple[tuple, torch.dtype, Any] | None:
         if tm is None or not hasattr(tm, "shape") or tm.stride is None:
             return None
         shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
-    probe = torch.empty_strided(shape, stride, device="meta")
-    for fmt in (torch.contiguous_format, torch.channels_last):
-        if probe.is_contiguous(memory_format=fmt):
-            return tuple(shape), dtype, fmt
-    return tuple(shape), dtype, None
+    fmt = memory_format_of(shape, stride)
+    return tuple(shape), dtype, fmt if fmt in (torch.contiguous_format, CL) else None
 
 
 def _name(node: Node) -> str:
@@ -82,10 +81,10 @@ def _name(node: Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
-def _root(n: Node, gm: GraphModule) -> Node | None:
+def _root(n: Node, names: dict[str, Node]) -> Node | None:
     """The node that made the tensor ``n`` returns (through in-place ops, which return
-    their input), or None if that tensor may view another one."""
-    names = {m.name: m for m in gm.graph.nodes}
+    their input), or None if that tensor may view another one. ``names``: the graph's
+    nodes by name."""
     while True:
         if n.meta.get("same_object") is not None:
             n = names.get(n.meta["same_object"])
@@ -132,10 +131,11 @@ def channels_last_convs(gm: GraphModule) -> bool:
     output = next(n for n in graph.nodes if n.op == "output")
     returned: list[tuple[Node, Any]] = []
     roots: set[Node] = set()
+    names = {m.name: m for m in graph.nodes}
     for n in output.all_input_nodes:
         if n not in downstream:
             continue
-        layout, root = _layout(n), _root(n, gm)
+        layout, root = _layout(n), _root(n, names)
         if layout is None or layout[2] is None or root is None or root in roots:
             return False  # a view, or two results sharing one tensor: a copy would split them
         roots.add(root)

@@ -60,6 +60,18 @@ def _rebuild_tensor_metadata(shape: torch.Size, dtype: torch.dtype, requires_gra
     return TensorMetadata(shape, dtype, requires_grad, stride, fmt, is_quantized, qparams)
 
 
+def memory_format_of(shape: Any, stride: Any) -> torch.memory_format | None:
+    """The memory format a tensor of this shape and stride is contiguous in, or None.
+
+    Example::
+
+        >>> memory_format_of((2, 3, 4, 5), (60, 1, 15, 3))
+        torch.channels_last
+    """
+    probe = torch.empty_strided(tuple(shape), tuple(stride), device="meta")
+    return next((f for f in _MEMORY_FORMATS if probe.is_contiguous(memory_format=f)), None)
+
+
 def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     """Record ``t``'s shape, dtype, strides, memory format and quantization.
 

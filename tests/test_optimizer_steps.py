@@ -12,19 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxlite
 
+from test_compile_training import train_step  # isort: skip  (zero_grad, loss, backward, step)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def train_step(model, opt, x, y):
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
 
 
 def mlp():
