@@ -1,0 +1,139 @@
+"""Compiled results that round differently from eager's: a float64 run decides
+(``codegen/accuracy.py``). Kernels more accurate than eager are kept; wrong ones are not."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fxlite.codegen.triton as triton_mod
+from fxlite.codegen.accuracy import float64_problem, versions
+from fxlite.codegen.pipeline import _assert_as_accurate
+from fxlite.codegen.triton import interpreting
+from test_compile import FakeKernel
+
+import fxlite
+
+DEVICE = "cpu" if interpreting() else "cuda"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def twenty_steps(x):
+    for _ in range(20):
+        x = x * 1.01 + 0.1
+    return x
+
+
+def rms_error(t, reference):
+    return float((t.double() - reference).square().mean().sqrt())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_kernel_that_rounds_once_is_kept_though_eager_rounds_twenty_times(dtype):
+    x = torch.randn(256, device=DEVICE).to(dtype)
+    c = fxlite.compile(twenty_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        c(x)
+        out = c(x)
+    assert len(c.kernels) == 1 and c.fallbacks == []
+    eager = twenty_steps(x)
+    reference = twenty_steps(x.double())
+    # The plain comparison would have failed: the kernel is not eager's value...
+    assert not torch.allclose(out, eager, rtol=1e-3, atol=1e-3)
+    # ...it is closer to the exact one.
+    assert rms_error(out, reference) < rms_error(eager, reference)
+    fresh = torch.randn(256, device=DEVICE).to(dtype)
+    assert rms_error(c(fresh), twenty_steps(fresh.double())) <= 2 * rms_error(
+        twenty_steps(fresh), twenty_steps(fresh.double()))
+
+
+class Nudged(FakeKernel):
+    """The group's eager ops, then a relative error of 10%."""
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.group(*args) * 1.1
+
+
+def test_a_wrong_low_precision_kernel_is_still_caught(monkeypatch):
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda group, example, name="k", **kw: made.append(
+                            Nudged(group, name, 0)) or made[-1])
+    x = torch.randn(256, device=DEVICE).to(torch.bfloat16)
+    reference = twenty_steps(x.double())
+    # eager's own rounding error is well below the kernel's 10% (else it would pass)
+    assert rms_error(twenty_steps(x), reference) < 0.03 * rms_error(reference, 0 * reference)
+    c = fxlite.compile(twenty_steps)
+    with pytest.warns(UserWarning, match="against a float64 run, output 0: its error is"):
+        out = c(x)
+    assert torch.equal(out, twenty_steps(x)) and c.kernels == []
+
+
+def deep_bf16_mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(40):
+        layers += [torch.nn.Linear(64, 64), torch.nn.LayerNorm(64),
+                   torch.nn.GELU(approximate="tanh")]
+    return torch.nn.Sequential(*layers).eval().to(device=DEVICE, dtype=torch.bfloat16)
+
+
+def test_a_deep_bf16_model_keeps_its_kernels_though_its_output_drifts_from_eagers():
+    # Every LayerNorm+GELU kernel passes its own check, but after 40 layers the output
+    # differs from eager's by more than bfloat16's tolerance: the segment check used to
+    # send the whole model back to eager.
+    m = deep_bf16_mlp()
+    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    c = fxlite.compile(m)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c(x)
+        out = c(x)
+        eager = m(x)
+    assert len(c.kernels) == 40 and c.fallbacks == []
+    assert not torch.allclose(out, eager, rtol=1.6e-2, atol=1.6e-2)
+    wide = deep_bf16_mlp().double()
+    with torch.no_grad():
+        reference = wide(x.double())
+    assert rms_error(out, reference) <= 2 * rms_error(eager, reference)
+
+
+def graph_of(fn):
+    return fxlite.symbolic_trace(fn)
+
+
+def test_random_graphs_get_no_second_look():
+    def noisy(x):
+        return x + torch.rand_like(x)
+
+    x = torch.zeros(4)
+    assert float64_problem(graph_of(noisy), [x], x + 0.5, x + 0.25, "differs") == "differs"
+
+
+def test_nan_where_eager_has_a_number_fails():
+    x = torch.randn(16, dtype=torch.bfloat16)
+    got = twenty_steps(x).clone()
+    got[3] = float("nan")
+    problem = float64_problem(graph_of(twenty_steps), [x], got, twenty_steps(x), "differs")
+    assert problem is not None and "NaN or infinite" in problem
+    # the same NaN in both is fine
+    y = x.clone()
+    y[3] = float("nan")
+    assert float64_problem(graph_of(twenty_steps), [y], twenty_steps(y.float()).to(
+        torch.bfloat16), twenty_steps(y), "differs") is None
+
+
+def test_no_second_look_when_the_run_wrote_its_inputs():
+    x = torch.randn(16, dtype=torch.bfloat16)
+    gm = graph_of(twenty_steps)
+    good = twenty_steps(x.float()).to(torch.bfloat16)  # rounds once: passes on its own
+    _assert_as_accurate(gm, (x,), good, twenty_steps(x), versions([x]))
+    before = versions([x])
+    x.add_(0)  # a write between the runs: the float64 run would not see eager's inputs
+    with pytest.raises(AssertionError, match="not close"):
+        _assert_as_accurate(gm, (x,), good, twenty_steps(x), before)
