@@ -29,7 +29,8 @@ import torch
 from fxlite.codegen.accuracy import attributes, float64_problem, versions
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
-from fxlite.passes.channels_last import channels_last_convs
+from fxlite.passes.channels_last import CONVS, channels_last_convs
+from fxlite.passes.pad_matmul import pad_linears
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
@@ -40,10 +41,10 @@ __all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segmen
 
 
 PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
-# Conv inputs in channels-last on CUDA (passes/channels_last.py). Off unless
-# FXLITE_CHANNELS_LAST=1: it cut resnet18's training step from 2.43 to 2.04 ms of GPU time
-# on an H200, but resnet50's bf16 forward ran slower than eager with it, not yet explained.
-CHANNELS_LAST = False
+# Conv inputs in channels-last on CUDA (passes/channels_last.py); FXLITE_CHANNELS_LAST=0
+# turns it off. On an H200 it cut resnet50's bf16 forward at batch 32 from 3.7 to 1.85 ms
+# of GPU time, and resnet18's training step from 2.43 to 2.04.
+CHANNELS_LAST = True
 
 
 def interpreting() -> bool:
@@ -97,7 +98,9 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
                                outputs=_run_checked(work, sample))
     if os.environ.get("FXLITE_FUSED_OPTIMIZER") != "0":
         fused_optimizer_steps(work)
-    if channels_last_wanted(sample):
+    if _on_gpu(sample):
+        pad_linears(work)
+    if channels_last_wanted(sample) and any(n.target in CONVS for n in work.graph.nodes):
         plain = GraphModule(work, copy.deepcopy(work.graph), type(work).__name__)
         if channels_last_convs(work):
             said: list[str] = []
@@ -114,10 +117,13 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
 
 def channels_last_wanted(sample: list[Any]) -> bool:
     """Whether a segment run on ``sample`` gets channels-last convolutions (CUDA only:
-    cuDNN's kernels there are NHWC; see ``passes/channels_last.py``; opt-in for now)."""
+    cuDNN's kernels there are NHWC; see ``passes/channels_last.py``)."""
     wanted = os.environ.get("FXLITE_CHANNELS_LAST", "1" if CHANNELS_LAST else "0") == "1"
-    return wanted and not interpreting() and any(
-        isinstance(a, torch.Tensor) and a.is_cuda for a in sample)
+    return wanted and _on_gpu(sample)
+
+
+def _on_gpu(sample: list[Any]) -> bool:
+    return not interpreting() and any(isinstance(a, torch.Tensor) and a.is_cuda for a in sample)
 
 
 def _compile_layout(work: GraphModule, sample: list[Any], backend: Any, mode: str | None,

@@ -59,6 +59,23 @@ def test_conv_inputs_become_channels_last_and_the_result_keeps_eagers_layout():
     assert args[0].is_contiguous()  # the caller's input itself is untouched
 
 
+def depthwise_block(x, w_dw, w):
+    return F.conv2d(F.conv2d(x, w_dw, padding=1, groups=4), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_float32_graph_with_a_depthwise_conv_stays_nchw(dtype):
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 6, 6), torch.randn(4, 1, 3, 3), torch.randn(4, 4, 1, 1))
+    args = tuple(a.to(dtype) for a in args)
+    gm = traced(depthwise_block, *args)
+    before = gm.code
+    changed = channels_last_convs(gm)
+    # NHWC depthwise convolutions cost more than the transposes save in float32 only
+    assert changed == (dtype == torch.bfloat16)
+    assert (gm.code == before) == (dtype == torch.float32)
+
+
 @pytest.mark.parametrize("tail", ["view", "permute", "stride"])
 def test_a_layout_sensitive_use_leaves_the_graph_unchanged(tail):
     def fn(x, w):
@@ -159,8 +176,7 @@ def test_a_training_step_with_channels_last_gives_eagers_gradients(channels_last
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite applies it on CUDA")
-def test_on_the_gpu_a_conv_net_runs_channels_last_when_asked(monkeypatch):
-    monkeypatch.setenv("FXLITE_CHANNELS_LAST", "1")
+def test_on_the_gpu_a_conv_net_runs_channels_last(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # eager's exact algorithms
     torch.manual_seed(0)
     model = Net().cuda().eval()

@@ -1,0 +1,91 @@
+"""Linear layers with odd output widths run with padded, aligned weights
+(``passes/pad_matmul.py``), giving eager's values and layout; the padded copy follows the
+weight."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fxlite.passes import pad_matmul
+from fxlite.passes.pad_matmul import pad_linears, padded_linear
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_padded_linear_gives_eagers_values_and_layout(dtype, with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, dtype=dtype)
+    w = torch.randn(13, 16, dtype=dtype)
+    b = torch.randn(13, dtype=dtype) if with_bias else None
+    with torch.no_grad():
+        got, want = padded_linear(x, w, b), F.linear(x, w, b)
+    torch.testing.assert_close(got, want)
+    assert got.shape == want.shape and got.is_contiguous()
+    kept = pad_matmul._kept[w][1]
+    assert kept.shape[0] == 16  # 13 rows padded to a multiple of 16 bytes
+    assert torch.equal(kept[:13], w) and not kept[13:].any()
+
+
+def test_the_padded_copy_follows_writes_and_swaps_of_the_weight():
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    with torch.no_grad():
+        padded_linear(x, w)
+        first = pad_matmul._kept[w][1]
+        padded_linear(x, w)
+        assert pad_matmul._kept[w][1] is first  # kept between calls
+        w.mul_(2)  # in place
+        torch.testing.assert_close(padded_linear(x, w), F.linear(x, w))
+        w.data = torch.randn(5, 8)  # a new storage behind the same tensor
+        torch.testing.assert_close(padded_linear(x, w), F.linear(x, w))
+
+
+def test_calls_autograd_records_run_plain_linear_and_get_gradients():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    padded_linear(x, w).square().sum().backward()
+    gx, gw = x.grad, w.grad
+    x.grad = w.grad = None
+    F.linear(x, w).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+    assert w not in pad_matmul._kept
+
+
+class Head(torch.nn.Module):
+    def __init__(self, rows):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, rows, bias=False)
+
+    def forward(self, x):  # F.linear: what fxlite.compile's recordings hold
+        hidden = torch.relu(F.linear(x, self.proj.weight, self.proj.bias))
+        return F.linear(hidden, self.head.weight)
+
+
+def test_the_pass_routes_only_large_unaligned_linears(monkeypatch):
+    monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 2 * 64 * 32 * 32 + 1)  # proj is too small
+    for rows, expect in ((1001, True), (1000, False)):
+        gm = fxlite.symbolic_trace(Head(rows))
+        x = torch.randn(64, 32)
+        ShapeProp(gm).propagate(x)
+        assert pad_linears(gm) == expect
+        assert ("padded_linear" in gm.code) == expect and gm.code.count("padded_linear") <= 1
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), Head.forward(gm, x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite pads on CUDA")
+def test_on_the_gpu_an_lm_head_with_an_odd_vocabulary_is_padded():
+    torch.manual_seed(0)
+    model = Head(50257).cuda().eval().to(torch.bfloat16)
+    compiled = fxlite.compile(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(64, 8, 32, device="cuda", dtype=torch.bfloat16)
+            got, want = compiled(x), model(x)
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+            assert got.stride() == want.stride()
+    assert "padded_linear" in compiled.code
