@@ -74,33 +74,42 @@ def test_a_wrong_low_precision_kernel_is_still_caught(monkeypatch):
     assert torch.equal(out, twenty_steps(x)) and c.kernels == []
 
 
-def deep_bf16_mlp():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(40):
-        layers += [torch.nn.Linear(64, 64), torch.nn.LayerNorm(64),
-                   torch.nn.GELU(approximate="tanh")]
-    return torch.nn.Sequential(*layers).eval().to(device=DEVICE, dtype=torch.bfloat16)
+def eight_groups(x, eye):
+    for _ in range(8):
+        for _ in range(5):
+            x = x * 1.01 + 0.1
+        x = x @ eye  # exact, and no kernel: the steps between form 8 groups
+    return x
 
 
-def test_a_deep_bf16_model_keeps_its_kernels_though_its_output_drifts_from_eagers():
-    # Every LayerNorm+GELU kernel passes its own check, but after 40 layers the output
-    # differs from eager's by more than bfloat16's tolerance: the segment check used to
-    # send the whole model back to eager.
-    m = deep_bf16_mlp()
-    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
-    c = fxlite.compile(m)
-    with torch.no_grad(), warnings.catch_warnings():
+class RoundsOnce(FakeKernel):
+    """A kernel already checked in an earlier process (so its own check is skipped and its
+    results feed the next group) that computes in float64 and rounds once."""
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.group(*[a.double() for a in args]).to(args[0].dtype)
+
+
+def test_a_segment_whose_output_drifts_from_eagers_keeps_its_kernels(monkeypatch):
+    # Each group rounds once where eager rounds ten times; over eight groups the segment's
+    # output moves off eager's by more than bfloat16's tolerance, which used to send the
+    # whole segment back to eager. It is the closer of the two to the float64 run.
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda group, example, name="k", **kw: made.append(
+                            RoundsOnce(group, name, 0, checked=True)) or made[-1])
+    x = torch.randn(16, 16, device=DEVICE).to(torch.bfloat16)
+    eye = torch.eye(16, device=DEVICE, dtype=torch.bfloat16)
+    c = fxlite.compile(eight_groups)
+    with warnings.catch_warnings():
         warnings.simplefilter("error")
-        c(x)
-        out = c(x)
-        eager = m(x)
-    assert len(c.kernels) == 40 and c.fallbacks == []
+        c(x, eye)
+        out = c(x, eye)
+    assert len(c.kernels) == 8 and c.fallbacks == []
+    eager, reference = eight_groups(x, eye), eight_groups(x.double(), eye.double())
     assert not torch.allclose(out, eager, rtol=1.6e-2, atol=1.6e-2)
-    wide = deep_bf16_mlp().double()
-    with torch.no_grad():
-        reference = wide(x.double())
-    assert rms_error(out, reference) <= 2 * rms_error(eager, reference)
+    assert rms_error(out, reference) < rms_error(eager, reference)
 
 
 def graph_of(fn):

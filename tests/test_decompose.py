@@ -223,3 +223,16 @@ def test_decomposed_nodes_take_the_place_and_meta_of_the_original():
     assert producer.target is torch.div and producer.meta["tensor_meta"] == meta
     order = list(gm.graph.nodes)
     assert all(order.index(i) < order.index(n) for n in order for i in n.all_input_nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_linear_bias_splits_off_only_where_it_adds_no_rounding(dtype):
+    # In bfloat16 the split would round the matmul before the bias add; addmm adds first.
+    def fn(x, w, b):
+        return F.gelu(F.linear(x, w, b))
+
+    args = [torch.randn(4, 8).to(dtype), torch.randn(6, 8).to(dtype), torch.randn(6).to(dtype)]
+    gm = lower(fn, *args, shapes=True)
+    linears = [n for n in gm.graph.nodes if n.target is F.linear]
+    assert len(linears) == 1
+    assert (len(linears[0].args) + len(linears[0].kwargs) == 3) == (dtype == torch.bfloat16)
