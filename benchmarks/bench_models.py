@@ -43,6 +43,7 @@ COMPILERS = ("eager", "inductor", "fxlite")
 DTYPES = ("f32", "bf16")
 BATCHES = (1, 32)
 SEQ = 128  # tokens per sequence for the transformers models
+ROUNDS = 3  # timing rounds per case, each timing every contender in turn
 
 # cProfile functions whose cumulative time is reported per stage of fxlite's cold compile.
 STAGES = {
@@ -257,9 +258,10 @@ def stage_seconds(profile: cProfile.Profile) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(best.items())}
 
 
-def measure(compiler: str, model: Any, inputs: tuple, want: Any, args: argparse.Namespace,
-            row: dict[str, Any]) -> None:
-    """Compile ``model`` with ``compiler``; add its cold, median, error and kernel columns."""
+def measure(compiler: str, model: Any, inputs: tuple, args: argparse.Namespace,
+            row: dict[str, Any]) -> tuple[Callable[[], Any], Any]:
+    """Compile ``model`` with ``compiler`` and make its first call; adds the cold columns.
+    Returns the call to time and the compiled model."""
     import torch
 
     import fxlite
@@ -286,13 +288,24 @@ def measure(compiler: str, model: Any, inputs: tuple, want: Any, args: argparse.
         row["fxlite_cold_profile"] = stage_seconds(profile)
     if metrics is not None:
         row["inductor_kernels"] = metrics.generated_kernel_count
-    row[f"{compiler}_ms"] = median_ms(call, args.device, args.quick)
-    # The error of a call made after the timing: fxlite's first call is the eager run it
-    # records, and a GPU segment settles on kernels or recorded ops during its first calls.
-    row[f"{compiler}_max_rel_err"] = max_rel_error(call(), want)
-    if compiler == "fxlite":
-        row["fxlite_kernels"] = len(compiled.kernels)
-        row["fxlite_fallbacks"] = [str(f)[:200] for f in compiled.fallbacks]
+    return call, compiled
+
+
+def time_side_by_side(calls: dict[str, Callable[[], Any]], args: argparse.Namespace,
+                      row: dict[str, Any]) -> None:
+    """Each contender's median ms: ``ROUNDS`` rounds, each timing every contender in turn,
+    so that a slow spell of the host falls on all of them (the H200 host's eager times of
+    one model varied by 50% between runs); the median of the rounds is reported."""
+    for _ in range(1 if args.quick else ROUNDS):
+        for name, call in list(calls.items()):
+            try:
+                row.setdefault(f"{name}_rounds_ms", []).append(
+                    round(median_ms(call, args.device, args.quick), 4))
+            except Exception as e:  # a compiler that fails is a result, not a crash
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                del calls[name]
+    for name in calls:
+        row[f"{name}_ms"] = statistics.median(row[f"{name}_rounds_ms"])
 
 
 def run_case(name: str, dtype: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -303,16 +316,27 @@ def run_case(name: str, dtype: str, batch: int, args: argparse.Namespace) -> dic
                            "mode": args.mode or "default"}
     with torch.no_grad():
         want = model(*inputs)
-        row["eager_ms"] = median_ms(functools.partial(model, *inputs), args.device, args.quick)
+        calls: dict[str, Callable[[], Any]] = {"eager": functools.partial(model, *inputs)}
+        compiled: dict[str, Any] = {}
         for compiler in args.compilers:
             if compiler == "eager":
                 continue
             try:
-                measure(compiler, model, inputs, want, args, row)
+                calls[compiler], compiled[compiler] = measure(compiler, model, inputs, args, row)
             except Exception as e:  # a compiler that fails is a result, not a crash
                 row[f"{compiler}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        time_side_by_side(calls, args, row)
+        for compiler in compiled:
+            if compiler not in calls:
+                continue
+            # The error of a call made after the timing: fxlite's first call is the eager run
+            # it records, and a GPU segment settles on kernels or recorded ops in its first calls.
+            row[f"{compiler}_max_rel_err"] = max_rel_error(calls[compiler](), want)
+            if compiler == "fxlite":
+                row["fxlite_kernels"] = len(compiled[compiler].kernels)
+                row["fxlite_fallbacks"] = [str(f)[:200] for f in compiled[compiler].fallbacks]
     for compiler in ("inductor", "fxlite"):
         if f"{compiler}_ms" in row:
             row[f"{compiler}_speedup"] = row["eager_ms"] / row[f"{compiler}_ms"]
