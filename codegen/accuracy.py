@@ -26,6 +26,7 @@ import torch
 from fxlite.codegen.capture_kinds import random_op, state_name
 
 from fxlite.graph_module import GraphModule
+from fxlite.ops import lookup
 
 # Relative tolerance per dtype, as ``pipeline.assert_same`` uses (float32 on a GPU that
 # allows TF32: as ``pipeline._disagreement``).
@@ -58,7 +59,7 @@ def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: An
     Returns:
         None when ``got`` passes, else ``problem`` with what the float64 run found.
     """
-    if not _reproducible(gm):
+    if not reproducible(gm):
         return problem
     try:
         reference = _run_float64(gm, args)
@@ -68,8 +69,15 @@ def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: An
     return None if verdict is None else f"{problem}; against a float64 run, {verdict}"
 
 
-def _reproducible(gm: GraphModule) -> bool:
+def reproducible(gm: GraphModule) -> bool:
+    """Whether running ``gm`` again computes the same from the same inputs: no random
+    numbers, no effects (``print``, external calls) and no submodules (which may hide
+    either). Writes to its inputs are for the caller to rule out (``versions``)."""
     for n in gm.graph.nodes:
+        info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
+        if info is not None and info.kind == "effect" and not all(  # operator writes only:
+                getattr(f, "__module__", None) == "_operator" for f in info.functions):
+            return False  # print, torch.manual_seed, functions marked has_side_effect
         if n.op == "call_module" or n.meta.get("external"):  # the check skips external ones
             return False
         if n.op in ("call_function", "call_method"):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fxlite.codegen.accuracy import attributes, float64_problem, versions
+from fxlite.codegen.accuracy import attributes, float64_problem, reproducible, versions
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
 from fxlite.passes.channels_last import CONVS, channels_last_convs
@@ -65,6 +65,9 @@ class CompiledSegment:
     fallbacks: list[str] = field(default_factory=list)
     outputs: Any = None  # results of the check run: inputs for checking the next segment
     seeded: bool = False  # dropout draws its masks in kernels (not comparable with eager)
+    # running it again changes nothing (no writes to its inputs, no random numbers, no
+    # effects, no autograd graph): its trial may time several runs back to back
+    pure: bool = False
     # the recorded ops with the rewrites that need no kernels (fused optimizer steps,
     # channels-last convolutions): what runs where the kernels lose their trial
     recorded: GraphModule | None = None
@@ -164,6 +167,8 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
         return _recorded_ops(python, work, sample, entry, warn, "the compiled segment "
                              f"disagreed with eager ({problem}); its ops run in eager")
     compiled.recorded = work
+    compiled.pure = versions(read) == before and reproducible(work) and not any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in sample)
     return compiled
 
 
