@@ -26,7 +26,7 @@ import torch
 from fxlite.codegen.capture_kinds import random_op, state_name
 
 from fxlite.graph_module import GraphModule
-from fxlite.ops import lookup
+from fxlite.ops import attribute_at, lookup
 
 # Relative tolerance per dtype, as ``pipeline.assert_same`` uses (float32 on a GPU that
 # allows TF32: as ``pipeline._disagreement``).
@@ -42,7 +42,7 @@ def versions(tensors: Iterable[Any]) -> list[int]:
 
 def attributes(gm: GraphModule) -> list[Any]:
     """The values of ``gm``'s ``get_attr`` nodes (its parameters, buffers and constants)."""
-    return [_fetch(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    return [attribute_at(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
 
 
 def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
@@ -87,13 +87,6 @@ def reproducible(gm: GraphModule) -> bool:
     return True
 
 
-def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    value: Any = gm
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
-
-
 def _widen(value: Any) -> Any:
     """A float64 (complex128) copy of each floating tensor, a copy of other tensors."""
     if isinstance(value, torch.Tensor):
@@ -108,7 +101,7 @@ def _widen(value: Any) -> Any:
 
 
 def _run_float64(gm: GraphModule, args: Sequence[Any]) -> Any:
-    root = {n.target: _widen(_fetch(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    root = {n.target: _widen(attribute_at(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     wide = GraphModule(root, gm.graph, "Float64Reference")
     with torch.no_grad(), torch.autocast("cuda", enabled=False), \
             torch.autocast("cpu", enabled=False):

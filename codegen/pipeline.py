@@ -160,14 +160,15 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
                              f"({type(e).__name__}: {e}); its ops run in eager")
     for reason in compiled.fallbacks:
         warn(reason)
+    unwritten = versions(read) == before  # the check run wrote none of its inputs
     problem = None if compiled.seeded else _disagreement(compiled.outputs, expected)
-    if problem is not None and versions(read) == before:  # rounding, or a wrong result?
+    if problem is not None and unwritten:  # rounding, or a wrong result?
         problem = float64_problem(work, sample, compiled.outputs, expected, problem)
     if problem is not None:
         return _recorded_ops(python, work, sample, entry, warn, "the compiled segment "
                              f"disagreed with eager ({problem}); its ops run in eager")
     compiled.recorded = work
-    compiled.pure = versions(read) == before and reproducible(work) and not any(
+    compiled.pure = unwritten and reproducible(work) and not any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in sample)
     return compiled
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .node import Node
 
-__all__ = ["OpInfo", "OPS", "call_args", "canonical_args", "canonical_target", "has_side_effect",
+__all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "has_side_effect",
            "is_impure", "lookup", "lookup_target", "register", "resolve", "result_dtype"]
 
 
@@ -189,12 +189,14 @@ def _direct_lookup(node: Node, module: torch.nn.Module | None = None) -> OpInfo 
     if node.op == "call_method":
         return _BY_METHOD.get(node.target)
     if node.op == "call_module" and module is not None:
-        sub = _get_submodule(module, node.target)
+        sub = attribute_at(module, node.target)
         return _BY_MODULE.get(type(sub)) if sub is not None else None
     return None
 
 
-def _get_submodule(module: torch.nn.Module, target: str) -> Any:
+def attribute_at(module: Any, target: str) -> Any:
+    """The attribute at the dotted path ``target`` under ``module`` (a submodule, parameter,
+    buffer or constant), or None where the path leads nowhere."""
     obj: Any = module
     for atom in target.split("."):
         obj = getattr(obj, atom, None)
@@ -286,7 +288,7 @@ def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: 
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.endswith("__") or getattr(node.target, "_is_impure", False)
     if node.op == "call_module" and module is not None:
-        return bool(getattr(_get_submodule(module, node.target), "_is_impure", False))
+        return bool(getattr(attribute_at(module, node.target), "_is_impure", False))
     return False
 
 
@@ -424,7 +426,7 @@ def _raw_args(node: Node, info: OpInfo, module: torch.nn.Module | None = None) -
     args = node.args
     out: dict[str, Any] = {}
     if node.op == "call_module" and info.module_kwargs is not None and module is not None:
-        sub = _get_submodule(module, node.target)
+        sub = attribute_at(module, node.target)
         if sub is not None:
             out.update(info.module_kwargs(sub))
     if info.varargs and len(args) > 1:

@@ -41,7 +41,7 @@ import operator
 from typing import Any
 
 import torch
-from fxlite.passes.shape_prop import memory_format_of
+from fxlite.passes.shape_prop import memory_format_of, node_layout
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
@@ -68,16 +68,12 @@ _LAYOUT_SENSITIVE = frozenset({"view", "view_as", "as_strided", "stride", "is_co
 
 def _layout(node: Node) -> tuple[tuple, torch.dtype, Any] | None:
     """(shape, dtype, memory format) recorded for ``node``'s value, or None."""
-    rec = node.meta.get("tensor_meta_rec")
-    if rec is not None:
-        shape, stride, dtype = rec[0], rec[1], rec[2]
-    else:
-        tm = node.meta.get("tensor_meta")
-        if tm is None or not hasattr(tm, "shape") or tm.stride is None:
-            return None
-        shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
+    layout = node_layout(node)
+    if layout is None:
+        return None
+    shape, stride, dtype = layout
     fmt = memory_format_of(shape, stride)
-    return tuple(shape), dtype, fmt if fmt in (torch.contiguous_format, CL) else None
+    return shape, dtype, fmt if fmt in (torch.contiguous_format, CL) else None
 
 
 def _name(node: Node) -> str:

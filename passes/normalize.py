@@ -30,7 +30,16 @@ import torch
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, Opcode, map_aggregate, map_arg
-from fxlite.ops import OPS, OpInfo, _same_literal, call_args, is_impure, lookup, resolve
+from fxlite.ops import (
+    OPS,
+    OpInfo,
+    _same_literal,
+    attribute_at,
+    call_args,
+    is_impure,
+    lookup,
+    resolve,
+)
 
 from .shape_prop import TensorMetadata, extract_tensor_metadata
 
@@ -149,7 +158,7 @@ def produces_tensor(node: Node, module: torch.nn.Module | None = None,
     if op == "placeholder":
         return True
     if op == "get_attr":
-        return module is None or isinstance(_fetch(module, target), torch.Tensor)
+        return module is None or isinstance(attribute_at(module, target), torch.Tensor)
     if op == "call_module":
         return True
     if op == "call_method":
@@ -227,7 +236,7 @@ def _module_params(node: Node, info: OpInfo, module: Any) -> dict[str, Any] | No
     """The module's configuration as call arguments, its tensors as :class:`_Attr`."""
     if module is None:
         return None
-    sub = _fetch(module, node.target)
+    sub = attribute_at(module, node.target)
     if info.module_params is None:
         return {} if info.module_kwargs is not None else None
     params = info.module_params(sub)
@@ -268,13 +277,6 @@ def _get_attr(graph: Graph, user: Node, attr: _Attr, attrs: dict[str, Node],
 # ---------------------------------------------------------------------- helpers
 def _is_python_operator(target: Any) -> bool:
     return getattr(target, "__module__", None) == "_operator"
-
-
-def _fetch(module: Any, target: str) -> Any:
-    obj = module
-    for atom in target.split("."):
-        obj = getattr(obj, atom, None)
-    return obj
 
 
 def _copy_graph(gm: GraphModule) -> Graph:

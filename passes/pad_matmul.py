@@ -19,14 +19,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+from fxlite.passes.shape_prop import node_layout
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node
 
 __all__ = ["pad_linears", "padded_linear"]
 
@@ -36,7 +34,7 @@ _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its state, padd
 
 
 def _aligned(rows: int, dtype: torch.dtype) -> int:
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // dtype.itemsize)
     return -(-rows // per) * per
 
 
@@ -63,16 +61,6 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, kept[1], kept[2])[..., :rows].contiguous()
 
 
-def _meta(node: Any) -> tuple[tuple, torch.dtype] | None:
-    if not isinstance(node, Node):
-        return None
-    rec = node.meta.get("tensor_meta_rec")
-    if rec is not None:
-        return tuple(rec[0]), rec[2]
-    tm = node.meta.get("tensor_meta")
-    return (tuple(tm.shape), tm.dtype) if hasattr(tm, "shape") else None
-
-
 def pad_linears(gm: GraphModule) -> bool:
     """Route each large ``linear`` of a 16- or 32-bit float weight whose rows would not be
     16-byte aligned through :func:`padded_linear`. Returns whether ``gm`` changed."""
@@ -80,15 +68,15 @@ def pad_linears(gm: GraphModule) -> bool:
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in _LINEARS or len(n.args) < 2:
             continue
-        x, w = _meta(n.args[0]), _meta(n.args[1])
-        if x is None or w is None or len(w[0]) != 2 or not x[0] or w[1] not in (
+        x, w = node_layout(n.args[0]), node_layout(n.args[1])
+        if x is None or w is None or len(w[0]) != 2 or not x[0] or w[2] not in (
                 torch.float16, torch.bfloat16, torch.float32):
             continue
         rows, k = w[0]
         m = 1
         for size in x[0][:-1]:
             m *= size
-        if _aligned(rows, w[1]) != rows and 2 * m * rows * k >= _MIN_FLOPS:
+        if _aligned(rows, w[2]) != rows and 2 * m * rows * k >= _MIN_FLOPS:
             n.target = padded_linear
             changed = True
     if changed:

@@ -72,6 +72,18 @@ def memory_format_of(shape: Any, stride: Any) -> torch.memory_format | None:
     return next((f for f in _MEMORY_FORMATS if probe.is_contiguous(memory_format=f)), None)
 
 
+def node_layout(node: Any) -> tuple[tuple, tuple, torch.dtype] | None:
+    """``(shape, stride, dtype)`` of a node's tensor, from what fxlite.compile recorded
+    (``tensor_meta_rec``) or what ShapeProp found (``tensor_meta``); None if neither says."""
+    rec = getattr(node, "meta", {}).get("tensor_meta_rec")
+    if rec is not None:
+        return tuple(rec[0]), tuple(rec[1]), rec[2]
+    tm = getattr(node, "meta", {}).get("tensor_meta")
+    if tm is None or not hasattr(tm, "shape") or tm.stride is None:
+        return None
+    return tuple(tm.shape), tuple(tm.stride), tm.dtype
+
+
 def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     """Record ``t``'s shape, dtype, strides, memory format and quantization.
 
