@@ -385,6 +385,10 @@ class Recorder(TorchFunctionMode):
 
     def _read_value_of(self, out: Any, owner: str | None, func: Any, args: tuple,
                        kwargs: dict) -> Any:
+        if owner is None and self._constant(args, kwargs):
+            # Its value is fixed by the key (sizes and literals): no segment ends here.
+            self.rec.steps.append(Step(func, "", ("v", out)))
+            return out
         site = user_site()
         if self.fullgraph:
             raise TraceError(break_message(func, site))
@@ -397,6 +401,36 @@ class Recorder(TorchFunctionMode):
         self.rec.reads.append(Read(node.name, out, site, sorted(set(live))))
         self.rec.steps.append(Step(func, node.name, ("v", out), read=True))
         return out
+
+    def _constant(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the tensors read were computed from literals alone: by pure recorded
+        calls (``arange``, ``full``, arithmetic) that take no input, parameter, buffer or
+        external tensor and draw no random numbers.
+
+        Why: such a value is the same on every call that has this recording's key (which
+        holds the sizes the literals came from), so reading it needs no segment break and
+        no wait for the GPU. HF models read one on every call: GPT-2 checks whether its
+        ``arange`` position ids are a packed batch (``(mask[:, -1] == 0).all()``).
+        """
+        tensors = tensors_in((args, kwargs))
+        todo = []
+        for t in tensors:
+            name = self._name_of(t)
+            if name is None:
+                return False
+            todo.append(self._nodes[name])
+        seen: set[str] = set()
+        while todo:
+            node = todo.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op not in ("call_function", "call_method") or node.meta.get("impure") \
+                    or node.name in self._dynamic or node.name in self._prefix_names \
+                    or "read" in node.meta:
+                return False
+            todo.extend(node.all_input_nodes)
+        return bool(tensors)
 
     def _sync_state(self) -> None:
         """Record changes of grad mode and autocast, which no torch call reports."""
@@ -493,6 +527,8 @@ class Recorder(TorchFunctionMode):
             raise Diverged(f"the call sequence changed: expected {func_name(step.func)}, "
                             f"got {func_name(func)}")
         self._at += 1
+        if not step.node:  # a read of a value the key fixes (see _constant)
+            return step.out[1]
         if step.read:
             last = self._at == len(self._prefix)
             value = self._read_value if last else step.out[1]

@@ -344,3 +344,52 @@ def test_too_many_keys_warn_once_naming_the_failing_guard():
             torch.testing.assert_close(c(x, float(alpha)), x * alpha)
     ours = [str(w.message) for w in record if "recompile_limit" in str(w.message)]
     assert len(ours) == 1 and "argument 1's value (now 8.0)" in ours[0]
+
+
+# ------------------------------------------------------------------ reads the key fixes
+def from_positions(x):
+    pos = torch.arange(x.shape[1], device=x.device)  # GPT-2's position ids
+    gaps = torch.diff(pos, prepend=pos[:1] - 1) != 1
+    if gaps.any():  # a function of x's size alone: no break, no wait for the GPU
+        return x * 2
+    if pos.sum() > 10:
+        return x - 1
+    return x + 1
+
+
+def test_a_read_of_values_made_from_sizes_alone_does_not_break(recordings):
+    c = fxlite.compile(from_positions)
+    for cols in (3, 6, 3, 6, 5):  # sums 3, 15, 3, 15, 10: both outcomes of the 2nd read
+        x = rand(2, cols)
+        torch.testing.assert_close(c(x), from_positions(x))
+        assert [seg.read for seg in c._last] == [None]  # one segment, no read
+        assert len(c.kernels) == 1 and c.fallbacks == []
+    assert recordings == [None, None, None]  # one recording per size, none per read
+
+
+def test_a_read_that_depends_on_an_input_or_a_random_draw_still_breaks(recordings):
+    def mixed(x):
+        pos = torch.arange(x.shape[1], device=x.device)
+        if (pos * x).sum() > 0:  # the input's values: a real break
+            return x * 2
+        return x + 1
+
+    def drawn(x):
+        if torch.rand(1, device=x.device).item() > 0.5:  # random: read every call
+            return x * 2
+        return x + 1
+
+    c = fxlite.compile(mixed)
+    x = rand(2, 4).abs() + 0.1
+    for xx in (x, -x, x):
+        torch.testing.assert_close(c(xx), mixed(xx))
+    assert c._last[0].read is not None
+    c = fxlite.compile(drawn)
+    seen = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        got = c(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, drawn(x))
+        seen.add(bool(torch.equal(got, x * 2)))
+    assert seen == {True, False}
