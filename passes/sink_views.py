@@ -127,11 +127,22 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
     rank = len(_tm(src).shape)
     perm = _perm(view, rank, gm)
     made: list[Node] = []
+    doomed: list[Node] = []  # permutes folded into the new ones
     with graph.inserting_before(view):
         def move(a: Node) -> Node:
             tm = _tm(a)
             if tm is None or len(tm.shape) == 0:
                 return a  # scalars and 0-d tensors broadcast anywhere
+            inner = _perm(a, rank, gm) if len(tm.shape) == rank and _is_permute(a, gm) \
+                and len(a.users) == 1 else None
+            if inner is not None:  # a permute of a permute is one permute, or none
+                doomed.append(a)
+                combined = tuple(inner[i] for i in perm)
+                if combined == tuple(range(rank)):
+                    return a.args[0]
+                new = _with_meta(graph.call_function(torch.permute, (a.args[0], combined)))
+                made.append(new)
+                return new
             x = a
             if len(tm.shape) < rank:  # a[None, None, ...]: one view, no sizes written
                 index = (None,) * (rank - len(tm.shape)) + (Ellipsis,)
@@ -147,13 +158,22 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
     view.replace_all_uses_with(op)
     graph.erase_node(view)
     graph.erase_node(src)
+    for a in doomed:
+        if not a.users:
+            graph.erase_node(a)
     # A size read from the op would make it a producer of the size and split its kernel
     # (a layer_norm's count); a permuted input of the same shape has the same sizes.
     same = [m for m in made if _tm(m).shape == _tm(op).shape]
     for user in list(op.users):
         if same and user.op == "call_method" and user.target == "size" and user.args[0] is op:
             user.replace_input_with(op, same[0])
-    return made
+    # a permute of the op (one that read a permute before) can sink through it now
+    return made + [u for u in op.users if _is_permute(u, gm)]
+
+
+def _is_permute(n: Node, gm: GraphModule) -> bool:
+    info = lookup(n, gm) if n.op == "call_function" else None
+    return info is not None and info.name in _PERMUTES and isinstance(n.args[0], Node)
 
 
 def _with_meta(node: Node) -> Node:

@@ -222,6 +222,39 @@ def test_permutes_sink_through_single_use_pointwise_ops():
     assert len(run.kernels) == 1
 
 
+def test_a_permute_of_a_permute_folds_and_sinks_into_one_kernel():
+    # nn.MultiheadAttention's batch_first output: transposed, biased, transposed back, then
+    # the residual add. Both transposes sink through the bias add and cancel.
+    def fn(mm, bias, x):
+        y = (mm + bias).transpose(0, 1)
+        return x + y.transpose(1, 0) * 2
+
+    mm, bias, x = torch.randn(2, 3, 4), torch.randn(4), torch.randn(2, 3, 4)
+    gm = _decomposed(fn, mm, bias, x)
+    ShapeProp(gm).propagate(mm, bias, x)
+    moved = sink_views(gm)
+    names = [lookup(n).name for n in moved.graph.nodes if n.op == "call_function"]
+    assert "transpose" not in names and "permute" not in names, names
+    for _ in range(2):
+        mm, bias, x = torch.randn(2, 3, 4), torch.randn(4), torch.randn(2, 3, 4)
+        torch.testing.assert_close(moved(mm, bias, x), fn(mm, bias, x))
+    run = Kernels(lower(fn, mm, bias, x))
+    same(run(mm, bias, x), fn(mm, bias, x))
+    assert len(run.kernels) == 1
+
+
+def test_permutes_that_do_not_cancel_compose_into_one():
+    def fn(a, b):
+        return ((a + b).permute(1, 2, 0).permute(2, 0, 1).transpose(1, 2)) * 3
+
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    run = Kernels(lower(fn, a, b))
+    for _ in range(2):
+        a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+        same(run(a, b), fn(a, b))
+    assert len(run.kernels) == 1
+
+
 def test_a_permute_whose_source_is_used_twice_stays():
     def fn(a):
         y = a + 1
