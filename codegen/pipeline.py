@@ -29,6 +29,7 @@ import torch
 from fxlite.codegen.accuracy import attributes, float64_problem, reproducible, versions
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
+from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
 from fxlite.passes.pad_matmul import pad_linears
 
@@ -101,6 +102,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
                                outputs=_run_checked(work, sample))
     if os.environ.get("FXLITE_FUSED_OPTIMIZER") != "0":
         fused_optimizer_steps(work)
+    unpack_attention(work)  # nn.MultiheadAttention's fast path, not its copies
     if _on_gpu(sample):
         pad_linears(work)
     if channels_last_wanted(sample) and any(n.target in CONVS for n in work.graph.nodes):

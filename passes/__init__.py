@@ -8,6 +8,7 @@ Typical compiler pipeline::
     fused = fuse(gm)
 """
 
+from .attention import unpack_attention
 from .cse import cse
 from .decompose import DECOMPOSITIONS, decompose, register_decomposition
 from .diff import GraphDiff, diff
@@ -49,4 +50,5 @@ __all__ = [
     "split_module",
     "to_dot",
     "to_networkx",
+    "unpack_attention",
 ]
