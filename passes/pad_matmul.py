@@ -7,7 +7,7 @@ GPT-2's LM head at batch 32 x 128 tokens in bfloat16 took 3.3 ms of the model's 
 GPU time (torch.profiler). With the weight's rows padded to a multiple of 16 bytes, the
 matmul writes aligned rows, and one copy gives back eager's contiguous result.
 
-The padded weight is made once and kept with the weight (``padded_linear``), made again
+The padded weight is made once and kept with the weight (``passes/kept.py``), made again
 when the weight changes (in place, or through ``.data``). Calls that autograd records run
 the plain ``F.linear``: a kept copy would cut the weight out of the graph.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from fxlite.passes.kept import kept
 from fxlite.passes.shape_prop import node_layout
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fxlite.graph_module import GraphModule
 
@@ -30,16 +30,11 @@ __all__ = ["pad_linears", "padded_linear"]
 
 _LINEARS = frozenset({F.linear, torch._C._nn.linear})
 _MIN_FLOPS = 1e9  # below this the copies cost more than the alignment saves
-_kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its state, padded copies)
 
 
 def _aligned(rows: int, dtype: torch.dtype) -> int:
     per = max(1, 16 // dtype.itemsize)
     return -(-rows // per) * per
-
-
-def _state(t: torch.Tensor | None) -> tuple:
-    return () if t is None else (t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -50,15 +45,10 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor,
     if not rows or _aligned(rows, weight.dtype) == rows or torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weight, bias)):
         return F.linear(x, weight, bias)
-    state = (_state(weight), _state(bias))
-    kept = _kept.get(weight)
-    if kept is None or kept[0] != state:
-        pad = _aligned(rows, weight.dtype) - rows
-        with torch.no_grad():
-            kept = (state, F.pad(weight, (0, 0, 0, pad)),
-                    None if bias is None else F.pad(bias, (0, pad)))
-        _kept[weight] = kept
-    return F.linear(x, kept[1], kept[2])[..., :rows].contiguous()
+    pad = _aligned(rows, weight.dtype) - rows
+    w, b = kept(weight, "padded_rows", (weight, bias), lambda w, b: (
+        F.pad(w, (0, 0, 0, pad)), None if b is None else F.pad(b, (0, pad))))
+    return F.linear(x, w, b)[..., :rows].contiguous()
 
 
 def pad_linears(gm: GraphModule) -> bool:

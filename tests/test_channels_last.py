@@ -189,3 +189,42 @@ def test_on_the_gpu_a_conv_net_runs_channels_last(monkeypatch):
             torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
             assert feats.stride() == want_feats.stride()
     assert "channels_last" in compiled.code
+
+
+class Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c3 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c1 = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.c1(torch.relu(self.c3(x)))
+
+
+def test_conv_weights_are_read_through_a_kept_channels_last_copy_that_follows_them():
+    from fxlite.passes import kept as kept_mod
+    from fxlite.passes.channels_last import channels_last_weight
+
+    torch.manual_seed(0)
+    model = Stem().eval()
+    gm = fxlite.symbolic_trace(model)
+    from fxlite.passes.normalize import normalize
+
+    x = torch.randn(2, 3, 6, 6)
+    gm = normalize(gm)
+    ShapeProp(gm).propagate(x)
+    assert channels_last_convs(gm)
+    reads = [n for n in gm.graph.nodes if n.target is channels_last_weight]
+    assert len(reads) == 1  # the 3x3 weight; a 1x1 weight is channels-last already
+    with torch.no_grad():
+        for step in range(4):
+            if step == 2:
+                model.c3.weight.mul_(-1)  # written in place
+            if step == 3:
+                model.c3.weight.data = torch.randn(4, 3, 3, 3)  # new storage
+            x = torch.randn(2, 3, 6, 6)
+            torch.testing.assert_close(gm(x), model(x))
+            copy_ = kept_mod._kept[model.c3.weight]["channels_last"][1]
+            assert copy_.is_contiguous(memory_format=CL) and torch.equal(copy_, model.c3.weight)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)  # autograd records: no kept copy
+    assert channels_last_weight(w) is w and w not in kept_mod._kept

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fxlite.passes import kept as kept_mod
 from fxlite.passes import pad_matmul
 from fxlite.passes.pad_matmul import pad_linears, padded_linear
 from fxlite.passes.shape_prop import ShapeProp
@@ -24,7 +25,7 @@ def test_padded_linear_gives_eagers_values_and_layout(dtype, with_bias):
         got, want = padded_linear(x, w, b), F.linear(x, w, b)
     torch.testing.assert_close(got, want)
     assert got.shape == want.shape and got.is_contiguous()
-    kept = pad_matmul._kept[w][1]
+    kept = kept_mod._kept[w]["padded_rows"][1][0]
     assert kept.shape[0] == 16  # 13 rows padded to a multiple of 16 bytes
     assert torch.equal(kept[:13], w) and not kept[13:].any()
 
@@ -33,9 +34,9 @@ def test_the_padded_copy_follows_writes_and_swaps_of_the_weight():
     x, w = torch.randn(4, 8), torch.randn(5, 8)
     with torch.no_grad():
         padded_linear(x, w)
-        first = pad_matmul._kept[w][1]
+        first = kept_mod._kept[w]["padded_rows"][1][0]
         padded_linear(x, w)
-        assert pad_matmul._kept[w][1] is first  # kept between calls
+        assert kept_mod._kept[w]["padded_rows"][1][0] is first  # kept between calls
         w.mul_(2)  # in place
         torch.testing.assert_close(padded_linear(x, w), F.linear(x, w))
         w.data = torch.randn(5, 8)  # a new storage behind the same tensor
@@ -51,7 +52,7 @@ def test_calls_autograd_records_run_plain_linear_and_get_gradients():
     F.linear(x, w).square().sum().backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
-    assert w not in pad_matmul._kept
+    assert w not in kept_mod._kept
 
 
 class Head(torch.nn.Module):
