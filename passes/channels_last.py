@@ -25,8 +25,12 @@ What this pass changes, and what it keeps:
   contiguous nor channels-last, is left unchanged: copying it back could break an alias
   eager's result had. So is one where such a value meets an op whose result depends on
   the layout (``view``, ``as_strided``, ``stride()``, storing it with ``setattr``);
-- the weights (attributes) of those convolutions are read through a channels-last copy
-  kept until the weight changes (:func:`channels_last_weight`); a weight's memory doubles.
+- the weights (attributes) of those convolutions are converted on each call, in the
+  graph. Left to cuDNN, the conversion took the same GPU time and more host time (resnet50,
+  bf16, batch 32, H200: 3.0-3.3 ms of host time a call against 3.4-8.6 ms, in three
+  alternating runs on a noisy host). A copy kept between calls saved 0.08 ms more of GPU
+  time, but could go stale: a write through ``w.data`` changes no version counter that a
+  check could read.
 
 Example::
 
@@ -43,13 +47,12 @@ import operator
 from typing import Any
 
 import torch
-from fxlite.passes.kept import kept
 from fxlite.passes.shape_prop import memory_format_of, node_layout
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 
-__all__ = ["CONVS", "channels_last_convs", "channels_last_weight"]
+__all__ = ["CONVS", "channels_last_convs"]
 
 CL = torch.channels_last
 CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})
@@ -120,19 +123,6 @@ def _pays(graph: Any) -> bool:
     return True
 
 
-def channels_last_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w`` in channels-last, from a copy kept until ``w`` changes (``passes/kept.py``).
-
-    Why: given a channels-last input and a contiguous weight, the convolution converts the
-    weight on every call. For resnet50 at batch 32 in bf16 on an H200 that was 18 copy
-    kernels (83 us of GPU time) and about 0.4 ms of host time a call. Where autograd
-    records the call, ``w`` itself is returned (a kept copy has no gradient).
-    """
-    if torch.is_grad_enabled() and w.requires_grad:
-        return w
-    return kept(w, "channels_last", (w,), lambda w: w.contiguous(memory_format=CL))
-
-
 def channels_last_convs(gm: GraphModule) -> bool:
     """Convert the graph inputs that ``conv2d`` reads to channels-last (see the module
     docstring). Returns whether ``gm`` changed; it is left unchanged when nothing would
@@ -184,8 +174,9 @@ def channels_last_convs(gm: GraphModule) -> bool:
         if layout is not None and len(layout[0]) == 4 and layout[2] is torch.contiguous_format \
                 and layout[0][2:] != (1, 1):  # a 1x1 kernel's weight is channels-last too
             with graph.inserting_before(conv):
-                kept_cl = graph.call_function(channels_last_weight, (w,))
-            conv.replace_input_with(w, kept_cl)
+                w_cl = graph.call_method("contiguous", (w,), {"memory_format": CL})
+            w_cl.meta["channels_last_of"] = w.name
+            conv.replace_input_with(w, w_cl)
     restored: dict[Node, Node] = {}
     for n, fmt in returned:
         with graph.inserting_before(output):

@@ -7,9 +7,10 @@ GPT-2's LM head at batch 32 x 128 tokens in bfloat16 took 3.3 ms of the model's 
 GPU time (torch.profiler). With the weight's rows padded to a multiple of 16 bytes, the
 matmul writes aligned rows, and one copy gives back eager's contiguous result.
 
-The padded weight is made once and kept with the weight (``passes/kept.py``), made again
-when the weight changes (in place, or through ``.data``). Calls that autograd records run
-the plain ``F.linear``: a kept copy would cut the weight out of the graph.
+The padded weight is made on each call: one copy of the weight, 0.074 ms of GPU time for
+GPT-2's head in bfloat16 on an H200. A copy kept between calls could go stale: a write
+through ``weight.data`` changes no version counter that a check could read. Calls that
+autograd records run the plain ``F.linear``.
 
 Example::
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fxlite.passes.kept import kept
 from fxlite.passes.shape_prop import node_layout
 
 from fxlite.graph_module import GraphModule
@@ -46,9 +46,8 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor,
             t is not None and t.requires_grad for t in (x, weight, bias)):
         return F.linear(x, weight, bias)
     pad = _aligned(rows, weight.dtype) - rows
-    w, b = kept(weight, "padded_rows", (weight, bias), lambda w, b: (
-        F.pad(w, (0, 0, 0, pad)), None if b is None else F.pad(b, (0, pad))))
-    return F.linear(x, w, b)[..., :rows].contiguous()
+    b = None if bias is None else F.pad(bias, (0, pad))
+    return F.linear(x, F.pad(weight, (0, 0, 0, pad)), b)[..., :rows].contiguous()
 
 
 def pad_linears(gm: GraphModule) -> bool:

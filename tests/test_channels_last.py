@@ -201,30 +201,25 @@ class Stem(nn.Module):
         return self.c1(torch.relu(self.c3(x)))
 
 
-def test_conv_weights_are_read_through_a_kept_channels_last_copy_that_follows_them():
-    from fxlite.passes import kept as kept_mod
-    from fxlite.passes.channels_last import channels_last_weight
+def test_conv_weights_are_converted_in_the_graph_and_follow_every_write():
+    from fxlite.passes.normalize import normalize
 
     torch.manual_seed(0)
     model = Stem().eval()
-    gm = fxlite.symbolic_trace(model)
-    from fxlite.passes.normalize import normalize
-
+    gm = normalize(fxlite.symbolic_trace(model))
     x = torch.randn(2, 3, 6, 6)
-    gm = normalize(gm)
     ShapeProp(gm).propagate(x)
     assert channels_last_convs(gm)
-    reads = [n for n in gm.graph.nodes if n.target is channels_last_weight]
-    assert len(reads) == 1  # the 3x3 weight; a 1x1 weight is channels-last already
+    weights = [n for n in gm.graph.nodes if n.op == "call_method" and n.args[0].op == "get_attr"]
+    assert len(weights) == 1  # the 3x3 weight; a 1x1 weight is channels-last already
+    writes = {2: lambda: model.c3.weight.mul_(-1),  # in place
+              3: lambda: model.c3.weight.data.mul_(3),  # through .data: no version change
+              4: lambda: setattr(model.c3.weight, "data", torch.randn(4, 3, 3, 3))}
     with torch.no_grad():
-        for step in range(4):
-            if step == 2:
-                model.c3.weight.mul_(-1)  # written in place
-            if step == 3:
-                model.c3.weight.data = torch.randn(4, 3, 3, 3)  # new storage
+        for step in range(5):
+            writes.get(step, lambda: None)()
             x = torch.randn(2, 3, 6, 6)
             torch.testing.assert_close(gm(x), model(x))
-            copy_ = kept_mod._kept[model.c3.weight]["channels_last"][1]
-            assert copy_.is_contiguous(memory_format=CL) and torch.equal(copy_, model.c3.weight)
-    w = torch.randn(4, 3, 3, 3, requires_grad=True)  # autograd records: no kept copy
-    assert channels_last_weight(w) is w and w not in kept_mod._kept
+    x = torch.randn(2, 3, 6, 6)  # gradients reach the weight through the conversion
+    got = torch.autograd.grad(gm(x).sum(), model.c3.weight)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(model(x).sum(), model.c3.weight)[0])
