@@ -148,6 +148,18 @@ def test_half_batch_norm_computes_in_fp32(dtype):
     same(run(big, *params), fn(big, *params))
 
 
+@pytest.mark.parametrize("rank", (2, 3, 4, 5, 7))
+def test_per_channel_shapes_and_checks_statistics_as_eager(rank):
+    values = torch.arange(6.0)
+    got = per_channel(values, 6, rank, "weight")
+    assert got.shape == (6,) + (1,) * (rank - 2) and got.data_ptr() == values.data_ptr()
+    assert per_channel(values, 0, rank, "weight").numel() == 0  # no channels: empty
+    strided = torch.arange(12.0)[::2]  # a non-contiguous vector still gives its values
+    assert per_channel(strided, 6, rank, "bias").flatten().tolist() == strided.tolist()
+    with pytest.raises(RuntimeError, match="weight should contain 5 elements not 6"):
+        per_channel(values, 5, rank, "weight")
+
+
 def test_training_batch_norm_is_kept():
     bn = _bn(3).train()
     gm = fxlite.symbolic_trace(lambda x, m, v: F.batch_norm(x, m, v, training=True))
