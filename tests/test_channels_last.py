@@ -175,6 +175,25 @@ def test_a_training_step_with_channels_last_gives_eagers_gradients(channels_last
     assert "channels_last" in compiled.code
 
 
+def test_a_compiled_model_follows_weight_writes_through_data(channels_last_on_cpu):
+    # EMA teachers and old init code write weights through .data, which changes no
+    # version counter: the compiled model must still compute with the new values
+    torch.manual_seed(0)
+    model = Net().eval()
+    compiled = fxlite.compile(model)
+    writes = [lambda: None, lambda: model.conv1.weight.data.mul_(-2),
+              lambda: model.bn1.running_var.data.add_(1.0),
+              lambda: model.conv2.weight.data.copy_(torch.randn_like(model.conv2.weight))]
+    with torch.no_grad():
+        for write in writes:
+            write()
+            for _ in range(2):
+                x = torch.randn(2, 3, 8, 8)
+                got, want = compiled(x), model(x)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert channels_last_on_cpu and "channels_last" in compiled.code
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite applies it on CUDA")
 def test_on_the_gpu_a_conv_net_runs_channels_last(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # eager's exact algorithms
