@@ -168,15 +168,19 @@ def channels_last_convs(gm: GraphModule) -> bool:
             cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
         cl.meta["channels_last_of"] = x.name
         conv.replace_input_with(x, cl)
-    for conv in downstream:  # every conv now reads channels-last: so should its weight
+    converted: dict[Node, Node] = {}  # a weight two convs share is converted once
+    # every conv now reads channels-last: so should its weight (graph order, so that a
+    # shared weight's conversion comes before its first reader)
+    for conv in [n for n in graph.nodes if n in downstream]:
         w = conv.args[1] if conv.target in CONVS and len(conv.args) > 1 else None
         layout = _layout(w) if isinstance(w, Node) and w.op == "get_attr" else None
         if layout is not None and len(layout[0]) == 4 and layout[2] is torch.contiguous_format \
                 and layout[0][2:] != (1, 1):  # a 1x1 kernel's weight is channels-last too
-            with graph.inserting_before(conv):
-                w_cl = graph.call_method("contiguous", (w,), {"memory_format": CL})
-            w_cl.meta["channels_last_of"] = w.name
-            conv.replace_input_with(w, w_cl)
+            if w not in converted:
+                with graph.inserting_before(conv):
+                    converted[w] = graph.call_method("contiguous", (w,), {"memory_format": CL})
+                converted[w].meta["channels_last_of"] = w.name
+            conv.replace_input_with(w, converted[w])
     restored: dict[Node, Node] = {}
     for n, fmt in returned:
         with graph.inserting_before(output):

@@ -175,6 +175,30 @@ def test_a_training_step_with_channels_last_gives_eagers_gradients(channels_last
     assert "channels_last" in compiled.code
 
 
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.b.weight = self.a.weight  # one weight, two convolutions
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_weight_two_convs_share_is_converted_once(channels_last_on_cpu):
+    torch.manual_seed(0)
+    model = Shared().eval()
+    compiled = fxlite.compile(model, backend="python")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4, 6, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    # the recording reads the shared weight once; one conversion serves both convs
+    assert compiled.code.count("_weight.contiguous(memory_format") == 1, compiled.code
+    assert compiled.code.count("torch.conv2d") == 2
+
+
 def test_a_compiled_model_follows_weight_writes_through_data(channels_last_on_cpu):
     # EMA teachers and old init code write weights through .data, which changes no
     # version counter: the compiled model must still compute with the new values
