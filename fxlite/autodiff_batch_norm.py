@@ -158,7 +158,9 @@ def batch_norm_train(gm: Any) -> Any:
                                          *(Proxy(args[k], tracer) if args[k] is not None else None
                                            for k in ("weight", "bias")), args["eps"])
         created += _between(before, node)
-        y.node.meta.update(node.meta)
+        # the write of the running statistics moved to update_running_stats: y is pure
+        # (kept "impure", it would be a fusion barrier between the math and a ReLU)
+        y.node.meta.update({k: v for k, v in node.meta.items() if k != "impure"})
         node.replace_all_uses_with(y.node)
         graph.erase_node(node)
         if any(args[k] is not None for k in ("running_mean", "running_var", "num_batches_tracked")):
