@@ -31,7 +31,9 @@ Rules:
   (expand), so that the viewed value stays the same function of the iteration index.
   Anything else (permute, transpose, slicing, real reshapes) stays outside; but first
   ``sink_views`` moves permutes and transposes above the pointwise ops they follow, onto
-  the inputs, where a kernel reads through them (see ``passes/sink_views.py``).
+  the inputs, where a kernel reads through them (see ``passes/sink_views.py``). A sum over
+  trailing and earlier dims (BatchNorm's ``(0, 2, 3)``) is first split by ``split_sums``
+  into a trailing sum, which groups as above, and a small outer one.
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
@@ -67,6 +69,7 @@ from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 from .shape_prop import TensorMetadata
 from .sink_views import sink_views
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
+from .split_sums import split_sums
 
 __all__ = ["fuse"]
 
@@ -496,6 +499,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
                 f"fuse needs shape metadata, but node {n.name!r} has none: run "
                 f"ShapeProp(gm).propagate(*example_inputs) first")
     gm = sink_views(_decomposed(gm))  # permutes move onto inputs, out of the way of groups
+    gm = split_sums(gm)  # sums over inner and outer dims: the inner part fuses
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()
     return _build(gm, groups, partitioner.segment, partitioner.barriers)

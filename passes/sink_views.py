@@ -66,7 +66,8 @@ def sink_views(gm: GraphModule) -> GraphModule:
     return out
 
 
-def _tm(n: Any) -> TensorMetadata | None:
+def tensor_meta(n: Any) -> TensorMetadata | None:
+    """``n``'s ShapeProp record when ``n`` is a node holding a tensor of rank 1 or more."""
     tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
     return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
 
@@ -95,17 +96,17 @@ def _sinkable(view: Node, gm: GraphModule) -> bool:
     if info is None or info.name not in _PERMUTES:
         return False
     src = view.args[0]
-    if not isinstance(src, Node) or len(src.users) != 1 or _tm(src) is None:
+    if not isinstance(src, Node) or len(src.users) != 1 or tensor_meta(src) is None:
         return False
     src_info = lookup(src, gm)
     if src_info is None or src_info.kind != "pointwise" or is_impure(src, gm) \
             or src.op != "call_function":
         return False
-    rank = len(_tm(src).shape)
+    rank = len(tensor_meta(src).shape)
     if _perm(view, rank, gm) is None:
         return False
     for a in src.all_input_nodes:  # tensors of known rank (a traced size would need its value)
-        if _tm(a) is None or len(_tm(a).shape) > rank:
+        if tensor_meta(a) is None or len(tensor_meta(a).shape) > rank:
             return False
     # worth it only when the permuted value feeds a kernel (directly or via more permutes)
     return any(_feeds(u, gm) for u in view.users)
@@ -124,13 +125,13 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
     """Rewrite ``view(op(a, b))`` to ``op(view'(a), view'(b))``; the new views it made."""
     graph = view.graph
     src = view.args[0]
-    rank = len(_tm(src).shape)
+    rank = len(tensor_meta(src).shape)
     perm = _perm(view, rank, gm)
     made: list[Node] = []
     doomed: list[Node] = []  # permutes folded into the new ones
     with graph.inserting_before(view):
         def move(a: Node) -> Node:
-            tm = _tm(a)
+            tm = tensor_meta(a)
             if tm is None or len(tm.shape) == 0:
                 return a  # scalars and 0-d tensors broadcast anywhere
             inner = _perm(a, rank, gm) if len(tm.shape) == rank and _is_permute(a, gm) \
@@ -140,20 +141,20 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
                 combined = tuple(inner[i] for i in perm)
                 if combined == tuple(range(rank)):
                     return a.args[0]
-                new = _with_meta(graph.call_function(torch.permute, (a.args[0], combined)))
+                new = with_meta(graph.call_function(torch.permute, (a.args[0], combined)))
                 made.append(new)
                 return new
             x = a
             if len(tm.shape) < rank:  # a[None, None, ...]: one view, no sizes written
                 index = (None,) * (rank - len(tm.shape)) + (Ellipsis,)
-                x = _with_meta(graph.call_function(operator.getitem, (a, index)))
-            new = _with_meta(graph.call_function(torch.permute, (x, perm)))
+                x = with_meta(graph.call_function(operator.getitem, (a, index)))
+            new = with_meta(graph.call_function(torch.permute, (x, perm)))
             made.append(new)
             return new
 
         args = map_arg(src.args, move)
         kwargs = map_arg(src.kwargs, move)
-        op = _with_meta(graph.call_function(src.target, args, kwargs))
+        op = with_meta(graph.call_function(src.target, args, kwargs))
     op.meta.update({k: v for k, v in src.meta.items() if k not in ("tensor_meta", "type")})
     view.replace_all_uses_with(op)
     graph.erase_node(view)
@@ -163,7 +164,7 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
             graph.erase_node(a)
     # A size read from the op would make it a producer of the size and split its kernel
     # (a layer_norm's count); a permuted input of the same shape has the same sizes.
-    same = [m for m in made if _tm(m).shape == _tm(op).shape]
+    same = [m for m in made if tensor_meta(m).shape == tensor_meta(op).shape]
     for user in list(op.users):
         if same and user.op == "call_method" and user.target == "size" and user.args[0] is op:
             user.replace_input_with(op, same[0])
@@ -176,12 +177,12 @@ def _is_permute(n: Node, gm: GraphModule) -> bool:
     return info is not None and info.name in _PERMUTES and isinstance(n.args[0], Node)
 
 
-def _with_meta(node: Node) -> Node:
+def with_meta(node: Node) -> Node:
     """Give a new node the ``tensor_meta`` of its value, computed on the ``meta`` device."""
     def fake(a: Node) -> Any:
-        tm = _tm(a)
+        tm = tensor_meta(a)
         if tm is None:
-            raise ValueError(f"sink_views: {a.name} has no tensor metadata")
+            raise ValueError(f"{a.name} has no tensor metadata")
         return torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta")
 
     args, kwargs = map_arg(node.args, fake), map_arg(node.kwargs, fake)
