@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fxlite.codegen.triton_layout import dense_strides, memory_order
+
 from .graph_module import GraphModule
 from .node import Node, map_arg
 from .ops import OpInfo, is_impure, resolve, result_dtype
@@ -138,6 +140,13 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
         return NotImplemented
     if info.kind == "pointwise":
         shape = _broadcast([tuple(t.shape) for t in tensors])
+        # eager lays the result out in its inputs' memory order (TensorIterator): a
+        # channels-last input gives a channels-last result, and a kernel that stores it
+        # (a reduction group's full-size output) must too, or the next conv converts it
+        order = memory_order(tensors) if len(shape) >= 2 else None
+        if order is not None and len(order) == len(shape):
+            return torch.empty_strided(shape, dense_strides(shape, order), dtype=dtype,
+                                       device="meta")
     elif info.kind == "composite":
         shape = list(x.shape)
     elif info.kind == "view":

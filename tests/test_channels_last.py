@@ -266,3 +266,29 @@ def test_conv_weights_are_converted_in_the_graph_and_follow_every_write():
     x = torch.randn(2, 3, 6, 6)  # gradients reach the weight through the conversion
     got = torch.autograd.grad(gm(x).sum(), model.c3.weight)[0]
     torch.testing.assert_close(got, torch.autograd.grad(model(x).sum(), model.c3.weight)[0])
+
+
+def test_training_batch_norm_keeps_a_channels_last_input_channels_last_on_every_call():
+    # The batch norm's centred values come out of a reduction kernel, which stores them in
+    # the layout its metadata says; autodiff's metadata said row-major for every pointwise
+    # result, so from the second call on the output (and the next conv's input) was NCHW.
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(8).train()
+    ref = copy.deepcopy(bn)
+    compiled = fxlite.compile(lambda y: torch.relu(bn(y)))
+    for _ in range(3):
+        y = torch.randn(2, 8, 5, 5).to(memory_format=CL).requires_grad_()
+        y_ref = y.detach().clone().requires_grad_()
+        got, want = compiled(y), torch.relu(ref(y_ref))
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride()
+        g = torch.randn(2, 8, 5, 5).to(memory_format=CL)
+        got.backward(g)
+        want.backward(g)
+        torch.testing.assert_close(y.grad, y_ref.grad, rtol=1e-4, atol=1e-5)
+        assert y.grad.stride() == y_ref.grad.stride()
+    assert compiled.kernels and not compiled.fallbacks
