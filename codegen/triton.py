@@ -499,10 +499,9 @@ class TritonKernel:
 def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
     """Whether a full-size input lies with a kept dim innermost in memory (a channels-last
     tensor summed over H and W): its rows are then adjacent, its columns strided."""
-    for entry, pattern in zip(plan.key[1], plan.patterns):
-        if isinstance(entry, tuple) and pattern is not None and entry[3] and \
-                len(pattern) == plan.rank and all(pattern[d] == "s" for d in range(
-                    plan.rank) if d not in plan.trivial):
+    for entry in plan.key[1]:  # per input: (dtype, pattern, dense, stride order) or a type
+        if isinstance(entry, tuple) and entry[3] and all(
+                entry[1][d] == "s" for d in range(plan.rank) if d not in plan.trivial):
             return entry[3][-1] in kept
     return False
 

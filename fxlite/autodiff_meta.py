@@ -143,8 +143,8 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
         # eager lays the result out in its inputs' memory order (TensorIterator): a
         # channels-last input gives a channels-last result, and a kernel that stores it
         # (a reduction group's full-size output) must too, or the next conv converts it
-        order = memory_order(tensors) if len(shape) >= 2 else None
-        if order is not None and len(order) == len(shape):
+        order = memory_order(tensors)  # None: row-major
+        if order is not None:
             return torch.empty_strided(shape, dense_strides(shape, order), dtype=dtype,
                                        device="meta")
     elif info.kind == "composite":

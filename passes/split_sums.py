@@ -17,9 +17,9 @@ over ``N`` values per channel::
 Halves: eager accumulates a float16 or bfloat16 sum in float32 and rounds once, so the
 inner sum is float32 and the outer one is cast back (``t`` rounded to 16 bits would round
 twice). Integer and bool sums give int64 either way. Sums of fewer than ``MIN_NUMEL``
-elements stay whole: there two launches cost more host time than the GPU saves. The result is the same up to
-floating-point reassociation, which any parallel reduction has. No size is written into
-the graph, so it stays valid after a resize.
+elements stay whole: there two launches cost more host time than the GPU saves. The
+result is the same up to floating-point reassociation, which any parallel reduction has.
+No size is written into the graph, so it stays valid after a resize.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def _split_dims(node: Node, gm: GraphModule, min_numel: int) -> tuple[Any, tuple
 def _split(node: Node, x: Node, inner: tuple[int, ...], dims: tuple[int, ...], keepdim: bool,
            dtype: Any) -> None:
     graph = node.graph
-    out_dtype = tensor_meta(node).dtype if tensor_meta(node) is not None else None
+    tm = tensor_meta(node)
+    out_dtype = tm.dtype if tm is not None else None
     src = dtype if dtype is not None else tensor_meta(x).dtype
     with graph.inserting_before(node):
         kwargs: dict[str, Any] = {"dim": inner, "keepdim": True}
