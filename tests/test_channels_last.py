@@ -274,19 +274,20 @@ def test_training_batch_norm_keeps_a_channels_last_input_channels_last_on_every_
     # result, so from the second call on the output (and the next conv's input) was NCHW.
     from fxlite.codegen.triton import interpreting
 
-    if not interpreting():
+    device = "cpu" if interpreting() else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
     torch.manual_seed(0)
-    bn = nn.BatchNorm2d(8).train()
+    bn = nn.BatchNorm2d(8).to(device).train()
     ref = copy.deepcopy(bn)
     compiled = fxlite.compile(lambda y: torch.relu(bn(y)))
     for _ in range(3):
-        y = torch.randn(2, 8, 5, 5).to(memory_format=CL).requires_grad_()
+        y = torch.randn(2, 8, 5, 5, device=device).to(memory_format=CL).requires_grad_()
         y_ref = y.detach().clone().requires_grad_()
         got, want = compiled(y), torch.relu(ref(y_ref))
         torch.testing.assert_close(got, want)
         assert got.stride() == want.stride()
-        g = torch.randn(2, 8, 5, 5).to(memory_format=CL)
+        g = torch.randn(2, 8, 5, 5, device=device).to(memory_format=CL)
         got.backward(g)
         want.backward(g)
         torch.testing.assert_close(y.grad, y_ref.grad, rtol=1e-4, atol=1e-5)

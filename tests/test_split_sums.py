@@ -94,21 +94,31 @@ class _BNReLU(nn.Module):
         return self.relu(self.bn(self.conv(x))).sum((2, 3))
 
 
-def test_training_batch_norm_normalizes_and_relus_in_one_kernel(monkeypatch):
-    # The module call writes the running statistics, so the capture marks it impure; the
-    # rewrite moves that write to its own call, and the math it leaves in its place must
-    # fuse with the ReLU (it was a barrier, so the bias add and the ReLU ran apart).
+def _train_side_by_side(monkeypatch, shape, steps):
+    """A compiled training-mode ``_BNReLU`` and an eager copy, each run forward and
+    backward on the same fresh inputs ``steps`` times; outputs and buffers are checked
+    against eager's on the way. Returns ``(model, eager, compiled)``."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     model = _BNReLU().to(DEVICE).train()
     eager = copy.deepcopy(model)
     compiled = fxlite.compile(model)
-    for _ in range(3):
-        x = torch.randn(2, 3, 6, 6, device=DEVICE)
-        compiled(x).square().sum().backward()
-        eager(x).square().sum().backward()
+    for _ in range(steps):
+        x = torch.randn(shape, device=DEVICE)
+        got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        got.square().sum().backward()
+        want.square().sum().backward()
     for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
         torch.testing.assert_close(got, want, msg=name)
+    return model, eager, compiled
+
+
+def test_training_batch_norm_normalizes_and_relus_in_one_kernel(monkeypatch):
+    # The module call writes the running statistics, so the capture marks it impure; the
+    # rewrite moves that write to its own call, and the math it leaves in its place must
+    # fuse with the ReLU (it was a barrier, so the bias add and the ReLU ran apart).
+    model, eager, compiled = _train_side_by_side(monkeypatch, (2, 3, 6, 6), steps=3)
     # (fp32 sums in another order: BatchNorm's backward cancels, so rounding shows)
     torch.testing.assert_close(model.conv.weight.grad, eager.conv.weight.grad, rtol=2e-4,
                                atol=1e-3)
@@ -128,19 +138,7 @@ def test_small_sums_stay_whole_by_default():
 def test_a_large_training_batch_norm_sums_in_kernels_and_matches_eager(monkeypatch):
     # 8 x 4 x 32 x 32: large enough to split, so the batch statistics run as a reduction
     # kernel over each (n, c) row plus a sum over n, in forward and backward.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    torch.manual_seed(0)
-    model = _BNReLU().to(DEVICE).train()
-    eager = copy.deepcopy(model)
-    compiled = fxlite.compile(model)
-    for _ in range(2):
-        x = torch.randn(8, 3, 32, 32, device=DEVICE)
-        got, want = compiled(x), eager(x)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        got.square().sum().backward()
-        want.square().sum().backward()
-    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
-        torch.testing.assert_close(got, want, msg=name)
+    model, eager, compiled = _train_side_by_side(monkeypatch, (8, 3, 32, 32), steps=2)
     # (measured against float64: both off by about 5e-6 of the largest gradient)
     scale = eager.conv.weight.grad.abs().max().item()
     torch.testing.assert_close(model.conv.weight.grad, eager.conv.weight.grad, rtol=0,
