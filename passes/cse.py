@@ -5,8 +5,9 @@ one is replaced by the earlier one. Ops in the table compare by their canonical 
 arguments, so every spelling of one call merges (``x + y``, ``torch.add(x, y)``,
 ``x.add(y)``, and ``y + x`` as add commutes). In-place, random and side-effecting ops
 (``fxlite.ops.is_impure``) never merge, nor do calls of unknown Python functions and
-unknown modules, which may keep state; and no value computed before an impure node
-(which may mutate its inputs, as ``x.add_(1)`` does) merges with one computed after it.
+unknown modules, which may keep state; no value computed before an impure node
+(which may mutate its inputs, as ``x.add_(1)`` does) merges with one computed after it;
+and no value that an impure node may write (``a = x.clone(); a.add_(1)``) merges at all.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def cse(gm: GraphModule) -> GraphModule:
     rep: dict[Node, Node] = {}
     seen: dict[Any, Node] = {}
     for node in graph.nodes:
-        key = _key(node, gm, rep)
+        key = None if _written(node, gm) else _key(node, gm, rep)
         if key is None:
             if node.op in _CALLS and is_impure(node, gm):
                 seen.clear()  # it may mutate a value: nothing before it equals anything after
@@ -86,6 +87,21 @@ def _key(node: Node, gm: GraphModule, rep: dict[Node, Node]) -> Any:
         if a in items and b in items and repr(items[b]) < repr(items[a]):
             items[a], items[b] = items[b], items[a]
     return ("op", info.name, tuple(sorted(items.items())))
+
+
+def _written(node: Node, gm: GraphModule) -> bool:
+    """Whether an impure op may write ``node``'s value: it reads it directly or through
+    views (``a.view(-1).mul_(3)``). Two equal values are one only while neither changes."""
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            if user.op in _CALLS and is_impure(user, gm):
+                return True
+            found = resolve(user, gm) if user.op in _CALLS else None
+            if found is not None and found[0].kind == "view" and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _is_torch_function(target: Any, op: str) -> bool:

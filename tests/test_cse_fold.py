@@ -83,6 +83,28 @@ def test_cse_does_not_merge_across_mutation():
     torch.testing.assert_close(b - a, torch.ones(2))
 
 
+@pytest.mark.parametrize("write", ["direct", "through_a_view"])
+def test_cse_does_not_merge_a_value_that_is_written_later(write):
+    # two equal copies are one only while neither changes (a regression: both merged, so
+    # the write to one showed in the other)
+    def f(x):
+        a, b = x.clone(), x.clone()
+        c, d = x + 0, x + 0
+        if write == "direct":
+            a.add_(1)
+            c.mul_(3)
+        else:
+            a.view(-1).add_(1)
+            c[0].mul_(3)
+        return a, b, c, d
+    gm = trace(f)
+    cse(gm)
+    x = torch.ones(2, 2)
+    for got, want in zip(gm(x), f(x)):
+        torch.testing.assert_close(got, want)
+    assert [n.target for n in ops_of(gm)].count("clone") == 2
+
+
 def test_cse_does_not_merge_unknown_modules():
     class Counter(nn.Module):
         def forward(self, x):
