@@ -44,10 +44,10 @@ _OVERSHOOT = 2**17
 
 # Views that never move data when their output shape equals their input shape.
 IDENTITY_VIEWS = frozenset({"view", "reshape", "expand", "contiguous", "flatten", "squeeze",
-                            "unsqueeze", "clone", "detach"})
+                            "unsqueeze", "detach"})
 
-# Copies that move no data a kernel could see: a group's kernel reads the same values.
-_COPIES = {torch.Tensor.clone: "clone", torch.Tensor.detach: "detach"}
+# detach moves no data a kernel could see: a group's kernel reads the same values.
+_COPIES = {torch.Tensor.detach: "detach"}
 
 
 def resolve(node: Node, module: torch.nn.Module | None = None) -> str | None:
@@ -63,7 +63,7 @@ def resolve(node: Node, module: torch.nn.Module | None = None) -> str | None:
     if info is not None:
         known = info.triton is not None or info.name in REDUCTIONS or info.name in IDENTITY_VIEWS
         return info.name if known else None
-    if node.op == "call_method" and node.target in ("clone", "detach"):
+    if node.op == "call_method" and node.target == "detach":
         return node.target
     try:
         return _COPIES.get(node.target) if node.op == "call_function" else None

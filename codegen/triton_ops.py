@@ -566,6 +566,7 @@ TRITON_OPS: dict[str, TritonOp] = {
     "fmod": TritonOp(_fmod_op),
     "pow": TritonOp(_pow),
     "neg": TritonOp(_neg),
+    "clone": TritonOp(lambda e, a, ct: e.c(a["input"], ct), ("memory_format",)),
     "abs": TritonOp(_abs),
     "relu": TritonOp(_relu, ("inplace",)),
     "sigmoid": TritonOp(_unary("tl.sigmoid")),

@@ -418,6 +418,7 @@ RULES: dict[str, Rule] = {
     "remainder": _remainder(trunc=False),
     "fmod": _remainder(trunc=True),
     "neg": lambda g, a, o: {"input": -g},
+    "clone": lambda g, a, o: {"input": g},
     "abs": lambda g, a, o: {"input": g * torch.sign(a["input"])},
     "square": lambda g, a, o: {"input": g * a["input"] * 2},
     "reciprocal": lambda g, a, o: {"input": -g * o * o},

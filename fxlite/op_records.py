@@ -197,6 +197,10 @@ _op("to", "pointwise", T.to, (), ("to",), params=("input", "dtype"), defaults=_T
     refine=_to_refine, dtype_rule="same")
 # Everything but the tensor keeps its spelling: to(x, device, dtype) or to(x, dtype=, device=).
 register(OpInfo("to_other", "extern", T.to, params=("input",), defaults=_TO_DEFAULTS))
+# A copy: a new tensor of the same values (memory_format: only the default, which keeps
+# a dense input's strides and lays anything else out row-major, as a kernel's outputs are).
+_op("clone", "pointwise", torch.clone, (T.clone,), ("clone",), params=("input",),
+    defaults=(("memory_format", None),), positional=1, dtype_rule="same")
 
 
 def _cast_refine(dtype: torch.dtype) -> Callable[[dict[str, Any]], Any]:

@@ -144,6 +144,7 @@ UNARY = {
     "clamp": lambda x: torch.clamp(x, -2.0, 3.0), "clamp_min": lambda x: torch.clamp_min(x, 0.5),
     "clamp_max": lambda x: torch.clamp_max(x, 1.0),
     "to": lambda x: x.to(torch.float32).to(F64) * x,
+    "clone": lambda x: torch.clone(x) * x,
     "pow_scalar": lambda x: torch.pow(x, 3), "pow_base": lambda x: torch.pow(2.0, x),
     "pow_zero_base": lambda x: torch.pow(0.0, x), "rsub": lambda x: 2 - x,
     "where": lambda x: torch.where(x > 0, x * 2, 1.0),

@@ -271,3 +271,39 @@ def test_odd_sizes_split_the_index_right():
         c = torch.randn(shape[2], 1, device=DEVICE)
         same(kernel(a, b, c), fn(a, b, c))
         same(kernel(a[:, :, :, ::2], b[:, :, ::2], c), fn(a[:, :, :, ::2], b[:, :, ::2], c))
+
+
+# ---------------------------------------------------------------------- copies
+@pytest.mark.parametrize("layout", ["sliced", "transposed", "channels_last", "empty"])
+def test_clone_is_a_copy_kernel_with_eagers_layout_that_aliases_nothing(layout):
+    """A ``clone`` fuses as a copy (the padded LM head's columns, ``passes/pad_matmul``):
+    a new tensor with eager's strides, on every call with fresh inputs."""
+    def make():
+        base = torch.randn(2, 3, 4, 6, device=DEVICE)
+        return {"sliced": base[..., :5], "transposed": base.transpose(1, 3),
+                "channels_last": base.contiguous(memory_format=torch.channels_last),
+                "empty": base[:0]}[layout]
+    fn = lambda a: a.clone()  # noqa: E731
+    compiled = fxlite.compile(fn)
+    for _ in range(3):
+        a = make()
+        before = a.tolist()
+        got, want = compiled(a), fn(a)
+        same(got, want)
+        assert got.stride() == want.stride() or not want.numel()
+        assert got.numel() == 0 or got.data_ptr() != a.data_ptr()
+        got.add_(1)  # the copy is the caller's own
+        assert a.tolist() == before
+    assert "clone" in compiled.report() or layout == "empty"
+    assert not compiled.fallbacks
+
+
+def test_clone_to_another_memory_format_runs_in_eager():
+    x = torch.randn(2, 3, 4, 5, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    fn = lambda a: a.clone(memory_format=torch.contiguous_format) * 2  # noqa: E731
+    compiled = fxlite.compile(fn)
+    with pytest.warns(UserWarning, match="does not support"):
+        got = compiled(x)
+    same(got, fn(x))
+    assert got.stride() == fn(x).stride()
+

@@ -187,6 +187,7 @@ def _broadcasts(a: torch.Size, b: torch.Size) -> bool:
 UNARY = [
     ("neg", "exact", ["-{a}", "torch.neg({a})", "{a}.neg()", "torch.negative({a})"], "any"),
     ("detach", "exact", ["{a}.detach()", "torch.detach({a})"], "any"),
+    ("clone", "exact", ["{a}.clone()", "torch.clone({a})"], "any"),
     ("abs", "exact", ["torch.abs({a})", "{a}.abs()", "abs({a})"], "any"),
     ("relu", "exact", ["torch.relu({a})", "F.relu({a})", "{a}.relu()"], "any"),
     ("gelu", "inexact", ["F.gelu({a})", "F.gelu({a}, approximate='tanh')"], "any"),
