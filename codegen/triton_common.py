@@ -397,6 +397,22 @@ class _Builder:
             raise Unsupported(f"input {node.name} of type {type(x).__name__}")
         self.env[node] = self.add(v)
 
+    def unit_view(self, v: Value, old: tuple, new: tuple, node: Node) -> Value:
+        """``v`` seen through a view that only adds or drops size-1 dims (a batch of one
+        flattened: ``(1, 16, 64) -> (16, 64)``): the same values at the same iteration
+        dims, since both shapes sit right-aligned in the iteration space."""
+        r = self.r
+
+        def varying(shape: tuple) -> list[tuple[int, int]]:
+            return [(d, n) for d, n in zip(_natural(len(shape), r), shape) if n != 1]
+
+        if v.dims != _natural(len(old), r) or varying(old) != varying(new):
+            raise Unsupported(f"{node.name}: a view that changes the shape")
+        # a copy of the value at its new dims (emitted as the op-table's clone: no work)
+        return self.add(Value(self.fresh(node.name), "pw", self.meta(node).dtype,
+                              _natural(len(new), r), v.span, op="clone", args={"input": v},
+                              node=node.name, exact=v.exact))
+
     def call(self, node: Node) -> None:
         name = resolve(node, self.gm)
         if name is None:
@@ -405,9 +421,11 @@ class _Builder:
             src = node.args[0] if node.args else None
             v = self.env.get(src) if isinstance(src, Node) else None
             tm = self.meta(node)
-            if v is None or v.kind == "scalar" or src not in self.metas \
-                    or tuple(self.metas[src].shape) != tuple(tm.shape):
+            if v is None or v.kind == "scalar" or src not in self.metas:
                 raise Unsupported(f"{node.name}: a view that changes the shape")
+            old, new = tuple(self.metas[src].shape), tuple(tm.shape)
+            if old != new:
+                v = self.unit_view(v, old, new, node)
             self.env[node] = v
             self.size_checks += _view_size_checks(node, name, v, self.gm)
             return

@@ -307,3 +307,29 @@ def test_clone_to_another_memory_format_runs_in_eager():
     same(got, fn(x))
     assert got.stride() == fn(x).stride()
 
+
+# ---------------------------------------------------------------------- views of size-1 dims
+def _norm_then_flatten(x, w):
+    # GPT-2's blocks: a layer norm, then .view(-1, width): at batch 1 that only drops the
+    # size-1 batch dim, so the view joins the norm's group
+    return F.layer_norm(x, (8,), w, w * 0.5).view(-1, 8) * 2
+
+
+def test_a_view_dropping_a_batch_of_one_joins_the_kernel_and_other_batches_stay_right():
+    """A regression: at batch 1 such groups ran in eager with "a view that changes the
+    shape" (GPT-2 at batch 1 got no kernels at all)."""
+    w = torch.linspace(0.5, 1.5, 8, device=DEVICE)
+    compiled = fxlite.compile(_norm_then_flatten)
+    for batch in (1, 1, 3, 1):  # fresh inputs; other batches after the first
+        x = torch.randn(batch, 5, 8, device=DEVICE)
+        same(compiled(x, w), _norm_then_flatten(x, w))
+    assert compiled.kernels and not compiled.fallbacks
+
+
+def test_a_view_that_moves_values_to_other_dims_stays_out_of_the_kernel():
+    # (6,) -> (6, 1) puts the values on another iteration dim: not a size-1 view
+    fn = lambda x, y: (x + 1).view(6, 1) * y  # noqa: E731
+    x, y = torch.randn(6, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+    compiled = fxlite.compile(fn)
+    for _ in range(2):
+        same(compiled(x, y), fn(x, y))
