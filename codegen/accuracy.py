@@ -32,6 +32,9 @@ from fxlite.ops import attribute_at, lookup
 # allows TF32: as ``pipeline._disagreement``).
 _TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 _SEEDED = frozenset({"draw_seed", "seeded_dropout"})
+# Effects that only raise or pass (timm checks shapes with torch._assert): running a
+# graph again with them does the same.
+_CHECKS = frozenset({torch._assert})
 
 
 def versions(tensors: Iterable[Any]) -> list[int]:
@@ -75,8 +78,9 @@ def reproducible(gm: GraphModule) -> bool:
     either). Writes to its inputs are for the caller to rule out (``versions``)."""
     for n in gm.graph.nodes:
         info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
-        if info is not None and info.kind == "effect" and not all(  # operator writes only:
-                getattr(f, "__module__", None) == "_operator" for f in info.functions):
+        if info is not None and info.kind == "effect" and not all(  # operator writes and
+                getattr(f, "__module__", None) == "_operator" or f in _CHECKS  # assertions:
+                for f in info.functions):  # a second run does the same
             return False  # print, torch.manual_seed, functions marked has_side_effect
         if n.op == "call_module" or n.meta.get("external"):  # the check skips external ones
             return False

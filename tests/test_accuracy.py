@@ -112,6 +112,33 @@ def test_a_segment_whose_output_drifts_from_eagers_keeps_its_kernels(monkeypatch
     assert rms_error(out, reference) < rms_error(eager, reference)
 
 
+def eight_checked_groups(x, eye):
+    torch._assert(x.shape[-1] == eye.shape[0], "sizes")  # as timm checks shapes
+    return eight_groups(x, eye)
+
+
+def test_shape_assertions_leave_the_float64_look_to_decide(monkeypatch):
+    # a regression: torch._assert made a graph "not reproducible", so a drifting segment
+    # (timm's efficientnetv2_rw_t with random weights) went back to eager with no second look
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda group, example, name="k", **kw: made.append(
+                            RoundsOnce(group, name, 0, checked=True)) or made[-1])
+    x = torch.randn(16, 16, device=DEVICE).to(torch.bfloat16)
+    eye = torch.eye(16, device=DEVICE, dtype=torch.bfloat16)
+    c = fxlite.compile(eight_checked_groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c(x, eye)
+        out = c(x, eye)
+    assert len(c.kernels) == 8 and c.fallbacks == []
+    eager = eight_checked_groups(x, eye)
+    assert rms_error(out, eight_groups(x.double(), eye.double())) < rms_error(
+        eager, eight_groups(x.double(), eye.double()))
+    with pytest.raises(Exception, match="sizes"):  # and the check still runs
+        c(x, eye[:8, :8])
+
+
 def graph_of(fn):
     return fxlite.symbolic_trace(fn)
 
