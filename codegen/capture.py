@@ -35,6 +35,7 @@ inference mode. See ``Recording.unsupported``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ from fxlite.codegen.recording import (
     _LOCAL,
     Read,
     Recording,
+    Slot,
     Step,
     format_site,
     recording_thread,
@@ -111,6 +113,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         rec.ambient = (torch.is_grad_enabled(), autocast_state())
     outer = getattr(_LOCAL, "recorder", None)
     _LOCAL.recorder = recorder
+    objects = [x for x in leaves if _plain_object(x)]
+    before = [_object_state(x) for x in objects]
     try:
         with installed(), opaque_methods([*leaves, *bound]), recorder:
             result = fn(*args, **kwargs)
@@ -119,9 +123,52 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         raise RuntimeError(f"fxlite: {e}") from None
     finally:
         _LOCAL.recorder = outer
+    for x, state in zip(objects, before):
+        if rec.unsupported is None and (state is None or _object_state(x) != state):
+            # a replay runs the recorded tensor ops only: it would not set them again
+            rec.unsupported = (f"sets attributes of its {type(x).__name__} argument, which "
+                               "a replay would not do (pass the values in and return the "
+                               "new ones)")
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
+
+
+def _plain_object(x: Any) -> bool:
+    """An argument whose attributes the function might set: not a tensor, number, string,
+    module (guarded state) or optimizer-like object (its steps are recorded calls)."""
+    from fxlite.codegen.capture_hooks import _opaque_names
+
+    return not (x is None or isinstance(x, (torch.Tensor, int, float, complex, str, bytes,
+                                            type, torch.nn.Module, torch.dtype, torch.device))
+                or _opaque_names(x))
+
+
+def _object_state(obj: Any) -> tuple | None:
+    """What ``obj`` holds, down its containers and attributes: each value by identity
+    (numbers and strings by value). None when there is too much to look at."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or not _plain_object(x):
+            continue
+        seen.add(id(x))
+        if len(seen) > 10_000:
+            return None
+        if isinstance(x, dict):
+            items: Any = list(x.items())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = list(enumerate(x))
+        else:
+            fields = getattr(x, "__dict__", None)
+            items = list(fields.items()) if isinstance(fields, dict) else []
+        for k, v in items:
+            plain = v is None or isinstance(v, (int, float, complex, str, bytes))
+            out.append((id(x), k if isinstance(k, (int, str)) else id(k), v if plain else id(v)))
+            todo.append(v)
+    return tuple(out)
 
 
 def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
@@ -132,8 +179,6 @@ def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
     by name in the new path. ``pre_state`` starts empty: the prefix's snapshots hold the
     values of the call that recorded it, while the new segments are checked on this
     call's values, which the recorder snapshots before the new part first writes them."""
-    import copy
-
     stop = prefix.reads[upto].node
     graph = copy.deepcopy(prefix.graph)
     doomed = []
@@ -198,6 +243,75 @@ def _finish_output(recorder: Recorder, result: Any) -> None:
             name = recorder._name_of(leaf) or recorder._external(leaf)
             rec.out_refs.append(("node", len(outs)))
             outs.append(recorder._nodes[name])
+        elif _holds_tensors(leaf):
+            # an object made in the call (a transformers KV cache): each call gets a copy
+            # of it that holds that call's tensors
+            made = _template(recorder, leaf)
+            if made is None:
+                if rec.unsupported is None:
+                    rec.unsupported = (
+                        f"returns a {type(leaf).__name__} holding tensors that fxlite cannot "
+                        "put in a copy for each call (return the tensors themselves)")
+                rec.out_refs.append(("const", leaf))
+                continue
+            template, slots, shared, nodes = made
+            rec.out_refs.append(("object", (template, slots, shared)))
+            outs.extend(nodes)
         else:
             rec.out_refs.append(("const", leaf))
     rec.graph.output(tuple(outs))
+
+
+def _template(recorder: Recorder, obj: Any
+              ) -> tuple[Any, list[Slot], dict[int, Any], list[Any]] | None:
+    """``obj`` deep-copied with a :class:`Slot` for each tensor it holds, the slots, the
+    modules it holds (by id: shared, not copied) and each tensor's node; None if that
+    cannot be done."""
+    tensors: dict[int, torch.Tensor] = {}
+    shared: dict[int, Any] = {}
+    if not _holds_tensors(obj, found=tensors, modules=shared) or len(tensors) == 0:
+        return None
+    slots = [Slot() for _ in tensors]
+    try:
+        nodes = [recorder._nodes[recorder._name_of(t) or recorder._external(t)]
+                 for t in tensors.values()]
+        template = copy.deepcopy(obj, {**shared, **dict(zip(tensors, slots))})
+        copy.deepcopy(template, {**shared, **{id(s): t for s, t in zip(slots, tensors.values())}})
+    except Exception:  # an object deepcopy cannot copy, or a tensor without a node
+        return None
+    return template, slots, shared, nodes
+
+
+def _holds_tensors(obj: Any, found: dict[int, torch.Tensor] | None = None,
+                   modules: dict[int, Any] | None = None) -> bool:
+    """Whether ``obj`` reaches a tensor through containers and attributes; ``found`` gets
+    each tensor (by id) and ``modules`` each module met (not entered: their tensors are
+    guarded state); classes and plain values end the walk. A walk too big to finish
+    counts as a yes."""
+    found = {} if found is None else found
+    todo, seen = [obj], set()
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.setdefault(id(x), x)
+            continue
+        if isinstance(x, torch.nn.Module):
+            if modules is not None:
+                modules[id(x)] = x
+            continue
+        if x is None or isinstance(x, (int, float, complex, str, bytes, type, torch.dtype,
+                                       torch.device)) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if len(seen) > 10_000:
+            return True
+        if isinstance(x, dict):
+            todo += x.values()
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo += x
+        else:
+            fields = getattr(x, "__dict__", None)
+            todo += fields.values() if isinstance(fields, dict) else ()
+            todo += [getattr(x, n, None) for n in getattr(type(x), "__slots__", ())
+                     if isinstance(n, str)]
+    return bool(found)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fxlite.codegen.recording import result_leaves
 from fxlite.codegen.structure import unflatten
 
 from fxlite.graph_module import GraphModule
@@ -35,10 +36,7 @@ class _Branch:
 
     def __call__(self, *operands: Any) -> Any:
         flat = self.run(*operands)
-        it = iter(flat)
-        leaves = [next(it) if kind == "node" else value
-                  for kind, value in self.recording.out_refs]
-        return unflatten(self.recording.out_spec, leaves)
+        return unflatten(self.recording.out_spec, result_leaves(self.recording.out_refs, flat))
 
 
 class CondOp:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from fxlite.codegen.capture import record
 from fxlite.codegen.guards import StateGuard
+from fxlite.codegen.recording import result_leaves
 from fxlite.codegen.segments import split
 from fxlite.codegen.structure import flatten, unflatten
 
@@ -216,9 +217,7 @@ def export(fn: Any, *args: Any, **kwargs: Any) -> GraphModule:
     graph = rec.graph
     out = graph.output_node()
     flat = list(out.args[0])
-    it = iter(flat)
-    leaves_out = [next(it) if kind == "node" else value for kind, value in rec.out_refs]
-    structured = unflatten(rec.out_spec, leaves_out)
+    structured = unflatten(rec.out_spec, result_leaves(rec.out_refs, flat))
     if _graph_literal(structured):
         out.args = (structured,)
     gm = GraphModule(rec.holder, graph, _export_name(fn))

@@ -7,6 +7,7 @@ is cut and replayed.
 
 from __future__ import annotations
 
+import copy
 import linecache
 import os
 import sys
@@ -18,7 +19,7 @@ import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["Read", "Recording", "Step", "format_site", "recording_thread", "tensor_meta",
+__all__ = ["Read", "Recording", "Slot", "Step", "result_leaves", "format_site", "recording_thread", "tensor_meta",
            "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
@@ -83,7 +84,9 @@ class Recording:
     in_spec: Any
     placeholders: list[str | None]  # per input leaf: its placeholder name, None if not a tensor
     out_spec: Any = None
-    out_refs: list[tuple[str, Any]] = field(default_factory=list)  # ("node", name) | ("const", v)
+    # per result leaf: ("node", i) | ("const", v) | ("object", (template, slots, shared)):
+    # result_leaves
+    out_refs: list[tuple[str, Any]] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)
     sizes_read: bool = False
@@ -102,3 +105,32 @@ class Recording:
 def tensor_meta(t: torch.Tensor) -> tuple:
     """``(shape, stride, dtype, device, requires_grad)``: what a stand-in needs."""
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+
+class Slot:
+    """Stands for one tensor in the template of a result object (a transformers KV cache):
+    the template is the object deep-copied at record time with each tensor swapped for a
+    slot, and each call deep-copies it again with the slots swapped for its tensors
+    (the modules it holds, ``shared`` by id, are not copied)."""
+
+
+def result_leaves(out_refs: list[tuple[str, Any]], flat: Any) -> list[Any]:
+    """A recording's result leaves for one call, from the graph's flat outputs ``flat``.
+
+    Example::
+
+        result_leaves([("node", 0), ("const", 3)], (t,))   # [t, 3]
+    """
+    it = iter(flat)
+    leaves: list[Any] = []
+    for kind, value in out_refs:
+        if kind == "node":
+            leaves.append(next(it))
+        elif kind == "object":
+            template, slots, shared = value
+            memo = dict(shared)  # modules stay the same objects
+            memo.update((id(s), next(it)) for s in slots)
+            leaves.append(copy.deepcopy(template, memo))
+        else:
+            leaves.append(value)
+    return leaves

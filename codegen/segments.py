@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxlite.codegen.recording import Read, Recording
+from fxlite.codegen.recording import Read, Recording, result_leaves
 from fxlite.codegen.structure import unflatten
 
 from fxlite.graph import Graph
@@ -63,9 +63,7 @@ class Segment:
         rec = self.recording
         if rec.out_spec == _ONE:  # a single tensor: the common case
             return flat[0]
-        it = iter(flat)
-        leaves = [next(it) if kind == "node" else value for kind, value in rec.out_refs]
-        return unflatten(rec.out_spec, leaves)
+        return unflatten(rec.out_spec, result_leaves(rec.out_refs, flat))
 
     def nodes(self) -> int:
         """How many ops the recorded piece holds (for reports)."""

@@ -378,6 +378,96 @@ def test_python_state_changed_by_the_function_runs_eagerly():
         torch.testing.assert_close(out, x * i)
 
 
+class _State:
+    def __init__(self):
+        self.h = torch.zeros(3)
+        self.steps = 0
+
+
+@pytest.mark.parametrize("what", ["tensor", "number"])
+def test_attributes_set_on_an_argument_object_run_eagerly(what):
+    # a regression: the replay ran the recorded tensor ops but never set state.h again,
+    # so from the second call the object and the results were stale
+    def f(state, x):
+        if what == "tensor":
+            state.h = state.h + x
+        else:
+            state.steps += 1
+        return state.h * 2 + state.steps
+
+    mine, eager = _State(), _State()
+    c = fxlite.compile(f)
+    with pytest.warns(UserWarning, match="sets attributes of its _State argument"):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(mine, x), f(eager, x))
+    torch.testing.assert_close(mine.h, eager.h)
+    assert mine.steps == eager.steps
+
+
+class _Cache:
+    """Like a transformers DynamicCache: an object made inside the call, holding tensors
+    (and a module, which stays shared)."""
+
+    def __init__(self, keys, owner):
+        self.layers = [{"keys": keys, "double": keys * 2}]
+        self.owner = owner
+
+
+def test_a_returned_object_holding_new_tensors_is_rebuilt_on_every_call():
+    # a regression: the object recorded on the first call came back on every later call
+    # (GPT-2's past_key_values held the first call's keys and values)
+    m = nn.Linear(4, 4)
+
+    def f(x):
+        keys = m(x)
+        return keys.sum(), _Cache(keys, m)
+
+    c = fxlite.compile(f)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled, no fallback
+        for _ in range(3):
+            x = rand(2, 4)
+            total, cache = c(x)
+            torch.testing.assert_close(cache.layers[0]["keys"], m(x))
+            torch.testing.assert_close(cache.layers[0]["double"], m(x) * 2)
+            torch.testing.assert_close(total, m(x).sum())
+            assert cache.owner is m and all(cache is not s for s in seen)
+            seen.append(cache)
+    assert c.kernels
+
+
+class _Locked:
+    def __init__(self, t):
+        self.t = t
+        self.lock = threading.Lock()  # deepcopy cannot copy it
+
+
+def test_a_returned_object_that_cannot_be_copied_runs_eagerly():
+    c = fxlite.compile(lambda x: _Locked(x * 2))
+    with pytest.warns(UserWarning, match="returns a _Locked holding tensors"):
+        for _ in range(3):
+            x = rand(4)
+            torch.testing.assert_close(c(x).t, x * 2)
+
+
+def test_returned_objects_without_tensors_and_modules_still_compile():
+    m = nn.Linear(3, 3)
+
+    def f(x):
+        return m(x), m, "tag", torch.float32
+
+    c = fxlite.compile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            x = rand(2, 3)
+            out, mod, tag, dtype = c(x)
+            torch.testing.assert_close(out, m(x))
+            assert mod is m and tag == "tag" and dtype == torch.float32
+
+
 # ------------------------------------------------------------------ randomness
 def test_random_ops_draw_new_numbers_on_every_call():
     c = fxlite.compile(lambda x: x + torch.randn(4, device=x.device))
