@@ -380,7 +380,7 @@ def test_python_state_changed_by_the_function_runs_eagerly():
 
 class _State:
     def __init__(self):
-        self.h = torch.zeros(3)
+        self.h = torch.zeros(3, device=DEVICE)
         self.steps = 0
 
 
@@ -417,7 +417,7 @@ class _Cache:
 def test_a_returned_object_holding_new_tensors_is_rebuilt_on_every_call():
     # a regression: the object recorded on the first call came back on every later call
     # (GPT-2's past_key_values held the first call's keys and values)
-    m = nn.Linear(4, 4)
+    m = nn.Linear(4, 4).to(DEVICE)
 
     def f(x):
         keys = m(x)
@@ -453,7 +453,7 @@ def test_a_returned_object_that_cannot_be_copied_runs_eagerly():
 
 
 def test_returned_objects_without_tensors_and_modules_still_compile():
-    m = nn.Linear(3, 3)
+    m = nn.Linear(3, 3).to(DEVICE)
 
     def f(x):
         return m(x), m, "tag", torch.float32
