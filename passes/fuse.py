@@ -68,6 +68,7 @@ from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 
 from .shape_prop import TensorMetadata
 from .sink_views import sink_views
+from .size_sources import size_sources
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
 from .split_sums import split_sums
 
@@ -499,6 +500,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
                 f"fuse needs shape metadata, but node {n.name!r} has none: run "
                 f"ShapeProp(gm).propagate(*example_inputs) first")
     gm = sink_views(_decomposed(gm))  # permutes move onto inputs, out of the way of groups
+    gm = size_sources(gm)  # size checks read the inputs, not values a kernel computes
     gm = split_sums(gm)  # sums over inner and outer dims: the inner part fuses
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()

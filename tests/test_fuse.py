@@ -389,3 +389,39 @@ def test_a_few_long_rows_stay_with_torch():
     ShapeProp(gm2).propagate(small)
     assert any(m.meta.get("fused_kind") == "reduction" for m in fuse(gm2).children()
                if hasattr(m, "meta"))
+
+
+# ---------------------------------------------------------------------- size reads
+def _scaled_residual_then_norm(y, x, s):
+    # convnext: a block's layer-scaled residual, then the downsampling LayerNorm2d
+    z = s * y.permute(0, 3, 1, 2) + x
+    return F.layer_norm(z.permute(0, 2, 3, 1), (8,)).permute(0, 3, 1, 2)
+
+
+def test_a_norms_size_check_reads_the_residuals_operands_so_one_kernel_does_both() -> None:
+    """A regression: the norm's element count read ``z.size(-1)`` of the residual computed
+    in the group, so the group wrote ``z`` out and split in two (three kernels in
+    convnext_tiny's downsampling)."""
+    from fxlite.passes.size_sources import broadcast_size
+
+    y, x, s = torch.randn(2, 4, 4, 8), torch.randn(2, 8, 4, 4), torch.randn(8, 1, 1)
+    gm = _prep(_scaled_residual_then_norm, y, x, s)
+    before = gm.code
+    fused = fuse(gm)
+    assert gm.code == before  # the input module is left alone
+    groups = [getattr(fused, c.target).meta["fused_kind"] for c in _fused_calls(fused)]
+    assert groups == ["reduction"]
+    assert any(n.target is broadcast_size for n in fused.graph.nodes)
+    torch.testing.assert_close(fused(y, x, s), _scaled_residual_then_norm(y, x, s))
+
+
+def test_broadcast_size_is_eagers_broadcast() -> None:
+    from fxlite.passes.size_sources import broadcast_size
+
+    a, b = torch.ones(3, 1, 5), torch.ones(4, 1)
+    for d in range(-3, 3):
+        assert broadcast_size(d, a, b) == torch.broadcast_shapes(a.shape, b.shape)[d]
+    with pytest.raises(RuntimeError, match="must match"):
+        broadcast_size(-1, torch.ones(3), torch.ones(4))
+    with pytest.raises(IndexError):
+        broadcast_size(3, a, b)

@@ -333,3 +333,18 @@ def test_a_view_that_moves_values_to_other_dims_stays_out_of_the_kernel():
     compiled = fxlite.compile(fn)
     for _ in range(2):
         same(compiled(x, y), fn(x, y))
+
+
+def test_a_fused_norms_size_check_still_raises_for_other_sizes():
+    # its element count now reads the residual's operands (passes/size_sources.py)
+    fn = lambda a, b: F.layer_norm(a * 2 + b, (8,))  # noqa: E731
+    compiled = fxlite.compile(fn)
+    for rows in (3, 3, 5):
+        a, b = torch.randn(rows, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+        same(compiled(a, b), fn(a, b))
+    assert compiled.kernels
+    a, b = torch.randn(3, 6, device=DEVICE), torch.randn(6, device=DEVICE)
+    with pytest.raises(RuntimeError, match="normalized_shape"):
+        fn(a, b)
+    with pytest.raises(RuntimeError, match="normalized_shape"):
+        compiled(a, b)
