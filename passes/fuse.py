@@ -130,7 +130,8 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     if info is None or info.kind not in ("pointwise", "reduction", "view"):
         return None
     tm = _tensor_meta(node)
-    if tm is None or not _plain(tm) or is_impure(node, module):
+    if tm is None or not _plain(tm) or is_impure(node, module) or node.kwargs.get(
+            "memory_format") is not None:  # kernels lay results out as their inputs
         return None
     in_shapes: list[Shape] = []
     for inp in node.all_input_nodes:
