@@ -76,9 +76,9 @@ from .triton_config import (
     np2,
     triton_cdiv,
 )
+from .triton_emit import Unsupported
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
 from .triton_layout import dense_strides, inverse, memory_order, permute_inputs
-from .triton_ops import Unsupported
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
 from .triton_source import KernelSource, division_magic

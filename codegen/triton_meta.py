@@ -17,7 +17,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node
 
-from .triton_ops import Unsupported
+from .triton_emit import Unsupported
 
 __all__ = ["meta_values"]
 

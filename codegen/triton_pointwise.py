@@ -37,7 +37,7 @@ padding (:func:`~fxlite.codegen.triton.launch_config`)::
 from __future__ import annotations
 
 from .triton_common import Plan, Value, computed_outputs, used_values
-from .triton_ops import Emitter
+from .triton_emit import Emitter
 from .triton_source import (
     Access,
     KernelSource,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .triton_common import Plan, Value, computed_outputs, used_values
-from .triton_ops import Emitter, compute_dtype, tl_dtype
+from .triton_emit import Emitter, compute_dtype, tl_dtype
 from .triton_source import (
     Access,
     KernelSource,

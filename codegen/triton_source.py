@@ -20,7 +20,7 @@ import torch
 from fxlite import ops as op_table
 
 from .triton_common import Plan, Value
-from .triton_ops import Emitter, Operand, compute_dtype, tl_dtype
+from .triton_emit import Emitter, Operand, compute_dtype, tl_dtype
 
 __all__ = ["HELPERS", "Access", "KernelSource", "decompose", "division_magic", "emit_value",
            "header", "load_line", "scalar_dtype", "scalar_lines", "signature", "store_line"]
