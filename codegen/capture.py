@@ -36,7 +36,9 @@ inference mode. See ``Recording.unsupported``.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +117,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     _LOCAL.recorder = recorder
     objects = [x for x in leaves if _plain_object(x)]
     before = [_object_state(x) for x in objects]
+    reached = _reached_objects(roots, bound, objects)
+    held = [_object_state(x, tensors_only=True) for x in reached]
     try:
         with installed(), opaque_methods([*leaves, *bound]), recorder:
             result = fn(*args, **kwargs)
@@ -129,6 +133,12 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             rec.unsupported = (f"sets attributes of its {type(x).__name__} argument, which "
                                "a replay would not do (pass the values in and return the "
                                "new ones)")
+    for x, state in zip(reached, held):
+        if rec.unsupported is None and state is not None and state != _object_state(
+                x, tensors_only=True):
+            rec.unsupported = (f"stores tensors in a {type(x).__name__} that a module or a "
+                               "global holds, which a replay would not do (return them, or "
+                               "keep them in a registered buffer)")
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
@@ -144,9 +154,32 @@ def _plain_object(x: Any) -> bool:
                 or _opaque_names(x))
 
 
-def _object_state(obj: Any) -> tuple | None:
+def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any, ...],
+                     args: list[Any]) -> list[Any]:
+    """Plain objects a call reaches besides its arguments: the public attributes of its
+    modules that are not modules, tensors or numbers (``self.state``, ``self.history``),
+    and the values it names (closure cells, globals), Python modules and functions
+    excepted."""
+    out: list[Any] = []
+    seen = {id(x) for x in args}
+    found = [v for _, root in roots for m in root.modules()
+             for k, v in vars(m).items() if not k.startswith("_")]
+    for v in [*found, *bound]:
+        if id(v) in seen or not _plain_object(v) or isinstance(v, _CODE):
+            continue
+        seen.add(id(v))
+        out.append(v)
+    return out
+
+
+_CODE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         functools.partial)
+
+
+def _object_state(obj: Any, tensors_only: bool = False) -> tuple | None:
     """What ``obj`` holds, down its containers and attributes: each value by identity
-    (numbers and strings by value). None when there is too much to look at."""
+    (numbers and strings by value), or with ``tensors_only`` its tensors alone. None when
+    there is too much to look at."""
     out: list[Any] = []
     seen: set[int] = set()
     todo = [obj]
@@ -165,9 +198,11 @@ def _object_state(obj: Any) -> tuple | None:
             fields = getattr(x, "__dict__", None)
             items = list(fields.items()) if isinstance(fields, dict) else []
         for k, v in items:
+            todo.append(v)
+            if tensors_only and not isinstance(v, torch.Tensor):
+                continue
             plain = v is None or isinstance(v, (int, float, complex, str, bytes))
             out.append((id(x), k if isinstance(k, (int, str)) else id(k), v if plain else id(v)))
-            todo.append(v)
     return tuple(out)
 
 

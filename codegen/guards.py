@@ -15,7 +15,8 @@ holds, flat in one tuple:
   of each parameter, buffers and submodules, hooks, and plain Python attributes (numbers,
   strings, flags such as a temperature);
 - closure cells, ``functools.partial`` arguments and the globals the function's own code
-  names, by value (numbers, strings) or identity (tensors, other objects).
+  names (but not the functions, classes and Python modules it names), by value (numbers,
+  strings) or identity (tensors, other objects).
 
 Not guarded, and so not seen when they change after the first call: globals read by
 other functions than the compiled one, attributes of objects that are not modules
@@ -128,11 +129,18 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
         glob = getattr(f, "__globals__", {})
         for name in code.co_names:
             value = glob.get(name, _EMPTY)
-            if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)):
+            if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)) or not (
+                    value is _EMPTY or isinstance(value, _CODE)):  # a dict, a state object
                 out.append((f"{prefix}{name}", functools.partial(glob.get, name, _EMPTY)))
         if getattr(f, "__defaults__", None):
             out.append((f"{prefix}defaults", functools.partial(getattr, f, "__defaults__")))
     return out
+
+
+# Globals that are code, not state: the functions, classes and Python modules a function
+# calls.
+_CODE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         functools.partial, type)
 
 
 def _cell_value(cell: Any) -> Any:

@@ -12,6 +12,7 @@ import copy
 import enum
 import functools
 import threading
+import types
 import warnings
 from typing import Literal
 
@@ -403,6 +404,72 @@ def test_attributes_set_on_an_argument_object_run_eagerly(what):
             torch.testing.assert_close(c(mine, x), f(eager, x))
     torch.testing.assert_close(mine.h, eager.h)
     assert mine.steps == eager.steps
+
+
+class _Holder(nn.Module):
+    """A module keeping tensors in plain Python state: an object and a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = _State()
+        self.history = []
+
+    def forward(self, x):
+        self.state.h = self.state.h + x
+        self.history.append(x.sum())
+        return self.state.h * 2
+
+
+_GLOBAL = {"h": None}
+
+
+def _accumulate(x):
+    _GLOBAL["h"] = x if _GLOBAL["h"] is None else _GLOBAL["h"] + x
+    return _GLOBAL["h"] * 2
+
+
+def test_tensors_stored_in_a_modules_objects_or_a_global_run_eagerly():
+    # a regression: replays ran the tensor ops but never stored the new tensors, so the
+    # object, the list and the global dict kept the first call's and the results drifted
+    mine, eager = _Holder().to(DEVICE), _Holder().to(DEVICE)
+    mine.state.h, eager.state.h = mine.state.h.to(DEVICE), eager.state.h.to(DEVICE)
+    c = fxlite.compile(mine)
+    with pytest.warns(UserWarning, match="stores tensors in a _State that a module"):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(x), eager(x))
+    torch.testing.assert_close(mine.state.h, eager.state.h)
+    assert len(mine.history) == len(eager.history) == 3
+    _GLOBAL["h"] = None
+    c = fxlite.compile(_accumulate)
+    total = None
+    with pytest.warns(UserWarning, match="stores tensors in a dict"):
+        for _ in range(3):
+            x = rand(3)
+            total = x if total is None else total + x
+            torch.testing.assert_close(c(x), total * 2)
+
+
+def test_python_state_without_tensors_in_a_modules_objects_still_compiles():
+    # a logger's level cache, a config object: changed or not, no tensor is stored there
+    class Logged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = {"n": 0}
+            self.config = types.SimpleNamespace(scale=2.0)
+
+        def forward(self, x):
+            self.calls["n"] += 1  # a Python side effect, made on the recording call only
+            return x * self.config.scale
+
+    m = Logged().to(DEVICE)
+    c = fxlite.compile(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(x), x * 2)
+    assert c.kernels
 
 
 class _Cache:
