@@ -117,7 +117,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     _LOCAL.recorder = recorder
     objects = [x for x in leaves if _plain_object(x)]
     before = [_object_state(x) for x in objects]
-    reached = _reached_objects(roots, bound, objects)
+    reached = _reached_objects(roots, [*bound, *args, *kwargs.values()], objects)
     held = [_object_state(x, tensors_only=True) for x in reached]
     try:
         with installed(), opaque_methods([*leaves, *bound]), recorder:
@@ -136,9 +136,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     for x, state in zip(reached, held):
         if rec.unsupported is None and state is not None and state != _object_state(
                 x, tensors_only=True):
-            rec.unsupported = (f"stores tensors in a {type(x).__name__} that a module or a "
-                               "global holds, which a replay would not do (return them, or "
-                               "keep them in a registered buffer)")
+            rec.unsupported = (f"stores tensors in a {type(x).__name__} that an argument, a "
+                               "module or a global holds, which a replay would not do "
+                               "(return them, or keep them in a registered buffer)")
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
@@ -156,9 +156,10 @@ def _plain_object(x: Any) -> bool:
 
 def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any, ...],
                      args: list[Any]) -> list[Any]:
-    """Plain objects a call reaches besides its arguments: the public attributes of its
-    modules that are not modules, tensors or numbers (``self.state``, ``self.history``),
-    and the values it names (closure cells, globals), Python modules and functions
+    """Plain objects a call reaches besides its argument objects ``args``: the public
+    attributes of its modules that are not modules, tensors or numbers (``self.state``,
+    ``self.history``), and ``bound``: the values it names (closure cells, globals) and
+    the containers it is passed (a dict, a dataclass), Python modules and functions
     excepted."""
     out: list[Any] = []
     seen = {id(x) for x in args}

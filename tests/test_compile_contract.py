@@ -9,6 +9,7 @@ inputs and module state are compared with eager PyTorch after every call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import functools
 import threading
@@ -434,7 +435,7 @@ def test_tensors_stored_in_a_modules_objects_or_a_global_run_eagerly():
     mine, eager = _Holder().to(DEVICE), _Holder().to(DEVICE)
     mine.state.h, eager.state.h = mine.state.h.to(DEVICE), eager.state.h.to(DEVICE)
     c = fxlite.compile(mine)
-    with pytest.warns(UserWarning, match="stores tensors in a _State that a module"):
+    with pytest.warns(UserWarning, match="stores tensors in a _State that"):
         for _ in range(3):
             x = rand(3)
             torch.testing.assert_close(c(x), eager(x))
@@ -448,6 +449,36 @@ def test_tensors_stored_in_a_modules_objects_or_a_global_run_eagerly():
             x = rand(3)
             total = x if total is None else total + x
             torch.testing.assert_close(c(x), total * 2)
+
+
+@dataclasses.dataclass
+class _Carry:
+    h: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "dict"])
+def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
+    # a regression: flattened as containers, a dataclass or dict argument's new tensors
+    # were never stored by the replays
+    def f(carry, x):
+        if kind == "dict":
+            carry["h"] = carry["h"] + x
+            return carry["h"] * 2
+        carry.h = carry.h + x
+        return carry.h * 2
+
+    def make():
+        return {"h": torch.zeros(3, device=DEVICE)} if kind == "dict" else _Carry(
+            torch.zeros(3, device=DEVICE))
+
+    mine, eager = make(), make()
+    c = fxlite.compile(f)
+    with pytest.warns(UserWarning, match="stores tensors in a"):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(mine, x), f(eager, x))
+    h = (lambda t: t["h"]) if kind == "dict" else (lambda t: t.h)
+    torch.testing.assert_close(h(mine), h(eager))
 
 
 def test_python_state_without_tensors_in_a_modules_objects_still_compiles():
