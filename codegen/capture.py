@@ -36,15 +36,14 @@ inference mode. See ``Recording.unsupported``.
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from fxlite.codegen.capture_kinds import autocast_state
 from fxlite.codegen.capture_rules import Diverged, rng_state_of
+from fxlite.codegen.guards import _CODE
 from fxlite.codegen.recorder import Recorder
 from fxlite.codegen.recording import (
     _LOCAL,
@@ -54,6 +53,7 @@ from fxlite.codegen.recording import (
     Step,
     format_site,
     recording_thread,
+    result_leaves,
     tensor_meta,
     user_site,
 )
@@ -149,9 +149,8 @@ def _plain_object(x: Any) -> bool:
     module (guarded state) or optimizer-like object (its steps are recorded calls)."""
     from fxlite.codegen.capture_hooks import _opaque_names
 
-    return not (x is None or isinstance(x, (torch.Tensor, int, float, complex, str, bytes,
-                                            type, torch.nn.Module, torch.dtype, torch.device))
-                or _opaque_names(x))
+    return not (x is None or isinstance(x, (*_NUMBERS, torch.Tensor, type, torch.nn.Module,
+                                            torch.dtype, torch.device)) or _opaque_names(x))
 
 
 def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any, ...],
@@ -173,38 +172,48 @@ def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any,
     return out
 
 
-_CODE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-         functools.partial)
-
 
 def _object_state(obj: Any, tensors_only: bool = False) -> tuple | None:
     """What ``obj`` holds, down its containers and attributes: each value by identity
     (numbers and strings by value), or with ``tensors_only`` its tensors alone. None when
     there is too much to look at."""
-    out: list[Any] = []
-    seen: set[int] = set()
-    todo = [obj]
+    edges = _walk(obj, _plain_object)
+    if edges is None:
+        return None
+    return tuple((id(x), k if isinstance(k, (int, str)) else id(k),
+                  v if v is None or isinstance(v, _NUMBERS) else id(v))
+                 for x, k, v in edges if not tensors_only or isinstance(v, torch.Tensor))
+
+
+def _walk(obj: Any, enter: Callable[[Any], bool]) -> list[tuple[Any, Any, Any]] | None:
+    """Every ``(container, key, value)`` below ``obj``: the items of dicts, lists, tuples
+    and sets, and the attributes of other objects (``__dict__`` and ``__slots__``),
+    entering each value once when ``enter(value)``. None past 10,000 objects."""
+    edges: list[tuple[Any, Any, Any]] = []
+    todo, seen = [obj], set()
     while todo:
         x = todo.pop()
-        if id(x) in seen or not _plain_object(x):
+        if id(x) in seen or not enter(x):
             continue
         seen.add(id(x))
         if len(seen) > 10_000:
             return None
         if isinstance(x, dict):
-            items: Any = list(x.items())
+            items: list[tuple[Any, Any]] = list(x.items())
         elif isinstance(x, (list, tuple, set, frozenset)):
             items = list(enumerate(x))
         else:
             fields = getattr(x, "__dict__", None)
             items = list(fields.items()) if isinstance(fields, dict) else []
+            items += [(n, getattr(x, n, None)) for n in getattr(type(x), "__slots__", ())
+                      if isinstance(n, str)]
         for k, v in items:
+            edges.append((x, k, v))
             todo.append(v)
-            if tensors_only and not isinstance(v, torch.Tensor):
-                continue
-            plain = v is None or isinstance(v, (int, float, complex, str, bytes))
-            out.append((id(x), k if isinstance(k, (int, str)) else id(k), v if plain else id(v)))
-    return tuple(out)
+    return edges
+
+
+_NUMBERS = (int, float, complex, str, bytes)
 
 
 def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
@@ -279,75 +288,57 @@ def _finish_output(recorder: Recorder, result: Any) -> None:
             name = recorder._name_of(leaf) or recorder._external(leaf)
             rec.out_refs.append(("node", len(outs)))
             outs.append(recorder._nodes[name])
-        elif _holds_tensors(leaf):
-            # an object made in the call (a transformers KV cache): each call gets a copy
-            # of it that holds that call's tensors
-            made = _template(recorder, leaf)
-            if made is None:
-                if rec.unsupported is None:
-                    rec.unsupported = (
-                        f"returns a {type(leaf).__name__} holding tensors that fxlite cannot "
-                        "put in a copy for each call (return the tensors themselves)")
-                rec.out_refs.append(("const", leaf))
-                continue
-            template, slots, shared, nodes = made
-            rec.out_refs.append(("object", (template, slots, shared)))
-            outs.extend(nodes)
-        else:
+            continue
+        # an object made in the call that holds tensors (a transformers KV cache): each
+        # call gets a copy of it that holds that call's tensors
+        held = _tensors_in(leaf)
+        if held is not None and not held[0]:
             rec.out_refs.append(("const", leaf))
+            continue
+        made = None if held is None else _template(recorder, leaf, *held)
+        if made is None:
+            if rec.unsupported is None:
+                rec.unsupported = (
+                    f"returns a {type(leaf).__name__} holding tensors that fxlite cannot "
+                    "put in a copy for each call (return the tensors themselves)")
+            rec.out_refs.append(("const", leaf))
+            continue
+        ref, nodes = made
+        rec.out_refs.append(ref)
+        outs.extend(nodes)
     rec.graph.output(tuple(outs))
 
 
-def _template(recorder: Recorder, obj: Any
-              ) -> tuple[Any, list[Slot], dict[int, Any], list[Any]] | None:
-    """``obj`` deep-copied with a :class:`Slot` for each tensor it holds, the slots, the
-    modules it holds (by id: shared, not copied) and each tensor's node; None if that
-    cannot be done."""
-    tensors: dict[int, torch.Tensor] = {}
-    shared: dict[int, Any] = {}
-    if not _holds_tensors(obj, found=tensors, modules=shared) or len(tensors) == 0:
+def _tensors_in(obj: Any) -> tuple[list[torch.Tensor], dict[int, Any]] | None:
+    """The tensors ``obj`` reaches through containers and attributes, and the modules it
+    meets on the way (by id; not entered: their tensors are guarded state). None when
+    there is too much to look at."""
+    edges = _walk(obj, lambda x: not (x is None or isinstance(x, (
+        *_NUMBERS, torch.Tensor, torch.nn.Module, type, torch.dtype, torch.device))))
+    if edges is None:
         return None
+    tensors: dict[int, torch.Tensor] = {}
+    modules: dict[int, Any] = {}
+    for _, _, v in edges:
+        if isinstance(v, torch.Tensor):
+            tensors.setdefault(id(v), v)
+        elif isinstance(v, torch.nn.Module):
+            modules[id(v)] = v
+    return list(tensors.values()), modules
+
+
+def _template(recorder: Recorder, obj: Any, tensors: list[torch.Tensor],
+              shared: dict[int, Any]) -> tuple[tuple[str, Any], list[Any]] | None:
+    """The ``out_refs`` entry that rebuilds ``obj`` on each call (``obj`` deep-copied
+    with a :class:`Slot` for each of its ``tensors``, the modules in ``shared`` not
+    copied) and each tensor's node; None if that cannot be done."""
     slots = [Slot() for _ in tensors]
     try:
         nodes = [recorder._nodes[recorder._name_of(t) or recorder._external(t)]
-                 for t in tensors.values()]
-        template = copy.deepcopy(obj, {**shared, **dict(zip(tensors, slots))})
-        copy.deepcopy(template, {**shared, **{id(s): t for s, t in zip(slots, tensors.values())}})
+                 for t in tensors]
+        template = copy.deepcopy(obj, {**shared, **{id(t): s for t, s in zip(tensors, slots)}})
+        ref = ("object", (template, slots, shared))
+        result_leaves([ref], tensors)  # the copy each call makes must work
     except Exception:  # an object deepcopy cannot copy, or a tensor without a node
         return None
-    return template, slots, shared, nodes
-
-
-def _holds_tensors(obj: Any, found: dict[int, torch.Tensor] | None = None,
-                   modules: dict[int, Any] | None = None) -> bool:
-    """Whether ``obj`` reaches a tensor through containers and attributes; ``found`` gets
-    each tensor (by id) and ``modules`` each module met (not entered: their tensors are
-    guarded state); classes and plain values end the walk. A walk too big to finish
-    counts as a yes."""
-    found = {} if found is None else found
-    todo, seen = [obj], set()
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            found.setdefault(id(x), x)
-            continue
-        if isinstance(x, torch.nn.Module):
-            if modules is not None:
-                modules[id(x)] = x
-            continue
-        if x is None or isinstance(x, (int, float, complex, str, bytes, type, torch.dtype,
-                                       torch.device)) or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if len(seen) > 10_000:
-            return True
-        if isinstance(x, dict):
-            todo += x.values()
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            todo += x
-        else:
-            fields = getattr(x, "__dict__", None)
-            todo += fields.values() if isinstance(fields, dict) else ()
-            todo += [getattr(x, n, None) for n in getattr(type(x), "__slots__", ())
-                     if isinstance(n, str)]
-    return bool(found)
+    return ref, nodes

@@ -19,8 +19,8 @@ import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["Read", "Recording", "Slot", "Step", "result_leaves", "format_site", "recording_thread", "tensor_meta",
-           "user_site"]
+__all__ = ["Read", "Recording", "Slot", "Step", "format_site", "recording_thread",
+           "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 _LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
