@@ -91,22 +91,29 @@ class RoundsOnce(FakeKernel):
         return self.group(*[a.double() for a in args]).to(args[0].dtype)
 
 
-def test_a_segment_whose_output_drifts_from_eagers_keeps_its_kernels(monkeypatch):
-    # Each group rounds once where eager rounds ten times; over eight groups the segment's
-    # output moves off eager's by more than bfloat16's tolerance, which used to send the
-    # whole segment back to eager. It is the closer of the two to the float64 run.
+def _drifting(monkeypatch, fn):
+    """``fn(x, eye)`` compiled with kernels that round once (checked in an earlier process,
+    so each feeds the next), called twice with no warning: ``(compiled, x, eye, out)``."""
     made = []
     monkeypatch.setattr(triton_mod, "generate_kernel",
                         lambda group, example, name="k", **kw: made.append(
                             RoundsOnce(group, name, 0, checked=True)) or made[-1])
     x = torch.randn(16, 16, device=DEVICE).to(torch.bfloat16)
     eye = torch.eye(16, device=DEVICE, dtype=torch.bfloat16)
-    c = fxlite.compile(eight_groups)
+    c = fxlite.compile(fn)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c(x, eye)
         out = c(x, eye)
     assert len(c.kernels) == 8 and c.fallbacks == []
+    return c, x, eye, out
+
+
+def test_a_segment_whose_output_drifts_from_eagers_keeps_its_kernels(monkeypatch):
+    # Each group rounds once where eager rounds ten times; over eight groups the segment's
+    # output moves off eager's by more than bfloat16's tolerance, which used to send the
+    # whole segment back to eager. It is the closer of the two to the float64 run.
+    _, x, eye, out = _drifting(monkeypatch, eight_groups)
     eager, reference = eight_groups(x, eye), eight_groups(x.double(), eye.double())
     assert not torch.allclose(out, eager, rtol=1.6e-2, atol=1.6e-2)
     assert rms_error(out, reference) < rms_error(eager, reference)
@@ -120,21 +127,9 @@ def eight_checked_groups(x, eye):
 def test_shape_assertions_leave_the_float64_look_to_decide(monkeypatch):
     # a regression: torch._assert made a graph "not reproducible", so a drifting segment
     # (timm's efficientnetv2_rw_t with random weights) went back to eager with no second look
-    made = []
-    monkeypatch.setattr(triton_mod, "generate_kernel",
-                        lambda group, example, name="k", **kw: made.append(
-                            RoundsOnce(group, name, 0, checked=True)) or made[-1])
-    x = torch.randn(16, 16, device=DEVICE).to(torch.bfloat16)
-    eye = torch.eye(16, device=DEVICE, dtype=torch.bfloat16)
-    c = fxlite.compile(eight_checked_groups)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        c(x, eye)
-        out = c(x, eye)
-    assert len(c.kernels) == 8 and c.fallbacks == []
-    eager = eight_checked_groups(x, eye)
-    assert rms_error(out, eight_groups(x.double(), eye.double())) < rms_error(
-        eager, eight_groups(x.double(), eye.double()))
+    c, x, eye, out = _drifting(monkeypatch, eight_checked_groups)
+    eager, reference = eight_checked_groups(x, eye), eight_groups(x.double(), eye.double())
+    assert rms_error(out, reference) < rms_error(eager, reference)
     with pytest.raises(Exception, match="sizes"):  # and the check still runs
         c(x, eye[:8, :8])
 

@@ -380,6 +380,16 @@ def test_python_state_changed_by_the_function_runs_eagerly():
         torch.testing.assert_close(out, x * i)
 
 
+def _eager_with_warning(f, mine, eager, match):
+    """Compile ``f(state, x)``; over three calls with fresh ``x`` it warns ``match`` and
+    gives what ``f`` gives on a twin ``eager`` state."""
+    c = fxlite.compile(f)
+    with pytest.warns(UserWarning, match=match):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(mine, x), f(eager, x))
+
+
 class _State:
     def __init__(self):
         self.h = torch.zeros(3, device=DEVICE)
@@ -398,11 +408,7 @@ def test_attributes_set_on_an_argument_object_run_eagerly(what):
         return state.h * 2 + state.steps
 
     mine, eager = _State(), _State()
-    c = fxlite.compile(f)
-    with pytest.warns(UserWarning, match="sets attributes of its _State argument"):
-        for _ in range(3):
-            x = rand(3)
-            torch.testing.assert_close(c(mine, x), f(eager, x))
+    _eager_with_warning(f, mine, eager, "sets attributes of its _State argument")
     torch.testing.assert_close(mine.h, eager.h)
     assert mine.steps == eager.steps
 
@@ -472,11 +478,7 @@ def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
             torch.zeros(3, device=DEVICE))
 
     mine, eager = make(), make()
-    c = fxlite.compile(f)
-    with pytest.warns(UserWarning, match="stores tensors in a"):
-        for _ in range(3):
-            x = rand(3)
-            torch.testing.assert_close(c(mine, x), f(eager, x))
+    _eager_with_warning(f, mine, eager, "stores tensors in a")
     h = (lambda t: t["h"]) if kind == "dict" else (lambda t: t.h)
     torch.testing.assert_close(h(mine), h(eager))
 
