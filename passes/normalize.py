@@ -289,3 +289,12 @@ def _copy_graph(gm: GraphModule) -> Graph:
         graph.output(map_arg(out.args[0], val_map.__getitem__), out.type)
         graph.output_node().meta = copy.copy(out.meta)
     return graph
+
+
+def _copy_module(gm: GraphModule, graph: Graph) -> GraphModule:
+    """A new GraphModule (``gm`` unchanged) of ``graph``, an edited ``_copy_graph(gm)``,
+    with ``gm``'s class name and meta."""
+    graph.lint()
+    out = GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.meta = dict(getattr(gm, "meta", {}))
+    return out

@@ -31,7 +31,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, lookup
 
-from .normalize import _copy_graph
+from .normalize import _copy_graph, _copy_module
 from .shape_prop import TensorMetadata, extract_tensor_metadata
 
 __all__ = ["sink_views"]
@@ -60,10 +60,7 @@ def sink_views(gm: GraphModule) -> GraphModule:
         if view._erased or not _sinkable(view, gm):
             continue
         todo.extend(_sink(view, gm))
-    graph.lint()
-    out = GraphModule(gm, graph, class_name=type(gm).__name__)
-    out.meta = dict(getattr(gm, "meta", {}))
-    return out
+    return _copy_module(gm, graph)
 
 
 def tensor_meta(n: Any) -> TensorMetadata | None:

@@ -27,7 +27,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, lookup
 
-from .normalize import _copy_graph
+from .normalize import _copy_graph, _copy_module
 
 __all__ = ["broadcast_size", "size_sources"]
 
@@ -78,10 +78,7 @@ def size_sources(gm: GraphModule) -> GraphModule:
         read.meta = dict(node.meta)
         node.replace_all_uses_with(read)
         graph.erase_node(node)
-    graph.lint()
-    out = GraphModule(gm, graph, class_name=type(gm).__name__)
-    out.meta = dict(getattr(gm, "meta", {}))
-    return out
+    return _copy_module(gm, graph)
 
 
 def _moves(node: Node, gm: GraphModule) -> list[Node] | None:

@@ -33,7 +33,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import canonical_args, is_impure, lookup
 
-from .normalize import _copy_graph
+from .normalize import _copy_graph, _copy_module
 from .sink_views import tensor_meta, with_meta
 
 __all__ = ["split_sums"]
@@ -64,10 +64,7 @@ def split_sums(gm: GraphModule, min_numel: int = MIN_NUMEL) -> GraphModule:
         found = _split_dims(node, gm, min_numel)
         if found:
             _split(node, *found)
-    graph.lint()
-    out = GraphModule(gm, graph, class_name=type(gm).__name__)
-    out.meta = dict(getattr(gm, "meta", {}))
-    return out
+    return _copy_module(gm, graph)
 
 
 def _split_dims(node: Node, gm: GraphModule, min_numel: int) -> tuple[Any, tuple[int, ...], tuple[int, ...],
