@@ -61,7 +61,7 @@ class Segment:
     def result(self, flat: Any) -> Any:
         """The user's result, rebuilt from the last segment's flat outputs."""
         rec = self.recording
-        if rec.out_spec == _ONE:  # a single tensor: the common case
+        if rec.out_spec == _ONE and rec.out_refs[0][0] == "node":  # one tensor: common
             return flat[0]
         return unflatten(rec.out_spec, result_leaves(rec.out_refs, flat))
 

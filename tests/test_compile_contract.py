@@ -568,6 +568,34 @@ def test_returned_objects_without_tensors_and_modules_still_compile():
             assert mod is m and tag == "tag" and dtype == torch.float32
 
 
+@pytest.mark.parametrize("returns", ["none", "object", "module"])
+def test_a_single_result_that_is_no_tensor_comes_back_on_later_calls(returns):
+    # a regression: a lone result leaf was taken for a tensor on later calls, so a
+    # function that wrote its input and returned None raised IndexError on its second
+    # call, and a lone returned object came back as its first tensor
+    m = nn.Linear(4, 4).to(DEVICE)
+
+    def f(x, total):
+        total.add_(torch.relu(x) * 2)
+        if returns == "object":
+            return _Cache(m(x), m)
+        return m if returns == "module" else None
+
+    c = fxlite.compile(f)
+    x = rand(3, 4)
+    total, want = torch.zeros_like(x), torch.zeros_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            got, expected = c(x, total), f(x, want)
+            torch.testing.assert_close(total, want)
+            if returns == "object":
+                assert isinstance(got, _Cache) and got.owner is m
+                torch.testing.assert_close(got.layers[0]["keys"], expected.layers[0]["keys"])
+            else:
+                assert got is expected
+
+
 # ------------------------------------------------------------------ randomness
 def test_random_ops_draw_new_numbers_on_every_call():
     c = fxlite.compile(lambda x: x + torch.randn(4, device=x.device))
