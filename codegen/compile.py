@@ -52,6 +52,7 @@ __all__ = ["CompiledFunction", "CompiledModule", "compile"]
 Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
 _warned: set[str] = set()
 _EAGER = object()  # a key or read value whose path runs in eager PyTorch
+_NOT_RUN = object()  # what _straight_line returns when it ran nothing
 _MODES = (None, "default", "reduce-overhead", "max-autotune")
 
 
@@ -102,10 +103,10 @@ class CompiledFunction:
             from fxlite.codegen.cudagraphs import GraphReplays
 
             self._graphs = GraphReplays()
-        # (input layouts, ambient state, Python state) -> (launches, segment) for calls
-        # with tensor arguments only whose path is one segment of kernels; None when off
-        self._fast: dict[tuple, tuple[Callable[..., Any], Segment]] | None = None
-        self._fast_misses = 0
+        # (input layouts, ambient state, Python state) -> (straight-line forward, segment,
+        # check of its attributes' layouts) for calls with tensor arguments only whose
+        # path is one segment with kernels (codegen/straight_line.py); None when off
+        self._fast: dict[tuple, tuple[Callable[..., Any], Segment, Any]] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
         if not isinstance(fn, torch.nn.Module):
@@ -127,11 +128,11 @@ class CompiledFunction:
         tensors_only = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
-            from fxlite.codegen.triton_launch import fast_key
+            from fxlite.codegen.straight_line import fast_key
 
             fkey = (fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
-            if found is not None:
+            if found is not None and found[2]():
                 self._last = [found[1]]
                 return found[1].result(found[0](*args))
         replay_key = None
@@ -163,25 +164,25 @@ class CompiledFunction:
                 run = getattr(root.run, "plain", root.run)  # not SegmentGraphs inside a graph
                 return root.result(graphs.run(replay_key, run, args, root))
             out = self._straight_line(fkey, root, args)
-            if out is not None:
+            if out is not _NOT_RUN:
                 return root.result(out)
         return self._walk(root, leaves, args, kwargs)
 
     def _straight_line(self, fkey: tuple, seg: Segment, args: tuple) -> Any:
-        """Make the direct-launch forward for these layouts; its result, or None."""
-        from fxlite.codegen.triton_launch import only_kernels, straight_line
+        """Run the segment through its straight-line runner and keep the forward it used
+        for these layouts, so the next such call skips the tree; its result, or
+        ``_NOT_RUN`` having run nothing."""
+        from fxlite.codegen.straight_line import StraightRunner
 
-        fast = self._fast
-        if fast is None or fkey[0] is None or len(fast) >= 64:
-            return None
-        made = straight_line(seg.compiled.gm, args)
-        if made is not None:
-            fast[fkey] = made[0], seg
-            return made[1]
-        self._fast_misses += 1  # a kernel without a prepared launch (yet)
-        if not only_kernels(seg.compiled.gm) or self._fast_misses > 8:
-            self._fast = None  # extern ops: their outputs' layouts are not in the key
-        return None
+        fast, run = self._fast, seg.run
+        if fast is None or fkey[0] is None or len(fast) >= 64 \
+                or not isinstance(run, StraightRunner):
+            return _NOT_RUN
+        out = run(*args)
+        entry = run.lines.get(fkey[0])
+        if entry is not None:
+            fast[fkey] = entry[0], seg, entry[1]
+        return out
 
     def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
         if seg.read is None and seg.direct:  # one segment taking the arguments as they are

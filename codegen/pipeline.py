@@ -29,6 +29,7 @@ import torch
 from fxlite.codegen.accuracy import attributes, float64_problem, reproducible, versions
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
+from fxlite.codegen.straight_line import StraightRunner
 from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
 from fxlite.passes.pad_matmul import pad_linears
@@ -248,7 +249,9 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     check = _KernelCheck(fused, mode)
     outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)
-    compiled = CompiledSegment(direct_forward(fused), fused, list(check.kernels.values()),
+    # on a GPU, a straight-line forward per layout spares kernels their launch lookups
+    run = StraightRunner(fused) if cuda and not interpreting() else direct_forward(fused)
+    compiled = CompiledSegment(run, fused, list(check.kernels.values()),
                                check.records, check.fallbacks, outputs)
     compiled.seeded = seeded  # its masks are not eager's: no comparison with eager values
     return compiled

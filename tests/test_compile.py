@@ -8,6 +8,7 @@ interpreter off. Shapes are tiny: the interpreter is slow.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import re
 import threading
@@ -746,7 +747,61 @@ def test_gpu_straight_line_fast_path():
     with_extern = fxlite.compile(lambda a: torch.relu(a.flatten(1) + 1).cumsum(1))
     for _ in range(3):
         torch.testing.assert_close(with_extern(x), torch.relu(x + 1).cumsum(1))
-    assert with_extern._fast is None
+    assert with_extern._fast is not None and len(with_extern._fast) == 1
+
+
+class _ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_with_convs_and_parameters(monkeypatch):
+    # Extern ops (conv, linear) and parameters' per-channel views no longer keep a model
+    # off the straight-line path; what it binds once must still follow the parameters.
+    monkeypatch.setenv("FXLITE_TRIAL", "0")  # the kernels run, whatever a trial would say
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    close = functools.partial(torch.testing.assert_close, rtol=1e-4, atol=1e-4)  # conv algos
+    m = _ConvBN().cuda().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1)
+        m.bn.running_var.uniform_(0.5, 2)
+    c = fxlite.compile(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8, 12, 12, device="cuda")
+            close(c(x), m(x))
+        assert c._fast is not None and len(c._fast) == 1
+        m.bn.weight.mul_(-2)              # in place: seen through the views bound once
+        close(c(x), m(x))
+        m.bn.bias.data = torch.randn(16, device="cuda")  # new memory: a new function
+        close(c(x), m(x))
+        close(c(x), m(x))
+        assert len(c._fast) == 1  # the same key, rewritten
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_runs_a_function_returning_none_once(monkeypatch):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    def accumulate(x, total):
+        total.add_(torch.relu(x) * 2)
+
+    c = fxlite.compile(accumulate)
+    x = torch.randn(64, 32, device="cuda")
+    total, want = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(5):
+        assert c(x, total) is None
+        accumulate(x, want)
+        torch.testing.assert_close(total, want)
 
 
 @cpu_interpreter

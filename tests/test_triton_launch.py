@@ -6,21 +6,13 @@ tests/test_compile.py; here a recording stand-in replaces the compiled binary.
 
 from __future__ import annotations
 
-import operator
-import types
-
 import torch
 from fxlite.codegen.triton_binaries import binary_key
 from fxlite.codegen.triton_launch import (
     Binary,
     _DirectLaunch,
     _fingerprint,
-    fast_key,
-    only_kernels,
-    straight_line,
 )
-
-import fxlite
 
 
 class _Compiled:
@@ -170,78 +162,3 @@ def test_binary_key_changes_with_specialization_not_with_float_values() -> None:
     assert base != binary_key("src", "pointwise", [x, 64, 0.5], {"BLOCK": 512}, 4)
     assert base != binary_key("src", "pointwise", [x, 64, 0.5], {"BLOCK": 1024}, 8)
     assert base != binary_key("src2", "pointwise", [x, 64, 0.5], {"BLOCK": 1024}, 4)
-
-
-class _Kernel:
-    """Stands in for a TritonKernel with direct launches prepared for some fingerprints."""
-
-    def __init__(self, name, fn, *example_inputs):
-        self.__name__, self.fn, self.calls = name, fn, 0
-        self._direct = {}
-        for inputs in example_inputs:
-            self._direct[_fingerprint(inputs)] = types.SimpleNamespace(fast=self._fast)
-
-    def _fast(self, inputs):
-        self.calls += 1
-        return self.fn(*inputs)
-
-    def __call__(self, *inputs):
-        return self.fn(*inputs)
-
-
-def _graph(build):
-    g = fxlite.Graph()
-    build(g)
-    return fxlite.GraphModule(torch.nn.Module(), g)
-
-
-def test_straight_line_chains_prepared_launches() -> None:
-    x = torch.randn(4, 8)
-    add = _Kernel("add", lambda a, s: (a + s, a * s), (x, 2.0))
-    relu = _Kernel("relu", torch.relu, (x,))
-
-    def build(g):
-        a = g.placeholder("print('PWNED') or x")
-        pair = g.call_function(add, (a, 2.0))
-        first = g.call_function(operator.getitem, (pair, 0))
-        second = g.call_function(operator.getitem, (pair, 1))
-        g.output((g.call_function(relu, (first,)), second))
-
-    gm = _graph(build)
-    assert only_kernels(gm)
-    fn, result = straight_line(gm, (x,))
-    torch.testing.assert_close(result[0], torch.relu(x + 2))
-    torch.testing.assert_close(result[1], x * 2)
-    y = torch.randn(4, 8)  # same fingerprint: the same function serves it
-    out = fn(y)
-    torch.testing.assert_close(out[0], torch.relu(y + 2))
-    assert add.calls == relu.calls == 2
-
-
-def test_straight_line_declines_other_ops_and_unprepared_launches() -> None:
-    x = torch.randn(4, 8)
-    relu = _Kernel("relu", torch.relu, (x,))
-
-    def with_extern(g):
-        a = g.placeholder("x")
-        g.output(g.call_function(relu, (g.call_function(torch.flatten, (a,)),)))
-
-    gm = _graph(with_extern)
-    assert not only_kernels(gm) and straight_line(gm, (x,)) is None
-
-    def plain(g):
-        g.output(g.call_function(relu, (g.placeholder("x"),)))
-
-    gm = _graph(plain)
-    assert only_kernels(gm)
-    assert straight_line(gm, (torch.randn(2, 3),)) is None  # no launch for that layout
-    assert straight_line(gm, (x, x)) is None                 # too many arguments
-    assert straight_line(gm, (x,)) is not None
-
-
-def test_fast_key_follows_the_fingerprint_and_autograd() -> None:
-    x = torch.randn(4, 8)
-    assert fast_key([x, 3]) == fast_key([torch.randn(4, 8), 4])
-    assert fast_key([x]) != fast_key([x.t()])
-    assert fast_key([x]) != fast_key([x.requires_grad_(False).clone().requires_grad_()])
-    assert fast_key([x, [1]]) is None

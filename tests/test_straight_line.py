@@ -1,0 +1,273 @@
+"""Straight-line forwards (codegen/straight_line.py), checked without a GPU.
+
+Stand-in kernels with prepared "launches" replace Triton's; on the GPU the same paths run
+end to end in tests/test_compile.py (test_gpu_straight_line_*).
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+
+import pytest
+import torch
+from fxlite.codegen.straight_line import (
+    AttrCheck,
+    StraightRunner,
+    attr_key,
+    fast_key,
+    straight_line,
+)
+from fxlite.codegen.triton_launch import _fingerprint
+
+import fxlite
+from fxlite.autodiff_batch_norm import per_channel
+
+
+class _Kernel:
+    """Stands in for a TritonKernel with direct launches prepared for some fingerprints."""
+
+    def __init__(self, name, fn, *example_inputs):
+        self.__name__, self.fn = name, fn
+        self.fast_calls = self.general_calls = 0
+        self._direct = {}
+        for inputs in example_inputs:
+            self.prepare(inputs)
+
+    def prepare(self, inputs):
+        self._direct[_fingerprint(inputs)] = types.SimpleNamespace(fast=self._fast)
+
+    def _fast(self, inputs):
+        self.fast_calls += 1
+        return self.fn(*inputs)
+
+    def __call__(self, *inputs):
+        self.general_calls += 1
+        return self.fn(*inputs)
+
+
+def _module(build, root=None):
+    g = fxlite.Graph()
+    build(g)
+    return fxlite.GraphModule(root if root is not None else torch.nn.Module(), g)
+
+
+def test_fast_key_follows_the_fingerprint_and_autograd() -> None:
+    x = torch.randn(4, 8)
+    assert fast_key([x, 3]) == fast_key([torch.randn(4, 8), 4])
+    assert fast_key([x]) != fast_key([x.t()])
+    assert fast_key([x]) != fast_key([x.requires_grad_(False).clone().requires_grad_()])
+    assert fast_key([x, [1]]) is None
+
+
+def test_kernels_chain_their_prepared_launches() -> None:
+    x = torch.randn(4, 8)
+    add = _Kernel("add", lambda a, s: (a + s, a * s), (x, 2.0))
+    relu = _Kernel("relu", torch.relu, (x,))
+
+    def build(g):
+        a = g.placeholder("print('PWNED') or x")
+        pair = g.call_function(add, (a, 2.0))
+        first = g.call_function(operator.getitem, (pair, 0))
+        second = g.call_function(operator.getitem, (pair, 1))
+        g.output((g.call_function(relu, (first,)), second))
+
+    fn, result, attrs = straight_line(_module(build), (x,))
+    torch.testing.assert_close(result[0], torch.relu(x + 2))
+    torch.testing.assert_close(result[1], x * 2)
+    assert attrs == []
+    y = torch.randn(4, 8)  # same fingerprint: the same function serves it
+    out = fn(y)
+    torch.testing.assert_close(out[0], torch.relu(y + 2))
+    assert add.fast_calls == relu.fast_calls == 2 and add.general_calls == 0
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 3, 3, 3), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+
+
+def _conv_scale(kernel):
+    """conv2d(x in channels-last, weight) * per_channel(scale): extern ops (a Tensor
+    method called as a function, too), a view of an attribute."""
+    def build(g):
+        x = g.call_function(torch.Tensor.contiguous, (g.placeholder("x"),),
+                            {"memory_format": torch.channels_last})
+        conv = g.call_function(torch.conv2d, (x, g.get_attr("weight")), {"padding": 1})
+        channels = g.call_method("size", (conv, 1))
+        scale = g.call_function(per_channel, (g.get_attr("scale"), channels, 4, "weight"))
+        g.output(g.call_function(kernel, (conv, scale)))
+    return build
+
+
+def _want(net, x):
+    return torch.conv2d(x, net.weight, padding=1) * net.scale.reshape(-1, 1, 1)
+
+
+def test_extern_ops_and_attributes_keep_kernels_on_their_launches(monkeypatch) -> None:
+    net, x = _Net(), torch.randn(2, 3, 5, 5)
+    mul = _Kernel("mul", torch.mul)
+    conv = torch.conv2d(x.contiguous(memory_format=torch.channels_last), net.weight, padding=1)
+    mul.prepare([conv, net.scale.reshape(-1, 1, 1)])
+    gm = _module(_conv_scale(mul), net)
+    fn, result, attrs = straight_line(gm, (x,))
+    torch.testing.assert_close(result, _want(net, x))
+    assert {id(a) for a in attrs} == {id(net.weight), id(net.scale)}
+    key, check = attr_key(attrs), AttrCheck(attrs)
+    assert check()
+    # The per-channel view and the size read were made once: neither runs again.
+    views = []
+    y = torch.randn(2, 3, 5, 5)
+    want = _want(net, y)
+    monkeypatch.setattr(torch.Tensor, "reshape", lambda *a: views.append(a))
+    torch.testing.assert_close(fn(y), want)
+    monkeypatch.undo()
+    assert views == [] and mul.fast_calls == 2 and mul.general_calls == 0
+    # An in-place write to the attribute is seen through the view bound once.
+    with torch.no_grad():
+        net.scale.mul_(-3)
+    torch.testing.assert_close(fn(y), _want(net, y))
+    assert attr_key(attrs) == key and check()
+    # A `.data` swap changes the key, so the caller makes a new function.
+    net.scale.data = torch.randn(3)
+    assert attr_key(attrs) != key and not check()
+
+
+@pytest.mark.parametrize("swap", ["memory", "shape", "strides", "dtype"])
+@pytest.mark.parametrize("cxx_guard", [True, False])
+def test_the_attribute_check_sees_every_data_swap(swap, cxx_guard, monkeypatch) -> None:
+    import torch._C._dynamo.guards as guards
+
+    if not cxx_guard:  # a torch without the private guard: the Python comparison
+        monkeypatch.setattr(guards, "TensorGuards", None)
+    net = _Net()
+    w = net.weight
+    check = AttrCheck([net.scale, w])
+    assert (check.guard is not None) == cxx_guard
+    before = attr_key(check.tensors)
+    assert check()
+    if swap == "memory":
+        w.data = w.data.clone()
+    elif swap == "shape":       # the same memory, seen as another shape
+        w.data = w.data.view(9, 9)
+    elif swap == "strides":
+        w.data = w.data.transpose(2, 3)
+    else:
+        w.data = w.data.view(torch.int32)
+    assert not check() and attr_key(check.tensors) != before
+
+
+def test_a_kernel_reading_unfixed_values_looks_its_launch_up() -> None:
+    # An unaligned argument, and values of an op whose shape depends on the data: the
+    # kernel finds its launch through its fingerprint on every call.
+    mul = _Kernel("mul", lambda a: a * 2)
+
+    def build(g):
+        x = g.placeholder("x")
+        nz = g.call_function(torch.nonzero, (x,))
+        g.output((g.call_function(mul, (x,)), g.call_function(mul, (nz,))))
+
+    base = torch.randn(33)
+    x = base[1:].view(4, 8)  # 4 bytes past an aligned address
+    mul.prepare([x])
+    fn, result, _ = straight_line(_module(build), (x,))
+    torch.testing.assert_close(result[0], x * 2)
+    torch.testing.assert_close(result[1], torch.nonzero(x) * 2)
+    assert mul.general_calls == 2 and mul.fast_calls == 0
+    y = torch.zeros(33)[1:].view(4, 8)
+    y[0, 0] = 1.0
+    out = fn(y)
+    torch.testing.assert_close(out[1], torch.nonzero(y) * 2)  # one row, not 32
+
+
+def test_it_declines_before_running_anything() -> None:
+    ran = []
+    k = _Kernel("k", lambda a: ran.append(a) or a)
+
+    def odd_method(g):
+        x = g.placeholder("x")
+        y = g.call_function(k, (x,))
+        g.output(g.call_method("relu(); import os #", (y,)))
+
+    x = torch.randn(4)
+    k.prepare([x])
+    assert straight_line(_module(odd_method), (x,)) is None
+    assert straight_line(_module(lambda g: g.output(g.placeholder("x"))), (x, x)) is None
+    assert ran == []
+
+
+def test_an_unprepared_kernel_runs_but_is_not_written() -> None:
+    relu = _Kernel("relu", torch.relu)
+
+    def build(g):
+        g.output(g.call_function(relu, (g.placeholder("x"),)))
+
+    x = torch.randn(4, 8)
+    fn, result, _ = straight_line(_module(build), (x,))
+    assert fn is None and relu.general_calls == 1
+    torch.testing.assert_close(result, torch.relu(x))
+    relu.prepare([x])
+    fn, _, _ = straight_line(_module(build), (x,))
+    assert fn is not None
+
+
+@pytest.mark.parametrize("exit_op", ["output", "flatten"])
+def test_a_view_bound_once_never_reaches_the_caller(exit_op) -> None:
+    # A view bound once that the caller got back could be changed in place by it. A view
+    # the graph returns is made on each call; one an op gives back as itself (flatten
+    # of a 1-d view) stops the graph from being written.
+    net = _Net()
+    ident = _Kernel("ident", lambda a, v: a + v.sum())
+
+    def build(g):
+        x = g.placeholder("x")
+        view = g.call_method("view", (g.get_attr("scale"), -1))
+        out = g.call_function(ident, (x, view))
+        back = view if exit_op == "output" else g.call_method("flatten", (view,))
+        g.output((out, back))
+
+    x = torch.randn(3)
+    ident.prepare([x, net.scale.view(-1)])
+    fn, result, _ = straight_line(_module(build, net), (x,))
+    torch.testing.assert_close(result[1], net.scale)
+    if exit_op == "flatten":
+        assert fn is None
+    else:
+        first, second = fn(x)[1], fn(x)[1]
+        assert first is not second and first is not result[1]
+        first.unsqueeze_(0)
+        torch.testing.assert_close(fn(x)[0], x + net.scale.sum())
+
+
+def test_the_runner_keeps_one_forward_per_layout_and_follows_data_swaps() -> None:
+    net, x = _Net(), torch.randn(2, 3, 5, 5)
+    mul = _Kernel("mul", torch.mul)
+    conv = torch.conv2d(x.contiguous(memory_format=torch.channels_last), net.weight, padding=1)
+    mul.prepare([conv, net.scale.reshape(-1, 1, 1)])
+    run = StraightRunner(_module(_conv_scale(mul), net))
+    for _ in range(3):
+        torch.testing.assert_close(run(x), _want(net, x))
+    assert len(run.lines) == 1 and mul.fast_calls == 3
+    net.scale.data = torch.randn(3)  # the check fails: made again for the new memory
+    torch.testing.assert_close(run(x), _want(net, x))
+    torch.testing.assert_close(run(x), _want(net, x))
+    assert len(run.lines) == 1 and mul.general_calls == 0
+    small = torch.randn(1, 3, 4, 4)  # another layout: no launch prepared, so the kernel
+    for _ in range(run._MISSES + 1):  # looks its launch up (this stand-in never gets one)
+        torch.testing.assert_close(run(small), _want(net, small))
+    assert run.off and mul.general_calls == run._MISSES + 1
+    torch.testing.assert_close(run(x), _want(net, x))  # gm.forward from then on
+
+
+def test_the_runner_turns_off_for_graphs_it_cannot_write() -> None:
+    def build(g):
+        g.output(g.call_method("relu(); import os #", (g.placeholder("x"),)))
+
+    gm = _module(build)
+    run = StraightRunner(gm)
+    gm.forward = lambda x: torch.relu(x)  # stands in for a forward Python can run
+    run.plain = gm.forward
+    torch.testing.assert_close(run(-torch.ones(3)), torch.zeros(3))
+    assert run.off and run.lines == {}
