@@ -259,14 +259,17 @@ def _identifier(name: Any) -> bool:
     return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
 
 
-def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Tensor]] | None:
+def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Tensor], bool] | None:
     """Run ``gm`` on ``args`` and write its straight-line forward for their layouts.
 
-    Returns ``(forward, result, attrs)``: ``forward`` is valid for arguments with the
-    :func:`fast_key` of ``args`` while ``attr_key(attrs)`` is unchanged and the module
-    state is (the caller keys both); ``result`` is this call's. Returns ``(None, result,
-    attrs)`` when a kernel had no launch prepared for its inputs yet (this call still ran
-    whole), and None, having run nothing, for graphs it cannot write.
+    Returns ``(forward, result, attrs, complete)``: ``forward`` is valid for arguments
+    with the :func:`fast_key` of ``args`` while ``attr_key(attrs)`` is unchanged and the
+    module state is (the caller keys both); ``result`` is this call's. ``complete`` is
+    False when a kernel of fixed inputs had no launch prepared yet: ``forward`` then
+    calls it through its lookup (this call prepared the launch, so writing the function
+    again picks it up). ``forward`` is None when a value bound once would reach the
+    caller (this call still ran whole). Returns None, having run nothing, for graphs it
+    cannot write.
 
     Example of what it writes for ``relu(x + 1) * 2``::
 
@@ -316,7 +319,7 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
                 w.fixed.add(node)
             else:
                 if w.all_fixed(node):
-                    w.complete = False  # it prepares its launch now: write it next call
+                    w.complete = False  # it prepares its launch now
                 w.lines.append(f"    {name} = {w.bind('K', node.target)}({joined})")
                 w.env[node] = node.target(*inputs)
         else:
@@ -324,11 +327,11 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
         w.names[node] = name
     else:
         return None
-    if not w.complete or _escapes(w):
-        return None, result, w.attrs
+    if _escapes(w):
+        return None, result, w.attrs, w.complete
     source = f"def forward({', '.join(params)}):\n" + "\n".join(w.lines) + "\n"
     exec(compile(source, "<fxlite-straight-line>", "exec"), w.namespace)
-    return w.namespace["forward"], result, w.attrs
+    return w.namespace["forward"], result, w.attrs, w.complete
 
 
 def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
@@ -393,17 +396,20 @@ class StraightRunner:
 
     Valid wherever the segment runs: the compiled function reaches a segment only under
     the ambient and module state its path was recorded in, and the rest (the arguments'
-    layouts, the attributes' layouts) is this runner's key and check.
+    layouts, the attributes' layouts) is this runner's key and check. A forward written
+    before every kernel had its launch prepared is written again on the next call (at
+    most ``_REWRITES`` times), never left out: a call through it costs no more than one
+    through ``gm.forward``, so a trial timing the segment's kernels is not misled.
     """
 
-    _MISSES = 8    # calls without a complete function before giving up
+    _REWRITES = 2  # rewrites of an incomplete forward
     _LAYOUTS = 64  # forwards kept
 
     def __init__(self, gm: Any) -> None:
         self.gm = gm
         self.plain = type(gm).forward.__get__(gm)  # gm.forward without Module.__call__
-        self.lines: dict[tuple, tuple[Any, AttrCheck]] = {}
-        self.misses = 0
+        # layout -> (forward, attribute check, rewrites left: 0 once complete)
+        self.lines: dict[tuple, tuple[Any, AttrCheck, int]] = {}
         self.off = False
 
     def __call__(self, *args: Any) -> Any:
@@ -414,15 +420,23 @@ class StraightRunner:
             return self.plain(*args)
         found = self.lines.get(key)
         if found is not None and found[1]():
-            return found[0](*args)
+            if not found[2]:
+                return found[0](*args)
+            rewrites = found[2] - 1
+        else:
+            rewrites = self._REWRITES
         made = straight_line(self.gm, args)
         if made is None:
             self.off = True  # a graph it cannot write
             return self.plain(*args)
-        forward, result, attrs = made
+        forward, result, attrs, complete = made
         if forward is None:
-            self.misses += 1  # a kernel without a prepared launch (yet)
-            self.off = self.misses > self._MISSES
+            self.off = True  # a value bound once would reach the caller
         elif len(self.lines) < self._LAYOUTS or key in self.lines:
-            self.lines[key] = forward, AttrCheck(attrs)
+            self.lines[key] = forward, AttrCheck(attrs), 0 if complete else rewrites
         return result
+
+    def complete(self, args: Sequence[Any]) -> tuple[Any, AttrCheck] | None:
+        """The finished forward for ``args``' layout and its check, if there is one."""
+        found = self.lines.get(fast_key(args)) if not self.off else None
+        return found[:2] if found is not None and not found[2] else None

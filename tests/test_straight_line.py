@@ -72,10 +72,10 @@ def test_kernels_chain_their_prepared_launches() -> None:
         second = g.call_function(operator.getitem, (pair, 1))
         g.output((g.call_function(relu, (first,)), second))
 
-    fn, result, attrs = straight_line(_module(build), (x,))
+    fn, result, attrs, complete = straight_line(_module(build), (x,))
     torch.testing.assert_close(result[0], torch.relu(x + 2))
     torch.testing.assert_close(result[1], x * 2)
-    assert attrs == []
+    assert attrs == [] and complete
     y = torch.randn(4, 8)  # same fingerprint: the same function serves it
     out = fn(y)
     torch.testing.assert_close(out[0], torch.relu(y + 2))
@@ -112,7 +112,7 @@ def test_extern_ops_and_attributes_keep_kernels_on_their_launches(monkeypatch) -
     conv = torch.conv2d(x.contiguous(memory_format=torch.channels_last), net.weight, padding=1)
     mul.prepare([conv, net.scale.reshape(-1, 1, 1)])
     gm = _module(_conv_scale(mul), net)
-    fn, result, attrs = straight_line(gm, (x,))
+    fn, result, attrs, _ = straight_line(gm, (x,))
     torch.testing.assert_close(result, _want(net, x))
     assert {id(a) for a in attrs} == {id(net.weight), id(net.scale)}
     key, check = attr_key(attrs), AttrCheck(attrs)
@@ -172,7 +172,7 @@ def test_a_kernel_reading_unfixed_values_looks_its_launch_up() -> None:
     base = torch.randn(33)
     x = base[1:].view(4, 8)  # 4 bytes past an aligned address
     mul.prepare([x])
-    fn, result, _ = straight_line(_module(build), (x,))
+    fn, result, _, _ = straight_line(_module(build), (x,))
     torch.testing.assert_close(result[0], x * 2)
     torch.testing.assert_close(result[1], torch.nonzero(x) * 2)
     assert mul.general_calls == 2 and mul.fast_calls == 0
@@ -198,19 +198,21 @@ def test_it_declines_before_running_anything() -> None:
     assert ran == []
 
 
-def test_an_unprepared_kernel_runs_but_is_not_written() -> None:
+def test_a_kernel_without_a_prepared_launch_is_called_through_its_lookup() -> None:
     relu = _Kernel("relu", torch.relu)
 
     def build(g):
         g.output(g.call_function(relu, (g.placeholder("x"),)))
 
     x = torch.randn(4, 8)
-    fn, result, _ = straight_line(_module(build), (x,))
-    assert fn is None and relu.general_calls == 1
+    fn, result, _, complete = straight_line(_module(build), (x,))
+    assert not complete and relu.general_calls == 1
     torch.testing.assert_close(result, torch.relu(x))
+    torch.testing.assert_close(fn(x), torch.relu(x))  # written, and right
+    assert relu.general_calls == 2
     relu.prepare([x])
-    fn, _, _ = straight_line(_module(build), (x,))
-    assert fn is not None
+    fn, _, _, complete = straight_line(_module(build), (x,))
+    assert complete
 
 
 @pytest.mark.parametrize("exit_op", ["output", "flatten"])
@@ -230,7 +232,7 @@ def test_a_view_bound_once_never_reaches_the_caller(exit_op) -> None:
 
     x = torch.randn(3)
     ident.prepare([x, net.scale.view(-1)])
-    fn, result, _ = straight_line(_module(build, net), (x,))
+    fn, result, _, _ = straight_line(_module(build, net), (x,))
     torch.testing.assert_close(result[1], net.scale)
     if exit_op == "flatten":
         assert fn is None
@@ -254,11 +256,17 @@ def test_the_runner_keeps_one_forward_per_layout_and_follows_data_swaps() -> Non
     torch.testing.assert_close(run(x), _want(net, x))
     torch.testing.assert_close(run(x), _want(net, x))
     assert len(run.lines) == 1 and mul.general_calls == 0
-    small = torch.randn(1, 3, 4, 4)  # another layout: no launch prepared, so the kernel
-    for _ in range(run._MISSES + 1):  # looks its launch up (this stand-in never gets one)
+    small = torch.randn(1, 3, 4, 4)  # another layout: no launch prepared at first
+    torch.testing.assert_close(run(small), _want(net, small))
+    assert run.lines[fast_key([small])][2] == run._REWRITES and run.complete([small]) is None
+    small_conv = torch.conv2d(small.contiguous(memory_format=torch.channels_last),
+                              net.weight, padding=1)
+    mul.prepare([small_conv, net.scale.reshape(-1, 1, 1)])  # as its first call would
+    fast = mul.fast_calls
+    for _ in range(3):
         torch.testing.assert_close(run(small), _want(net, small))
-    assert run.off and mul.general_calls == run._MISSES + 1
-    torch.testing.assert_close(run(x), _want(net, x))  # gm.forward from then on
+    assert run.complete([small]) is not None and mul.fast_calls == fast + 3
+    assert len(run.lines) == 2 and not run.off
 
 
 def test_the_runner_turns_off_for_graphs_it_cannot_write() -> None:
