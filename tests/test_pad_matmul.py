@@ -18,13 +18,15 @@ import fxlite
 def test_padded_linear_gives_aligned_rows_that_start_with_eagers_values(dtype, with_bias):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, dtype=dtype)
-    w = torch.randn(13, 16, dtype=dtype)
-    b = torch.randn(13, dtype=dtype) if with_bias else None
-    with torch.no_grad():
-        got, want = padded_linear(x, w, b), F.linear(x, w, b)
-    assert got.shape == (2, 3, 16)  # 13 rounded up to 16 bytes' worth
-    assert got.stride(-2) * got.element_size() % 16 == 0
-    torch.testing.assert_close(got[..., :13], want)
+    for w in (torch.randn(13, 16, dtype=dtype), torch.randn(16, 13, dtype=dtype).t()):
+        b = torch.randn(13, dtype=dtype) if with_bias else None
+        torch.empty(4096, dtype=dtype).fill_(float("nan"))  # freed memory the pad may reuse
+        with torch.no_grad():
+            got, want = padded_linear(x, w, b), F.linear(x, w, b)
+        assert got.shape == (2, 3, 16)  # 13 rounded up to 16 bytes' worth
+        assert got.stride(-2) * got.element_size() % 16 == 0
+        torch.testing.assert_close(got[..., :13], want)
+        assert torch.equal(got[..., 13:], torch.zeros_like(got[..., 13:]))  # zero rows
 
 
 def test_the_padded_copy_follows_every_write_to_the_weight():
