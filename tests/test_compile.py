@@ -842,6 +842,31 @@ def test_a_trial_keeps_the_faster_side_after_timed_calls(monkeypatch, slow):
     assert calls["compiled"] >= 4 and calls["recorded"] >= 4
 
 
+def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
+    # The compiled side's first calls write its straight-line forward, and write it again
+    # (twice at most) once its kernels' launches are prepared: three slow calls at worst.
+    import time as _time
+
+    from fxlite.codegen.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, decided = {"compiled": 0}, []
+
+    def compiled(x):
+        calls["compiled"] += 1
+        _time.sleep(0.03 if calls["compiled"] <= 3 else 0.001)
+        return x + 1
+
+    def recorded(x):
+        _time.sleep(0.005)
+        return x + 1
+
+    trial = Trial(compiled, recorded, lambda *a: decided.append(a))
+    for _ in range(12):
+        trial(1)
+    assert len(decided) == 1 and decided[0][0], decided
+
+
 def test_a_pure_segments_trial_times_runs_back_to_back(monkeypatch):
     # Each timed call of a pure segment runs its side three times and reports the time
     # per run; the user still gets one result per call.
@@ -861,9 +886,9 @@ def test_a_pure_segments_trial_times_runs_back_to_back(monkeypatch):
 
     trial = Trial(side("compiled", 0.002), side("recorded", 0.006),
                   lambda *a: decided.append(a), repeat=3)
-    assert [trial(1) for _ in range(8)] == [2] * 8
-    # 2 warm-ups, then 3 timed calls each, of 3 runs
-    assert calls == {"compiled": 1 + 3 * 3, "recorded": 1 + 3 * 3}
+    assert [trial(1) for _ in range(10)] == [2] * 10
+    # 2 warm-ups each, then 3 timed calls each, of 3 runs
+    assert calls == {"compiled": 2 + 3 * 3, "recorded": 2 + 3 * 3}
     kernels_win, ours, theirs = decided[0]
     assert kernels_win and 0.002 <= ours / 1e3 < 0.005 and 0.006 <= theirs / 1e3 < 0.012
 
