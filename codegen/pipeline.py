@@ -30,6 +30,7 @@ from fxlite.codegen.accuracy import attributes, float64_problem, reproducible, v
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
 from fxlite.codegen.straight_line import StraightRunner
+from fxlite.codegen.triton_pool import use_pool_kernels
 from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
 from fxlite.passes.pad_matmul import pad_linears
@@ -238,8 +239,10 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     gm.graph.eliminate_dead_code()
     gm.recompile()
     propagate_meta(gm)
-    fused = fuse(gm)
     cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
+    if cuda and not interpreting():
+        use_pool_kernels(gm)  # max-pools that write no indices
+    fused = fuse(gm)
     if cuda and PRECOMPILE and not interpreting():  # every distinct kernel at once, in parallel
         from fxlite.codegen.triton_precompile import precompile
 
