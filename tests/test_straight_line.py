@@ -279,3 +279,40 @@ def test_the_runner_turns_off_for_graphs_it_cannot_write() -> None:
     run.plain = gm.forward
     torch.testing.assert_close(run(-torch.ones(3)), torch.zeros(3))
     assert run.off and run.lines == {}
+
+
+@pytest.mark.skipif(not __import__("fxlite.codegen.triton", fromlist=["x"]).interpreting(),
+                    reason="compiles kernels under Triton's interpreter")
+def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
+    # End to end: fxlite.compile of a conv + BatchNorm + ReLU model runs through the
+    # runner, which binds the per-channel views once and still sees every write.
+    import fxlite.autodiff_batch_norm as bn_mod
+
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                            torch.nn.ReLU()).eval()
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-1, 1)
+        m[1].running_var.uniform_(0.5, 2)
+    c = fxlite.compile(m)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), m(x))
+        run = c._last[0].run
+        assert isinstance(run, StraightRunner) and not run.off and len(run.lines) == 1
+        forward = next(iter(run.lines.values()))[0]
+        bound = list(forward.__globals__.values())
+        assert bn_mod.per_channel not in bound  # its views are bound once, not called
+        views = [v for v in bound if isinstance(v, torch.Tensor) and v.dim() == 3]
+        assert len(views) == 4 and all(
+            v.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in (
+                m[1].weight, m[1].bias, m[1].running_mean, m[1].running_var)} for v in views)
+        m[1].weight.mul_(-1)                       # in place
+        torch.testing.assert_close(c(x), m(x))
+        m[1].bias.data = torch.randn(4)            # new memory: written again
+        torch.testing.assert_close(c(x), m(x))
+        m[1].running_var.data = m[1].running_var.data.clone()
+        torch.testing.assert_close(c(x), m(x))
+        y = torch.randn(3, 3, 10, 10)              # another layout: another forward
+        torch.testing.assert_close(c(y), m(y))
+        assert len(run.lines) == 2
