@@ -16,7 +16,7 @@ Rules:
   the parent graph, and groups never reach across it. Reductions must be plain ones
   (``sum``, ``mean``, ``amax``, ``amin``, ``prod``, single-result ``max``/``min``: only
   ``input``/``dim``/``keepdim``/``dtype`` parameters); ``var``/``std`` are decomposed or
-  stay outside.
+  stay outside. (Which node may join as what: ``passes/fuse_classes.py``.)
 * **Iteration space.** A pointwise group is nodes of one output shape ``I`` (inputs may
   broadcast), plus pointwise nodes whose smaller shape broadcasts into ``I`` (a
   per-channel ``rsqrt(var + eps)`` of an eval-mode batch_norm): the kernel recomputes those
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import math
 from collections import ChainMap
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,10 +62,10 @@ import torch
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule, _copy_attr
-from fxlite.node import Node, map_aggregate
-from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
+from fxlite.node import Node
+from fxlite.ops import is_impure, lookup
 
-from .shape_prop import TensorMetadata
+from .fuse_classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
 from .sink_views import sink_views
 from .size_sources import size_sources
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
@@ -74,29 +73,7 @@ from .split_sums import split_sums
 
 __all__ = ["fuse"]
 
-# Views that only add or drop size-1 dims (or copy), and views that broadcast.
-_UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity",
-                         "detach"})
-_BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
-_REDUCTION_KEYS = frozenset({"input", "dim", "keepdim", "dtype"})
-_SCALAR_TYPES = (int, float, bool)
 FULL, ROW = "full", "row"
-_FEW_ROWS, _LONG_ROW = 64, 1 << 16
-
-Shape = tuple[int, ...]
-
-
-@dataclass
-class _Cls:
-    """How one node may take part in a group."""
-
-    kind: str  # "pointwise" | "reduction" | "view"
-    shape: Shape  # its output shape
-    source: Node | None = None  # reductions and views: the tensor they read
-    in_shape: Shape = ()  # reductions and views: the shape of `source`
-    split: int = 0  # reductions: len(outer)
-    keepdim: bool = False
-    view: str = ""  # views: the op name
 
 
 @dataclass(eq=False)
@@ -109,128 +86,6 @@ class _Group:
     tags: dict[Node, str] = field(default_factory=dict)  # "full" or "row", per member
     outside: dict[Node, None] = field(default_factory=dict)  # users not in the group
     segment: int = 0  # number of impure nodes before the group's nodes
-
-
-# ---------------------------------------------------------------------- classification
-def _tensor_meta(n: Any) -> TensorMetadata | None:
-    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
-    return tm if isinstance(tm, TensorMetadata) else None
-
-
-def _plain(tm: TensorMetadata) -> bool:
-    strided = tm.stride != () or len(tm.shape) == 0  # a 0-d tensor has no strides either
-    return strided and not tm.is_quantized and not tm.dtype.is_complex
-
-
-def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
-    """The node's fusion class, or None when it must stay outside every group."""
-    if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
-        return None
-    info = lookup(node, module)
-    if info is None or info.kind not in ("pointwise", "reduction", "view"):
-        return None
-    tm = _tensor_meta(node)
-    if tm is None or not _plain(tm) or is_impure(node, module) or node.kwargs.get(
-            "memory_format") is not None:  # kernels lay results out as their inputs
-        return None
-    in_shapes: list[Shape] = []
-    for inp in node.all_input_nodes:
-        itm = _tensor_meta(inp)
-        if itm is not None and _plain(itm):
-            in_shapes.append(tuple(itm.shape))
-        elif "tensor_meta" in inp.meta or inp.meta.get("type") not in _SCALAR_TYPES:
-            return None  # tensor lists, nested results, unknown values
-    if _has_tensor_constant(node):
-        return None
-    shape = tuple(tm.shape)
-    if info.kind == "pointwise":
-        if not in_shapes or _broadcast(in_shapes) != shape:
-            return None
-        return _Cls("pointwise", shape)
-    if info.kind == "reduction":
-        return _classify_reduction(node, info, module, shape)
-    return _classify_view(node, info, module, shape, len(in_shapes))
-
-
-def _broadcast(shapes: list[Shape]) -> Shape | None:
-    """The broadcast of ``shapes`` (torch's rules), or None if they do not broadcast."""
-    out = list(shapes[0])
-    for shape in shapes[1:]:
-        if len(shape) > len(out):
-            out = [1] * (len(shape) - len(out)) + out
-        off = len(out) - len(shape)
-        for j, s in enumerate(shape):
-            if out[off + j] == 1:
-                out[off + j] = s
-            elif s != 1 and s != out[off + j]:
-                return None
-    return tuple(out)
-
-
-def _has_tensor_constant(node: Node) -> bool:
-    found = False
-
-    def visit(a: Any) -> Any:
-        nonlocal found
-        found = found or isinstance(a, torch.Tensor)
-        return a
-
-    map_aggregate((node.args, node.kwargs), visit)
-    return found
-
-
-def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape) -> _Cls | None:
-    # Plain reductions only: var/std (a correction parameter) and composites stay outside.
-    if "keepdim" not in info.params or not set(info.params) <= _REDUCTION_KEYS:
-        return None
-    args = canonical_args(node, info, module)
-    src = args.get("input")
-    stm = _tensor_meta(src)
-    keepdim = args.get("keepdim", False)
-    if stm is None or not set(args) <= _REDUCTION_KEYS or not isinstance(keepdim, bool):
-        return None
-    in_shape = tuple(stm.shape)
-    ndim = len(in_shape)
-    dim = args.get("dim")
-    if ndim == 0:
-        return None
-    if dim is None or dim == () or dim == []:
-        dims = list(range(ndim))
-    elif isinstance(dim, int):
-        dims = [dim]
-    elif isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
-        dims = list(dim)
-    else:
-        return None
-    if any(not -ndim <= d < ndim for d in dims):
-        return None
-    dims = sorted({d % ndim for d in dims})
-    split = ndim - len(dims)
-    if dims != list(range(split, ndim)):
-        return None  # only trailing dims: one row per program
-    expected = in_shape[:split] + ((1,) * len(dims) if keepdim else ())
-    if expected != shape:
-        return None
-    rows, cols = math.prod(in_shape[:split]), math.prod(in_shape[split:])
-    if rows < _FEW_ROWS and cols >= _LONG_ROW:
-        # A kernel runs one program per row: a few long rows (x.sum() of a big tensor)
-        # would keep a handful of SMs busy, where torch splits each row over many blocks.
-        return None
-    return _Cls("reduction", shape, src, in_shape, split, keepdim)
-
-
-def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape,
-                   n_tensors: int) -> _Cls | None:
-    if info.name not in _UNIT_VIEWS | _BROADCAST_VIEWS or n_tensors != 1 and info.name != "expand_as":
-        return None
-    src = node.args[0] if node.args else node.kwargs.get("input")
-    stm = _tensor_meta(src)
-    if stm is None or not _plain(stm):
-        return None
-    # A view aliases its input; materializing it in a kernel is only safe when nobody mutates.
-    if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users):
-        return None
-    return _Cls("view", shape, src, tuple(stm.shape), view=info.name)
 
 
 # ---------------------------------------------------------------------- spaces and tags
