@@ -57,7 +57,7 @@ _VIEWS = frozenset({
     "per_channel", "movedim", "swapaxes"})
 # Size reads: computed once when the tensors they read are fixed.
 _SIZES = frozenset({"size", "dim", "numel", "stride", "ndimension", "nelement",
-                    "broadcast_size", "__len__"})
+                    "broadcast_size", "_normalized_count", "__len__"})
 # Where a call_function's target must come from for its result's layout to be trusted.
 _TRUSTED_MODULES = ("torch", "fxlite", "_operator", "operator", "math")
 

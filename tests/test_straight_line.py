@@ -316,3 +316,22 @@ def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
         y = torch.randn(3, 3, 10, 10)              # another layout: another forward
         torch.testing.assert_close(c(y), m(y))
         assert len(run.lines) == 2
+
+
+@pytest.mark.skipif(not __import__("fxlite.codegen.triton", fromlist=["x"]).interpreting(),
+                    reason="compiles kernels under Triton's interpreter")
+def test_a_layer_norms_size_checks_are_made_once_per_layout():
+    # layer_norm's decomposition checks the normalized sizes on every call of the graph;
+    # for one layout the answer is fixed, so the straight line binds it.
+    from fxlite.passes.decompose import _normalized_count
+
+    m = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.LayerNorm(8)).eval()
+    c = fxlite.compile(m)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(c(x), m(x))
+        forward = next(iter(c._last[0].run.lines.values()))[0]
+        assert _normalized_count not in forward.__globals__.values()
+        with pytest.raises(RuntimeError, match="normalized_shape"):
+            c(torch.randn(4, 6))  # another layout still checks, as eager does
