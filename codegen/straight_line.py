@@ -212,9 +212,7 @@ class _Writer:
             return f"({inner})"
         if isinstance(a, list):
             return "[" + ", ".join(self.expr(x) for x in a) + "]"
-        if isinstance(a, dict):
-            if not all(type(k) is str for k in a):
-                raise _NoFastPath
+        if isinstance(a, dict):  # string keys only (_check)
             return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in a.items()) + "}"
         if isinstance(a, slice):
             return f"slice({self.expr(a.start)}, {self.expr(a.stop)}, {self.expr(a.step)})"
@@ -242,17 +240,25 @@ class _Writer:
 
 def _check(gm: Any) -> None:
     """Refuse, before anything runs, graphs the writer cannot express."""
+    if not any(node.op == "output" for node in gm.graph.nodes):
+        raise _NoFastPath  # the run would end without a result
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "get_attr", "call_function", "call_method",
                            "call_module", "output"):
             raise _NoFastPath
         if node.op == "call_method" and not _identifier(node.target):
             raise _NoFastPath  # written as `x.<name>(...)`: a name, nothing else
-        if not all(map(_identifier, node.kwargs)):
+        if not all(map(_identifier, node.kwargs)) or not _str_keys((node.args, node.kwargs)):
             raise _NoFastPath
-        for a in _flat((node.args, node.kwargs)):
-            if isinstance(a, dict) and not all(type(k) is str for k in a):
-                raise _NoFastPath
+
+
+def _str_keys(a: Any) -> bool:
+    """Whether every dict inside ``a`` has string keys (what :meth:`_Writer.expr` writes)."""
+    if isinstance(a, dict):
+        return all(type(k) is str for k in a) and all(map(_str_keys, a.values()))
+    if isinstance(a, (tuple, list)):
+        return all(map(_str_keys, a))
+    return True
 
 
 def _identifier(name: Any) -> bool:
@@ -325,8 +331,6 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
         else:
             name = _call(w, gm, node, name)
         w.names[node] = name
-    else:
-        return None
     if _escapes(w):
         return None, result, w.attrs, w.complete
     source = f"def forward({', '.join(params)}):\n" + "\n".join(w.lines) + "\n"

@@ -335,3 +335,19 @@ def test_a_layer_norms_size_checks_are_made_once_per_layout():
         assert _normalized_count not in forward.__globals__.values()
         with pytest.raises(RuntimeError, match="normalized_shape"):
             c(torch.randn(4, 6))  # another layout still checks, as eager does
+
+
+def test_a_dict_argument_with_other_keys_is_refused_before_anything_runs() -> None:
+    # A dict with non-string keys cannot be written as a literal: the graph is refused
+    # up front, not halfway through a run (that would repeat the ops before it).
+    ran = []
+    k = _Kernel("k", lambda a: ran.append(a) or a)
+
+    def build(g):
+        y = g.call_function(k, (g.placeholder("x"),))
+        g.output(g.call_function(lambda t, table: t * table[1], (y, {1: 2.0})))
+
+    x = torch.randn(4)
+    k.prepare([x])
+    assert straight_line(_module(build), (x,)) is None
+    assert ran == []
