@@ -179,7 +179,7 @@ class CompiledFunction:
                 or not isinstance(run, StraightRunner):
             return _NOT_RUN
         out = run(*args)
-        entry = run.complete(args)
+        entry = run.complete(fkey[0])  # fkey[0] is fast_key(args)
         if entry is not None:
             fast[fkey] = entry[0], seg, entry[1]
         return out

@@ -440,7 +440,8 @@ class StraightRunner:
             self.lines[key] = forward, AttrCheck(attrs), 0 if complete else rewrites
         return result
 
-    def complete(self, args: Sequence[Any]) -> tuple[Any, AttrCheck] | None:
-        """The finished forward for ``args``' layout and its check, if there is one."""
-        found = self.lines.get(fast_key(args)) if not self.off else None
+    def complete(self, key: tuple) -> tuple[Any, AttrCheck] | None:
+        """The finished forward for the layout ``key`` (a :func:`fast_key`) and its
+        check, if there is one."""
+        found = self.lines.get(key) if not self.off else None
         return found[:2] if found is not None and not found[2] else None
