@@ -15,7 +15,11 @@ different way to index a kernel's loads::
 
 A permute sinks through a pointwise op only when the op has no other user (its unpermuted
 value is not needed), and only when the permute feeds an op that can join a kernel; then
-it keeps sinking through the op's producers. Inputs of lower rank first get leading size-1 dims up to
+it keeps sinking through the op's producers. It never sinks into the tail of a reduction
+(a norm's scale and shift): the tail would then iterate in another order than its
+reduction and leave its kernel, a second pass over the values (convnext_tiny's stem
+LayerNorm2d ran as two kernels). The op that takes the permute's place keeps the layout
+eager gave the permute's result, so a kernel writing it writes eager's strides. Inputs of lower rank first get leading size-1 dims up to
 the op's rank (broadcasting aligns them on the right), 0-d tensors and Python scalars stay
 as they are. No size is written into the graph, so it stays valid after a resize.
 """
@@ -105,8 +109,28 @@ def _sinkable(view: Node, gm: GraphModule) -> bool:
     for a in src.all_input_nodes:  # tensors of known rank (a traced size would need its value)
         if tensor_meta(a) is None or len(tensor_meta(a).shape) > rank:
             return False
+    if _reduction_tail(src, gm):
+        return False
     # worth it only when the permuted value feeds a kernel (directly or via more permutes)
     return any(_feeds(u, gm) for u in view.users)
+
+
+def _reduction_tail(src: Node, gm: GraphModule, limit: int = 64) -> bool:
+    """Whether a reduction reaches ``src`` through pointwise ops alone (``src`` would
+    share its kernel)."""
+    seen: set[Node] = set()
+    stack = list(src.all_input_nodes)
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen or n.op not in ("call_function", "call_method"):
+            continue
+        seen.add(n)
+        info = lookup(n, gm)
+        if info is not None and info.kind == "reduction":
+            return True
+        if info is not None and info.kind == "pointwise":
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 def _feeds(n: Node, gm: GraphModule) -> bool:
@@ -153,6 +177,10 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
         kwargs = map_arg(src.kwargs, move)
         op = with_meta(graph.call_function(src.target, args, kwargs))
     op.meta.update({k: v for k, v in src.meta.items() if k not in ("tensor_meta", "type")})
+    seen = tensor_meta(view)  # the op's value is the view's: so is its eager layout
+    if seen is not None and seen.shape == tensor_meta(op).shape \
+            and seen.dtype == tensor_meta(op).dtype:
+        op.meta["tensor_meta"] = seen
     view.replace_all_uses_with(op)
     graph.erase_node(view)
     graph.erase_node(src)

@@ -1,7 +1,7 @@
 """The compile pipeline at the level of passes and kernels, for tests.
 
 ``lower`` runs what ``fxlite.compile`` runs before code generation (trace, ShapeProp,
-normalize, decompose, ShapeProp, fuse); :class:`Kernels` then runs the fused module with a
+normalize, decompose, metadata for the new nodes, fuse); :class:`Kernels` then runs the fused module with a
 Triton kernel for each group, generated on the first call and reused after, with no
 comparison against eager anywhere. So a test that calls it with benign inputs first and
 the trap second passes only if the kernels are right by construction::
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fxlite.codegen.pipeline import propagate_meta
 from fxlite.codegen.triton import generate_kernel, why_unsupported
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
@@ -35,7 +36,7 @@ def lower(fn: Any, *example: Any) -> GraphModule:
     gm = decompose(normalize(gm))
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    ShapeProp(gm).propagate(*example)
+    propagate_meta(gm)  # as the pipeline: a decomposed op's result keeps the op's layout
     return fuse(gm)
 
 

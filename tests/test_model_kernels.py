@@ -267,6 +267,28 @@ def test_permutes_that_do_not_cancel_compose_into_one():
     assert len(run.kernels) == 1
 
 
+def test_a_norms_tail_keeps_its_kernel_and_eagers_layout():
+    """A regression: the permute back of a LayerNorm2d (permute, layer_norm, permute) sank
+    into the norm's scale and shift, so they left the norm's kernel (two passes over the
+    values) and the result was NCHW where eager's is channels-last: convnext_tiny's first
+    depthwise conv then ran torch's NCHW kernel (320 us against 190 on an H200)."""
+    def fn(x, w, b, s):
+        y = F.layer_norm(x.permute(0, 2, 3, 1), (4,), w, b).permute(0, 3, 1, 2)
+        return y, y * s + y  # a pointwise reader of the permuted norm: what made it sink
+
+    def make():
+        return [torch.randn(2, 4, 3, 5, device=DEVICE), torch.rand(4, device=DEVICE) + 0.5,
+                torch.randn(4, device=DEVICE), torch.randn(4, 1, 1, device=DEVICE)]
+
+    run = Kernels(lower(fn, *make()))
+    for _ in range(2):
+        args = make()
+        got, want = run(*args), fn(*args)
+        same(got, want)
+        assert got[0].stride() == want[0].stride()  # channels-last, as eager's
+    assert [k.kind for k in run.kernels.values()] == ["reduction", "pointwise"]
+
+
 def test_a_permute_whose_source_is_used_twice_stays():
     def fn(a):
         y = a + 1
