@@ -378,6 +378,8 @@ class _Builder:
         for k in spec.ignore:
             if k == "inplace" and bound.get(k) is True and self.private(bound.get("input"), node):
                 pass  # it overwrites a temporary nobody else reads: the same as out of place
+            elif k == "memory_format":
+                pass  # values are the same; a result's layout comes from its metadata
             elif bound.get(k) not in (False, None):
                 raise Unsupported(f"{node.name}: {k}={bound[k]!r}")
             bound.pop(k, None)

@@ -17,8 +17,8 @@ channels-last won (3.00 ms against 3.54) and resnet50 won in both.
 What this pass changes, and what it keeps:
 
 - each 4-d input of the graph (placeholder or attribute) that a ``conv2d`` reads is
-  converted for that read only (``x.contiguous(memory_format=torch.channels_last)``);
-  other readers, and writes, still see the tensor itself;
+  converted for that read only (``torch.clone(x, memory_format=torch.channels_last)``, a
+  copy kernel once fused); other readers, and writes, still see the tensor itself;
 - values the graph returns that depend on a converted read get back eager's layout
   (``.contiguous()``, or channels-last where eager's was), so callers see eager's strides;
 - a graph that returns such a value through a view, or with a layout that is neither
@@ -26,16 +26,17 @@ What this pass changes, and what it keeps:
   eager's result had. So is one where such a value meets an op whose result depends on
   the layout (``view``, ``as_strided``, ``stride()``, storing it with ``setattr``);
 - the weights (attributes) of those convolutions are converted on each call, in the
-  graph. Left to cuDNN, the conversion took the same GPU time and more host time (resnet50,
-  bf16, batch 32, H200: 3.0-3.3 ms of host time a call against 3.4-8.6 ms, in three
-  alternating runs on a noisy host). A copy kept between calls saved 0.08 ms more of GPU
-  time, but could go stale: a write through ``w.data`` changes no version counter that a
-  check could read.
+  graph, by the same clone: a Triton copy kernel. Left to cuDNN, the conversion took the
+  same GPU time and more host time (resnet50, bf16, batch 32, H200: 3.0-3.3 ms of host
+  time a call against 3.4-8.6 ms, in three alternating runs on a noisy host); torch's own
+  copy kernel (``x.contiguous(memory_format=...)``) took 95 us of GPU time a call for
+  resnet50's 18 conversions in float32. A copy kept between calls could go stale: a write
+  through ``w.data`` changes no version counter that a check could read.
 
 Example::
 
     # before                                    # after
-    conv2d = torch.conv2d(x, w, b)              x_cl = x.contiguous(memory_format=torch.channels_last)
+    conv2d = torch.conv2d(x, w, b)              x_cl = torch.clone(x, memory_format=torch.channels_last)
     relu = torch.relu(conv2d)                   conv2d = torch.conv2d(x_cl, w, b)
     return relu                                 relu = torch.relu(conv2d)
                                                 return relu.contiguous()
@@ -80,6 +81,12 @@ def _layout(node: Node) -> tuple[tuple, torch.dtype, Any] | None:
     shape, stride, dtype = layout
     fmt = memory_format_of(shape, stride)
     return shape, dtype, fmt if fmt in (torch.contiguous_format, CL) else None
+
+
+def _channels_last_already(shape: tuple) -> bool:
+    """Whether a contiguous NCHW tensor of ``shape`` is channels-last too: one channel (a
+    depthwise convolution's weight) or a 1x1 plane (a pointwise one's)."""
+    return shape[1] == 1 or shape[2] * shape[3] == 1
 
 
 def _name(node: Node) -> str:
@@ -165,7 +172,7 @@ def channels_last_convs(gm: GraphModule) -> bool:
         returned.append((n, layout[2]))
     for conv, x in reads:
         with graph.inserting_before(conv):
-            cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
+            cl = graph.call_function(torch.clone, (x,), {"memory_format": CL})
         cl.meta["channels_last_of"] = x.name
         conv.replace_input_with(x, cl)
     converted: dict[Node, Node] = {}  # a weight two convs share is converted once
@@ -175,10 +182,10 @@ def channels_last_convs(gm: GraphModule) -> bool:
         w = conv.args[1] if conv.target in CONVS and len(conv.args) > 1 else None
         layout = _layout(w) if isinstance(w, Node) and w.op == "get_attr" else None
         if layout is not None and len(layout[0]) == 4 and layout[2] is torch.contiguous_format \
-                and layout[0][2:] != (1, 1):  # a 1x1 kernel's weight is channels-last too
+                and not _channels_last_already(layout[0]):
             if w not in converted:
                 with graph.inserting_before(conv):
-                    converted[w] = graph.call_method("contiguous", (w,), {"memory_format": CL})
+                    converted[w] = graph.call_function(torch.clone, (w,), {"memory_format": CL})
                 converted[w].meta["channels_last_of"] = w.name
             conv.replace_input_with(w, converted[w])
     restored: dict[Node, Node] = {}

@@ -70,8 +70,9 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     if info is None or info.kind not in ("pointwise", "reduction", "view"):
         return None
     tm = _tensor_meta(node)
-    if tm is None or not _plain(tm) or is_impure(node, module) or node.kwargs.get(
-            "memory_format") is not None:  # kernels lay results out as their inputs
+    fmt = node.kwargs.get("memory_format")
+    if tm is None or not _plain(tm) or is_impure(node, module) or (
+            fmt is not None and not _layout_copy(node, info, module, fmt)):
         return None
     in_shapes: list[Shape] = []
     for inp in node.all_input_nodes:
@@ -90,6 +91,20 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     if info.kind == "reduction":
         return _classify_reduction(node, info, module, shape)
     return _classify_view(node, info, module, shape, len(in_shapes))
+
+
+def _layout_copy(node: Node, info: OpInfo, module: torch.nn.Module, fmt: Any) -> bool:
+    """Whether ``node`` is a clone to channels-last whose readers all stay outside kernels
+    (a convolution's input or weight): a kernel stores a group's result in the layout of
+    its metadata. A kernel lays a value it hands to another op of its group out as its
+    inputs, so a clone read inside a group would lose its layout."""
+    if info.name != "clone" or fmt not in (torch.channels_last, torch.channels_last_3d):
+        return False
+    for user in node.users:
+        found = lookup(user, module) if user.op != "output" else None
+        if found is not None and found.kind in ("pointwise", "reduction", "view"):
+            return False
+    return True
 
 
 def _broadcast(shapes: list[Shape]) -> Shape | None:
