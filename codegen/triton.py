@@ -235,11 +235,14 @@ class _Spec:
             if not n:
                 return None
             if cfg["variant"] == "rows":
-                grid = (n // counts["cols"] * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
+                grid = (triton_cdiv(n // counts["cols"], cfg["ROWS"])
+                        * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
+                constexprs = {"BLOCK": cfg["BLOCK"], "ROWS": cfg["ROWS"]}
             else:
                 grid = (triton_cdiv(n, cfg["BLOCK"]),)
-            return (cfg["variant"], grid, self.args(inputs, outs, shape, counts),
-                    {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
+                constexprs = {"BLOCK": cfg["BLOCK"]}
+            return (cfg["variant"], grid, self.args(inputs, outs, shape, counts), constexprs,
+                    cfg["num_warps"])
         if not counts["rows"]:
             return None
         return (cfg["variant"], (triton_cdiv(counts["rows"], cfg["ROWS"]),),

@@ -17,21 +17,29 @@ Inputs that are dense with the iteration space's shape use the linear index ``of
 any other input (broadcast, transposed, sliced, expanded) splits ``offs`` into per-dim
 indices with the runtime sizes and dots them with its runtime strides.
 
-That split costs an integer division per element and dim, which is measurable at full
-memory bandwidth. So a kernel that needs it also gets a *rows* variant (``<name>_rows``):
-each program covers one block of one row of the innermost dim, so the inner index is the
-lane's column and the outer indices are split once per program from the row number. The
+That split costs an integer division per element and dim. A kernel with an operand
+constant along some dim (a bias, a per-channel scale) also gets a *rows* variant
+(``<name>_rows``): each program covers one block of a few rows of the innermost dim, so
+the inner index is the lane's column and the outer indices are split once per row. (With
+no such operand the flat variant was as fast or faster on an H200: a strided copy of
+GPT-2's padded logits took 219 us flat and 232 in rows, ``bench_pointwise_rows.py``.) The
 launcher picks the rows variant when a row is wide enough to fill blocks without much
 padding (:func:`~fxlite.codegen.triton.launch_config`)::
 
     pid = tl.program_id(0)
-    r = pid // tl.cdiv(cols, BLOCK)
-    c = (pid - r * tl.cdiv(cols, BLOCK)) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < cols
+    nb = tl.cdiv(cols, BLOCK)
+    rb = pid // nb
+    r = rb * ROWS + tl.arange(0, ROWS)[:, None]
+    c = (pid - rb * nb) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    rmask = r < numel // cols
+    mask = (c < cols) & rmask
     offs = r * cols + c
     i1 = c
     x = tl.load(x_ptr + offs, mask=mask, other=0)
     b = tl.load(b_ptr + i1 * b_stride1, mask=mask, other=0)
+
+A program takes ``ROWS`` rows of one block each (a block of ``ROWS x BLOCK``), so that a
+short row does not make a program of a few hundred elements.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     nt = [d for d in range(plan.rank) if d not in plan.trivial]
     every = set(nt)
     needed: set[int] = set()
+    broadcast = False  # an operand constant along some dim (a bias, a per-channel scale)
     used = used_values(plan)
     loads: list[tuple[Value, Access]] = []
     for v in plan.values:
@@ -91,6 +100,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             off, strides = _strided(v.name, sdims)
             acc = Access(off, frozenset({"lin"}), strides)
             needed |= set(sdims)
+            broadcast |= set(sdims) != every
         loads.append((v, acc))
     stores: list[tuple[int, Value, Access]] = []
     for j, v in computed_outputs(plan):
@@ -101,6 +111,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             off, strides = _strided(f"out{j}", sorted(span))
             acc = Access(off, frozenset({"lin"}), strides, tuple(sorted(every - span)))
             needed |= every
+            broadcast |= span != every
         stores.append((j, v, acc))
 
     pid = "tl.program_id(0).to(tl.int64)" if plan.int64 else "tl.program_id(0)"
@@ -109,14 +120,16 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             f"{ind}mask = offs < numel"]
     decompose(flat, "offs", nt, needed, ind, "rem", fast=not plan.int64)
     variants = [("pointwise", plan.name, flat)]
-    if needed and len(nt) >= 2:
+    if needed and len(nt) >= 2 and broadcast:
         # Each program takes one block of one row of the innermost dim (consecutive
         # programs walk along a row): the row number and the outer indices are split
         # once per program, so no lane divides by a size.
         inner = nt[-1]
-        rows = [f"{ind}pid = {pid}", f"{ind}r = pid // tl.cdiv(cols, BLOCK)",
-                f"{ind}c = (pid - r * tl.cdiv(cols, BLOCK)) * BLOCK + tl.arange(0, BLOCK)",
-                f"{ind}mask = c < cols", f"{ind}offs = r * cols + c"]
+        rows = [f"{ind}pid = {pid}", f"{ind}nb = tl.cdiv(cols, BLOCK)", f"{ind}rb = pid // nb",
+                f"{ind}r = rb * ROWS + tl.arange(0, ROWS)[:, None]",
+                f"{ind}c = (pid - rb * nb) * BLOCK + tl.arange(0, BLOCK)[None, :]",
+                f"{ind}rmask = r < numel // cols", f"{ind}mask = (c < cols) & rmask",
+                f"{ind}offs = r * cols + c"]
         if inner in needed:
             rows.append(f"{ind}i{inner} = c")
         decompose(rows, "r", nt[:-1], needed - {inner}, ind, "rem", fast=not plan.int64)
@@ -127,11 +140,15 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     for variant, _, prologue in variants:
         e = Emitter(libdevice=libdevice, index="offs", space=frozenset(nt))
         e.lines += prologue
-        e.lines += scalar_lines(plan, used, "[BLOCK]", ind)
+        block = "[ROWS, BLOCK]" if variant == "rows" else "[BLOCK]"
+        e.lines += scalar_lines(plan, used, block, ind)
         for v, acc in loads:
-            if variant == "rows" and not _along(acc, nt[-1]):
-                acc = Access(acc.offset, frozenset(), acc.strides)  # one element per row
-            e.lines.append(ind + load_line(v, acc, "mask", "[BLOCK]"))
+            if variant == "rows" and not _along(acc, nt[-1]) and acc.offset:
+                # one element per row, spread over the row's block
+                name, load = load_line(v, acc, "rmask", block).split(" = ", 1)
+                e.lines.append(f"{ind}{name} = tl.broadcast_to({load}, {block})")
+                continue
+            e.lines.append(ind + load_line(v, acc, "mask", block))
         for v in plan.values:
             if v.kind in ("pw", "count"):
                 emit_value(e, v, ind)
@@ -149,6 +166,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     sig, args, nospec = signature(plan, "\n".join(bodies), used, loads, stores, counts)
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
     text = header("\n".join(bodies), helpers)
-    for (_, fn, _), body in zip(variants, bodies):
-        text += f"\n\n{deco}\ndef {fn}({', '.join(sig)}, BLOCK: tl.constexpr):\n{body}\n"
+    for (variant, fn, _), body in zip(variants, bodies):
+        rows = ", ROWS: tl.constexpr" if variant == "rows" else ""
+        text += f"\n\n{deco}\ndef {fn}({', '.join(sig)}, BLOCK: tl.constexpr{rows}):\n{body}\n"
     return KernelSource(text, {variant: fn for variant, fn, _ in variants}, args)

@@ -394,19 +394,23 @@ def test_rows_variant_for_wide_inner_dims():
     """Broadcast or strided inputs with a wide innermost dim launch the rows variant (no
     per-element division); narrow ones keep the flat variant. Both come from one spec."""
     f = lambda a, b: torch.relu(a + 1) * b  # noqa: E731
-    k = check(f, rand(3, 256), rand(256))
+    k = check(f, rand(3, 512), rand(512))
     assert "_rows("  in k.source and "i1 = c" in k.source and "% size" not in \
         k.source.split("_rows(")[1]
     spec = k._current
-    assert spec.config((3, 256))[1]["variant"] == "rows"
-    for a, b in [(rand(5, 128), rand(128)),                      # pads by nothing
-                 (rand(2, 3, 384), rand(3, 1)),                   # outer dims from the row id
-                 (rand(4, 3, 129), rand(1, 3, 129)),              # a ragged last block
+    assert spec.config((3, 512))[1]["variant"] == "rows"
+    assert spec.config((3, 256))[1] == {"variant": "rows", "BLOCK": 256, "ROWS": 4,
+                                        "num_warps": 4}  # 4 rows a program: 3 are real
+    for a, b in [(rand(5, 512), rand(512)),                      # pads by nothing
+                 (rand(5, 256), rand(256)),                      # 4 rows a program, 5 rows
+                 (rand(3, 3, 768), rand(768)),                   # 3 blocks a row
+                 (rand(2, 3, 1024), rand(3, 1)),                  # outer dims from the row id
+                 (rand(2, 3, 4600), rand(1, 3, 4600)),            # a ragged last block
                  (rand(7, 5), rand(5)),                           # narrow: the flat variant
-                 (rand(256, 6).t(), rand(6, 1)),                  # transposed, wide rows
-                 (rand(3, 1).expand(3, 640), rand(640)),          # expanded
-                 (rand(2, 3, 200)[:, :, ::2], rand(3, 100)),     # sliced inner dim
-                 (torch.empty(0, 256, device=DEVICE), rand(256))]:
+                 (rand(1024, 6).t(), rand(6, 1)),                 # transposed, wide rows
+                 (rand(3, 1).expand(3, 1024), rand(1024)),        # expanded
+                 (rand(2, 3, 2048)[:, :, ::2], rand(3, 1024)),    # sliced inner dim
+                 (torch.empty(0, 512, device=DEVICE), rand(512))]:
         same(k(a, b), f(a, b))
     before = k.compilations
     for a, b in [(rand(9, 512), rand(512)), (rand(4, 7), rand(7))]:  # rows, then flat
@@ -414,15 +418,19 @@ def test_rows_variant_for_wide_inner_dims():
     assert k.compilations == before  # the variant is picked per launch, not per key
     k2 = check(lambda a, c: (a * c, torch.relu(a * c), c * 2), rand(4, 1024), rand(1024))
     assert k2._current.config((4, 1024))[1]["variant"] == "rows"
-    check(lambda a, c: a // 7 + c, rand(2, 256, dtype=torch.int32), rand(256, dtype=torch.int32))
-    check(lambda a, c: a * c, rand(3, 256, dtype=torch.float16), rand(256))
+    sliced = check(lambda a: a * 2, rand(4, 2048)[:, :1024])  # strided, nothing broadcast
+    assert "_rows(" not in sliced.source  # the flat variant: as fast, one binary fewer
+    check(lambda a, c: a // 7 + c, rand(2, 512, dtype=torch.int32), rand(512, dtype=torch.int32))
+    check(lambda a, c: a * c, rand(3, 512, dtype=torch.float16), rand(512))
 
 
 def test_launch_heuristic():
     assert launch_config("pointwise", 10**6) == {"variant": "pointwise", "BLOCK": 1024,
                                                   "num_warps": 4}
     assert launch_config("pointwise", 8192 * 8192, 8192)["variant"] == "rows"
-    assert launch_config("pointwise", 64 * 768, 768)["BLOCK"] == 256  # 3 blocks, no padding
+    assert launch_config("pointwise", 64 * 1536, 1536)["BLOCK"] == 512  # 3 blocks, no padding
+    assert launch_config("pointwise", 64 * 768, 768) == {"variant": "rows", "BLOCK": 256,
+                                                         "ROWS": 4, "num_warps": 4}
     assert launch_config("pointwise", 64 * 200, 200)["variant"] == "pointwise"  # 28% padding
     assert launch_config("pointwise", 64 * 100, 100)["variant"] == "pointwise"
     cfg = launch_config("reduction", 8192, 8192)
