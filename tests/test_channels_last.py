@@ -352,3 +352,20 @@ def test_the_conversions_are_copy_kernels_that_follow_weight_writes(channels_las
             assert out.is_contiguous(memory_format=CL) and not out.is_contiguous()
             torch.testing.assert_close(out, t, rtol=0, atol=0)
     assert not compiled.fallbacks
+
+
+@pytest.mark.parametrize("fmt, shape", [(CL, (4, 3, 3, 3)), (torch.channels_last_3d, (4, 3, 3, 3, 3))],
+                         ids=["2d", "3d"])
+def test_a_clone_to_channels_last_that_no_kernel_reads_is_a_kernel_with_eagers_strides(fmt, shape):
+    pytest.importorskip("triton")
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    compiled = fxlite.compile(lambda w: torch.clone(w, memory_format=fmt))
+    for _ in range(3):  # fresh values each call
+        w = torch.randn(*shape)
+        got, want = compiled(w), torch.clone(w, memory_format=fmt)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.stride() == want.stride()
+    assert len(compiled.kernels) == 1 and not compiled.fallbacks
