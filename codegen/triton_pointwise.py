@@ -121,9 +121,9 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     decompose(flat, "offs", nt, needed, ind, "rem", fast=not plan.int64)
     variants = [("pointwise", plan.name, flat)]
     if needed and len(nt) >= 2 and broadcast:
-        # Each program takes one block of one row of the innermost dim (consecutive
-        # programs walk along a row): the row number and the outer indices are split
-        # once per program, so no lane divides by a size.
+        # Each program takes one block of ROWS rows of the innermost dim (consecutive
+        # programs walk along the rows): the outer indices are split once per row, so no
+        # lane divides by a size.
         inner = nt[-1]
         rows = [f"{ind}pid = {pid}", f"{ind}nb = tl.cdiv(cols, BLOCK)", f"{ind}rb = pid // nb",
                 f"{ind}r = rb * ROWS + tl.arange(0, ROWS)[:, None]",
