@@ -154,7 +154,9 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
                 emit_value(e, v, ind)
         for j, v, acc in stores:
             if variant == "rows":
-                pad = "" if _along(acc, nt[-1]) else " + 0 * c"
+                # the address covers the whole [ROWS, BLOCK] block, as the value does (an
+                # output along the columns alone would address one row: [1, BLOCK])
+                pad = "" if acc.offset == "offs" else " + 0 * offs"
                 line = store_line(e, f"out{j}_ptr", v, acc, "mask", pad, " + 0 * c")
             else:
                 pad = "" if acc.offset else " + 0 * offs"

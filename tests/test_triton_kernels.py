@@ -418,6 +418,11 @@ def test_rows_variant_for_wide_inner_dims():
     assert k.compilations == before  # the variant is picked per launch, not per key
     k2 = check(lambda a, c: (a * c, torch.relu(a * c), c * 2), rand(4, 1024), rand(1024))
     assert k2._current.config((4, 1024))[1]["variant"] == "rows"
+    # an output along the columns alone, next to a full one, with 4 rows a program (a
+    # BatchNorm's mean next to its normalized values: was a compile error on the GPU)
+    k3 = check(lambda a, c: (a * (c / 2), c / 2), rand(8, 256), rand(256))
+    assert k3._current.config((8, 256))[1]["ROWS"] == 4
+    check(lambda a, r: (a * (r / 2), r / 2), rand(8, 256), rand(8, 1))  # along the rows alone
     sliced = check(lambda a: a * 2, rand(4, 2048)[:, :1024])  # strided, nothing broadcast
     assert "_rows(" not in sliced.source  # the flat variant: as fast, one binary fewer
     check(lambda a, c: a // 7 + c, rand(2, 512, dtype=torch.int32), rand(512, dtype=torch.int32))
