@@ -85,9 +85,10 @@ def gpt2_block_case(dtype):
             dtype)
 
 
-# Steps before timing, for every contender alike: fxlite's trial takes 8 calls and its
-# CUDA graphs (reduce-overhead) observe 3 more before capturing.
-WARMUP = 16
+# Steps before timing, for every contender alike: fxlite's trial takes 10 calls, and 16
+# under reduce-overhead for a training step (each side is observed 3 times and captured
+# before it is timed: codegen/trial.py).
+WARMUP = 24
 
 
 def time_steps(step, model, opt, data, steps):

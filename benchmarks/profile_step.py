@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from bench_training import gpt2_block_case, resnet18_case, time_steps  # noqa: E402
+from bench_training import WARMUP, gpt2_block_case, resnet18_case, time_steps  # noqa: E402
 
 import fxlite  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> None:
     for label, fn in contenders:
         model = copy.deepcopy(base)
         opt = make_opt(model)
-        for i in range(16):
+        for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)

@@ -20,6 +20,10 @@ timed one at a time, with the GPU idle at each start, kernels that save GPU time
 host cost lost to the recorded ops (convnext_tiny on an H200: 6.94 ms against 5.99 a call
 in the trial, while in a loop they took 4.50 against eager's 5.55).
 
+Under ``mode="reduce-overhead"`` a training segment's two sides both replay from CUDA
+graphs while on trial (each is observed and captured first, ``warm`` calls a side), so
+that GPU time decides rather than the kernels' host cost (``_graphed_trial``).
+
 Both sides give eager's results (the compiled one was checked; the recorded one is the
 user's own ops), so the trial costs only the synchronizations of its six timed calls. When
 the recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why.
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.pipeline import CompiledSegment, direct_forward
-from fxlite.codegen.segment_graphs import SegmentGraphs, runs_backward
+from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs, runs_backward
 
 __all__ = ["Trial", "choose_runner"]
 
@@ -54,9 +58,11 @@ class Trial:
     """
 
     def __init__(self, compiled: Callable[..., Any], recorded: Callable[..., Any],
-                 decide: Callable[[bool, float, float], None], repeat: int = 1) -> None:
+                 decide: Callable[[bool, float, float], None], repeat: int = 1,
+                 warm: int = _WARM) -> None:
         self.sides = (compiled, recorded)
         self.repeat = repeat  # runs per timed call (pure segments only: see the docstring)
+        self.warm = warm  # untimed calls of each side
         self.times: tuple[list[float], list[float]] = ([], [])
         self.calls = 0
         self.decide = decide
@@ -65,7 +71,7 @@ class Trial:
     def __call__(self, *args: Any) -> Any:
         turn, self.calls = self.calls, self.calls + 1
         side = turn % 2
-        if turn < 2 * _WARM or self.done:  # warm-ups (caches, allocator) are not timed
+        if turn < 2 * self.warm or self.done:  # warm-ups (caches, allocator) are not timed
             return self.sides[side](*args)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -85,13 +91,18 @@ def choose_runner(seg: Any, cuda: bool, graphed: bool) -> Callable[..., Any]:
     """What runs a compiled segment ``seg`` (``seg.compiled`` set by the pipeline).
 
     On a GPU a segment with kernels goes on trial against its recorded ops; under
-    ``mode="reduce-overhead"`` (``graphed``) the winner runs from CUDA graphs, and a
-    training segment replays its recorded ops from them straight away.
+    ``mode="reduce-overhead"`` (``graphed``) the winner runs from CUDA graphs. A training
+    segment under ``graphed`` is tried with both sides replayed from CUDA graphs, since
+    its kernels' host cost (an autograd node a group) is gone there.
     """
     compiled = seg.compiled
+    on_trial = bool(compiled.kernels) and cuda and os.environ.get("FXLITE_TRIAL") != "0"
     if graphed and _trains(seg, compiled):
-        return _graphed_recording(seg, compiled)
-    if compiled.kernels and cuda and os.environ.get("FXLITE_TRIAL") != "0":
+        if on_trial:
+            return _graphed_trial(seg)
+        if not compiled.kernels:
+            return _graphed_recording(seg, compiled)
+    if on_trial:
         return _on_trial(seg, graphed)
     if graphed:
         return SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks)
@@ -125,16 +136,40 @@ def _trains(seg: Any, compiled: CompiledSegment) -> bool:
         hasattr(k, "_variants") for k in compiled.kernels)
 
 
+def _graphed_trial(seg: Any) -> Trial:
+    """A training segment under ``mode="reduce-overhead"``: its kernels and its recorded
+    ops both replay from CUDA graphs, and real calls decide between them.
+
+    With the host cost gone, what decides is GPU time. Measured on an H200 (steps of
+    ``bench_training.py``): a GPT-2 block's fused forward and backward kernels kept the GPU
+    busy 0.85 ms a step against 1.10 for its recorded ops (f32; bf16 0.50 against 0.81),
+    while resnet18's took 2.69 ms against 2.05 (cuDNN's batch norms and convolutions,
+    channels-last). Each side is observed and captured first (``WARMUP`` calls, then the
+    capture), so both hold graphs until the trial ends; the loser's are then dropped.
+    """
+    compiled = seg.compiled
+    gm = compiled.recorded if compiled.recorded is not None else seg.gm
+    recorded = CompiledSegment(direct_forward(gm), gm)
+    sides = (SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
+             SegmentGraphs(gm, recorded.run, recorded.fallbacks))
+
+    def decide(kernels_win: bool, ours: float, theirs: float) -> None:
+        if not kernels_win:
+            recorded.fallbacks.append(
+                f"replayed from CUDA graphs, its recorded ops ran faster than its "
+                f"{len(compiled.kernels)} kernels ({theirs:.3f} ms against {ours:.3f} ms a "
+                "call, medians of real calls), so they run instead")
+        seg.compiled = compiled if kernels_win else recorded
+        seg.run = sides[0 if kernels_win else 1]
+
+    return Trial(*sides, decide, warm=WARMUP + 2)
+
+
 def _graphed_recording(seg: Any, compiled: CompiledSegment) -> SegmentGraphs:
-    """Under ``mode="reduce-overhead"`` a training segment replays its recorded ops from
-    CUDA graphs. Measured on an H200 with the host cost gone, cuDNN's and cuBLAS's
-    forward and backward beat the fused autograd groups or tie with them (resnet18 step:
-    2.4 ms of GPU time against 3.5; GPT-2 block: 1.56 ms a step against 1.57)."""
+    """Under ``mode="reduce-overhead"`` a training segment without kernels replays its
+    recorded ops (with the rewrites that need no kernels, such as fused optimizer steps)
+    from CUDA graphs."""
     gm = compiled.recorded if compiled.recorded is not None else compiled.gm
     recorded = CompiledSegment(direct_forward(gm), gm)
-    if compiled.kernels:
-        recorded.fallbacks.append(
-            f"mode='reduce-overhead' replays the recorded ops of this training segment from "
-            f"CUDA graphs instead of its {len(compiled.kernels)} kernels")
     seg.compiled = recorded
     return SegmentGraphs(gm, recorded.run, recorded.fallbacks)

@@ -842,6 +842,37 @@ def test_a_trial_keeps_the_faster_side_after_timed_calls(monkeypatch, slow):
     assert calls["compiled"] >= 4 and calls["recorded"] >= 4
 
 
+def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_graphs(
+        monkeypatch):
+    # Under mode="reduce-overhead" a training segment's kernels lose no host time to their
+    # autograd nodes: both sides replay from CUDA graphs on trial, each observed and
+    # captured before it is timed, and the loser's graphs go.
+    from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs
+    from fxlite.codegen.trial import Trial, choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    m = LinearRelu().to(DEVICE)
+    c = fxlite.compile(lambda x: m(x).sum())
+    c(rand(4, 8)).backward()
+    seg = c._last[0]
+    kernels = list(seg.compiled.kernels)
+    assert any(hasattr(k, "_variants") for k in kernels)  # autograd groups: a training one
+    trial = choose_runner(seg, cuda=True, graphed=True)
+    assert isinstance(trial, Trial) and trial.warm == WARMUP + 2
+    ours, theirs = trial.sides
+    assert all(isinstance(s, SegmentGraphs) for s in trial.sides)
+    assert ours.gm is seg.compiled.gm and theirs.gm is not ours.gm
+    assert not any(hasattr(n.target, "_variants") for n in theirs.gm.graph.nodes)
+    trial.decide(False, 2.0, 1.0)
+    assert seg.run is theirs and not seg.compiled.kernels
+    assert "recorded ops ran faster than its" in seg.compiled.fallbacks[-1]
+    # without the trial (FXLITE_TRIAL=0) the kernels replay
+    seg.compiled.kernels, seg.compiled.gm = kernels, ours.gm
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    run = choose_runner(seg, cuda=True, graphed=True)
+    assert isinstance(run, SegmentGraphs) and run.gm is ours.gm
+
+
 def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
     # The compiled side's first calls write its straight-line forward, and write it again
     # (twice at most) once its kernels' launches are prepared: three slow calls at worst.
