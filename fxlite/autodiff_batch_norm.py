@@ -12,8 +12,8 @@ that updates the running statistics as eager does::
                                              var = sum(c * c, (0, 2, 3), keepdim=True) / n
                                              y = c * rsqrt(var + eps) * w[:, None, None] + b[...]
                                              ...
-                                             update_running_stats(bn.running_mean, bn.running_var,
-                                                 bn.num_batches_tracked, mean, var, n, 0.1)
+                                             update_running_stats((bn.running_mean, bn.running_var,
+                                                 bn.num_batches_tracked, mean, var, n, 0.1), ...)
 
 Halves (fp16, bf16) are cast to fp32 first and ``y`` back at the end, as eager's kernel
 computes: the statistics and the normalization are all fp32. Normalization uses the
@@ -32,29 +32,67 @@ import torch
 __all__ = ["batch_norm_train", "per_channel", "update_running_stats"]
 
 
-def update_running_stats(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                         num_batches_tracked: torch.Tensor | None, mean: torch.Tensor,
-                         var: torch.Tensor, n: int, momentum: float | None) -> None:
-    """Update BatchNorm's buffers in place from the batch ``mean`` and biased ``var``.
+def update_running_stats(*stats: tuple) -> None:
+    """Update the buffers of every training-mode BatchNorm of a graph, in place.
 
-    ``running = momentum * batch + (1 - momentum) * running``, eager's formula; with
-    ``momentum=None`` the factor is ``1 / num_batches_tracked`` (after its increment).
+    Each of ``stats`` is ``(running_mean, running_var, num_batches_tracked, mean, var, n,
+    momentum)`` for one BatchNorm: its buffers (any may be None), the batch ``mean`` and
+    biased ``var`` and the number ``n`` of values behind them. Eager's formula,
+    ``running = momentum * batch + (1 - momentum) * running`` with the unbiased variance
+    ``var * n / (n - 1)``, rounded as eager rounds it; ``momentum=None`` is the
+    cumulative average (``1 / num_batches_tracked`` after its increment).
+
+    One call for all of them, with torch's multi-tensor (``_foreach``) ops: a handful of
+    launches for a network rather than about ten small kernels per BatchNorm (resnet18's
+    training step made 200 of them, 0.3 ms of GPU time on an H200).
     """
+    buffers = [id(b) for s in stats for b in s[:3] if b is not None]
+    if len(set(buffers)) < len(buffers) and len(stats) > 1:
+        # a BatchNorm called twice: its updates apply in order (one multi-tensor launch
+        # would write the buffer from two places at once)
+        for entry in stats:
+            update_running_stats(entry)
+        return
     with torch.no_grad():
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-        if (running_mean is None and running_var is None) or mean.numel() == 0 or n == 0:
-            return  # no statistics, or no channels or no values in them (eager leaves
-            # the buffers as they are)
-        factor: Any = momentum
-        if factor is None:  # a 0-d tensor: no host sync on a GPU
-            factor = 1.0 / num_batches_tracked.double() if num_batches_tracked is not None else 0.0
-        if running_mean is not None:
-            batch = mean.reshape(running_mean.shape).to(running_mean.dtype)
-            running_mean.copy_(batch * factor + running_mean * (1 - factor))
-        if running_var is not None:
-            unbiased = var.reshape(running_var.shape).to(running_var.dtype) * (n / max(n - 1, 1))
-            running_var.copy_(unbiased * factor + running_var * (1 - factor))
+        counters = [s[2] for s in stats if s[2] is not None]
+        if counters:
+            torch._foreach_add_(counters, 1)
+        runs: tuple[list[Any], list[Any]] = ([], [])  # running_mean / running_var buffers
+        batch: tuple[list[Any], list[Any]] = ([], [])  # their batch values
+        factors: tuple[list[float], list[float]] = ([], [])
+        unbias: list[float] = []
+        for running_mean, running_var, tracked, mean, var, n, momentum in stats:
+            if (running_mean is None and running_var is None) or mean.numel() == 0 or n == 0:
+                continue  # no statistics, or no channels or no values in them (eager
+                # leaves the buffers as they are)
+            if momentum is None:  # a 0-d tensor factor (no host sync on a GPU): one by one
+                _cumulative(running_mean, running_var, tracked, mean, var, n)
+                continue
+            for k, run, value in ((0, running_mean, mean), (1, running_var, var)):
+                if run is not None:
+                    runs[k].append(run)
+                    batch[k].append(value.reshape(run.shape).to(run.dtype))
+                    factors[k].append(momentum)
+            if running_var is not None:
+                unbias.append(n / max(n - 1, 1))
+        if batch[1]:
+            batch = (batch[0], torch._foreach_mul(batch[1], unbias))
+        for k in (0, 1):
+            if runs[k]:
+                scaled = torch._foreach_mul(batch[k], factors[k])
+                torch._foreach_mul_(runs[k], [1 - f for f in factors[k]])
+                torch._foreach_add_(runs[k], scaled)
+
+
+def _cumulative(running_mean: Any, running_var: Any, tracked: Any, mean: torch.Tensor,
+                var: torch.Tensor, n: int) -> None:
+    factor: Any = 1.0 / tracked.double() if tracked is not None else 0.0
+    if running_mean is not None:
+        value = mean.reshape(running_mean.shape).to(running_mean.dtype)
+        running_mean.copy_(value * factor + running_mean * (1 - factor))
+    if running_var is not None:
+        unbiased = var.reshape(running_var.shape).to(running_var.dtype) * (n / max(n - 1, 1))
+        running_var.copy_(unbiased * factor + running_var * (1 - factor))
 
 
 update_running_stats._is_impure = True  # type: ignore[attr-defined]  # DCE keeps it
@@ -142,6 +180,7 @@ def batch_norm_train(gm: Any) -> Any:
     tracer = GraphAppendingTracer(graph)
     output = graph.output_node()
     created: list[Any] = []
+    updates: list[tuple] = []
     for node in list(graph.nodes):
         if node.op == "call_module":
             args = _module_args(gm, node)
@@ -164,10 +203,12 @@ def batch_norm_train(gm: Any) -> Any:
         node.replace_all_uses_with(y.node)
         graph.erase_node(node)
         if any(args[k] is not None for k in ("running_mean", "running_var", "num_batches_tracked")):
-            with graph.inserting_before(output):
-                graph.call_function(update_running_stats, (
-                    args["running_mean"], args["running_var"], args["num_batches_tracked"],
-                    mean.node, var.node, n.node if isinstance(n, Proxy) else n, args["momentum"]))
+            updates.append((args["running_mean"], args["running_var"], args["num_batches_tracked"],
+                            mean.node, var.node, n.node if isinstance(n, Proxy) else n,
+                            args["momentum"]))
+    if updates:  # one call at the end for all of them
+        with graph.inserting_before(output):
+            graph.call_function(update_running_stats, tuple(updates))
     normalize_graph(graph, gm, [n for n in created if not n._erased])
     graph.eliminate_dead_code()
     graph.lint()

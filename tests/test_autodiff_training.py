@@ -179,3 +179,62 @@ def test_batch_norm_training_matches_eager_over_steps(dtype, directions):
     assert model.bn1.num_batches_tracked.item() == 3
     assert "backward" in directions
     assert not fallbacks(fused)
+
+
+class SharedNorms(nn.Module):
+    """A BatchNorm called twice, one with another momentum, one cumulative."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.shared = nn.BatchNorm2d(4)
+        self.slow = nn.BatchNorm2d(4, momentum=0.01)
+        self.cumulative = nn.BatchNorm2d(4, momentum=None)
+
+    def forward(self, x):
+        y = self.shared(self.conv(x))
+        y = self.shared(torch.relu(y) * 2) + self.slow(y)
+        return self.cumulative(y).mean((1, 2, 3))
+
+
+def test_running_stats_update_in_one_call_as_eager_updates_them():
+    # One multi-tensor update at the end of the graph for every BatchNorm; a BatchNorm
+    # called twice gets its two updates in order, as in eager.
+    from fxlite.autodiff_batch_norm import update_running_stats
+
+    torch.manual_seed(0)
+    model = SharedNorms().to(DEVICE).train()
+    eager = copy.deepcopy(model)
+    fused, _ = compile_training(model, torch.randn(2, 3, 6, 6, device=DEVICE))
+    updates = [n for n in fused.graph.nodes if n.target is update_running_stats]
+    assert len(updates) == 1 and len(updates[0].args) == 4
+    for _ in range(3):
+        x = torch.randn(2, 3, 6, 6, device=DEVICE)
+        torch.testing.assert_close(fused(x), eager(x), rtol=1e-4, atol=1e-5)
+    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.shared.num_batches_tracked.item() == 6
+
+
+def test_running_stats_update_without_duplicates_is_one_batch(monkeypatch):
+    # The multi-tensor path itself: three BatchNorms' buffers, the same values as the
+    # formula applied one by one.
+    from fxlite.autodiff_batch_norm import update_running_stats
+
+    calls = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *a: calls.append(len(a[0])) or real(*a))
+    torch.manual_seed(0)
+    stats, want = [], []
+    for c, m in ((3, 0.1), (5, 0.3), (2, 0.1)):
+        rm, rv, nbt = torch.randn(c), torch.rand(c) + 0.5, torch.tensor(4)
+        mean, var = torch.randn(1, c, 1, 1), torch.rand(1, c, 1, 1)
+        want.append((mean.flatten() * m + rm * (1 - m),
+                     var.flatten() * (10 / 9) * m + rv * (1 - m)))
+        stats.append((rm, rv, nbt, mean, var, 10, m))
+    update_running_stats(*stats)
+    assert calls == [3, 3]  # running means, then running variances: one launch each
+    for (rm, rv, nbt, *_), (m, v) in zip(stats, want):
+        torch.testing.assert_close(rm, m, rtol=0, atol=0)
+        torch.testing.assert_close(rv, v, rtol=0, atol=0)
+        assert nbt.item() == 5
