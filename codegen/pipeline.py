@@ -44,6 +44,9 @@ __all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segmen
 
 
 PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
+# training segments: fused groups joined by table ops differentiate as one region
+# (passes/autograd_regions.py); FXLITE_REGIONS=0 keeps one autograd node per group
+REGIONS = os.environ.get("FXLITE_REGIONS", "1") != "0"
 # Conv inputs in channels-last on CUDA (passes/channels_last.py); FXLITE_CHANNELS_LAST=0
 # turns it off. On an H200 it cut resnet50's bf16 forward at batch 32 from 3.7 to 1.85 ms
 # of GPU time, and resnet18's training step from 2.43 to 2.04.
@@ -243,6 +246,10 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     if cuda and not interpreting():
         use_pool_kernels(gm)  # max-pools that write no indices
     fused = fuse(gm)
+    if _needs_autograd(gm) and REGIONS:
+        from fxlite.passes.autograd_regions import autograd_regions
+
+        fused = autograd_regions(fused)  # groups joined by table ops: one autograd node
     if cuda and PRECOMPILE and not interpreting():  # every distinct kernel at once, in parallel
         from fxlite.codegen.triton_precompile import precompile
 
@@ -403,8 +410,8 @@ class _KernelCheck(_Replay):
         sub = self.fetch_attr(target)
         if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
             return sub(*args, **kwargs)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                           for a in args):
+        if sub.meta["fused_kind"] == "region" or torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._autograd_group(target, getattr(sub, "inner", sub), args)
         from fxlite.codegen.triton import generate_kernel
 

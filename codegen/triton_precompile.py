@@ -86,8 +86,8 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
         if node.op != "call_module":
             continue
         sub = gm.get_submodule(node.target)
-        if not getattr(sub, "meta", {}).get("fused_kind"):
-            continue
+        if getattr(sub, "meta", {}).get("fused_kind") in (None, "region"):
+            continue  # (a region's kernels come from its autodiff graphs)
         groups += 1
         inputs = _example_inputs(sub)
         if inputs is None:

@@ -1,0 +1,233 @@
+"""autograd_regions: fused groups joined by table ops become one region for autodiff.
+
+In a training segment each fused group runs as an autograd node of its own
+(``codegen/autograd.py``). A value read by two groups then gets two gradients, which
+torch's autograd engine adds with a kernel of its own, and each group saves or rewrites
+its own copies of what its backward needs. A training-mode BatchNorm is five groups
+(sums in two stages, the centred values, the normalization), so resnet18's step made 91
+such additions and 57 autograd nodes. ``autograd_regions`` joins groups that only table
+ops connect into one *region*: a flat graph of table ops that autodiff differentiates as
+a whole (``fxlite.autodiff``) and the kernel pipeline fuses again, forward and backward
+(``codegen/autograd_pipeline.py``)::
+
+    before                                       after
+        s = fused_0(x)              # sum (2, 3)     r = region_0(x, n, w, b)
+        t = torch.sum(s, (0, 2, 3))                  mean = r[0]
+        u = fused_1(t, n, x)        # mean, x - mean var = r[1]
+        m, c, q = u[0], u[1], u[2]                   y = r[2]
+        v = torch.sum(q, (0, 2, 3))
+        y = fused_2(v, n, c, w, b)  # normalize, relu
+
+What joins: calls of fused groups whose every op has a derivative rule, their
+``getitem``s, and pure table ops with a derivative rule (such as the outer sums of
+``split_sums``) between them. Regions stay convex (no path leaves one and comes back)
+and never span an impure node, as fuse's groups; only regions of two groups or more are
+made. The region's call takes the place of its last node.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Any
+
+import fxlite.op_derivatives  # noqa: F401  (puts the derivative rules on the op table)
+from fxlite.graph import Graph
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, map_arg
+from fxlite.ops import is_impure, resolve
+
+from .split_module import set_call_meta, unpack_outputs
+
+__all__ = ["autograd_regions"]
+
+GROUP_KINDS = ("pointwise", "reduction")
+
+
+def autograd_regions(gm: GraphModule) -> GraphModule:
+    """Join the fused groups of ``gm`` (``fuse``'s result) into regions (see the module
+    docstring); ``gm`` is changed in place and returned.
+
+    Each region is a submodule ``region_<i>`` with ``meta["fused_kind"] == "region"`` and
+    ``meta["nodes"]`` (the names of the ops in it).
+    """
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    window = _impure_windows(nodes, gm)
+    region_of: dict[Node, set[Node]] = {}
+    for n in nodes:
+        if not _joins(n, gm):
+            continue
+        region = {n}
+        region_of[n] = region
+        for p in n.all_input_nodes:
+            other = region_of.get(p)
+            if other is None or other is region or window[p] != window[n]:
+                continue
+            if _convex(other | region, index):
+                region |= other
+                for m in region:
+                    region_of[m] = region
+    seen: set[int] = set()
+    made = 0
+    for region in list(region_of.values()):
+        if id(region) in seen:
+            continue
+        seen.add(id(region))
+        groups = [m for m in region if m.op == "call_module"]
+        if len(groups) >= 2 and _replace(gm, sorted(region, key=index.__getitem__),
+                                         f"region_{made}"):
+            made += 1
+    if made:
+        _reorder(gm)
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
+    """The number of impure nodes before each node (regions stay inside one window)."""
+    out, count = {}, 0
+    for n in nodes:
+        if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm):
+            count += 1
+        out[n] = count
+    return out
+
+
+def _differentiable(n: Node, gm: GraphModule) -> bool:
+    found = resolve(n, gm)
+    return found is not None and found[0].vjp is not None and not is_impure(n, gm)
+
+
+def _joins(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` may be part of a region."""
+    if n.op == "call_module":
+        sub = gm.get_submodule(n.target)
+        if getattr(sub, "meta", {}).get("fused_kind") not in GROUP_KINDS or n.kwargs:
+            return False
+        inner = getattr(sub, "inner", sub)
+        if _tuple(n) and not all(u.op == "call_function" and u.target is operator.getitem
+                                 and _tensor(u) for u in n.users):
+            return False  # its results must each be a value the region can return
+        return all(m.op in ("placeholder", "output") or (
+            m.op in ("call_function", "call_method") and _differentiable(m, inner))
+            for m in inner.graph.nodes)
+    if n.op != "call_function":
+        return n.op == "call_method" and _tensor(n) and _differentiable(n, gm)
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, Node) and src.op == "call_module" and _tensor(n)
+    return _tensor(n) and _differentiable(n, gm)
+
+
+def _tensor(n: Node) -> bool:
+    return hasattr(n.meta.get("tensor_meta"), "shape")
+
+
+def _convex(region: set[Node], index: dict[Node, int]) -> bool:
+    """No path leaves ``region`` and comes back into it."""
+    last = max(index[n] for n in region)
+    stack = [u for n in region for u in n.users if u not in region and index[u] < last]
+    seen: set[Node] = set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        for w in u.users:
+            if w in region:
+                return False
+            if index[w] < last:
+                stack.append(w)
+    return True
+
+
+def _replace(gm: GraphModule, members: list[Node], name: str) -> bool:
+    """Put one call of a new flat region module in place of ``members``; False (and
+    ``gm`` unchanged) when the region returns nothing."""
+    inside = set(members)
+    inputs: dict[Node, None] = {}
+    for n in members:
+        for p in n.all_input_nodes:
+            if p not in inside:
+                inputs[p] = None
+    outputs = [n for n in members if any(u not in inside for u in n.users)
+               and not (n.op == "call_module" and _tuple(n))]
+    if not outputs:
+        return False
+    graph = Graph()
+    env: dict[Node, Any] = {}
+    for p in inputs:
+        ph = graph.placeholder(p.name)
+        ph.meta.update({k: p.meta[k] for k in ("tensor_meta", "type") if k in p.meta})
+        env[p] = ph
+    names: list[str] = []
+    for n in members:
+        if n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            inner = getattr(sub, "inner", sub)
+            names += sub.meta.get("nodes", [])
+            sub_env: dict[Node, Any] = {}
+            args = iter(n.args)
+            for m in inner.graph.nodes:
+                if m.op == "placeholder":
+                    sub_env[m] = map_arg(next(args), env.__getitem__)
+                elif m.op != "output":
+                    sub_env[m] = graph.node_copy(m, sub_env.__getitem__)
+            env[n] = map_arg(inner.graph.result, sub_env.__getitem__)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            env[n] = env[n.args[0]][n.args[1]]
+        else:
+            names.append(n.name)
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[o] for o in outputs) if len(outputs) > 1 else env[outputs[0]])
+    region = GraphModule(gm, graph, class_name=name)
+    region.meta = {"fused_kind": "region", "nodes": names}
+    gm.add_module(name, region)
+    parent = gm.graph
+    with parent.inserting_after(members[-1]):
+        call = parent.call_module(name, tuple(inputs))
+    set_call_meta(call, outputs)
+    mapped: dict[Node, Node] = {}
+    with parent.inserting_after(call):
+        unpack_outputs(parent, call, outputs, mapped)
+    for o in outputs:
+        o.replace_all_uses_with(mapped[o], delete_user_cb=lambda u: u not in inside)
+    for n in reversed(members):
+        parent.erase_node(n)
+        if n.op == "call_module":
+            gm.delete_submodule(n.target)
+    return True
+
+
+def _tuple(n: Node) -> bool:
+    tm = n.meta.get("tensor_meta")  # (a TensorMetadata is a named tuple too)
+    return n.meta.get("type") in (tuple, list) or isinstance(tm, tuple) and not hasattr(tm, "shape")
+
+
+def _reorder(gm: GraphModule) -> None:
+    """Put the graph in topological order again, keeping the old order where it may
+    (a region's call sits where its last node was; its readers between its first and
+    last node move after it; they are pure, as the region's window has no impure node)."""
+    nodes = list(gm.graph.nodes)
+    rank = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(rank[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order: list[Node] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (rank[u], u))
+    if len(order) != len(nodes):
+        raise RuntimeError("autograd_regions: the graph has a cycle (pass bug)")
+    if order == nodes:
+        return
+    anchor = order[0]
+    for n in order[1:]:
+        anchor.append(n)
+        anchor = n

@@ -1,0 +1,116 @@
+"""autograd_regions: fused groups joined by table ops differentiate as one region."""
+
+from __future__ import annotations
+
+# First: it sets TRITON_INTERPRET=1 (on CPU) before anything imports triton.
+from test_triton_kernels import DEVICE  # isort: skip
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fxlite.passes.autograd_regions import autograd_regions
+from fxlite.passes.decompose import decompose
+from fxlite.passes.fuse import fuse
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import ShapeProp
+
+import fxlite
+
+
+def _fused(fn, *args):
+    gm = decompose(normalize(fxlite.symbolic_trace(fn)))
+    ShapeProp(gm).propagate(*args)
+    return fuse(gm)
+
+
+def _calls(gm, kind):
+    return [n for n in gm.graph.nodes if n.op == "call_module"
+            and getattr(gm.get_submodule(n.target), "meta", {}).get("fused_kind") == kind]
+
+
+def test_groups_joined_by_a_table_op_become_one_region_with_the_same_results():
+    # A layer norm by hand over the leading dim: a sum fuse leaves out joins its groups.
+    def f(x, w):
+        mean = torch.sum(x, 0, keepdim=True) / x.shape[0]
+        c = x - mean
+        var = torch.sum(c * c, 0, keepdim=True)
+        return torch.relu(c * torch.rsqrt(var + 1e-5) * w), mean
+
+    x, w = torch.randn(6, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    gm = _fused(f, x, w)
+    assert len(_calls(gm, "pointwise") + _calls(gm, "reduction")) >= 2
+    want = gm(x, w)
+    out = autograd_regions(gm)
+    regions = _calls(out, "region")
+    assert len(regions) == 1 and not _calls(out, "pointwise") and not _calls(out, "reduction")
+    region = out.get_submodule(regions[0].target)
+    assert all(n.op in ("placeholder", "output", "call_function", "call_method")
+               for n in region.graph.nodes)  # flat: the groups' ops, inlined
+    for got, expected in zip(out(x, w), want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_region_never_reaches_across_an_extern_op():
+    # g1 -> matmul -> g2 and g1 -> g2: joining g1 and g2 would put the matmul both before
+    # and after the region (a cycle), so they stay apart.
+    def f(x, m):
+        a = torch.relu(x) * 2
+        b = torch.matmul(a, m)
+        return torch.tanh(b) + a.sum(-1, keepdim=True)
+
+    x, m = torch.randn(4, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE)
+    gm = _fused(f, x, m)
+    before = len(_calls(gm, "pointwise") + _calls(gm, "reduction"))
+    out = autograd_regions(gm)
+    assert not _calls(out, "region")
+    assert len(_calls(out, "pointwise") + _calls(out, "reduction")) == before
+    torch.testing.assert_close(out(x, m), f(x, m))
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        return F.relu(self.bn2(self.conv2(y)) + x)
+
+
+def test_a_training_step_runs_one_autograd_region_a_batch_norm():
+    # Each training-mode BatchNorm (its statistics in two-stage sums, the normalization,
+    # the ReLU and the residual add) is one region: one autograd node, one backward graph.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                          nn.ReLU(inplace=True), _ResBlock(16), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 10)).to(DEVICE)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
+
+    def step(net, optimizer, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    compiled = fxlite.compile(step)
+    for _ in range(3):  # 2 x 16 x 32 x 32: the statistics' sums split in two stages
+        x = torch.randn(2, 3, 32, 32, device=DEVICE)
+        y = torch.randint(0, 10, (2,), device=DEVICE)
+        torch.testing.assert_close(compiled(model, opt, x, y), step(eager, eager_opt, x, y),
+                                   rtol=1e-4, atol=1e-5)
+    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+    regions = [k for seg in compiled._last for k in seg.compiled.kernels
+               if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+    assert len(regions) == 3 and compiled.fallbacks == []
+    directions = {k.direction for k in compiled.kernels}
+    assert directions == {"forward", "backward"}
+
