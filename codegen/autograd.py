@@ -72,6 +72,20 @@ class _Variant:
         outs = results[:grad.n_outputs]
         tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
         self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
+        self._zeros: dict[tuple, torch.Tensor] = {}
+
+    def zeros(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tangent of an output the loss does not use (a BatchNorm's batch mean, read
+        only by the running-stat update): one zero tensor kept per shape, since the
+        backward only reads it (a fill kernel a call and output before)."""
+        key = (shape, dtype, device)
+        found = self._zeros.get(key)
+        if found is None:
+            found = torch.zeros(shape, dtype=dtype, device=device)
+            # (made inside a CUDA graph capture, it would live in the graph's memory pool)
+            if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                self._zeros[key] = found
+        return found
 
 
 class _GroupFunction(torch.autograd.Function):
@@ -109,9 +123,14 @@ class _GroupFunction(torch.autograd.Function):
         reached = frozenset().union(*(s for s, u in zip(grad.sources, used) if u))
         if not reached:
             return (None,) * (1 + len(ctx.inputs))
-        tangents = [grads[i] if u else torch.zeros(shape, dtype=dtype, device=device)
+        tangents = [grads[i] if u else variant.zeros(shape, dtype, device)
                     for i, u, (shape, dtype, device) in zip(grad.tangents, used, ctx.outs)]
         results = variant.backward(*saved, *tangents)
+        if not all(used):  # a gradient that is a shared zero tangent (or a view of one)
+            # would be written by whoever accumulates it: give a copy
+            shared = {t.untyped_storage().data_ptr() for t, u in zip(tangents, used) if not u}
+            results = [r.clone() if isinstance(r, torch.Tensor)
+                       and r.untyped_storage().data_ptr() in shared else r for r in results]
         out: list[Any] = [None]
         for i, spec in enumerate(ctx.inputs):
             k = grad.grads[i]

@@ -114,3 +114,31 @@ def test_a_training_step_runs_one_autograd_region_a_batch_norm():
     directions = {k.direction for k in compiled.kernels}
     assert directions == {"forward", "backward"}
 
+
+def test_an_unused_outputs_zero_tangent_is_made_once_and_never_handed_out():
+    # A BatchNorm's batch mean is read only by the running-stat update: its tangent is
+    # zero on every call. One zero tensor serves every call; a gradient that would be that
+    # tensor itself is a copy, so accumulating into it cannot change later calls.
+    from fxlite.codegen.autograd import make_autograd_group
+
+    def f(x, b):
+        y = torch.relu(x) * b
+        return y, y * 2
+
+    x = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    b = torch.randn(8, device=DEVICE, requires_grad=True)
+    gm = _fused(f, x.detach(), b.detach())
+    sub = gm.get_submodule("fused_0")
+    group = make_autograd_group(sub, [x, b], name="g")
+    for _ in range(3):
+        x.grad = b.grad = None
+        y, m = group(x, b)
+        (y * 3).sum().backward()
+        torch.testing.assert_close(x.grad, (x > 0) * b.detach() * 3)
+        torch.testing.assert_close(b.grad, (torch.relu(x) * 3).sum(0).detach())
+        (variant,) = [v for v in group._variants.values() if v is not None]
+        assert len(variant._zeros) == 1
+        zero = next(iter(variant._zeros.values()))
+        assert zero.abs().sum() == 0 and b.grad.data_ptr() != zero.data_ptr()
+        b.grad.add_(1)  # what an optimizer or an accumulation may do
+    assert zero.abs().sum() == 0
