@@ -19,8 +19,8 @@ a whole (``fxlite.autodiff``) and the kernel pipeline fuses again, forward and b
         y = fused_2(v, n, c, w, b)  # normalize, relu
 
 What joins: calls of fused groups whose every op has a derivative rule, their
-``getitem``s, and pure table ops with a derivative rule (such as the outer sums of
-``split_sums``) between them. Regions stay convex (no path leaves one and comes back)
+``getitem``s, and pure pointwise and reduction ops with a derivative rule (such as the
+outer sums of ``split_sums``) between them. Regions stay convex (no path leaves one and comes back)
 and never span an impure node, as fuse's groups; only regions of two groups or more are
 made. The region's call takes the place of its last node.
 """
@@ -95,9 +95,14 @@ def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
     return out
 
 
-def _differentiable(n: Node, gm: GraphModule) -> bool:
+def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
+    """A pointwise or reduction op with a derivative rule, or with ``views`` any op with
+    one. (Views between groups are left out: the rule of ``view``/``reshape`` takes unit
+    views only and declines the others, which would send the whole region to eager
+    autograd; inside a group fuse admits unit and broadcast views only.)"""
     found = resolve(n, gm)
-    return found is not None and found[0].vjp is not None and not is_impure(n, gm)
+    return found is not None and (views or found[0].kind in GROUP_KINDS) and \
+        found[0].vjp is not None and not is_impure(n, gm)
 
 
 def _joins(n: Node, gm: GraphModule) -> bool:
@@ -111,7 +116,7 @@ def _joins(n: Node, gm: GraphModule) -> bool:
                                  and _tensor(u) for u in n.users):
             return False  # its results must each be a value the region can return
         return all(m.op in ("placeholder", "output") or (
-            m.op in ("call_function", "call_method") and _differentiable(m, inner))
+            m.op in ("call_function", "call_method") and _differentiable(m, inner, views=True))
             for m in inner.graph.nodes)
     if n.op != "call_function":
         return n.op == "call_method" and _tensor(n) and _differentiable(n, gm)

@@ -142,3 +142,17 @@ def test_an_unused_outputs_zero_tangent_is_made_once_and_never_handed_out():
         assert zero.abs().sum() == 0 and b.grad.data_ptr() != zero.data_ptr()
         b.grad.add_(1)  # what an optimizer or an accumulation may do
     assert zero.abs().sum() == 0
+
+
+def test_a_reshape_between_groups_keeps_them_apart():
+    # Found on a GPT-2 block: a view joined a region, its rule declined the reshape at
+    # autodiff time and the whole region ran under eager autograd. Views stay outside.
+    def f(x):
+        a = torch.relu(x) * 2
+        b = a.reshape(4, 2, 4).sum(-1)
+        return torch.tanh(b) + 1
+
+    x = torch.randn(4, 8, device=DEVICE)
+    out = autograd_regions(_fused(f, x))
+    assert not _calls(out, "region")
+    torch.testing.assert_close(out(x), f(x))
