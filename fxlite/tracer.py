@@ -57,6 +57,7 @@ __all__ = ["PH", "GraphAppendingTracer", "PHBase", "PHWithMeta", "ProxyableClass
 # (globals dict, name) pairs registered with wrap(), and the functions registered by object.
 _WRAPPED_NAMES: list[tuple[dict[str, Any], str]] = []
 _WRAPPED_FNS: dict[int, Callable[..., Any]] = {}
+_BUILTINS = ("max", "min")  # builtins recorded when given a Proxy (see _patch_wrapped)
 _GLOBAL_IDS: set[int] = set()  # functions that every tracer records (wrap registrations)
 
 
@@ -485,6 +486,13 @@ class Tracer(TracerBase):
             for name, value in list(namespace.items()):
                 if id(value) in self._autowrap_ids:
                     session.patch_dict(namespace, name, lambda old, o=value: _wrapper_for(o))
+        # max(size - k, 0) on a traced size (timm's TensorFlow-style "same" padding):
+        # recorded as a call, as torch.fx cannot; plain values pass straight through
+        for name in _BUILTINS:
+            orig = getattr(builtins, name)
+            orig = getattr(orig, "__fxlite_orig__", orig)
+            _GLOBAL_IDS.add(id(orig))
+            session.patch_dict(vars(builtins), name, lambda old, o=orig: _wrapper_for(o))
 
 
 def _has_own(module: torch.nn.Module, name: str) -> bool:

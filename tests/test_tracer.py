@@ -324,6 +324,27 @@ def test_autowrap_math_functions():
         assert_close(gm(x), f(x))
 
 
+def test_max_and_min_of_traced_sizes_are_recorded():
+    # TensorFlow-style "same" padding, as timm's tf_efficientnet computes it: torch.fx
+    # raises at max(); fxlite records max/min calls, so the padding follows the input size.
+    def pad_same(x, k=3, s=2):
+        ih, iw = x.size()[-2:]
+        ph = max((math.ceil(ih / s) - 1) * s + k - ih, 0)
+        pw = max((math.ceil(iw / s) - 1) * s + k - iw, 0)
+        return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2)) * min(ih, iw)
+
+    gm = fx.symbolic_trace(pad_same)
+    targets = [n.target for n in _calls(gm)]
+    assert max in targets and min in targets
+    for shape in [(1, 2, 7, 8), (1, 2, 4, 4), (2, 1, 1, 1)]:
+        x = torch.randn(shape)
+        assert_close(gm(x), pad_same(x))
+    # plain values, in and out of a trace, pass straight through
+    assert (max(3, 4), min([5, 2]), max(i for i in range(3))) == (4, 2, 2)
+    traced = fx.symbolic_trace(lambda x: x * max([1, 2]))
+    assert max not in [n.target for n in _calls(traced)]
+
+
 # ---------------------------------------------------------------------- Tracer overrides
 class Inner(torch.nn.Module):
     def forward(self, x):
