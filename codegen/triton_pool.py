@@ -37,6 +37,14 @@ _BLOCK = 1024
 
 
 @triton.jit
+def _split(offs, a, b, c):
+    """A flat index as four, innermost first: the sizes ``a``, ``b``, ``c``, then the rest."""
+    rest = offs // a
+    rest2 = rest // b
+    return offs % a, rest % b, rest2 % c, rest2 // c
+
+
+@triton.jit
 def _max_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
                        sxn, sxc, sxh, sxw, son, soc, soh, sow,
                        KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
@@ -49,19 +57,9 @@ def _max_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
     mask = offs < total
     # the output's elements in its memory order, so that stores are contiguous
     if CHANNELS_LAST:
-        c = offs % C
-        rest = offs // C
-        ow = rest % OW
-        rest = rest // OW
-        oh = rest % OH
-        n = rest // OH
+        c, ow, oh, n = _split(offs, C, OW, OH)
     else:
-        ow = offs % OW
-        rest = offs // OW
-        oh = rest % OH
-        rest = rest // OH
-        c = rest % C
-        n = rest // C
+        ow, oh, c, n = _split(offs, OW, OH, C)
     base = n * sxn + c * sxc
     # compared in float32 (float64 for float64): exact for a maximum, and Triton's CPU
     # interpreter compares 16-bit floats by their bits
