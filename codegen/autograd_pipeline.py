@@ -169,20 +169,26 @@ def _lone_groups(gm: GraphModule) -> None:
 
     A reduction over leading dims (a bias gradient summed over the batch) also takes in
     the pointwise group that produces its input, when nothing else reads that group: one
-    kernel then computes and reduces ``g * x_hat`` without writing it out.
+    kernel then computes and reduces ``g * x_hat`` without writing it out. Sibling
+    reductions (same op, arguments and input layout, inputs all ready before the first of
+    them: a BatchNorm backward's three outer sums) share one kernel::
+
+        a = sum(p, (0, 2, 3)); b = sum(q, (0, 2, 3))   ->   ab = lone_0(p, q); a, b = ab
     """
-    from fxlite.passes.split_module import extract_subgraph
+    from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_outputs
 
     from fxlite.graph import Graph
 
+    lone = [n for n in gm.graph.nodes
+            if n.op in (Opcode.CALL_FUNCTION, Opcode.CALL_METHOD) and _lone_op(n, gm)]
+    producers = {n: _sole_pointwise_producer(n, gm) for n in lone}
     count = 0
-    for node in list(gm.graph.nodes):
-        if node.op not in (Opcode.CALL_FUNCTION, Opcode.CALL_METHOD) or not _lone_op(node, gm):
-            continue
-        producer = _sole_pointwise_producer(node, gm)
+    for batch in _siblings([n for n in lone if producers[n] is None], gm) + [
+            [n] for n in lone if producers[n] is not None]:
+        node, producer = batch[0], producers[batch[0]]
         if producer is None:
-            inputs = list(node.all_input_nodes)
-            sub_graph, names = extract_subgraph([node], inputs, [node]), [node.name]
+            inputs = list(dict.fromkeys(i for n in batch for i in n.all_input_nodes))
+            sub_graph, names = extract_subgraph(batch, inputs, batch), [n.name for n in batch]
         else:
             group = gm.get_submodule(producer.target)
             inputs = list(producer.all_input_nodes)
@@ -201,14 +207,52 @@ def _lone_groups(gm: GraphModule) -> None:
         gm.add_module(name, sub)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, tuple(inputs))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
+        if len(batch) == 1:
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+        else:
+            set_call_meta(call, batch)
+            items: dict[Node, Node] = {}
+            with gm.graph.inserting_after(call):
+                unpack_outputs(gm.graph, call, batch, items)
+            for n in batch:
+                n.replace_all_uses_with(items[n])
+        for n in batch:
+            gm.graph.erase_node(n)
         if producer is not None:
             target = producer.target
             gm.graph.erase_node(producer)
             gm.delete_submodule(target)
     gm.recompile()
+
+
+def _siblings(nodes: list[Node], gm: GraphModule) -> list[list[Node]]:
+    """``nodes`` in batches of sibling reductions (see ``_lone_groups``), in graph order."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    batches: list[list[Node]] = []
+    open_: dict[tuple, list[Node]] = {}
+    for n in nodes:
+        key = _sibling_key(n, gm)
+        batch = open_.get(key) if key is not None else None
+        if batch is not None and all(position[i] < position[batch[0]]
+                                     for i in n.all_input_nodes):
+            batch.append(n)
+            continue
+        batches.append([n])
+        if key is not None:
+            open_[key] = batches[-1]
+    return batches
+
+
+def _sibling_key(n: Node, gm: GraphModule) -> tuple | None:
+    info = lookup(n)
+    if info.kind != "reduction" or len(n.all_input_nodes) != 1:
+        return None
+    src = n.all_input_nodes[0]
+    tm, out = src.meta.get("tensor_meta"), n.meta.get("tensor_meta")
+    rest = [a for a in n.args if a is not src]
+    return (n.op, n.target, repr(rest), repr(sorted(n.kwargs.items())), tuple(tm.shape),
+            tuple(tm.stride), tm.dtype, tuple(out.shape), out.dtype)
 
 
 def _sole_pointwise_producer(node: Node, gm: GraphModule) -> Node | None:

@@ -159,3 +159,27 @@ def test_a_reshape_between_groups_keeps_them_apart():
     out = autograd_regions(_fused(f, x))
     assert not _calls(out, "region")
     torch.testing.assert_close(out(x), f(x))
+
+
+def test_sibling_sums_over_leading_dims_share_one_kernel():
+    # A BatchNorm backward's outer sums read values that are all ready before the first
+    # of them: one kernel computes them together (a dependent one stays apart).
+    from fxlite.codegen.autograd_pipeline import CompiledGraph
+
+    def f(p, q, r):
+        a = torch.sum(p, (0, 2, 3), keepdim=True)
+        b = torch.sum(q, (0, 2, 3), keepdim=True)
+        c = torch.sum(r * a, (0, 2, 3), keepdim=True)  # reads a: not a sibling of it
+        return a, b, c
+
+    args = [torch.randn(16, 8, 1, 1, device=DEVICE) for _ in range(3)]
+    gm = decompose(normalize(fxlite.symbolic_trace(f)))
+    ShapeProp(gm).propagate(*args)
+    compiled = CompiledGraph(gm, args, "backward", "g")
+    for _ in range(2):
+        args = [torch.randn(16, 8, 1, 1, device=DEVICE) for _ in range(3)]
+        for got, want in zip(compiled(*args), f(*args)):
+            torch.testing.assert_close(got, want)
+    assert compiled.fallbacks == []
+    outputs = sorted(len(r.outputs) for r in compiled.records)
+    assert outputs == [1, 2]  # a and b together, then c
