@@ -21,8 +21,8 @@ host cost lost to the recorded ops (convnext_tiny on an H200: 6.94 ms against 5.
 in the trial, while in a loop they took 4.50 against eager's 5.55).
 
 Under ``mode="reduce-overhead"`` a training segment's two sides both replay from CUDA
-graphs while on trial (each is observed and captured first, ``warm`` calls a side), so
-that GPU time decides rather than the kernels' host cost (``_graphed_trial``).
+graphs while on trial, one side after the other (``GraphedTrial``), so that GPU time
+decides rather than the kernels' host cost.
 
 Both sides give eager's results (the compiled one was checked; the recorded one is the
 user's own ops), so the trial costs only the synchronizations of its six timed calls. When
@@ -41,7 +41,7 @@ import torch
 from fxlite.codegen.pipeline import CompiledSegment, direct_forward
 from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs, runs_backward
 
-__all__ = ["Trial", "choose_runner"]
+__all__ = ["GraphedTrial", "Trial", "choose_runner"]
 
 _ROUNDS = 3  # timed calls of each side
 _WARM = 2  # untimed calls of each side first
@@ -58,11 +58,9 @@ class Trial:
     """
 
     def __init__(self, compiled: Callable[..., Any], recorded: Callable[..., Any],
-                 decide: Callable[[bool, float, float], None], repeat: int = 1,
-                 warm: int = _WARM) -> None:
+                 decide: Callable[[bool, float, float], None], repeat: int = 1) -> None:
         self.sides = (compiled, recorded)
         self.repeat = repeat  # runs per timed call (pure segments only: see the docstring)
-        self.warm = warm  # untimed calls of each side
         self.times: tuple[list[float], list[float]] = ([], [])
         self.calls = 0
         self.decide = decide
@@ -71,7 +69,7 @@ class Trial:
     def __call__(self, *args: Any) -> Any:
         turn, self.calls = self.calls, self.calls + 1
         side = turn % 2
-        if turn < 2 * self.warm or self.done:  # warm-ups (caches, allocator) are not timed
+        if turn < 2 * _WARM or self.done:  # warm-ups (caches, allocator) are not timed
             return self.sides[side](*args)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -136,7 +134,53 @@ def _trains(seg: Any, compiled: CompiledSegment) -> bool:
         hasattr(k, "_variants") for k in compiled.kernels)
 
 
-def _graphed_trial(seg: Any) -> Trial:
+class GraphedTrial(Trial):
+    """A trial of two sides that each replay from CUDA graphs, one side after the other.
+
+    Each side's graphs hold a memory pool as large as the step's own working memory, so
+    the sides are never alive together: the first side is observed, captured and timed,
+    and dropped; then the second; then the winner is made again (and captures again after
+    its observed calls). A training step that fits in memory with graphs therefore fits
+    during its trial too.
+
+    Args:
+        make: two functions that each make a fresh runner (a ``SegmentGraphs``): the
+            kernels' side first.
+        decide: called once with ``(kernels_win, kernels_ms, recorded_ms, winner)``.
+        warm: untimed calls a side first (observed calls and the capture).
+    """
+
+    def __init__(self, make: tuple[Callable[[], Any], Callable[[], Any]],
+                 decide: Callable[[bool, float, float, Any], None], warm: int) -> None:
+        self.make, self.decide_with, self.warm = make, decide, warm
+        self.times: tuple[list[float], list[float]] = ([], [])
+        self.side, self.calls, self.done = 0, 0, False
+        self.runner: Any = make[0]()
+
+    def __call__(self, *args: Any) -> Any:
+        if self.done or self.calls < self.warm:
+            self.calls += 1
+            return self.runner(*args)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self.runner(*args)
+        torch.cuda.synchronize()
+        times = self.times[self.side]
+        times.append((time.perf_counter() - start) * 1e3)
+        if len(times) >= _ROUNDS:
+            self.runner = None  # its graphs go before the next side captures its own
+            if self.side == 0:
+                self.side, self.calls = 1, 0
+                self.runner = self.make[1]()
+            else:
+                ours, theirs = (statistics.median(t) for t in self.times)
+                self.done = True
+                self.runner = self.make[0 if ours <= theirs else 1]()
+                self.decide_with(ours <= theirs, ours, theirs, self.runner)
+        return out
+
+
+def _graphed_trial(seg: Any) -> GraphedTrial:
     """A training segment under ``mode="reduce-overhead"``: its kernels and its recorded
     ops both replay from CUDA graphs, and real calls decide between them.
 
@@ -144,25 +188,24 @@ def _graphed_trial(seg: Any) -> Trial:
     ``bench_training.py``): a GPT-2 block's fused forward and backward kernels kept the GPU
     busy 0.85 ms a step against 1.10 for its recorded ops (f32; bf16 0.50 against 0.81),
     while resnet18's took 2.69 ms against 2.05 (cuDNN's batch norms and convolutions,
-    channels-last). Each side is observed and captured first (``WARMUP`` calls, then the
-    capture), so both hold graphs until the trial ends; the loser's are then dropped.
+    channels-last). The sides run one after the other (:class:`GraphedTrial`).
     """
     compiled = seg.compiled
     gm = compiled.recorded if compiled.recorded is not None else seg.gm
     recorded = CompiledSegment(direct_forward(gm), gm)
-    sides = (SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
-             SegmentGraphs(gm, recorded.run, recorded.fallbacks))
 
-    def decide(kernels_win: bool, ours: float, theirs: float) -> None:
+    def decide(kernels_win: bool, ours: float, theirs: float, winner: Any) -> None:
         if not kernels_win:
             recorded.fallbacks.append(
                 f"replayed from CUDA graphs, its recorded ops ran faster than its "
                 f"{len(compiled.kernels)} kernels ({theirs:.3f} ms against {ours:.3f} ms a "
                 "call, medians of real calls), so they run instead")
         seg.compiled = compiled if kernels_win else recorded
-        seg.run = sides[0 if kernels_win else 1]
+        seg.run = winner
 
-    return Trial(*sides, decide, warm=WARMUP + 2)
+    return GraphedTrial((lambda: SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
+                         lambda: SegmentGraphs(gm, recorded.run, recorded.fallbacks)),
+                        decide, warm=WARMUP + 2)
 
 
 def _graphed_recording(seg: Any, compiled: CompiledSegment) -> SegmentGraphs:

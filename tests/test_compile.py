@@ -846,9 +846,9 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
         monkeypatch):
     # Under mode="reduce-overhead" a training segment's kernels lose no host time to their
     # autograd nodes: both sides replay from CUDA graphs on trial, each observed and
-    # captured before it is timed, and the loser's graphs go.
+    # captured before it is timed.
     from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs
-    from fxlite.codegen.trial import Trial, choose_runner
+    from fxlite.codegen.trial import GraphedTrial, choose_runner
 
     monkeypatch.setenv("FXLITE_TRIAL", "1")
     m = LinearRelu().to(DEVICE)
@@ -858,12 +858,12 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
     kernels = list(seg.compiled.kernels)
     assert any(hasattr(k, "_variants") for k in kernels)  # autograd groups: a training one
     trial = choose_runner(seg, cuda=True, graphed=True)
-    assert isinstance(trial, Trial) and trial.warm == WARMUP + 2
-    ours, theirs = trial.sides
-    assert all(isinstance(s, SegmentGraphs) for s in trial.sides)
+    assert isinstance(trial, GraphedTrial) and trial.warm == WARMUP + 2
+    ours, theirs = trial.runner, trial.make[1]()
+    assert isinstance(ours, SegmentGraphs) and isinstance(theirs, SegmentGraphs)
     assert ours.gm is seg.compiled.gm and theirs.gm is not ours.gm
     assert not any(hasattr(n.target, "_variants") for n in theirs.gm.graph.nodes)
-    trial.decide(False, 2.0, 1.0)
+    trial.decide_with(False, 2.0, 1.0, theirs)
     assert seg.run is theirs and not seg.compiled.kernels
     assert "recorded ops ran faster than its" in seg.compiled.fallbacks[-1]
     # without the trial (FXLITE_TRIAL=0) the kernels replay
@@ -871,6 +871,43 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
     monkeypatch.setenv("FXLITE_TRIAL", "0")
     run = choose_runner(seg, cuda=True, graphed=True)
     assert isinstance(run, SegmentGraphs) and run.gm is ours.gm
+
+
+@pytest.mark.parametrize("slow", ["kernels", "recorded"])
+def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slow):
+    # Each side's graphs hold a memory pool as large as the step's working memory: the
+    # sides run one after the other, and the winner is made again at the end.
+    import gc
+    import time as _time
+    import weakref
+
+    from fxlite.codegen.trial import GraphedTrial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    made, alive = [], []
+
+    class Side:
+        def __init__(self, name):
+            gc.collect()
+            # no other side's graphs when a side is made
+            made.append((name, sum(r() is not None for r in alive)))
+            self.name, self.calls = name, 0
+            alive.append(weakref.ref(self))
+
+        def __call__(self, x):
+            self.calls += 1
+            _time.sleep(0.004 if self.name == slow else 0.0)
+            return x + 1
+
+    decided = []
+    trial = GraphedTrial((lambda: Side("kernels"), lambda: Side("recorded")),
+                         lambda *a: decided.append(a), warm=5)
+    assert [trial(1) for _ in range(16)] == [2] * 16
+    kernels_win, ours, theirs, winner = decided[0]
+    winner_name = "kernels" if kernels_win else "recorded"
+    assert kernels_win is (slow == "recorded") and winner.name == winner_name
+    assert made == [("kernels", 0), ("recorded", 0), (winner_name, 0)]
+    assert (ours > theirs) is (slow == "kernels")
 
 
 def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
