@@ -118,8 +118,12 @@ def _wrapper_for(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _make_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    plain_with_kwargs = any(orig is getattr(builtins, name) for name in _BUILTINS)
+
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if kwargs and plain_with_kwargs:  # max(..., key=f): f could not be written out
+            return orig(*args, **kwargs)
         try:
             tracer = _find_tracer(args, kwargs)
         except RuntimeError:

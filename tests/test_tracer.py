@@ -343,6 +343,9 @@ def test_max_and_min_of_traced_sizes_are_recorded():
     assert (max(3, 4), min([5, 2]), max(i for i in range(3))) == (4, 2, 2)
     traced = fx.symbolic_trace(lambda x: x * max([1, 2]))
     assert max not in [n.target for n in _calls(traced)]
+    # with key= (a function the generated code could not name) it raises, as torch.fx does
+    with pytest.raises(Exception, match="control flow|traced"):
+        fx.symbolic_trace(lambda x: x * max(x.shape[0], 3, key=lambda v: v))
 
 
 # ---------------------------------------------------------------------- Tracer overrides
