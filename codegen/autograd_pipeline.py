@@ -250,6 +250,8 @@ def _sibling_key(n: Node, gm: GraphModule) -> tuple | None:
         return None
     src = n.all_input_nodes[0]
     tm, out = src.meta.get("tensor_meta"), n.meta.get("tensor_meta")
+    if not hasattr(tm, "shape") or not hasattr(out, "shape"):
+        return None
     rest = [a for a in n.args if a is not src]
     return (n.op, n.target, repr(rest), repr(sorted(n.kwargs.items())), tuple(tm.shape),
             tuple(tm.stride), tm.dtype, tuple(out.shape), out.dtype)
