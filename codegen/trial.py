@@ -110,22 +110,34 @@ def choose_runner(seg: Any, cuda: bool, graphed: bool) -> Callable[..., Any]:
 def _on_trial(seg: Any, graphed: bool) -> Trial:
     """Let real calls decide between the segment's kernels and its recorded ops; with
     ``graphed``, the winner then runs from CUDA graphs."""
-    compiled = seg.compiled
-    gm = compiled.recorded if compiled.recorded is not None else seg.gm
-    recorded = CompiledSegment(direct_forward(gm), gm)
+    compiled, recorded = seg.compiled, _recorded_side(seg)
 
     def decide(kernels_win: bool, ours: float, theirs: float) -> None:
-        winner = compiled if kernels_win else recorded
-        if not kernels_win:
-            recorded.fallbacks.append(
-                f"its recorded ops ran faster than its {len(compiled.kernels)} kernels "
-                f"({theirs:.3f} ms against {ours:.3f} ms a call, medians of real calls), so "
-                "they run instead")
-        seg.compiled = winner
+        winner = _keep(seg, recorded, kernels_win, ours, theirs)
         seg.run = SegmentGraphs(winner.gm, winner.run, winner.fallbacks) if graphed \
             else winner.run
 
     return Trial(compiled.run, recorded.run, decide, repeat=3 if compiled.pure else 1)
+
+
+def _recorded_side(seg: Any) -> CompiledSegment:
+    """The segment's recorded ops (with the rewrites that need no kernels) as a runner."""
+    compiled = seg.compiled
+    gm = compiled.recorded if compiled.recorded is not None else seg.gm
+    return CompiledSegment(direct_forward(gm), gm)
+
+
+def _keep(seg: Any, recorded: CompiledSegment, kernels_win: bool, ours: float,
+          theirs: float, how: str = "") -> CompiledSegment:
+    """Make the trial's winner ``seg.compiled`` (saying why when the recorded ops won)."""
+    compiled = seg.compiled
+    if not kernels_win:
+        recorded.fallbacks.append(
+            f"{how}its recorded ops ran faster than its {len(compiled.kernels)} kernels "
+            f"({theirs:.3f} ms against {ours:.3f} ms a call, medians of real calls), so "
+            "they run instead")
+    seg.compiled = compiled if kernels_win else recorded
+    return seg.compiled
 
 
 def _trains(seg: Any, compiled: CompiledSegment) -> bool:
@@ -190,21 +202,14 @@ def _graphed_trial(seg: Any) -> GraphedTrial:
     while resnet18's took 2.69 ms against 2.05 (cuDNN's batch norms and convolutions,
     channels-last). The sides run one after the other (:class:`GraphedTrial`).
     """
-    compiled = seg.compiled
-    gm = compiled.recorded if compiled.recorded is not None else seg.gm
-    recorded = CompiledSegment(direct_forward(gm), gm)
+    compiled, recorded = seg.compiled, _recorded_side(seg)
 
     def decide(kernels_win: bool, ours: float, theirs: float, winner: Any) -> None:
-        if not kernels_win:
-            recorded.fallbacks.append(
-                f"replayed from CUDA graphs, its recorded ops ran faster than its "
-                f"{len(compiled.kernels)} kernels ({theirs:.3f} ms against {ours:.3f} ms a "
-                "call, medians of real calls), so they run instead")
-        seg.compiled = compiled if kernels_win else recorded
+        _keep(seg, recorded, kernels_win, ours, theirs, "replayed from CUDA graphs, ")
         seg.run = winner
 
     return GraphedTrial((lambda: SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
-                         lambda: SegmentGraphs(gm, recorded.run, recorded.fallbacks)),
+                         lambda: SegmentGraphs(recorded.gm, recorded.run, recorded.fallbacks)),
                         decide, warm=WARMUP + 2)
 
 

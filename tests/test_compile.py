@@ -848,7 +848,7 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
     # autograd nodes: both sides replay from CUDA graphs on trial, each observed and
     # captured before it is timed.
     from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs
-    from fxlite.codegen.trial import GraphedTrial, choose_runner
+    from fxlite.codegen.trial import GraphedTrial, Trial, choose_runner
 
     monkeypatch.setenv("FXLITE_TRIAL", "1")
     m = LinearRelu().to(DEVICE)
@@ -871,6 +871,13 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
     monkeypatch.setenv("FXLITE_TRIAL", "0")
     run = choose_runner(seg, cuda=True, graphed=True)
     assert isinstance(run, SegmentGraphs) and run.gm is ours.gm
+    # without graphs, the plain trial installs its winner the same way
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    plain = choose_runner(seg, cuda=True, graphed=False)
+    assert isinstance(plain, Trial) and not isinstance(plain, GraphedTrial)
+    plain.decide(False, 2.0, 1.0)
+    assert seg.run is seg.compiled.run and not seg.compiled.kernels
+    assert seg.compiled.fallbacks[-1].startswith("its recorded ops ran faster than its")
 
 
 @pytest.mark.parametrize("slow", ["kernels", "recorded"])
