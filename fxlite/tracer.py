@@ -57,7 +57,8 @@ __all__ = ["PH", "GraphAppendingTracer", "PHBase", "PHWithMeta", "ProxyableClass
 # (globals dict, name) pairs registered with wrap(), and the functions registered by object.
 _WRAPPED_NAMES: list[tuple[dict[str, Any], str]] = []
 _WRAPPED_FNS: dict[int, Callable[..., Any]] = {}
-_BUILTINS = ("max", "min")  # builtins recorded when given a Proxy (see _patch_wrapped)
+# builtins recorded when given a Proxy (see _patch_wrapped), as they were at import
+_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min")}
 _GLOBAL_IDS: set[int] = set()  # functions that every tracer records (wrap registrations)
 
 
@@ -118,7 +119,7 @@ def _wrapper_for(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _make_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
-    plain_with_kwargs = any(orig is getattr(builtins, name) for name in _BUILTINS)
+    plain_with_kwargs = any(orig is f for f in _BUILTINS.values())
 
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -492,9 +493,7 @@ class Tracer(TracerBase):
                     session.patch_dict(namespace, name, lambda old, o=value: _wrapper_for(o))
         # max(size - k, 0) on a traced size (timm's TensorFlow-style "same" padding):
         # recorded as a call, as torch.fx cannot; plain values pass straight through
-        for name in _BUILTINS:
-            orig = getattr(builtins, name)
-            orig = getattr(orig, "__fxlite_orig__", orig)
+        for name, orig in _BUILTINS.items():
             _GLOBAL_IDS.add(id(orig))
             session.patch_dict(vars(builtins), name, lambda old, o=orig: _wrapper_for(o))
 
