@@ -343,9 +343,11 @@ class TritonKernel:
         self._direct: dict[tuple, _DirectLaunch] | None = (
             None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
         # A group of pointwise ops only may iterate in its inputs' memory order
-        # (triton_layout): nothing in it depends on the order of the dims.
+        # (triton_layout): nothing in it depends on the order of the dims. Not a clone
+        # into a memory format: its result's layout is that format, whatever its input's.
         self._reorder = self.kind == "pointwise" and all(
             (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
+            and n.kwargs.get("memory_format") is None
             for n in group.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
     @property
