@@ -34,6 +34,10 @@ _PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.true
                          operator.floordiv, operator.mod, operator.neg, operator.pow, max, min})
 
 
+# memory formats a clone may ask for, with the rank each needs (0: any)
+_FORMATS = {torch.contiguous_format: 0, torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
 def meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous meta tensor (made by a factory: no meta kernel runs)."""
     shape = tuple(shape)
@@ -140,6 +144,9 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
         return NotImplemented
     if info.kind == "pointwise":
         shape = _broadcast([tuple(t.shape) for t in tensors])
+        fmt = a.get("memory_format")
+        if fmt in _FORMATS and _FORMATS[fmt] in (0, len(shape)):  # a clone into a layout
+            return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
         # eager lays the result out in its inputs' memory order (TensorIterator): a
         # channels-last input gives a channels-last result, and a kernel that stores it
         # (a reduction group's full-size output) must too, or the next conv converts it

@@ -404,6 +404,21 @@ def _identity(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"input": g}  # expand: autodiff sums g back over the broadcast dims
 
 
+_LAYOUTS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _clone(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # A clone into another memory format (a conv weight made channels-last) hands back a
+    # gradient in the input's own format: written so by the backward kernel, it is the
+    # one copy, where AccumulateGrad would otherwise copy it again for a parameter.
+    fmt = a.get("memory_format")
+    tm = a["input"].node.meta.get("tensor_meta")
+    src = getattr(tm, "memory_format", None)
+    if fmt in _LAYOUTS and src in _LAYOUTS and src != fmt and len(tm.shape) in (4, 5):
+        return {"input": torch.clone(g, memory_format=src)}
+    return {"input": g}
+
+
 _LN2 = math.log(2.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
@@ -418,7 +433,7 @@ RULES: dict[str, Rule] = {
     "remainder": _remainder(trunc=False),
     "fmod": _remainder(trunc=True),
     "neg": lambda g, a, o: {"input": -g},
-    "clone": lambda g, a, o: {"input": g},
+    "clone": _clone,
     "abs": lambda g, a, o: {"input": g * torch.sign(a["input"])},
     "square": lambda g, a, o: {"input": g * a["input"] * 2},
     "reciprocal": lambda g, a, o: {"input": -g * o * o},

@@ -94,11 +94,13 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
 
 
 def _layout_copy(node: Node, info: OpInfo, module: torch.nn.Module, fmt: Any) -> bool:
-    """Whether ``node`` is a clone to channels-last whose readers all stay outside kernels
-    (a convolution's input or weight): a kernel stores a group's result in the layout of
-    its metadata. A kernel lays a value it hands to another op of its group out as its
-    inputs, so a clone read inside a group would lose its layout."""
-    if info.name != "clone" or fmt not in (torch.channels_last, torch.channels_last_3d):
+    """Whether ``node`` is a clone into a memory format whose readers all stay outside
+    kernels (a convolution's input or weight made channels-last, or the contiguous
+    gradient of such a weight): a kernel stores a group's result in the layout of its
+    metadata. A kernel lays a value it hands to another op of its group out as its inputs,
+    so a clone read inside a group would lose its layout."""
+    if info.name != "clone" or fmt not in (torch.contiguous_format, torch.channels_last,
+                                           torch.channels_last_3d):
         return False
     for user in node.users:
         found = lookup(user, module) if user.op != "output" else None

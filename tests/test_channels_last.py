@@ -4,6 +4,7 @@ eager's layout. On the CPU the pass is switched on by hand (fxlite applies it on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -49,7 +50,8 @@ def test_conv_inputs_become_channels_last_and_the_result_keeps_eagers_layout():
     gm = traced(block, *args)
     assert channels_last_convs(gm)
     code = gm.code
-    assert code.count("memory_format = torch.channels_last") == 1  # x only: w is not read
+    # x, and both weights (inputs here): cuDNN would copy a weight to channels-last itself
+    assert code.count("memory_format = torch.channels_last") == 3
     seen = {}
 
     class Spy(fxlite.Interpreter):
@@ -366,6 +368,87 @@ def test_a_clone_to_channels_last_that_no_kernel_reads_is_a_kernel_with_eagers_s
     for _ in range(3):  # fresh values each call
         w = torch.randn(*shape)
         got, want = compiled(w), torch.clone(w, memory_format=fmt)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.stride() == want.stride()
+    assert len(compiled.kernels) == 1 and not compiled.fallbacks
+
+
+def test_a_step_that_takes_the_model_converts_its_weights_and_gives_contiguous_grads(
+        channels_last_on_cpu):
+    """A training step that takes the model as an argument sees its weights as inputs,
+    not attributes; they were left NCHW, so cuDNN copied each one to channels-last in the
+    forward, again in the backward, and AccumulateGrad copied the channels-last gradient
+    back (resnet18 on an H200: 51 strided copies, 194 us a step). Now the weight's
+    conversion is a copy kernel whose backward kernel writes the gradient in the weight's
+    own layout, so the optimizer sees eager's strides."""
+    pytest.importorskip("triton")
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)}
+
+    def step(m, opt, x):
+        opt.zero_grad(set_to_none=True)
+        logits, _ = m(x)
+        loss = logits.square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    weights = []  # (op, whether the weight it got is channels-last)
+
+    class Convs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.convolution.default,
+                        torch.ops.aten.convolution_backward.default):
+                w = args[1] if func is torch.ops.aten.convolution.default else args[2]
+                weights.append((func.__name__, w.is_contiguous(memory_format=CL)))
+            return func(*args, **(kwargs or {}))
+
+    compiled = fxlite.compile(step)
+    for i in range(3):  # fresh inputs, and weights the optimizer changed
+        x = torch.randn(2, 3, 8, 8)
+        with Convs() if i == 2 else contextlib.nullcontext():
+            got = compiled(model, opts[id(model)], x)
+        torch.testing.assert_close(got, step(ref, opts[id(ref)], x), rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+            assert p.grad.stride() == q.grad.stride(), name
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    clones = [k for k in compiled.kernels
+              if [n.target for n in k.group.graph.nodes if n.op == "call_function"] == [torch.clone]]
+    directions = sorted(k.direction for k in clones)
+    # conv1's and conv2's weights go to channels-last (forward) and their grads back
+    assert directions.count("backward") == 2, [k.group.code for k in clones]
+    assert directions.count("forward") >= 2
+    # no conv gets an NCHW weight to convert again (forward and backward)
+    assert len(weights) == 4 and all(cl for _, cl in weights), weights
+    assert not compiled.fallbacks
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("source", ["contiguous", "channels_last", "transposed"])
+def test_a_clone_into_a_memory_format_has_that_format_on_every_call(fmt, source):
+    """A regression: a pointwise kernel iterates in its inputs' memory order, and so gave
+    a clone into contiguous format of a channels-last input a channels-last result from
+    the second call on (a conv weight's gradient, which AccumulateGrad then copied)."""
+    pytest.importorskip("triton")
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    make = {"contiguous": lambda t: t, "channels_last": lambda t: t.to(memory_format=CL),
+            "transposed": lambda t: t.transpose(2, 3)}[source]
+    compiled = fxlite.compile(lambda t: torch.clone(t, memory_format=fmt))
+    for _ in range(3):
+        x = make(torch.randn(4, 3, 5, 5))
+        got, want = compiled(x), torch.clone(x, memory_format=fmt)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert got.stride() == want.stride()
     assert len(compiled.kernels) == 1 and not compiled.fallbacks
