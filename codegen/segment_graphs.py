@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.cudagraphs import reference_counts
+from fxlite.codegen.host_nodes import host_function
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
@@ -59,6 +60,7 @@ __all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "runs_backwa
 
 WARMUP = 3  # observed calls per input layout before the capture (syncs count on the last)
 MAX_LAYOUTS = 4  # captured input layouts per segment
+_FLAT_MIN = 8  # host nodes in a run worth one generated function (compiling it: ~0.1 ms)
 MAX_MISSES = 4  # replays refused (inputs moved, outputs held) before graphs are dropped
 _HOST_MODULES = ("torch.optim", "torch.amp", "torch.cuda", "torch.utils", "torch.distributed",
                  "torch.random", "torch.autograd.profiler", "torch.profiler")
@@ -152,11 +154,21 @@ class _Runner(Interpreter):
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self._flat: dict[tuple[int, int, int], Any] = {}
 
     def run_nodes(self, nodes: list[Node]) -> None:
+        """Run ``nodes`` in order; a longer run (a step's ``zero_grad``: two nodes a
+        parameter) as one generated function (``host_nodes``), made on its first call."""
         env = self.env
-        for n in nodes:
-            env[n] = self.run_node(n)
+        if len(nodes) < _FLAT_MIN:
+            for n in nodes:
+                env[n] = self.run_node(n)
+            return
+        key = (id(nodes[0]), id(nodes[-1]), len(nodes))  # slices of one node order
+        run = self._flat.get(key)
+        if run is None:
+            run = self._flat[key] = host_function(nodes, self.fetch_attr, self.submodules)
+        run(env)
 
     def capture_nodes(self, nodes: list[Node]) -> None:
         """``run_nodes`` under a capture: a failure names the node it happened at."""
