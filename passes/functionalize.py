@@ -82,6 +82,7 @@ def functionalize(gm: GraphModule) -> GraphModule:
             final[root] = value
     if final:
         out = graph.output_node()
+        _count_in_place(graph, final, out)
         for root, value in final.items():
             with graph.inserting_before(out):
                 back = graph.call_method("copy_", (root, value))
@@ -93,6 +94,39 @@ def functionalize(gm: GraphModule) -> GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _count_in_place(graph: Any, final: dict[Node, Node], out: Node) -> None:
+    """Write counters back with one multi-tensor add instead of a kernel and a copy each.
+
+    A training BatchNorm's ``num_batches_tracked.add_(1)`` is read by nothing else: its
+    pure form and write-back were two launches per BatchNorm (resnet18: 40 a step). Every
+    input whose only use is ``x + c`` (``c`` a Python number), a value nothing reads and
+    the graph does not return, is dropped from ``final`` and incremented in place by one
+    ``torch._foreach_add_`` per ``c`` at the end of the graph::
+
+        add = torch.add(a, 1); add_1 = torch.add(b, 1)   ->   torch._foreach_add_([a, b], 1)
+        a.copy_(add); b.copy_(add_1)
+    """
+    returned = set(out.all_input_nodes)
+    groups: dict[tuple[type, Any], list[Node]] = {}
+    for root, value in list(final.items()):
+        if value.op == "call_function" and value.target is torch.add or \
+                value.op == "call_method" and value.target == "add":
+            args = value.args
+            c = args[1] if len(args) == 2 and not value.kwargs else None
+            if args[0] is root and type(c) in (int, float) and not value.users and \
+                    value not in returned and list(root.users) == [value]:
+                groups.setdefault((type(c), c), []).append(root)
+    for (_, c), roots in groups.items():
+        if len(roots) < 2:
+            continue
+        for root in roots:
+            graph.erase_node(final.pop(root))
+        with graph.inserting_before(out):
+            step = graph.call_function(torch._foreach_add_, (roots, c))
+        step.meta.update(impure=True, mutated=[r.name for r in roots], aliased=False,
+                         type=type(None))
 
 
 def _keep_dtype(node: Node, written: Node) -> Node:

@@ -142,6 +142,26 @@ def test_a_compiled_training_step_matches_eager_over_five_steps():
     assert {"forward", "backward"} <= {k.direction for k in step.kernels}
 
 
+def test_batch_norm_counters_advance_in_one_multi_tensor_add():
+    """Each BatchNorm's ``num_batches_tracked.add_(1)`` was a kernel and a copy back (40
+    launches a step in resnet18); the counters now advance in one ``_foreach_add_`` at the
+    end of the step's graph, by as much as eager's."""
+    model = small_convnet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = fxlite.compile(train_step)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        torch.testing.assert_close(quiet(step, model, opt, x, y)[0], train_step(ref, ref_opt, x, y))
+    for i in (1, 4):
+        assert model[i].num_batches_tracked.item() == ref[i].num_batches_tracked.item() == 3
+    assert step.code.count("torch._foreach_add_(") == 1, step.code
+    assert "num_batches_tracked.copy_" not in step.code
+    assert step.fallbacks == []
+
+
 def test_compiling_a_training_step_shows_no_warning_about_fxlites_own_copies():
     """The compile-time check reads ``.grad`` of fxlite's non-leaf stand-ins for the
     parameters; torch's warning about non-leaf ``.grad`` reads used to reach the user."""
