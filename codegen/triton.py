@@ -74,6 +74,7 @@ from .triton_config import (
     candidate_configs,
     launch_config,
     np2,
+    tile_config,
     triton_cdiv,
 )
 from .triton_emit import Unsupported
@@ -211,8 +212,14 @@ class _Spec:
         if self.pointwise:
             n = math.prod(shape)
             cols = shape[self.inner] if "rows" in self.fns and n else 1
-            found = {"numel": n, "cols": cols}, self.tuned.get(None) or launch_config(
-                "pointwise", n, cols)
+            counts = {"numel": n, "cols": cols}
+            tile = self.src.tile
+            if tile is not None:
+                counts["lena"] = math.prod(shape[d] for d in tile[0])
+                counts["lenb"] = math.prod(shape[d] for d in tile[1])
+            found = counts, self.tuned.get(None) or (
+                tile_config(counts["lena"], counts["lenb"]) if tile is not None
+                else launch_config("pointwise", n, cols))
         else:
             rows = math.prod(shape[d] for d in self.kept)
             cols = math.prod(shape[d] for d in self.red)
@@ -234,10 +241,17 @@ class _Spec:
             n = counts["numel"]
             if not n:
                 return None
+            if cfg["variant"] == "transpose" and not _merge(inputs, self.src.tile):
+                cfg = launch_config("pointwise", n, counts["cols"])
             if cfg["variant"] == "rows":
                 grid = (triton_cdiv(n // counts["cols"], cfg["ROWS"])
                         * triton_cdiv(counts["cols"], cfg["BLOCK"]),)
                 constexprs = {"BLOCK": cfg["BLOCK"], "ROWS": cfg["ROWS"]}
+            elif cfg["variant"] == "transpose":
+                la, lb = counts["lena"], counts["lenb"]
+                grid = (triton_cdiv(la, cfg["BA"]) * triton_cdiv(lb, cfg["BB"])
+                        * (n // (la * lb)),)
+                constexprs = {"BA": cfg["BA"], "BB": cfg["BB"]}
             else:
                 grid = (triton_cdiv(n, cfg["BLOCK"]),)
                 constexprs = {"BLOCK": cfg["BLOCK"]}
@@ -486,6 +500,10 @@ class TritonKernel:
             rows = counts.get("numel", counts.get("rows", 1))
             configs = candidate_configs(self.kind, rows, counts.get("cols", 1),
                                         trailing=spec.row_config, max_block=self._max_block)
+            if "lena" in counts:  # a transpose variant: tiles of other shapes first
+                configs = [{"variant": "transpose", "BA": ba, "BB": bb, "num_warps": w}
+                           for ba, bb in ((32, 32), (64, 16), (16, 64), (64, 32), (32, 64))
+                           for w in (4, 8)] + configs
         best, best_ms = base, float("inf")
         for cfg in configs:
             try:
@@ -547,8 +565,16 @@ def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool 
     plan.name = f"{label}_{hashlib.sha256(src.text.encode()).hexdigest()[:10]}"
     src = KernelSource(src.text.replace(_UNNAMED, plan.name),
                        {v: f.replace(_UNNAMED, plan.name) for v, f in src.functions.items()},
-                       src.args)
+                       src.args, src.tile)
     return plan, src
+
+
+def _merge(inputs: Sequence[Any], tile: Any) -> bool:
+    """Whether the tensor input's dims of each run of ``tile`` merge into one (a transpose
+    variant addresses a run through its innermost stride)."""
+    t = next(x for x in inputs if isinstance(x, torch.Tensor))
+    return all(t.stride(d) == t.shape[e] * t.stride(e)
+               for run in tile for d, e in zip(run, run[1:]))
 
 
 _UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (triton_common._Builder.fresh)

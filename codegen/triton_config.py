@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["DEFAULT_MAX_BLOCK", "POINTWISE_BLOCK", "candidate_configs", "launch_config",
-           "np2", "triton_cdiv"]
+           "np2", "tile_config", "triton_cdiv"]
 
 DEFAULT_MAX_BLOCK = 16384  # longest row (elements, power of 2) kept in registers
 POINTWISE_BLOCK = 1024
@@ -108,6 +108,21 @@ def launch_config(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
         variant = "persistent" if width <= block else "looped"
         warps = 32 if variant == "looped" else _warps(nrows * block)
     return {"variant": variant, "ROWS": nrows, "BLOCK_C": block, "num_warps": warps}
+
+
+def tile_config(lena: int, lenb: int) -> dict[str, Any]:
+    """The launch of a pointwise kernel's transpose variant: tiles of ``BA x BB`` (about
+    1024 elements; a short side, such as the 3x3 of a conv weight, gets its own size).
+
+    Example::
+
+        tile_config(4096, 64)   # {'variant': 'transpose', 'BA': 32, 'BB': 32, 'num_warps': 4}
+    """
+    bb = min(np2(lenb), 32)
+    ba = min(np2(lena), max(32, 1024 // bb))
+    if ba < 32:
+        bb = min(np2(lenb), max(32, 1024 // ba))
+    return {"variant": "transpose", "BA": ba, "BB": bb, "num_warps": 4}
 
 
 def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,

@@ -86,6 +86,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     needed: set[int] = set()
     broadcast = False  # an operand constant along some dim (a bias, a per-channel scale)
     used = used_values(plan)
+    tile = _tile_dims(plan, nt, used)
     loads: list[tuple[Value, Access]] = []
     for v in plan.values:
         if v.kind != "input" or v not in used:
@@ -94,7 +95,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
         sdims = [d for d in nt if pat[d] == "s"]
         if not sdims:
             acc = Access("", frozenset())
-        elif plan.dense[v.index] and set(sdims) == every:
+        elif plan.dense[v.index] and set(sdims) == every and tile is None:
             acc = Access("offs", frozenset({"lin"}))
         else:
             off, strides = _strided(v.name, sdims)
@@ -105,7 +106,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
     stores: list[tuple[int, Value, Access]] = []
     for j, v in computed_outputs(plan):
         span = v.span & every
-        if span == every and v.layout is None:  # else eager's layout: stored by strides
+        if span == every and v.layout is None and tile is None:  # else stored by strides
             acc = Access("offs", frozenset({"lin"}))
         else:
             off, strides = _strided(f"out{j}", sorted(span))
@@ -134,15 +135,20 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             rows.append(f"{ind}i{inner} = c")
         decompose(rows, "r", nt[:-1], needed - {inner}, ind, "rem", fast=not plan.int64)
         variants.append(("rows", f"{plan.name}_rows", rows))
+    if tile is not None:
+        variants.append(("transpose", f"{plan.name}_transpose",
+                         _tile_prologue(pid, nt, tile, ind, fast=not plan.int64)))
 
     helpers: set[str] = set()
     bodies = []
     for variant, _, prologue in variants:
         e = Emitter(libdevice=libdevice, index="offs", space=frozenset(nt))
         e.lines += prologue
-        block = "[ROWS, BLOCK]" if variant == "rows" else "[BLOCK]"
+        block = {"rows": "[ROWS, BLOCK]", "transpose": "[BA, BB]"}.get(variant, "[BLOCK]")
         e.lines += scalar_lines(plan, used, block, ind)
         for v, acc in loads:
+            if variant == "transpose":
+                acc = _tiled(acc, v.name, nt, tile)
             if variant == "rows" and not _along(acc, nt[-1]) and acc.offset:
                 # one element per row, spread over the row's block
                 name, load = load_line(v, acc, "rmask", block).split(" = ", 1)
@@ -153,6 +159,8 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             if v.kind in ("pw", "count"):
                 emit_value(e, v, ind)
         for j, v, acc in stores:
+            if variant == "transpose":
+                acc = _tiled(acc, f"out{j}", nt, tile)
             if variant == "rows":
                 # the address covers the whole [ROWS, BLOCK] block, as the value does (an
                 # output along the columns alone would address one row: [1, BLOCK])
@@ -164,11 +172,86 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
             e.lines.append(ind + line)
         helpers |= e.helpers
         bodies.append("\n".join(e.lines))
-    counts = ["numel", "cols"] if len(variants) > 1 else ["numel"]
+    names = [variant for variant, _, _ in variants]
+    counts = ["numel"] + (["cols"] if "rows" in names else []) + (
+        ["lena", "lenb"] if tile is not None else [])
     sig, args, nospec = signature(plan, "\n".join(bodies), used, loads, stores, counts)
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
     text = header("\n".join(bodies), helpers)
+    blocks = {"rows": "BLOCK: tl.constexpr, ROWS: tl.constexpr",
+              "transpose": "BA: tl.constexpr, BB: tl.constexpr"}
     for (variant, fn, _), body in zip(variants, bodies):
-        rows = ", ROWS: tl.constexpr" if variant == "rows" else ""
-        text += f"\n\n{deco}\ndef {fn}({', '.join(sig)}, BLOCK: tl.constexpr{rows}):\n{body}\n"
-    return KernelSource(text, {variant: fn for variant, fn, _ in variants}, args)
+        params = blocks.get(variant, "BLOCK: tl.constexpr")
+        text += f"\n\n{deco}\ndef {fn}({', '.join(sig)}, {params}):\n{body}\n"
+    return KernelSource(text, {variant: fn for variant, fn, _ in variants}, args, tile)
+
+
+def _tile_dims(plan: Plan, nt: list[int], used: set[Value]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """For a copy between two memory orders (a clone to channels-last, or back), the dims
+    contiguous in the input and those contiguous in the output, else None.
+
+    Such a kernel reads along one and writes along the other: iterating either way, half
+    of its accesses were strided (a 512x512x3x3 float32 weight took 9 us on an H200,
+    twice a tiled transpose's time). Its transpose variant loads a tile along the first
+    dims and stores it along the second; Triton moves the tile between the two layouts
+    through shared memory.
+    """
+    inputs = [v for v in plan.values if v.kind == "input" and v in used]
+    outs = computed_outputs(plan)
+    if len(nt) < 2 or len(inputs) != 1 or len(outs) != 1 or any(
+            v.kind not in ("input", "pw") or v.kind == "pw" and v.op != "clone"
+            for v in plan.values if v in used):
+        return None
+    v, out = inputs[0], outs[0][1]
+    pat, entry = plan.patterns[v.index], plan.key[1][v.index]
+    if pat is None or any(pat[d] != "s" for d in nt) or not out.span >= set(nt):
+        return None
+    order = list(nt) if plan.dense[v.index] else [d for d in entry[3] if d in nt]
+    out_order = list(nt) if out.layout is None else [d for d in out.layout if d in nt]
+    if sorted(order) != nt or sorted(out_order) != nt:
+        return None
+    a, b = _run(order, out_order), _run(out_order, order)
+    if not a or not b or set(a) & set(b):
+        return None
+    return tuple(a), tuple(b)
+
+
+def _run(order: list[int], other: list[int]) -> list[int]:
+    """The longest run of ``order``'s innermost dims that ``other`` holds in that order,
+    side by side (dims that merge into one in both layouts)."""
+    best: list[int] = []
+    for k in range(1, len(order) + 1):
+        run = order[-k:]
+        at = other.index(run[0])
+        if other[at:at + k] != run:
+            break
+        best = run
+    return best
+
+
+def _tile_prologue(pid: str, nt: list[int], tile: tuple[tuple[int, ...], tuple[int, ...]],
+                   ind: str, fast: bool) -> list[str]:
+    """Index lines of the transpose variant: a program takes a ``BA x BB`` tile of the
+    input-contiguous dims (``a``, ``lena`` long) by the output-contiguous ones (``b``)."""
+    a_dims, b_dims = tile
+    others = [d for d in nt if d not in a_dims and d not in b_dims]
+    lines = [f"{ind}pid = {pid}", f"{ind}nba = tl.cdiv(lena, BA)",
+             f"{ind}tiles = nba * tl.cdiv(lenb, BB)", f"{ind}t = pid % tiles",
+             f"{ind}rest = pid // tiles",
+             f"{ind}a = (t % nba) * BA + tl.arange(0, BA)[:, None]",
+             f"{ind}b = (t // nba) * BB + tl.arange(0, BB)[None, :]",
+             f"{ind}mask = (a < lena) & (b < lenb)"]
+    decompose(lines, "rest", others, set(others), ind, "rr", fast=fast)
+    return lines
+
+
+def _tiled(acc: Access, name: str, nt: list[int],
+           tile: tuple[tuple[int, ...], tuple[int, ...]]) -> Access:
+    """``acc`` in the transpose variant: each run of merged dims is addressed through its
+    innermost dim's stride (the launcher checks that the input's dims merge), so that a
+    stride of 1 tells Triton which way the loads, and the stores, are contiguous."""
+    a_dims, b_dims = tile
+    terms = [f"i{d} * {name}_stride{d}" for d in nt if d not in a_dims and d not in b_dims]
+    terms += [f"a * {name}_stride{a_dims[-1]}", f"b * {name}_stride{b_dims[-1]}"]
+    return Access(" + ".join(terms), acc.deps, acc.strides, acc.mask_dims)

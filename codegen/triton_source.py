@@ -355,11 +355,14 @@ class KernelSource:
             ``("out", j)``, ``("scalar", i)``, ``("numel",)``, ``("rows",)``, ``("cols",)``,
             ``("size", d)``, ``("size_m", d)``, ``("size_s", d)`` (its division magic),
             ``("stride", i, d)``, ``("ostride", j, d)``.
+        tile: for a pointwise kernel with a ``"transpose"`` variant, the dims its tiles
+            run along: those contiguous in the input, then those contiguous in the output.
     """
 
     text: str
     functions: dict[str, str]
     args: list[tuple[Any, ...]]
+    tile: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, Access]],

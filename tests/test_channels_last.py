@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 
 import fxlite.codegen.pipeline as pipeline
@@ -433,7 +434,7 @@ def test_a_step_that_takes_the_model_converts_its_weights_and_gives_contiguous_g
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, CL], ids=["contiguous", "channels_last"])
-@pytest.mark.parametrize("source", ["contiguous", "channels_last", "transposed"])
+@pytest.mark.parametrize("source", ["contiguous", "channels_last", "transposed", "sliced"])
 def test_a_clone_into_a_memory_format_has_that_format_on_every_call(fmt, source):
     """A regression: a pointwise kernel iterates in its inputs' memory order, and so gave
     a clone into contiguous format of a channels-last input a channels-last result from
@@ -444,7 +445,9 @@ def test_a_clone_into_a_memory_format_has_that_format_on_every_call(fmt, source)
     if not interpreting():
         pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
     make = {"contiguous": lambda t: t, "channels_last": lambda t: t.to(memory_format=CL),
-            "transposed": lambda t: t.transpose(2, 3)}[source]
+            "transposed": lambda t: t.transpose(2, 3),
+            # channels-last order, but H and W do not merge: no tiles over them
+            "sliced": lambda t: t.to(memory_format=CL)[..., :3]}[source]
     compiled = fxlite.compile(lambda t: torch.clone(t, memory_format=fmt))
     for _ in range(3):
         x = make(torch.randn(4, 3, 5, 5))
@@ -452,3 +455,32 @@ def test_a_clone_into_a_memory_format_has_that_format_on_every_call(fmt, source)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert got.stride() == want.stride()
     assert len(compiled.kernels) == 1 and not compiled.fallbacks
+
+
+@pytest.mark.parametrize("to_cl", [True, False], ids=["to_channels_last", "to_contiguous"])
+@pytest.mark.parametrize("shape", [(8, 8, 3, 3), (2, 3, 17, 5), (4, 70, 6, 6), (3, 5, 4, 3, 2)],
+                         ids=str)
+def test_a_layout_conversion_runs_as_tiles_of_a_transpose(to_cl, shape):
+    """A copy between contiguous and channels-last reads along one layout and writes
+    along the other; its kernel's transpose variant takes tiles, loaded along the
+    input's contiguous dims and stored along the output's."""
+    pytest.importorskip("triton")
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    cl = CL if len(shape) == 4 else torch.channels_last_3d
+    fmt, source = (cl, torch.contiguous_format) if to_cl else (torch.contiguous_format, cl)
+    compiled = fxlite.compile(lambda t: torch.clone(t, memory_format=fmt))
+    for _ in range(3):
+        x = torch.randn(*shape).contiguous(memory_format=source)
+        got, want = compiled(x), torch.clone(x, memory_format=fmt)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.stride() == want.stride()
+    (kernel,) = compiled.kernels
+    spec = kernel._current
+    assert "transpose" in spec.fns
+    counts, cfg = spec.config(tuple(shape))
+    assert cfg["variant"] == "transpose"
+    spatial = math.prod(shape[2:])
+    assert {counts["lena"], counts["lenb"]} == {spatial, shape[1]}
