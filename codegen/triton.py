@@ -45,13 +45,10 @@ interpreter) is used only when compiling for a GPU.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import os
-import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,7 +56,7 @@ import torch
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 
-from .cache import cache_root, write_atomic
+from .cache import kernel_dir, load_module
 from .triton_binaries import binary_key, load_binary, save_binary
 from .triton_common import (
     Plan,
@@ -79,7 +76,7 @@ from .triton_config import (
 )
 from .triton_emit import Unsupported
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
-from .triton_layout import dense_strides, inverse, memory_order, permute_inputs
+from .triton_layout import dense_strides, inverse, memory_order, merges, permute_inputs
 from .triton_pointwise import build_pointwise
 from .triton_reduction import build_reduction
 from .triton_source import KernelSource, division_magic
@@ -93,32 +90,8 @@ def interpreting() -> bool:
 
 
 # ------------------------------------------------------------------------------ loading
-_LOAD_LOCK = threading.Lock()
 _BINARIES: dict[str, Binary] = {}  # binary_key -> Binary, for this process
 _INTERPRETER_LOCK = threading.Lock()
-
-
-def _cache_dir() -> Path:
-    path = cache_root() / "triton"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def load_module(text: str, name: str) -> Any:
-    """Import kernel source ``text`` from a file (Triton's JIT reads functions' source)."""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    modname = f"fxlite_kernel_{name}_{digest}"
-    with _LOAD_LOCK:
-        if modname in sys.modules:
-            return sys.modules[modname]
-        path = _cache_dir() / f"{modname}.py"
-        if not path.exists() or path.read_text() != text:
-            write_atomic(path, text)
-        spec = importlib.util.spec_from_file_location(modname, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[modname] = module
-        return module
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -241,7 +214,7 @@ class _Spec:
             n = counts["numel"]
             if not n:
                 return None
-            if cfg["variant"] == "transpose" and not _merge(inputs, self.src.tile):
+            if cfg["variant"] == "transpose" and not merges(inputs, self.src.tile):
                 cfg = launch_config("pointwise", n, counts["cols"])
             if cfg["variant"] == "rows":
                 grid = (triton_cdiv(n // counts["cols"], cfg["ROWS"])
@@ -303,10 +276,10 @@ class _Spec:
         key = binary_key(self.source_id, variant, args, constexprs, num_warps)
         binary = _BINARIES.get(key)
         if binary is None:
-            found = load_binary(_cache_dir(), key, fn)
+            found = load_binary(kernel_dir(), key, fn)
             if found is None:  # compile only: launching through Triton would build its launcher
                 compiled = fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps)
-                save_binary(_cache_dir(), key, compiled)
+                save_binary(kernel_dir(), key, compiled)
                 found = compiled, False
             binary = _BINARIES[key] = Binary(*found, key=key)
         values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
@@ -460,7 +433,7 @@ class TritonKernel:
         if record is not None and not record[0].checked:
             binary = record[0]
             binary.checked = True
-            save_binary(_cache_dir(), binary.key, binary.compiled, checked=True)
+            save_binary(kernel_dir(), binary.key, binary.compiled, checked=True)
 
     def bytes_moved(self, *inputs: Any) -> int:
         """Bytes read (each input element once, broadcasts not repeated) plus written."""
@@ -499,11 +472,8 @@ class TritonKernel:
         if configs is None:
             rows = counts.get("numel", counts.get("rows", 1))
             configs = candidate_configs(self.kind, rows, counts.get("cols", 1),
-                                        trailing=spec.row_config, max_block=self._max_block)
-            if "lena" in counts:  # a transpose variant: tiles of other shapes first
-                configs = [{"variant": "transpose", "BA": ba, "BB": bb, "num_warps": w}
-                           for ba, bb in ((32, 32), (64, 16), (16, 64), (64, 32), (32, 64))
-                           for w in (4, 8)] + configs
+                                        trailing=spec.row_config, max_block=self._max_block,
+                                        tiles="lena" in counts)
         best, best_ms = base, float("inf")
         for cfg in configs:
             try:
@@ -567,14 +537,6 @@ def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool 
                        {v: f.replace(_UNNAMED, plan.name) for v, f in src.functions.items()},
                        src.args, src.tile)
     return plan, src
-
-
-def _merge(inputs: Sequence[Any], tile: Any) -> bool:
-    """Whether the tensor input's dims of each run of ``tile`` merge into one (a transpose
-    variant addresses a run through its innermost stride)."""
-    t = next(x for x in inputs if isinstance(x, torch.Tensor))
-    return all(t.stride(d) == t.shape[e] * t.stride(e)
-               for run in tile for d, e in zip(run, run[1:]))
 
 
 _UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (triton_common._Builder.fresh)

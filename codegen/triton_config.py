@@ -126,15 +126,20 @@ def tile_config(lena: int, lenb: int) -> dict[str, Any]:
 
 
 def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
-                      max_block: int = DEFAULT_MAX_BLOCK) -> list[dict[str, Any]]:
+                      max_block: int = DEFAULT_MAX_BLOCK, tiles: bool = False
+                      ) -> list[dict[str, Any]]:
     """Configurations ``TritonKernel.autotune`` times (``mode="max-autotune"``).
 
-    The heuristic's choice comes first. Example::
+    The heuristic's choice comes first; ``tiles``: the kernel has a transpose variant,
+    whose tile shapes come before. Example::
 
         candidate_configs("pointwise", 1 << 20)[0]["BLOCK"]  # 1024
     """
     base = launch_config(kind, rows, cols, trailing=trailing, max_block=max_block)
-    out = [base]
+    out = [{"variant": "transpose", "BA": ba, "BB": bb, "num_warps": w}
+           for ba, bb in ((32, 32), (64, 16), (16, 64), (64, 32), (32, 64))
+           for w in (4, 8)] if tiles else []
+    out.append(base)
     if kind == "pointwise":
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["dense_strides", "eager_layout", "inverse", "memory_order", "permute_inputs",
+__all__ = ["dense_strides", "eager_layout", "inverse", "memory_order", "merges", "permute_inputs",
            "stride_order"]
 
 
@@ -150,6 +150,21 @@ def eager_layout(t: torch.Tensor) -> tuple[int, ...] | None:
     if any(shape[d] != 1 and want[d] != stride[d] for d in range(k)):
         return None
     return order
+
+
+def merges(inputs: Sequence[Any], runs: Sequence[Sequence[int]]) -> bool:
+    """Whether the first tensor of ``inputs`` lays out each run of dims in ``runs`` as one
+    dim (each dim's stride is the next one's size times its stride): a pointwise kernel's
+    transpose variant addresses a run through its innermost stride.
+
+    Example::
+
+        merges([torch.randn(2, 3, 4, 5)], [(2, 3)])          # True
+        merges([torch.randn(2, 3, 4, 8)[..., :5]], [(2, 3)])  # False
+    """
+    t = next(x for x in inputs if isinstance(x, torch.Tensor))
+    return all(t.stride(d) == t.shape[e] * t.stride(e)
+               for run in runs for d, e in zip(run, run[1:]))
 
 
 def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:

@@ -32,7 +32,8 @@ import torch
 
 from fxlite.graph_module import GraphModule
 
-from .triton import _BINARIES, _cache_dir, generate_kernel, interpreting
+from .cache import kernel_dir
+from .triton import _BINARIES, generate_kernel, interpreting
 from .triton_binaries import binary_key, has_binary
 
 __all__ = ["precompile"]
@@ -150,7 +151,7 @@ def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
     report = {"groups": groups, "kernels": kernels, "sources": len(sources),
               "compiles": len(jobs), "seconds": 0.0}
     if not interpreting():  # binaries of earlier calls or processes need no compile
-        cache = _cache_dir()
+        cache = kernel_dir()
         jobs = {k: j for k, j in jobs.items() if not _known(k, j, cache)}
         report["compiles"] = len(jobs)
     if interpreting() or not jobs:
