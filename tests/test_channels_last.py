@@ -22,6 +22,15 @@ import fxlite
 CL = torch.channels_last
 
 
+def needs_kernels() -> None:
+    """Skip unless Triton kernels run here: the CPU tests need TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    from fxlite.codegen.triton import interpreting
+
+    if not interpreting():
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+
+
 def converts(compiled) -> bool:
     """Whether a compiled function's graph, or one of its kernels' groups, converts to
     channels-last (a conversion fused into a copy kernel leaves the top graph)."""
@@ -152,11 +161,7 @@ def channels_last_on_cpu(monkeypatch):
 @pytest.mark.parametrize("backend", ["python", "triton"])
 def test_a_compiled_conv_net_with_channels_last_matches_eager(backend, channels_last_on_cpu):
     if backend == "triton":
-        pytest.importorskip("triton")
-        from fxlite.codegen.triton import interpreting
-
-        if not interpreting():
-            pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+        needs_kernels()
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -330,11 +335,7 @@ def test_the_conversions_are_copy_kernels_that_follow_weight_writes(channels_las
     kernels (torch's own copy took 95 us a call for resnet50's 18 conversions in float32 on
     an H200), each writing eager's channels-last strides for the convolution, and they
     read the weight again on every call."""
-    pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
-
-    if not interpreting():
-        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    needs_kernels()
     torch.manual_seed(0)
     model = Stem().eval()
     compiled = fxlite.compile(model)
@@ -360,11 +361,7 @@ def test_the_conversions_are_copy_kernels_that_follow_weight_writes(channels_las
 @pytest.mark.parametrize("fmt, shape", [(CL, (4, 3, 3, 3)), (torch.channels_last_3d, (4, 3, 3, 3, 3))],
                          ids=["2d", "3d"])
 def test_a_clone_to_channels_last_that_no_kernel_reads_is_a_kernel_with_eagers_strides(fmt, shape):
-    pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
-
-    if not interpreting():
-        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    needs_kernels()
     compiled = fxlite.compile(lambda w: torch.clone(w, memory_format=fmt))
     for _ in range(3):  # fresh values each call
         w = torch.randn(*shape)
@@ -382,11 +379,7 @@ def test_a_step_that_takes_the_model_converts_its_weights_and_gives_contiguous_g
     back (resnet18 on an H200: 51 strided copies, 194 us a step). Now the weight's
     conversion is a copy kernel whose backward kernel writes the gradient in the weight's
     own layout, so the optimizer sees eager's strides."""
-    pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
-
-    if not interpreting():
-        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    needs_kernels()
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -439,11 +432,7 @@ def test_a_clone_into_a_memory_format_has_that_format_on_every_call(fmt, source)
     """A regression: a pointwise kernel iterates in its inputs' memory order, and so gave
     a clone into contiguous format of a channels-last input a channels-last result from
     the second call on (a conv weight's gradient, which AccumulateGrad then copied)."""
-    pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
-
-    if not interpreting():
-        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    needs_kernels()
     make = {"contiguous": lambda t: t, "channels_last": lambda t: t.to(memory_format=CL),
             "transposed": lambda t: t.transpose(2, 3),
             # channels-last order, but H and W do not merge: no tiles over them
@@ -464,11 +453,7 @@ def test_a_layout_conversion_runs_as_tiles_of_a_transpose(to_cl, shape):
     """A copy between contiguous and channels-last reads along one layout and writes
     along the other; its kernel's transpose variant takes tiles, loaded along the
     input's contiguous dims and stored along the output's."""
-    pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
-
-    if not interpreting():
-        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    needs_kernels()
     cl = CL if len(shape) == 4 else torch.channels_last_3d
     fmt, source = (cl, torch.contiguous_format) if to_cl else (torch.contiguous_format, cl)
     compiled = fxlite.compile(lambda t: torch.clone(t, memory_format=fmt))
