@@ -162,6 +162,28 @@ def test_batch_norm_counters_advance_in_one_multi_tensor_add():
     assert step.fallbacks == []
 
 
+def test_only_counters_nothing_else_reads_are_batched():
+    """Two counters advance in one multi-tensor add; a counter the function reads after
+    its increment keeps its own add, and a lone one its kernel: every value as eager's."""
+    def fn(a, b, c, d, x):
+        a.add_(1)
+        b.add_(1)
+        c.add_(1)
+        d.add_(2)
+        return x * c
+
+    got = [torch.zeros((), dtype=torch.int64, device=DEVICE) for _ in range(4)]
+    want = [t.clone() for t in got]
+    compiled = fxlite.compile(fn)
+    for _ in range(3):
+        x = torch.randn(3, device=DEVICE)
+        torch.testing.assert_close(compiled(*got, x), fn(*want, x))
+        for g, w in zip(got, want):
+            assert g.item() == w.item()
+    assert compiled.code.count("torch._foreach_add_(") == 1, compiled.code
+    assert "_foreach_add_([a, b], 1)" in compiled.code.replace("arg0_", ""), compiled.code
+
+
 def test_compiling_a_training_step_shows_no_warning_about_fxlites_own_copies():
     """The compile-time check reads ``.grad`` of fxlite's non-leaf stand-ins for the
     parameters; torch's warning about non-leaf ``.grad`` reads used to reach the user."""
