@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxlite.passes.shape_prop import MEMORY_FORMATS
+
 from .autodiff_random import seeded_dropout
 from .ops import OPS, amend
 from .proxy import Proxy
@@ -404,9 +406,6 @@ def _identity(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"input": g}  # expand: autodiff sums g back over the broadcast dims
 
 
-_LAYOUTS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-
-
 def _clone(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # A clone into another memory format (a conv weight made channels-last) hands back a
     # gradient in the input's own format: written so by the backward kernel, it is the
@@ -414,7 +413,7 @@ def _clone(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     fmt = a.get("memory_format")
     tm = a["input"].node.meta.get("tensor_meta")
     src = getattr(tm, "memory_format", None)
-    if fmt in _LAYOUTS and src in _LAYOUTS and src != fmt and len(tm.shape) in (4, 5):
+    if fmt in MEMORY_FORMATS and src in MEMORY_FORMATS and src != fmt and len(tm.shape) in (4, 5):
         return {"input": torch.clone(g, memory_format=src)}
     return {"input": g}
 

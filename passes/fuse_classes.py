@@ -23,7 +23,7 @@ import torch
 from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 
-from .shape_prop import TensorMetadata
+from .shape_prop import MEMORY_FORMATS, TensorMetadata
 
 __all__ = ["Shape"]
 
@@ -99,8 +99,7 @@ def _layout_copy(node: Node, info: OpInfo, module: torch.nn.Module, fmt: Any) ->
     gradient of such a weight): a kernel stores a group's result in the layout of its
     metadata. A kernel lays a value it hands to another op of its group out as its inputs,
     so a clone read inside a group would lose its layout."""
-    if info.name != "clone" or fmt not in (torch.contiguous_format, torch.channels_last,
-                                           torch.channels_last_3d):
+    if info.name != "clone" or fmt not in MEMORY_FORMATS:
         return False
     for user in node.users:
         found = lookup(user, module) if user.op != "output" else None

@@ -16,10 +16,12 @@ import torch
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate
 
-__all__ = ["ShapeProp", "TensorMetadata", "extract_tensor_metadata", "fill_missing_meta"]
+__all__ = ["MEMORY_FORMATS", "ShapeProp", "TensorMetadata", "extract_tensor_metadata",
+           "fill_missing_meta"]
 
 # Checked in this order: a tensor that is several at once (size-1 dims) reports the first.
-_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+# the dense layouts a tensor's metadata names (and a clone may ask for)
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
 class TensorMetadata(NamedTuple):
@@ -69,7 +71,7 @@ def memory_format_of(shape: Any, stride: Any) -> torch.memory_format | None:
         torch.channels_last
     """
     probe = torch.empty_strided(tuple(shape), tuple(stride), device="meta")
-    return next((f for f in _MEMORY_FORMATS if probe.is_contiguous(memory_format=f)), None)
+    return next((f for f in MEMORY_FORMATS if probe.is_contiguous(memory_format=f)), None)
 
 
 def node_layout(node: Any) -> tuple[tuple, tuple, torch.dtype] | None:
@@ -101,7 +103,7 @@ def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     strided = t.layout == torch.strided
     memory_format = None
     if strided:
-        for fmt in _MEMORY_FORMATS:
+        for fmt in MEMORY_FORMATS:
             if t.is_contiguous(memory_format=fmt):
                 memory_format = fmt
                 break
