@@ -1,7 +1,8 @@
 """Channel broadcasts and permuted layouts on the GPU: the kernels of conv nets, one by one.
 
-Eval-mode batch_norm (+ ReLU, + residual), a conv bias add, and convnext's layer scale over
-a permuted tensor, at resnet50 / convnext_tiny shapes, in NCHW and channels-last memory,
+Eval-mode batch_norm (+ ReLU, + residual), a conv bias add, convnext's layer scale over
+a permuted tensor, and copies between NCHW and channels-last (activations and conv
+weights), at resnet50 / convnext_tiny shapes, in NCHW and channels-last memory,
 f32 and bf16: eager, torch.compile (inductor) and fxlite.compile side by side, each as a
 percentage of a device-to-device copy of the same bytes measured in this run::
 
@@ -47,6 +48,14 @@ def layer_scale(y, g, r):
     return g * y.permute(0, 3, 1, 2) + r
 
 
+def to_channels_last(x):
+    return torch.clone(x, memory_format=torch.channels_last)
+
+
+def to_contiguous(x):
+    return torch.clone(x, memory_format=torch.contiguous_format)
+
+
 def cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, object, list[torch.Tensor]]]:
     def t(*shape):
         return torch.randn(*shape, device="cuda", dtype=dtype)
@@ -71,7 +80,14 @@ def cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, object, list[torch
             ("conv bias NHWC 96x56x56", bias_add, [cl(x), t(96)]),
             ("layer scale, NCHW residual", layer_scale, [t(n, 56, 56, 96), t(96, 1, 1), x]),
             ("layer scale, NHWC residual", layer_scale, [t(n, 56, 56, 96), t(96, 1, 1), cl(x)])]
-    return out[:3] + out[-2:] if quick else out
+    # layout conversions: a conv net's input and weights going channels-last (each
+    # training step converts its weights), and activations coming back
+    x, w = t(n, 256, 56, 56), t(512, 512, 3, 3)
+    out += [("to NHWC 256x56x56", to_channels_last, [x]),
+            ("to NCHW 256x56x56", to_contiguous, [cl(x)]),
+            ("to NHWC weight 512x512x3x3", to_channels_last, [w]),
+            ("to NCHW weight 512x512x3x3", to_contiguous, [cl(w)])]
+    return out[:3] + out[-6:-4] + out[-3:-1] if quick else out
 
 
 def nbytes(tensors) -> int:
