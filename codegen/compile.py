@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.capture import format_site, record, recording_thread
+from fxlite.codegen.cudagraphs import side_stream
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.pipeline import (
     ambient_restored,
@@ -38,7 +39,6 @@ from fxlite.codegen.pipeline import (
     set_ambient,
 )
 from fxlite.codegen.report import kernel_report
-from fxlite.codegen.segment_graphs import side_stream
 from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
 from fxlite.codegen.trial import Trial, choose_runner

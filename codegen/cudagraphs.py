@@ -13,13 +13,14 @@ graph budget is spent, the forward runs normally.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["GraphReplays", "reference_counts"]
+__all__ = ["GraphReplays", "end_failed_capture", "reference_counts", "side_stream"]
 
 SMALL_NUMEL = 1 << 20  # inputs above this gain little from replay and cost memory
 MAX_KEYS = 16
@@ -133,3 +134,43 @@ class GraphReplays:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return [_Captured(fn, args, self._pool), _Captured(fn, args, self._pool)]
+
+
+_SIDE: dict[int, Any] = {}  # device -> side stream
+
+
+@contextlib.contextmanager
+def side_stream(enabled: bool = True) -> Iterator[None]:
+    """Run the block on a side stream, ordered after and before the current stream's work.
+
+    Why: the calls before a capture (the recording, the observed calls) must not run on
+    the default stream. Libraries set up per-stream state there, and autograd keeps the
+    stream a parameter's gradient accumulator was made on: a loss the caller still holds
+    from such a call keeps its accumulators, and a captured backward that meets one made
+    on the legacy default stream must sync with that stream, which ends the capture.
+    """
+    if not enabled:
+        yield
+        return
+    device = torch.cuda.current_device()
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
+
+
+def end_failed_capture() -> None:
+    """Leave no capture state behind a failed capture: torch's CUDA generator stays in its
+    capture mode when one fails (later random ops then raise), so end a trivial one."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.empty(1, device="cuda").zero_()
+    except Exception:  # nothing more can be done here
+        pass

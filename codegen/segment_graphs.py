@@ -40,15 +40,17 @@ failed capture) runs as it would without graphs, from then on.
 
 from __future__ import annotations
 
-import contextlib
+import bisect
+import operator
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.cudagraphs import reference_counts
+from fxlite.codegen.cudagraphs import end_failed_capture, reference_counts, side_stream
+from fxlite.codegen.guards import LayoutCheck
 from fxlite.codegen.host_nodes import host_function
 
 from fxlite.graph_module import GraphModule
@@ -56,7 +58,7 @@ from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate, map_arg
 
 __all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "runs_backward",
-           "side_stream"]
+           "side_stream"]  # side_stream: from cudagraphs, kept importable here
 
 WARMUP = 3  # observed calls per input layout before the capture (syncs count on the last)
 MAX_LAYOUTS = 4  # captured input layouts per segment
@@ -197,9 +199,13 @@ class _Region:
         self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
         self.writes: list[tuple[int, torch.Tensor]] = []  # copied inputs it writes
         self.addresses: dict[int, int] = {}  # where the "same" inputs' data was
+        # the "same" inputs as parallel sequences, checked in one pass (see replay)
+        self.same: tuple[list[Node], list[torch.Tensor], tuple[int, ...]] = ([], [], ())
+        self.others: list[tuple[int, Any, Any]] = []  # the "copy" and "value" feeds
         self.values: list[Any] = []  # its outputs, in the graph's memory
         self.grads: list[tuple[torch.Tensor, Any, torch.Tensor]] = []  # (leaf, before, after)
         self.held: list[torch.Tensor] = []  # tensors nobody else may hold at a replay
+        self.drop: list[Node] = []  # env values no node reads from the region's start on
         self.storages: list[int] = []  # their storages
         self.base: list[int] = []
 
@@ -250,6 +256,10 @@ class _Region:
             torch.set_autocast_cache_enabled(cache)
         self.graph, self.feeds = graph, feeds
         self.addresses = {i: ref.data_ptr() for i, kind, ref in feeds if kind == "same"}
+        same = [(self.inputs[i], ref) for i, kind, ref in feeds if kind == "same"]
+        self.same = ([n for n, _ in same], [r for _, r in same],
+                     tuple(r.data_ptr() for _, r in same))
+        self.others = [f for f in feeds if f[1] != "same"]
         # copied inputs the region writes in place: written back to the caller's after a replay
         self.writes = [(i, ref) for (i, kind, ref), v in zip(feeds, versions)
                        if kind == "copy" and ref._version != v]
@@ -273,13 +283,26 @@ class _Region:
     def watch(self) -> None:
         """Take the baseline of references to our tensors, once the call has ended."""
         inputs = {t.untyped_storage().data_ptr() for _, kind, t in self.feeds if kind == "same"}
-        held = [g for _, _, g in self.grads]
-        for v in self.values:
-            held += [t for t in _tensors(v) if t.untyped_storage().data_ptr() not in inputs]
-        self.held = list({id(t): t for t in held}.values())
+        # (comprehensions only: no local of this frame may still hold a tensor below)
+        self.held = list({id(t): t for t in [g for _, _, g in self.grads] + [
+            t for v in self.values for t in _tensors(v)
+            if t.untyped_storage().data_ptr() not in inputs]}.values())
         # (their storages stay valid while self.held holds the tensors)
         self.storages = [t.untyped_storage()._cdata for t in self.held]
-        self.base = self._counts()
+        # The baseline as a replay will see it: by then each parameter's .grad is back to
+        # what it was before the region (the replay's first check; zero_grad did it), so
+        # the parameter no longer holds the gradient the region made. Counted with .grad
+        # still set, a caller holding last step's gradient would look like the parameter.
+        # (indices, not tensors: a reference of ours alive here would be counted)
+        grads = self.grads
+        on_grad = [k for k, (t, _, after) in enumerate(grads) if t.grad is after]
+        for k in on_grad:
+            grads[k][0].grad = grads[k][1]
+        try:
+            self.base = self._counts()
+        finally:
+            for k in on_grad:
+                grads[k][0].grad = grads[k][2]
 
     def _counts(self) -> list[int]:
         return reference_counts(self.held, self.storages)
@@ -288,13 +311,32 @@ class _Region:
     def replay(self, runner: _Runner) -> bool:
         """Replay into ``runner.env``; False (nothing done) when an assumption fails."""
         env = runner.env
+        # (the checks run in a call of their own: no reference they take may be alive
+        # when the counts are compared with the baseline)
+        if not self._feeds_ok(env) or any(map(operator.gt, self._counts(), self.base)):
+            return False
         inputs = self.inputs
-        for i, kind, ref in self.feeds:
+        for i, kind, ref in self.others:
+            if kind == "copy":
+                ref.copy_(env[inputs[i]])
+        self.graph.replay()
+        self._bind(env, [env[n] for n in inputs] if self.writes else [])
+        runner.run_nodes(self.ambient)
+        return True
+
+    def _feeds_ok(self, env: dict[Node, Any]) -> bool:
+        """Whether the inputs and gradients are as the graph assumed."""
+        # The same tensors, still on the same memory (`p.data = ...` moves it): one pass
+        # in C over the ~126 parameters and buffers of a training step, not a Python loop.
+        nodes, refs, addresses = self.same
+        values = list(map(env.__getitem__, nodes))
+        if not all(map(operator.is_, values, refs)) or \
+                tuple(map(torch.Tensor.data_ptr, values)) != addresses:
+            return False
+        inputs = self.inputs
+        for i, kind, ref in self.others:
             v = env[inputs[i]]
-            if kind == "same":  # the same tensor, still on the same memory (`p.data = ...`)
-                if v is not ref or v.data_ptr() != self.addresses[i]:
-                    return False
-            elif kind == "copy":
+            if kind == "copy":
                 if not isinstance(v, torch.Tensor) or v.shape != ref.shape or \
                         v.stride() != ref.stride() or v.dtype != ref.dtype or v.device != ref.device:
                     return False
@@ -303,14 +345,6 @@ class _Region:
         for t, before, _ in self.grads:
             if t.grad is not before:
                 return False
-        if any(c > b for c, b in zip(self._counts(), self.base)):
-            return False
-        for i, kind, ref in self.feeds:
-            if kind == "copy":
-                ref.copy_(env[inputs[i]])
-        self.graph.replay()
-        self._bind(env, [env[n] for n in inputs])
-        runner.run_nodes(self.ambient)
         return True
 
     def _bind(self, env: dict[Node, Any], originals: list[Any]) -> None:
@@ -318,8 +352,7 @@ class _Region:
             originals[i].copy_(buf)
         for t, _, after in self.grads:
             t.grad = after
-        for n, v in zip(self.outputs, self.values):
-            env[n] = v
+        env.update(zip(self.outputs, self.values))
 
 
 class _NotCapturable(Exception):
@@ -330,6 +363,7 @@ class _Layout:
     """Observations and captures for one input layout."""
 
     def __init__(self) -> None:
+        self.check: LayoutCheck | None = None  # made on its first call
         self.calls = 0
         self.seen: list[dict[Node, Any]] = []  # per observed call: node -> Python part
         self.host: dict[Node, str] = {}  # observed host nodes, and why
@@ -364,6 +398,7 @@ class SegmentGraphs:
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.static_host = {n for n in self.nodes if host_node(n)}
         self.layouts: dict[tuple, _Layout] = {}
+        self.recent: _Layout | None = None  # the layout of the latest call
         self.runner = _Runner(gm)
         self.lock = threading.Lock()  # one call at a time uses the runner and the graphs
         self.pool: Any = None
@@ -387,13 +422,19 @@ class SegmentGraphs:
             self.lock.release()
 
     def _call(self, args: tuple) -> Any:
-        key = tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
-                    else type(a) for a in args)
-        layout = self.layouts.get(key)
-        if layout is None:
-            if len(self.layouts) >= MAX_LAYOUTS:
-                return self.plain(*args)
-            layout = self.layouts[key] = _Layout()
+        layout = self.recent
+        if layout is None or layout.check is None or not layout.check.ok or \
+                not layout.check(args):
+            key = tuple((a.shape, a.stride(), a.dtype, a.device)
+                        if isinstance(a, torch.Tensor) else type(a) for a in args)
+            layout = self.layouts.get(key)
+            if layout is None:
+                if len(self.layouts) >= MAX_LAYOUTS:
+                    return self.plain(*args)
+                layout = self.layouts[key] = _Layout()
+            if layout.check is None:
+                layout.check = LayoutCheck(args)
+            self.recent = layout
         layout.calls += 1
         if layout.regions is not None:
             return self._run(layout, args, capture=False)
@@ -460,6 +501,15 @@ class SegmentGraphs:
                                 f"{why.get(after, 'the end of the segment')}"))
         if not made:
             raise _NotCapturable("it has no device work to replay")
+        # Values no node reads from a region's start on are dropped there, before its
+        # replay counts references: zero_grad's reads of .grad still hold last step's
+        # gradients in the env, which are the very tensors the replay will overwrite.
+        position, starts = self.position, [self.position[r.nodes[0]] for r in made]
+        for n in self.nodes[:-1]:
+            last = max([position[u] for u in n.users], default=position[n])
+            k = bisect.bisect_right(starts, last)
+            if k < len(made):
+                made[k].drop.append(n)
         return made
 
     # ------------------------------------------------------------------ running
@@ -481,11 +531,13 @@ class SegmentGraphs:
                     made.update(region.outputs)
                     continue
                 except Exception as e:  # never a crash where eager works: run it normally
-                    _end_failed_capture()
+                    end_failed_capture()
                     self._give_up(f"capturing failed ({type(e).__name__}: {e})")
-            elif not capture and region.replay(runner):
-                continue
             elif not capture:
+                for n in region.drop:
+                    env.pop(n, None)
+                if region.replay(runner):
+                    continue
                 self.misses += 1
                 if self.misses > MAX_MISSES:
                     self._give_up("its graphs' inputs or outputs kept changing hands")
@@ -504,6 +556,7 @@ class SegmentGraphs:
         """Run the plain segment from now on (graphs already captured are dropped)."""
         self.off = why
         self.layouts = {}
+        self.recent = None
         self.fallbacks.append(f"CUDA graphs are off for this segment: {why}")
 
     @staticmethod
@@ -512,46 +565,6 @@ class SegmentGraphs:
         refs = [objs.get(node) for objs in layout.objects]
         alive = [r() if r is not None else None for r in refs]
         return alive[0] is not None and all(a is alive[0] for a in alive)
-
-
-_SIDE: dict[int, Any] = {}  # device -> side stream
-
-
-@contextlib.contextmanager
-def side_stream(enabled: bool = True) -> Iterator[None]:
-    """Run the block on a side stream, ordered after and before the current stream's work.
-
-    Why: the calls before a capture (the recording, the observed calls) must not run on
-    the default stream. Libraries set up per-stream state there, and autograd keeps the
-    stream a parameter's gradient accumulator was made on: a loss the caller still holds
-    from such a call keeps its accumulators, and a captured backward that meets one made
-    on the legacy default stream must sync with that stream, which ends the capture.
-    """
-    if not enabled:
-        yield
-        return
-    device = torch.cuda.current_device()
-    side = _SIDE.get(device)
-    if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    try:
-        with torch.cuda.stream(side):
-            yield
-    finally:
-        current.wait_stream(side)
-
-
-def _end_failed_capture() -> None:
-    """Leave no capture state behind a failed capture: torch's CUDA generator stays in its
-    capture mode when one fails (later random ops then raise), so end a trivial one."""
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.empty(1, device="cuda").zero_()
-    except Exception:  # nothing more can be done here
-        pass
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -105,6 +105,42 @@ def _net_and_batches(batches: int):
     return _Net().cuda(), data
 
 
+
+@pytest.mark.parametrize("cxx_guard", [True, False])
+def test_a_layout_check_tells_apart_what_the_layout_key_does(cxx_guard, monkeypatch):
+    # SegmentGraphs picks a call's captures by this check before computing any key: it
+    # must fail wherever the key (shape, strides, dtype, device, or type) would differ.
+    import gc
+    import weakref
+
+    import torch._C._dynamo.guards as guards
+    from fxlite.codegen.guards import LayoutCheck
+
+    if not cxx_guard:  # a torch without the private guard: the key decides alone
+        monkeypatch.setattr(guards, "TensorGuards", None)
+    x, w = torch.randn(4, 3), torch.randn(3, 5, requires_grad=True)
+    check = LayoutCheck((x, w, 2, None))
+    assert check.ok == cxx_guard
+    if not cxx_guard:
+        return
+    assert check((torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), 7, None))
+    others = [
+        (torch.randn(4, 4), w, 2, None),  # shape
+        (torch.randn(3, 4).t(), w, 2, None),  # strides
+        (x.double(), w, 2, None),  # dtype
+        (x, w.detach(), 2, None),  # requires_grad
+        (x, w, 2.0, None),  # a Python value's type
+        (x, w, 2),  # count
+        (x, 2, w, None),  # a tensor where a number was
+    ]
+    for args in others:
+        assert not check(args), args
+    # it holds no reference to the tensors it was made from (replays count references)
+    ref = weakref.ref(x)
+    del x, others, args
+    gc.collect()
+    assert ref() is None
+
 @cuda
 def test_training_step_replays_graphs_and_trains_as_eager():
     base, data = _net_and_batches(3)
@@ -131,6 +167,32 @@ def test_gradients_the_user_keeps_are_not_overwritten_by_the_next_replay():
     got, want = _train(fn, base, data, 6), _train(train_step, base, data, 6)
     kept = got[3][4]  # the user held step 5's gradients through step 6
     for a, b in zip(kept, want[3][4]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+@cuda
+def test_a_gradient_kept_over_a_step_is_not_overwritten_by_the_replay():
+    # Regression: a replay's baseline of references was taken while each parameter still
+    # held its gradient and a list of ours held them all; after zero_grad a caller's
+    # reference to last step's gradient then looked like the parameter's, and a replay
+    # could overwrite it (caught before only because the check's own loop variable
+    # happened to hold a reference as well).
+    base, data = _net_and_batches(3)
+    fn = fxlite.compile(train_step, mode="reduce-overhead")
+    got, want = copy.deepcopy(base), copy.deepcopy(base)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (got, want)]
+    for i in range(16):
+        x, y = data[i % len(data)]
+        torch.testing.assert_close(fn(got, opts[0], x, y), train_step(want, opts[1], x, y),
+                                   rtol=1e-4, atol=1e-5)
+        if i in (8, 12):  # keep this step's gradients over the next step
+            kept = [p.grad for p in got.parameters()]
+            expected = [p.grad.clone() for p in want.parameters()]
+        if i in (9, 13):
+            for a, b in zip(kept, expected):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+            del kept
+    for a, b in zip(got.state_dict().values(), want.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
