@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def test_quick_cpu_smoke_run(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_models.py"])
     for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # restored after the test
         monkeypatch.setenv(var, str(tmp_path / var))
+    # --device cpu sets TRITON_INTERPRET=1 where it is unset (a GPU machine): restore it,
+    # or every kernel compiled by a later test there would run through the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     assert bench.main(["--quick", "--device", "cpu", "--compilers", "fxlite", "--batches", "1",
                        "--dtypes", "f32", "--models", "convnext_tiny", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
