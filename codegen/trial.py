@@ -62,6 +62,7 @@ class Trial:
         self.sides = (compiled, recorded)
         self.repeat = repeat  # runs per timed call (pure segments only: see the docstring)
         self.times: tuple[list[float], list[float]] = ([], [])
+        self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.calls = 0
         self.decide = decide
         self.done = False
@@ -160,12 +161,18 @@ class GraphedTrial(Trial):
             kernels' side first.
         decide: called once with ``(kernels_win, kernels_ms, recorded_ms, winner)``.
         warm: untimed calls a side first (observed calls and the capture).
+
+    A side that gave up its graphs on trial (``off`` set: a module's forward whose outputs
+    need autograd after it, as inside DistributedDataParallel) cannot capture them later
+    either. When it wins, it runs plainly (``plain``) rather than being observed node by
+    node for three more calls and failing to capture again.
     """
 
     def __init__(self, make: tuple[Callable[[], Any], Callable[[], Any]],
                  decide: Callable[[bool, float, float, Any], None], warm: int) -> None:
         self.make, self.decide_with, self.warm = make, decide, warm
         self.times: tuple[list[float], list[float]] = ([], [])
+        self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.side, self.calls, self.done = 0, 0, False
         self.runner: Any = make[0]()
 
@@ -180,6 +187,7 @@ class GraphedTrial(Trial):
         times = self.times[self.side]
         times.append((time.perf_counter() - start) * 1e3)
         if len(times) >= _ROUNDS:
+            self.off[self.side] = getattr(self.runner, "off", None)
             self.runner = None  # its graphs go before the next side captures its own
             if self.side == 0:
                 self.side, self.calls = 1, 0
@@ -187,7 +195,9 @@ class GraphedTrial(Trial):
             else:
                 ours, theirs = (statistics.median(t) for t in self.times)
                 self.done = True
-                self.runner = self.make[0 if ours <= theirs else 1]()
+                winner = 0 if ours <= theirs else 1
+                runner = self.make[winner]()
+                self.runner = runner if self.off[winner] is None else runner.plain
                 self.decide_with(ours <= theirs, ours, theirs, self.runner)
         return out
 

@@ -917,6 +917,38 @@ def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slo
     assert (ours > theirs) is (slow == "kernels")
 
 
+@pytest.mark.parametrize("off", [None, "its outputs need autograd after the region"])
+def test_a_graphed_trials_winner_that_gave_up_its_graphs_runs_plainly(monkeypatch, off):
+    # Inside DistributedDataParallel no side can capture (the forward's outputs need
+    # autograd after it): the winner then runs plainly, not observed and captured again.
+    from fxlite.codegen.trial import GraphedTrial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    plain_calls = []
+
+    class Side:
+        def __init__(self):
+            self.off = None
+            self.calls = 0
+
+        def __call__(self, x):
+            self.calls += 1
+            if self.calls == 4:  # the capture call, as SegmentGraphs gives up
+                self.off = off
+            return x + 1
+
+        def plain(self, x):
+            plain_calls.append(x)
+            return x + 1
+
+    decided = []
+    trial = GraphedTrial((Side, Side), lambda *a: decided.append(a), warm=5)
+    assert [trial(i) for i in range(20)] == [i + 1 for i in range(20)]
+    winner = decided[0][3]
+    assert plain_calls == ([16, 17, 18, 19] if off else [])
+    assert isinstance(winner, Side) is (off is None)
+
+
 def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
     # The compiled side's first calls write its straight-line forward, and write it again
     # (twice at most) once its kernels' launches are prepared: three slow calls at worst.
