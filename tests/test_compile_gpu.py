@@ -1,0 +1,156 @@
+"""``fxlite.compile`` on a GPU (CUDA with the interpreter off): direct launches,
+misaligned inputs, graph replays that keep what the caller holds, and the straight-line
+fast path. Skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+from test_compile import HALF_TOL, native_gpu, one_kernel, relu_add_mul, softmax  # isort: skip
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxlite
+
+GPU_TOL = {torch.float32: {}, torch.float16: HALF_TOL[torch.float16]}
+
+
+@pytest.mark.gpu
+@native_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gpu_one_kernel_and_direct_launch(dtype):
+    for fn in (relu_add_mul, softmax):
+        x = torch.randn(64, 256, device="cuda", dtype=dtype)
+        c = one_kernel(fn, x, **GPU_TOL[dtype])
+        first = c(x)
+        second = c(x)  # same shapes: the prepared direct launch
+        assert torch.equal(first, second)
+        x2 = torch.randn_like(x)
+        torch.testing.assert_close(c(x2), fn(x2), **GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_misaligned_input_after_aligned():
+    c = fxlite.compile(relu_add_mul)
+    n = 1000
+    aligned = torch.randn(n, device="cuda")
+    torch.testing.assert_close(c(aligned), relu_add_mul(aligned))
+    base = torch.randn(n + 1, device="cuda")
+    sliced = base[1:]
+    assert sliced.data_ptr() % 16 != 0
+    torch.testing.assert_close(c(sliced), relu_add_mul(sliced))
+    torch.testing.assert_close(c(aligned), relu_add_mul(aligned))
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_reduce_overhead_keeps_outputs_the_caller_holds():
+    c = fxlite.compile(relu_add_mul, mode="reduce-overhead")
+    x = torch.randn(32, 32, device="cuda")
+    x2 = torch.randn(32, 32, device="cuda")
+    want1, want2 = relu_add_mul(x), relu_add_mul(x2)
+    y1 = c(x)
+    y2 = c(x2)
+    torch.testing.assert_close(y1, want1)
+    torch.testing.assert_close(y2, want2)
+    for _ in range(3):  # repeated replays, outputs dropped each time
+        torch.testing.assert_close(c(x), want1)
+    # The same input tensor changed in place between calls, earlier outputs kept.
+    a = c(x)
+    x.add_(1)
+    want_b = relu_add_mul(x)
+    b = c(x)
+    x.mul_(-1)
+    want_extra = relu_add_mul(x)
+    extra = c(x)  # y1, a and b hold outputs: whatever runs must not overwrite them
+    torch.testing.assert_close(a, want1)
+    torch.testing.assert_close(b, want_b)
+    torch.testing.assert_close(extra, want_extra)
+    # A detached alias holds the output's memory, too: a replay must not overwrite it.
+    del a, b, extra
+    d = c(x).detach()
+    x.add_(5)
+    e = c(x)
+    f = c(x)
+    torch.testing.assert_close(d, want_extra)
+    torch.testing.assert_close(e, relu_add_mul(x))
+    torch.testing.assert_close(f, relu_add_mul(x))
+    torch.testing.assert_close(y1, want1)
+    torch.testing.assert_close(y2, want2)
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_fast_path():
+    c = fxlite.compile(relu_add_mul)
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(c(x), relu_add_mul(x))
+    assert c._fast is not None and len(c._fast) == 1
+    for other in (torch.randn(64, 256, device="cuda"), torch.randn(256, 64, device="cuda").t(),
+                  torch.randn(64 * 256 + 1, device="cuda")[1:].view(64, 256),
+                  torch.randn(3, 5, device="cuda")):
+        for _ in range(2):
+            torch.testing.assert_close(c(other), relu_add_mul(other))
+    with_extern = fxlite.compile(lambda a: torch.relu(a.flatten(1) + 1).cumsum(1))
+    for _ in range(3):
+        torch.testing.assert_close(with_extern(x), torch.relu(x + 1).cumsum(1))
+    assert with_extern._fast is not None and len(with_extern._fast) == 1
+
+
+class _ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_with_convs_and_parameters(monkeypatch):
+    # Extern ops (conv, linear) and parameters' per-channel views no longer keep a model
+    # off the straight-line path; what it binds once must still follow the parameters.
+    monkeypatch.setenv("FXLITE_TRIAL", "0")  # the kernels run, whatever a trial would say
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    close = functools.partial(torch.testing.assert_close, rtol=1e-4, atol=1e-4)  # conv algos
+    m = _ConvBN().cuda().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1)
+        m.bn.running_var.uniform_(0.5, 2)
+    c = fxlite.compile(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8, 12, 12, device="cuda")
+            close(c(x), m(x))
+        assert c._fast is not None and len(c._fast) == 1
+        m.bn.weight.mul_(-2)              # in place: seen through the views bound once
+        close(c(x), m(x))
+        m.bn.bias.data = torch.randn(16, device="cuda")  # new memory: a new function
+        close(c(x), m(x))
+        close(c(x), m(x))
+        assert len(c._fast) == 1  # the same key, rewritten
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_straight_line_runs_a_function_returning_none_once(monkeypatch):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    def accumulate(x, total):
+        total.add_(torch.relu(x) * 2)
+
+    c = fxlite.compile(accumulate)
+    x = torch.randn(64, 32, device="cuda")
+    total, want = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(5):
+        assert c(x, total) is None
+        accumulate(x, want)
+        torch.testing.assert_close(total, want)

@@ -1,0 +1,218 @@
+"""The trial (``codegen/trial.py``): on a GPU a compiled segment's kernels race its
+recorded ops on real calls and the faster side stays; under ``mode="reduce-overhead"`` a
+training segment's two sides race from CUDA graphs, one after the other.
+
+The timing itself is faked (sides that sleep, ``torch.cuda.synchronize`` a no-op), so
+these run on the CPU too.
+"""
+
+from __future__ import annotations
+
+from test_compile import DEVICE, LinearRelu, rand  # isort: skip  (sets up the interpreter)
+
+import pytest
+import torch
+
+import fxlite
+
+
+@pytest.mark.parametrize("slow", ["compiled", "recorded"])
+def test_a_trial_keeps_the_faster_side_after_timed_calls(monkeypatch, slow):
+    # On a GPU a compiled segment first runs on trial against its recorded ops.
+    import time as _time
+
+    from fxlite.codegen.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, decided = {"compiled": 0, "recorded": 0}, []
+
+    def side(name):
+        def run(x):
+            calls[name] += 1
+            _time.sleep(0.004 if name == slow else 0.0)
+            return x + 1
+        return run
+
+    trial = Trial(side("compiled"), side("recorded"), lambda *a: decided.append(a))
+    for _ in range(10):
+        assert trial(1) == 2
+    assert len(decided) == 1 and decided[0][0] is (slow == "recorded")
+    assert calls["compiled"] >= 4 and calls["recorded"] >= 4
+
+
+def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_graphs(
+        monkeypatch):
+    # Under mode="reduce-overhead" a training segment's kernels lose no host time to their
+    # autograd nodes: both sides replay from CUDA graphs on trial, each observed and
+    # captured before it is timed.
+    from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs
+    from fxlite.codegen.trial import GraphedTrial, Trial, choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    m = LinearRelu().to(DEVICE)
+    c = fxlite.compile(lambda x: m(x).sum())
+    c(rand(4, 8)).backward()
+    seg = c._last[0]
+    kernels = list(seg.compiled.kernels)
+    assert any(hasattr(k, "_variants") for k in kernels)  # autograd groups: a training one
+    trial = choose_runner(seg, cuda=True, graphed=True)
+    assert isinstance(trial, GraphedTrial) and trial.warm == WARMUP + 2
+    ours, theirs = trial.runner, trial.make[1]()
+    assert isinstance(ours, SegmentGraphs) and isinstance(theirs, SegmentGraphs)
+    assert ours.gm is seg.compiled.gm and theirs.gm is not ours.gm
+    assert not any(hasattr(n.target, "_variants") for n in theirs.gm.graph.nodes)
+    trial.decide_with(False, 2.0, 1.0, theirs)
+    assert seg.run is theirs and not seg.compiled.kernels
+    assert "recorded ops ran faster than its" in seg.compiled.fallbacks[-1]
+    # without the trial (FXLITE_TRIAL=0) the kernels replay
+    seg.compiled.kernels, seg.compiled.gm = kernels, ours.gm
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    run = choose_runner(seg, cuda=True, graphed=True)
+    assert isinstance(run, SegmentGraphs) and run.gm is ours.gm
+    # without graphs, the plain trial installs its winner the same way
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    plain = choose_runner(seg, cuda=True, graphed=False)
+    assert isinstance(plain, Trial) and not isinstance(plain, GraphedTrial)
+    plain.decide(False, 2.0, 1.0)
+    assert seg.run is seg.compiled.run and not seg.compiled.kernels
+    assert seg.compiled.fallbacks[-1].startswith("its recorded ops ran faster than its")
+
+
+@pytest.mark.parametrize("slow", ["kernels", "recorded"])
+def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slow):
+    # Each side's graphs hold a memory pool as large as the step's working memory: the
+    # sides run one after the other, and the winner is made again at the end.
+    import gc
+    import time as _time
+    import weakref
+
+    from fxlite.codegen.trial import GraphedTrial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    made, alive = [], []
+
+    class Side:
+        def __init__(self, name):
+            gc.collect()
+            # no other side's graphs when a side is made
+            made.append((name, sum(r() is not None for r in alive)))
+            self.name, self.calls = name, 0
+            alive.append(weakref.ref(self))
+
+        def __call__(self, x):
+            self.calls += 1
+            _time.sleep(0.004 if self.name == slow else 0.0)
+            return x + 1
+
+    decided = []
+    trial = GraphedTrial((lambda: Side("kernels"), lambda: Side("recorded")),
+                         lambda *a: decided.append(a), warm=5)
+    assert [trial(1) for _ in range(16)] == [2] * 16
+    kernels_win, ours, theirs, winner = decided[0]
+    winner_name = "kernels" if kernels_win else "recorded"
+    assert kernels_win is (slow == "recorded") and winner.name == winner_name
+    assert made == [("kernels", 0), ("recorded", 0), (winner_name, 0)]
+    assert (ours > theirs) is (slow == "kernels")
+
+
+@pytest.mark.parametrize("off", [None, "its outputs need autograd after the region"])
+def test_a_graphed_trials_winner_that_gave_up_its_graphs_runs_plainly(monkeypatch, off):
+    # Inside DistributedDataParallel no side can capture (the forward's outputs need
+    # autograd after it): the winner then runs plainly, not observed and captured again.
+    from fxlite.codegen.trial import GraphedTrial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    plain_calls = []
+
+    class Side:
+        def __init__(self):
+            self.off = None
+            self.calls = 0
+
+        def __call__(self, x):
+            self.calls += 1
+            if self.calls == 4:  # the capture call, as SegmentGraphs gives up
+                self.off = off
+            return x + 1
+
+        def plain(self, x):
+            plain_calls.append(x)
+            return x + 1
+
+    decided = []
+    trial = GraphedTrial((Side, Side), lambda *a: decided.append(a), warm=5)
+    assert [trial(i) for i in range(20)] == [i + 1 for i in range(20)]
+    winner = decided[0][3]
+    assert plain_calls == ([16, 17, 18, 19] if off else [])
+    assert isinstance(winner, Side) is (off is None)
+
+
+def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
+    # The compiled side's first calls write its straight-line forward, and write it again
+    # (twice at most) once its kernels' launches are prepared: three slow calls at worst.
+    import time as _time
+
+    from fxlite.codegen.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, decided = {"compiled": 0}, []
+
+    def compiled(x):
+        calls["compiled"] += 1
+        _time.sleep(0.03 if calls["compiled"] <= 3 else 0.001)
+        return x + 1
+
+    def recorded(x):
+        _time.sleep(0.005)
+        return x + 1
+
+    trial = Trial(compiled, recorded, lambda *a: decided.append(a))
+    for _ in range(12):
+        trial(1)
+    assert len(decided) == 1 and decided[0][0], decided
+
+
+def test_a_pure_segments_trial_times_runs_back_to_back(monkeypatch):
+    # Each timed call of a pure segment runs its side three times and reports the time
+    # per run; the user still gets one result per call.
+    import time as _time
+
+    from fxlite.codegen.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, decided = {"compiled": 0, "recorded": 0}, []
+
+    def side(name, seconds):
+        def run(x):
+            calls[name] += 1
+            _time.sleep(seconds)
+            return x + 1
+        return run
+
+    trial = Trial(side("compiled", 0.002), side("recorded", 0.006),
+                  lambda *a: decided.append(a), repeat=3)
+    assert [trial(1) for _ in range(10)] == [2] * 10
+    # 2 warm-ups each, then 3 timed calls each, of 3 runs
+    assert calls == {"compiled": 2 + 3 * 3, "recorded": 2 + 3 * 3}
+    kernels_win, ours, theirs = decided[0]
+    assert kernels_win and 0.002 <= ours / 1e3 < 0.005 and 0.006 <= theirs / 1e3 < 0.012
+
+
+def test_only_segments_that_can_run_again_unchanged_are_pure():
+    def pure(x):
+        return torch.relu(x) * 2 + 1
+
+    def writes(x):
+        x.add_(1)
+        return x * 2
+
+    def noisy(x):
+        return x * 2 + torch.rand_like(x)
+
+    c_pure, c_writes, c_noisy = (fxlite.compile(f) for f in (pure, writes, noisy))
+    for c in (c_pure, c_writes, c_noisy):
+        c(rand(4, 8))
+        c(rand(4, 8))
+    assert all(c.kernels for c in (c_pure, c_writes, c_noisy))
+    assert [all(s.compiled.pure for s in c._last) for c in (c_pure, c_writes, c_noisy)] \
+        == [True, False, False]
