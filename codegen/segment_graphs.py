@@ -198,8 +198,7 @@ class _Region:
         self.graph: Any = None
         self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
         self.writes: list[tuple[int, torch.Tensor]] = []  # copied inputs it writes
-        self.addresses: dict[int, int] = {}  # where the "same" inputs' data was
-        # the "same" inputs as parallel sequences, checked in one pass (see replay)
+        # the "same" inputs (nodes, tensors, where their data was), checked in one pass
         self.same: tuple[list[Node], list[torch.Tensor], tuple[int, ...]] = ([], [], ())
         self.others: list[tuple[int, Any, Any]] = []  # the "copy" and "value" feeds
         self.values: list[Any] = []  # its outputs, in the graph's memory
@@ -255,7 +254,6 @@ class _Region:
         finally:
             torch.set_autocast_cache_enabled(cache)
         self.graph, self.feeds = graph, feeds
-        self.addresses = {i: ref.data_ptr() for i, kind, ref in feeds if kind == "same"}
         same = [(self.inputs[i], ref) for i, kind, ref in feeds if kind == "same"]
         self.same = ([n for n, _ in same], [r for _, r in same],
                      tuple(r.data_ptr() for _, r in same))
