@@ -104,8 +104,14 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
 
 
 def _between(x: Any, low: Any, high: Any, g: Any) -> Any:
-    # g where low < x < high (strictly), else 0: hardtanh and the ops built on it
+    # g where low < x < high (strictly), else 0 (NaN too): hardsigmoid
     return torch.where(torch.logical_and(x > low, x < high), g, 0.0)
+
+
+def _not_outside(x: Any, low: Any, high: Any, g: Any) -> Any:
+    # 0 where x <= low or x >= high, else g: hardtanh and relu6, whose eager backward
+    # passes the gradient of a NaN input on (no comparison with NaN holds)
+    return torch.where(torch.logical_or(x <= low, x >= high), 0.0, g)
 
 
 # ---------------------------------------------------------------------- arithmetic
@@ -459,7 +465,8 @@ RULES: dict[str, Rule] = {
     "tanh": lambda g, a, o: {"input": g * (1 - o * o)},
     **{name: ZERO for name in ("floor", "ceil", "trunc", "round", "sign", "detach")},
     # activations
-    "relu": lambda g, a, o: {"input": torch.where(a["input"] > 0, g, 0.0)},
+    # (eager's backward zeroes where x <= 0, so a NaN input's gradient passes: as here)
+    "relu": lambda g, a, o: {"input": torch.where(a["input"] <= 0, 0.0, g)},
     "leaky_relu": lambda g, a, o: {
         "input": torch.where(a["input"] > 0, g, g * a.get("negative_slope", 0.01))},
     "elu": _elu,
@@ -468,8 +475,8 @@ RULES: dict[str, Rule] = {
     "softplus": _softplus,
     "mish": _mish,
     "hardtanh": lambda g, a, o: {
-        "input": _between(a["input"], a.get("min_val", -1.0), a.get("max_val", 1.0), g)},
-    "relu6": lambda g, a, o: {"input": _between(a["input"], 0, 6, g)},
+        "input": _not_outside(a["input"], a.get("min_val", -1.0), a.get("max_val", 1.0), g)},
+    "relu6": lambda g, a, o: {"input": _not_outside(a["input"], 0, 6, g)},
     "hardsigmoid": lambda g, a, o: {"input": _between(a["input"], -3, 3, g / 6)},
     "hardswish": _hardswish,
     "seeded_dropout": _seeded_dropout,

@@ -174,6 +174,23 @@ def test_unary(name, directions):
                 out_rtol=1e-7 if loose else 1e-9)
 
 
+ACTIVATIONS_AT_NAN = ("relu", "hardtanh", "relu6", "hardsigmoid", "hardswish", "leaky_relu",
+                      "clamp")
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS_AT_NAN)
+def test_activation_gradients_at_nan_inputs_are_eagers(name, directions):
+    # Regression (fuzzer, seed 740140: log1p of x < -1, then relu_): eager's relu, hardtanh
+    # and relu6 backward zero the gradient where x is at or past a bound, so at a NaN
+    # input it passes on; the rules tested x > 0 (or low < x < high) and gave 0 there.
+    def nan_edgy():
+        x = edgy(3, 4)
+        x.view(-1)[-3:] = torch.tensor([float("nan"), 6.0, -1.0], dtype=F64)
+        return [req(x)]
+
+    check_grads(UNARY[name], nan_edgy, directions)
+
+
 @pytest.mark.parametrize("name", POSITIVE)
 def test_positive(name, directions):
     check_grads(POSITIVE[name], lambda: [req(edgy(3, 4, low=0.2))], directions)
