@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fxlite.codegen.triton_layout import dense_strides, memory_order
+from fxlite.passes.shape_prop import FORMAT_RANKS
 
 from .graph_module import GraphModule
 from .node import Node, map_arg
@@ -32,10 +33,6 @@ __all__ = ["as_meta", "infer", "meta_tensor", "propagate", "record"]
 
 _PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                          operator.floordiv, operator.mod, operator.neg, operator.pow, max, min})
-
-
-# memory formats a clone may ask for, with the rank each needs (0: any)
-_FORMATS = {torch.contiguous_format: 0, torch.channels_last: 4, torch.channels_last_3d: 5}
 
 
 def meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -145,7 +142,7 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
     if info.kind == "pointwise":
         shape = _broadcast([tuple(t.shape) for t in tensors])
         fmt = a.get("memory_format")
-        if fmt in _FORMATS and _FORMATS[fmt] in (0, len(shape)):  # a clone into a layout
+        if fmt in FORMAT_RANKS and FORMAT_RANKS[fmt] in (0, len(shape)):  # a clone into a layout
             return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
         # eager lays the result out in its inputs' memory order (TensorIterator): a
         # channels-last input gives a channels-last result, and a kernel that stores it

@@ -16,12 +16,14 @@ import torch
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate
 
-__all__ = ["MEMORY_FORMATS", "ShapeProp", "TensorMetadata", "extract_tensor_metadata",
-           "fill_missing_meta"]
+__all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
+           "extract_tensor_metadata", "fill_missing_meta"]
 
-# Checked in this order: a tensor that is several at once (size-1 dims) reports the first.
-# the dense layouts a tensor's metadata names (and a clone may ask for)
-MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+# The dense layouts a tensor's metadata names (and a clone may ask for), with the rank
+# each needs (0: any). Checked in this order: a tensor that is several at once (size-1
+# dims) reports the first.
+FORMAT_RANKS = {torch.contiguous_format: 0, torch.channels_last: 4, torch.channels_last_3d: 5}
+MEMORY_FORMATS = tuple(FORMAT_RANKS)
 
 
 class TensorMetadata(NamedTuple):
