@@ -31,13 +31,13 @@ import functools
 import itertools
 import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from fxlite.codegen.segments import read_key
 
-__all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key"]
+__all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             torch.layout, torch.memory_format, torch.Size, enum.Enum, range, slice)
@@ -334,16 +334,31 @@ def _install_epoch() -> None:
 _install_epoch()
 
 
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """Torch's C++ guard over ``tensors``' class, dtype, device, requires_grad, sizes and
+    strides (``guard.check(*others)``: whether ``others`` match them all), or None where
+    this torch has no such guard or it does not accept ``tensors``. It keeps no reference
+    to them."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        return guard if guard.check(*tensors) else None
+    except Exception:  # another torch's private API: the caller compares in Python
+        return None
+
+
 class LayoutCheck:
     """Whether a call's arguments have the layout of the call this check was made from:
     the same count, the same type where not a tensor, and tensors of the same class,
     dtype, device, requires_grad, sizes and strides (the layout key's fields and more).
 
-    Torch's C++ tensor guard compares the tensors: a training step's segment takes about
-    126 of them, whose key took 94 us to compute on an H200's host; the guard reads them
-    in a fraction of that. It keeps no reference to any tensor (a reference would change
-    the counts that replays compare). Where this torch has no such guard, ``ok`` is False
-    and the key is computed instead.
+    Torch's C++ tensor guard (:func:`tensor_guard`) compares the tensors: a training
+    step's segment takes about 126 of them, whose key took 94 us to compute on an H200's
+    host; the guard reads them in a fraction of that. It keeps no reference to any tensor
+    (a reference would change the counts that replays compare). Where this torch has no
+    such guard, ``ok`` is False and the key is computed instead.
     """
 
     __slots__ = ("count", "tensors", "others", "guard", "ok")
@@ -353,18 +368,8 @@ class LayoutCheck:
         self.tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.others = [(i, type(a)) for i, a in enumerate(args)
                        if not isinstance(a, torch.Tensor)]
-        self.guard: Any = None
-        self.ok = False  # whether the guard can decide (else compare layout keys)
-        try:
-            from torch._C._dynamo.guards import TensorGuards
-
-            tensors = [args[i] for i in self.tensors]
-            self.guard = TensorGuards(*tensors,
-                                      dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                      dynamic_dims_strides=[list(t.stride()) for t in tensors])
-            self.ok = bool(self.guard.check(*tensors))
-        except Exception:  # another torch's private API: the key alone decides
-            self.guard = None
+        self.guard = tensor_guard([args[i] for i in self.tensors])
+        self.ok = self.guard is not None  # whether the guard can decide (else compare keys)
 
     def __call__(self, args: tuple) -> bool:
         """True when ``args`` has this layout (only meaningful where ``ok``)."""

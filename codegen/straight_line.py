@@ -40,6 +40,7 @@ import torch
 
 from fxlite.node import Node
 
+from .guards import tensor_guard
 from .triton_launch import _fingerprint
 
 __all__ = ["AttrCheck", "StraightRunner", "attr_key", "fast_key", "straight_line"]
@@ -111,20 +112,8 @@ class AttrCheck:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         self.ptrs = tuple(map(torch.Tensor.data_ptr, self.tensors))
-        self.guard: Any = None
-        self.key: tuple | None = None
-        try:
-            from torch._C._dynamo.guards import TensorGuards
-
-            guard = TensorGuards(*self.tensors,
-                                 dynamic_dims_sizes=[list(t.shape) for t in self.tensors],
-                                 dynamic_dims_strides=[list(t.stride()) for t in self.tensors])
-            if guard.check(*self.tensors):
-                self.guard = guard
-        except Exception:  # another torch's private API: compare in Python
-            pass
-        if self.guard is None:
-            self.key = attr_key(self.tensors)
+        self.guard = tensor_guard(self.tensors)
+        self.key = attr_key(self.tensors) if self.guard is None else None
 
     def __call__(self) -> bool:
         tensors = self.tensors
