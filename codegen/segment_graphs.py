@@ -57,8 +57,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate, map_arg
 
-__all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "runs_backward",
-           "side_stream"]  # side_stream: from cudagraphs, kept importable here
+__all__ = ["SegmentGraphs", "ambient_node", "host_node", "regions", "runs_backward"]
 
 WARMUP = 3  # observed calls per input layout before the capture (syncs count on the last)
 MAX_LAYOUTS = 4  # captured input layouts per segment
