@@ -101,12 +101,13 @@ def permute_inputs(inputs: Sequence[Any], order: Sequence[int]) -> list[Any]:
     """Each tensor input viewed at the full rank and permuted into ``order``.
 
     Lower-rank tensors get leading size-1 dims first (broadcasting aligns on the right);
-    scalars pass through. All are views: the data pointers do not change.
+    scalars and 0-dim tensors pass through (a 0-dim tensor promotes less than one with
+    dims: ``bf16 / tensor(2.0)`` is bf16). All are views: the data pointers do not change.
     """
     rank = len(order)
     out: list[Any] = []
     for t in inputs:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
             if t.dim() < rank:
                 t = t[(None,) * (rank - t.dim()) + (Ellipsis,)]
             t = t.permute(order)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -251,20 +252,64 @@ def round_half(e: Emitter, expr: str, dtype: torch.dtype) -> str:
     return f"{expr}.to({tl_dtype(dtype)}).to(tl.float32)"
 
 
-def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None) -> Operand:
-    """``v`` as an op argument for ``consumer``.
+def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
+            common: torch.dtype | None = None) -> Operand:
+    """``v`` as an op argument for ``consumer``, whose operands eager casts to ``common``.
 
     Half values are computed in fp32 and rounded only at the store, except where the
     difference would show: when ``consumer`` is discrete (a comparison, a cast, floor...)
-    or computes in another dtype (f16 promoted to f32), ``v`` is rounded first.
+    or computes in another dtype (f16 promoted to f32), ``v`` is rounded first. An operand
+    of another dtype than a half ``common`` (a 0-dim fp32 tensor in a bf16 op, an f16
+    one compared with bf16) is rounded to ``common`` too, as eager casts it.
     """
     expr = v.name
+    e = e or Emitter()
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
             consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
-        expr = round_half(e or Emitter(), v.name, v.dtype)
+        expr = round_half(e, v.name, v.dtype)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
+    if common in _HALVES and dtype != common:
+        wide = expr if compute_dtype(dtype) == torch.float32 else f"{expr}.to(tl.float32)"
+        expr, dtype = round_half(e, wide, common), common
     return Operand(expr, dtype, zero_dim=len(v.dims) == 0, pytype=v.pytype)
+
+
+_OPERAND_KEYS = ("input", "other", "exponent", "min", "max")
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+def common_dtype(v: Value) -> torch.dtype | None:
+    """``v``'s common dtype (TensorIterator's), for ops that promote their operands; None
+    for the rest. Eager casts a discrete op's operands to it before computing.
+
+    Example: for ``x_bf16 < tensor(0.1)`` it is bf16, so ``0.1`` is compared as
+    ``0.10009765625``, as eager compares it.
+    """
+    info = op_table.OPS.get(v.op)
+    if info is None or not (info.dtype_rule in ("promote", "float") or v.op in _COMPARISONS
+                            or v.op in ("truediv", "where")):
+        return None
+    values: list[Any] = []
+    for key in _OPERAND_KEYS:
+        a = v.args.get(key)
+        if isinstance(a, Value):
+            if a.kind == "scalar":
+                values.append(a.pytype(1) if a.pytype is not None else None)
+            elif a.dims == ():
+                values.append(torch.empty((), dtype=a.dtype, device="meta"))
+            else:
+                values.append(a.dtype)
+        elif isinstance(a, (bool, int, float)):
+            values.append(a)
+    return op_table.promote(values)
+
+
+def _rounded_literal(a: Any, common: torch.dtype | None) -> Any:
+    """A float literal as eager sees it in an op of half dtype ``common`` (cast to it)."""
+    if common in _HALVES and isinstance(a, float) and math.isfinite(a):
+        return float(torch.tensor(a, dtype=common))
+    return a
 
 
 def emit_value(e: Emitter, v: Value, indent: str) -> None:
@@ -277,7 +322,13 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
         denom = "cols" if corr == 0 else f"tl.maximum(cols - {int(corr)}, 0)"
         expr = f"{x} / {denom}"
     else:
-        args = {k: operand(a, v, e) if isinstance(a, Value) else a for k, a in v.args.items()}
+        # eager casts the operands of discrete ops to their common dtype first; arithmetic
+        # reads a 0-dim or Python-number operand unrounded (``original_scalar_value``)
+        common = common_dtype(v) if v.op in DISCRETE or v.op == "truediv" and v.args.get(
+            "rounding_mode") else None
+        args = {k: operand(a, v, e, common) if isinstance(a, Value) else
+                _rounded_literal(a, common) if k in _OPERAND_KEYS else a
+                for k, a in v.args.items()}
         if v.op == "to":
             args["_out_dtype"] = v.dtype
         index = e.index

@@ -133,8 +133,9 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
         return NotImplemented
     a = map_arg(args, lambda n: values[n])
     x = a.get("input")
+    # a 0-dim tensor stays a tensor: it promotes less than one with dims
     dtypes = map_arg(args, lambda n: values[n].dtype if isinstance(values[n], torch.Tensor)
-                     else values[n])
+                     and values[n].dim() > 0 else values[n])
     dtype = result_dtype(info, dtypes)
     tensors = [v for v in a.values() if isinstance(v, torch.Tensor)]
     if not tensors or dtype is None and info.kind != "view":

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .node import Node
-from .ops import OPS, OpInfo, promote, register
+from .ops import OPS, OpInfo, dtype_of, promote, register
 
 __all__: list[str] = []
 
@@ -51,8 +51,7 @@ def _amend(name: str, functions: tuple = (), methods: tuple = (), **fields: Any)
 
 
 def _input_dtype(args: dict[str, Any]) -> Any:
-    d = args.get("input")
-    return d if isinstance(d, torch.dtype) else None
+    return dtype_of(args.get("input"))
 
 
 def _sum_dtype(args: dict[str, Any]) -> Any:
@@ -144,7 +143,7 @@ _op("expm1", "pointwise", torch.expm1, (torch.special.expm1, T.expm1), ("expm1",
     params=_UNARY, dtype_rule="float")
 # square is pow(x, 2): bools become int64, as torch.pow(True, 2) does
 _op("square", "pointwise", torch.square, (T.square,), ("square",), params=_UNARY,
-    dtype_rule=lambda a: torch.int64 if a.get("input") == torch.bool else _input_dtype(a))
+    dtype_rule=lambda a: torch.int64 if _input_dtype(a) == torch.bool else _input_dtype(a))
 for _name in ("isnan", "isinf", "isfinite"):
     _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
         params=_UNARY, dtype_rule="bool")
@@ -380,7 +379,7 @@ _op("embedding", "extern", F.embedding, (), (), modules=(nn.Embedding,),
             "sparse"),
     defaults=(("padding_idx", None), ("max_norm", None), ("norm_type", 2.0),
               ("scale_grad_by_freq", False), ("sparse", False)),
-    dtype_rule=lambda a: a.get("weight") if isinstance(a.get("weight"), torch.dtype) else None,
+    dtype_rule=lambda a: dtype_of(a.get("weight")),
     module_params=_embedding_params)
 
 # The same values, cut from autograd (decompose uses it where a term's gradient is 0).

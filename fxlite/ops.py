@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .node import Node
 
-__all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "has_side_effect",
+__all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of", "has_side_effect",
            "is_impure", "lookup", "lookup_target", "register", "resolve", "result_dtype"]
 
 
@@ -486,7 +486,8 @@ _OPERANDS = ("input", "other", "exponent", "min", "max", "tensors")
 
 
 def result_dtype(info: OpInfo, args: dict[str, Any]) -> torch.dtype | None:
-    """The dtype of ``info``'s result, from canonical args whose tensors are given as dtypes.
+    """The dtype of ``info``'s result, from canonical args whose tensors are given as dtypes
+    (0-dim ones as tensors, meta ones will do: see :func:`promote`).
 
     Python numbers among the operands promote as torch does (an int tensor plus ``1.5``
     is float; a float16 tensor plus ``1.5`` stays float16). Returns None when the rule is
@@ -507,8 +508,7 @@ def result_dtype(info: OpInfo, args: dict[str, Any]) -> torch.dtype | None:
     if rule == "index":
         return torch.int64
     if rule == "same":
-        first = args.get("input")
-        return first if isinstance(first, torch.dtype) else None
+        return dtype_of(args.get("input"))
     if rule in ("promote", "float"):
         values: list[Any] = []
         for key in _OPERANDS:
@@ -521,18 +521,64 @@ def result_dtype(info: OpInfo, args: dict[str, Any]) -> torch.dtype | None:
     return None
 
 
+def dtype_of(value: Any) -> torch.dtype | None:
+    """The dtype of an operand given as a dtype or a (meta) tensor; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return value if isinstance(value, torch.dtype) else None
+
+
 def promote(values: list[Any]) -> torch.dtype | None:
-    """torch's result dtype for operands given as dtypes (tensors) and Python numbers."""
-    dtypes = [v for v in values if isinstance(v, torch.dtype)]
-    if not dtypes:
-        return None
-    dtype = dtypes[0]
-    for d in dtypes[1:]:
-        dtype = torch.promote_types(dtype, d)
+    """torch's result dtype for operands: dtypes or tensors with dims, 0-dim tensors (given
+    as tensors, meta ones will do) and Python numbers.
+
+    The three kinds rank as torch ranks them: a 0-dim tensor or a number changes the
+    result's dtype only where its category (bool < integer < float < complex) is higher.
+
+    Example::
+
+        promote([torch.bfloat16, torch.empty((), device="meta")])  # torch.bfloat16
+        promote([torch.int32, 1.5])                                # torch.float32
+    """
+    dims: torch.dtype | None = None
+    zeros: torch.dtype | None = None
+    numbers: torch.dtype | None = None
     for v in values:
-        if isinstance(v, (bool, int, float, complex)):
-            dtype = torch.result_type(torch.empty(0, dtype=dtype), v)
-    return dtype
+        if isinstance(v, torch.dtype) or isinstance(v, torch.Tensor) and v.dim() > 0:
+            dims = _promote_two(dims, dtype_of(v))
+        elif isinstance(v, torch.Tensor):
+            zeros = _promote_two(zeros, v.dtype)
+        elif isinstance(v, (bool, int, float, complex)):
+            numbers = _promote_two(numbers, _NUMBER_DTYPES[type(v)]())
+    if dims is None and zeros is None:
+        return None
+    return _combine(dims, _combine(zeros, numbers))
+
+
+_NUMBER_DTYPES = {bool: lambda: torch.bool, int: lambda: torch.int64,
+                  float: torch.get_default_dtype,
+                  complex: lambda: torch.complex128 if torch.get_default_dtype() == torch.float64
+                  else torch.complex64}
+
+
+def _promote_two(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+    return b if a is None else a if b is None else torch.promote_types(a, b)
+
+
+def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+    """A higher-ranked kind's dtype, raised by a lower kind's only where its category is
+    higher (c10's ``combine_categories``)."""
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    if higher.is_complex:
+        return higher
+    if lower.is_complex:
+        return higher.to_complex() if higher.is_floating_point else lower
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
 
 
 from . import op_records  # noqa: E402,F401  (registers the rest of the table)

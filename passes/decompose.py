@@ -255,7 +255,17 @@ def _node_dtype(node: Node, depth: int) -> torch.dtype | None:
     if found is None:
         return None
     info, args = found
-    return result_dtype(info, map_arg(args, lambda n: _node_dtype(n, depth - 1)))
+    return result_dtype(info, map_arg(args, lambda n: _operand(n, depth - 1)))
+
+
+def _operand(node: Node, depth: int) -> Any:
+    """``node`` as a dtype rule's operand: its dtype, or a meta tensor where it is 0-dim (a
+    0-dim tensor promotes less than one with dims)."""
+    dtype = _node_dtype(node, depth)
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    if dtype is not None and shape is not None and len(shape) == 0:
+        return torch.empty((), dtype=dtype, device="meta")
+    return dtype
 
 
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
