@@ -95,6 +95,12 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 # ------------------------------------------------------------------------------ kernels
+def _aliasing(view: torch.Tensor) -> torch.Tensor:
+    """A tensor that is not a view (no ``_base``) over ``view``'s memory and strides."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 def _no_storage(t: Any) -> Any:
     """An empty tensor replaced by one zero element of the same rank: a reduction over an
     empty dim still loads its broadcast inputs once per row (the values are masked out,
@@ -235,6 +241,19 @@ class _Spec:
         return (cfg["variant"], (triton_cdiv(counts["rows"], cfg["ROWS"]),),
                 self.args(inputs, outs, shape, counts),
                 {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
+
+    def skips_outputs(self, shape: tuple[int, ...]) -> bool:
+        """Whether a launch for iteration space ``shape`` would compute nothing though an
+        output has elements: a 0-dim output of a group whose other tensors became empty
+        (``b.sub_(b)`` next to ``clamp(b, x, x)`` for an empty ``x``). Such calls run the
+        group's ops instead, or that output would hold whatever memory it was given."""
+        if math.prod(shape) != 0:
+            return False
+        if not self.pointwise and math.prod(
+                n for d, n in enumerate(shape) if d not in self.red) != 0:
+            return False  # rows to reduce (over nothing): every output is written
+        return any(math.prod(shape[d] for d in dims if d in span) != 0
+                   for dims, span, _, _ in self.out_layout)
 
     def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
             cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
@@ -394,13 +413,15 @@ class TritonKernel:
             if launch is not None:
                 return launch.fast(inputs)
         spec, ordered, shape, order = self.select(inputs)
-        if spec is None:
+        if spec is None or spec.skips_outputs(shape):
             return self.group(*inputs)
         spec.last_launch = None
         outs = spec.run(ordered, shape)
         if order is not None:
             back = inverse(order)
-            outs = [o.permute(back) for o in outs]
+            # the same memory as tensors of their own, not views: a custom autograd
+            # Function may not return views that the caller then writes in place
+            outs = [_aliasing(o.permute(back)) for o in outs]
         if self._direct is not None:
             direct = _DirectLaunch.build(spec, inputs, outs)
             # A binary checked before (this process or an earlier one) had its direct

@@ -1,0 +1,80 @@
+"""More bugs the program fuzzer found (test_fuzz_regressions.py holds the first ones):
+each compiled function is called several times next to eager (``_run``), benign inputs
+first, and must give eager's dtypes, bits and buffers from the second call on, when
+kernels run, without falling back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("triton")
+
+from test_fuzz_regressions import _grads, _run  # isort: skip
+
+
+def test_zero_dim_tensor_promotes_less_with_a_transposed_operand():
+    # A transposed input runs the kernel in memory order; the 0-dim operand was viewed at
+    # the full rank there, so it promoted like a tensor with dims: bf16 / f32 gave f32
+    # (seed 750664), int32 max int64 gave int64 (773418).
+    a = torch.randn(3, 2, dtype=torch.bfloat16).t()
+    _run(lambda x, y: x.div(y, rounding_mode="floor"), [(a, torch.tensor(0.7))] * 3)
+    i = torch.randint(-3, 3, (5, 3), dtype=torch.int32).t()
+    _run(lambda x, y: torch.maximum(2 - x, y), [(torch.tensor(1), i)] * 3)
+
+
+def test_operands_are_cast_to_a_half_common_dtype_first():
+    # Eager casts every operand to the op's common dtype before comparing: an f16 0-dim
+    # tensor against bf16 values is compared as bf16 (seed 767238), and a float literal
+    # as its bf16 rounding (0.1 -> 0.10009765625).
+    def f(x0, x1, x2):
+        x0.copy_(x1)
+        return x1 < torch.clamp(x0, x2)
+
+    benign = (torch.zeros(1, 4, dtype=torch.bfloat16), torch.tensor(-2.0, dtype=torch.float16),
+              torch.tensor(-1.0))
+    # 0.1 in f16 (0.0999755859375) rounds to bf16 0.10009765625: equal there, less in f16
+    trap = (torch.zeros(1, 4, dtype=torch.bfloat16), torch.tensor(0.1, dtype=torch.float16),
+            torch.tensor(-1.0))
+    _run(f, [benign, trap, trap])
+    x = torch.full((4,), 0.10009765625, dtype=torch.bfloat16)
+    _run(lambda x: (x * 1) > 0.1, [(torch.zeros(4, dtype=torch.bfloat16),), (x,), (x,)])
+    _run(lambda x, y: (x + 0) <= y, [(x, torch.tensor(0.1))] * 3)
+
+
+def test_a_zero_dim_output_is_written_when_the_other_tensors_become_empty():
+    # b.sub_(b, alpha=2) fused with clamp(b, x, x): for an empty x the kernel launched
+    # nothing and the buffer took the uninitialized output's bits (seed 752688).
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.tensor(3))
+
+        def forward(self, x):
+            self.b.sub_(self.b, alpha=2)
+            return torch.clamp(self.b, x, x) * 2
+
+    ints = lambda n: torch.randint(-4, 4, (n,))  # noqa: E731
+    _run(M(), [(ints(3),), (ints(3),), (ints(0),), (ints(0),), (ints(2),)])
+
+
+def test_results_of_a_kernel_run_in_memory_order_may_be_written_in_place_under_autograd():
+    # A transposed or channels-last input runs the kernel on permuted views; its results
+    # were views too, and autograd forbids writing in place into views a custom Function
+    # returns (seeds 752156, 741680, 740088 and 20 more, all crashing where eager works).
+    def sliced(x0, x1):
+        v3 = x1 / (x1.unsqueeze(-3).abs() + 1)
+        v3[:, 1] = -1.5
+        return v3
+
+    def copied(x0, x1):
+        v0 = x1 * x0
+        v1 = x1.sin()
+        v0.copy_(x0)
+        return v0 + v1
+
+    t = torch.randn(2, 2).t()
+    _grads(sliced, [(torch.randn(2, 2), t)] * 3)
+    cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    _grads(copied, [(torch.randn(2, 3, 2, 2), cl)] * 3)
