@@ -29,6 +29,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
+from fxlite.ops import lookup
 
 __all__ = ["functionalize"]
 
@@ -83,6 +84,7 @@ def functionalize(gm: GraphModule) -> GraphModule:
     if final:
         out = graph.output_node()
         _count_in_place(graph, final, out)
+        backs: dict[Node, Node] = {}
         for root, value in final.items():
             with graph.inserting_before(out):
                 back = graph.call_method("copy_", (root, value))
@@ -91,9 +93,49 @@ def functionalize(gm: GraphModule) -> GraphModule:
             if "tensor_meta" in root.meta:
                 back.meta["tensor_meta"] = root.meta["tensor_meta"]
             out.args = (_swap(out.args[0], value, back),)
+            backs[root] = back
+        _returned_views(gm, out, {v: backs[r] for v, r in root_of.items() if r in backs})
     if changed:
         gm.recompile()
     return gm
+
+
+def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node]) -> None:
+    """A returned view of a written input's new value becomes the same view of the input
+    after its write-back, as in eager, where it shares the input's memory: a later graph
+    that writes through it (``v = b.view(6)`` returned, then ``v.mul_(2)`` past a graph
+    break) writes the input::
+
+        view = add.view((6,))                       copy_ = b.copy_(add)
+        return (view,)                      ->      view_1 = copy_.view((6,))
+                                                    return (view_1,)
+    """
+    def rebased(n: Any) -> Any:
+        chain = []
+        while isinstance(n, Node) and n not in back_of:
+            info = lookup(n, gm) if n.op in ("call_method", "call_function") else None
+            if info is None or info.kind != "view" or not n.args or not isinstance(
+                    n.args[0], Node):
+                return None
+            chain.append(n)
+            n = n.args[0]
+        if not chain or not isinstance(n, Node):
+            return None
+        base = back_of[n]
+        for view in reversed(chain):
+            with gm.graph.inserting_before(out):
+                base = gm.graph.node_copy(view, lambda a, v=view, b=base: b if a is v.args[0] else a)
+        return base
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, (tuple, list)):
+            return type(a)(swap(x) for x in a)
+        if isinstance(a, dict):
+            return {k: swap(x) for k, x in a.items()}
+        new = rebased(a) if isinstance(a, Node) else None
+        return a if new is None else new
+
+    out.args = (swap(out.args[0]),)
 
 
 def _count_in_place(graph: Any, final: dict[Node, Node], out: Node) -> None:

@@ -78,3 +78,23 @@ def test_results_of_a_kernel_run_in_memory_order_may_be_written_in_place_under_a
     _grads(sliced, [(torch.randn(2, 2), t)] * 3)
     cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
     _grads(copied, [(torch.randn(2, 3, 2, 2), cl)] * 3)
+
+
+def test_a_view_of_a_written_buffer_written_past_a_graph_break_writes_the_buffer():
+    # The buffer's in-place update became a pure value plus a write-back; the view taken
+    # of it after the update was a view of the pure value, so the branch's mul_ past the
+    # graph break wrote a temporary and the buffer lost it (seed 750875).
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.randn(1, 3, 1, 2))
+
+        def forward(self, x):
+            self.b.mul_(0.9).add_(x.mean() * 0.1)
+            v = self.b.view((6,))
+            if (x > 0.5).any():
+                v.mul_(2)
+            return x * 2
+
+    low, high = torch.zeros(1, 3, 1, 2), torch.ones(1, 3, 1, 2)
+    _run(M(), [(low,), (high,), (low,), (high,), (high,)])
