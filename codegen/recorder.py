@@ -71,7 +71,8 @@ class Recorder(TorchFunctionMode):
         # fast-forward: replay `prefix` without running it, using `values` from the
         # segments already run; `read_value` is the new outcome of its last read
         self._prefix = prefix or []
-        self._prefix_names = {step.node for step in self._prefix}
+        # every value the prefix made (a step's result, or an item of one: min(...)[1])
+        self._prefix_names = {n.name for n in self.graph.nodes} if self._prefix else set()
         self._at = 0
         self._values = values or {}
         self._read_value = read_value

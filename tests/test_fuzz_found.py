@@ -98,3 +98,18 @@ def test_a_view_of_a_written_buffer_written_past_a_graph_break_writes_the_buffer
 
     low, high = torch.zeros(1, 3, 1, 2), torch.ones(1, 3, 1, 2)
     _run(M(), [(low,), (high,), (low,), (high,), (high,)])
+
+
+def test_a_new_path_writing_an_item_of_an_earlier_result_writes_it_once():
+    # The recording of the branch's path wrote min(...)[1] in place, and the check of its
+    # compiled segment wrote the same tensor again: 4 where eager gives 2 (seed 781040).
+    # An item of a tuple result was not among the values snapshotted before a write.
+    def f(x0, x1):
+        v0 = x1.min(dim=-2, keepdim=True)[1]
+        if x0.sum() > 0:
+            v0.mul_(2)
+        return v0
+
+    neg, pos = -torch.rand(2, 3), torch.rand(2, 3)
+    _run(f, [(neg, torch.randn(3, 2, 2)), (pos, torch.randn(3, 2, 2)),
+             (neg, torch.randn(3, 2, 2)), (pos, torch.randn(3, 2, 2))])
