@@ -38,6 +38,7 @@ from fxlite.passes.pad_matmul import pad_linears
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, Opcode, map_aggregate
+from fxlite.op_records import amax_or_empty
 
 __all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
            "expand_kernels", "interpreting", "set_ambient"]
@@ -246,6 +247,7 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     if cuda and not interpreting():
         use_pool_kernels(gm)  # max-pools that write no indices
     fused = fuse(gm)
+    _empty_ok_max(fused)
     if _needs_autograd(gm) and REGIONS:
         from fxlite.passes.autograd_regions import autograd_regions
 
@@ -281,6 +283,18 @@ class AutocastOff(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             return self.inner(*args)
+
+
+def _empty_ok_max(fused: GraphModule) -> None:
+    """Softmax's row max (``amax`` marked ``empty_ok`` by decompose) runs as
+    ``amax_or_empty`` wherever it runs eagerly, at the top level or in a group's eager
+    ops: softmax over an empty dim is empty, where ``torch.amax`` raises."""
+    for gm in (fused, *(m for m in fused.children() if isinstance(m, GraphModule))):
+        marked = [n for n in gm.graph.nodes if n.meta.get("empty_ok") and n.target is torch.amax]
+        for n in marked:
+            n.target = amax_or_empty
+        if marked:
+            gm.recompile()
 
 
 def _groups_without_autocast(fused: GraphModule) -> None:

@@ -253,7 +253,19 @@ _op("draw_seed", "effect", _random.draw_seed, (), (), impure=True)
 # Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
 _amend("sum", positional=1, dtype_rule=_sum_dtype)
 _amend("mean", positional=1, dtype_rule="same")
-_amend("amax", positional=1, dtype_rule="same")
+def amax_or_empty(input: torch.Tensor, dim: Any = (), keepdim: bool = False) -> torch.Tensor:
+    """``torch.amax``, except that reducing an empty dim gives zeros of the result's shape
+    where amax raises. It is softmax's row max (``decompose``): softmax over an empty dim
+    is empty, so nothing reads those zeros."""
+    dims = range(input.dim()) if dim in ((), []) else [dim] if isinstance(dim, int) else dim
+    if input.numel() == 0 and any(input.size(d) == 0 for d in dims):
+        sizes = [1 if any(d % input.dim() == i for d in dims) and n == 0 else n
+                 for i, n in enumerate(input.shape)]
+        return torch.amax(input.new_zeros(sizes), dim, keepdim)
+    return torch.amax(input, dim, keepdim)
+
+
+_amend("amax", functions=(amax_or_empty,), positional=1, dtype_rule="same")
 _op("amin", "reduction", torch.amin, (T.amin,), ("amin",), params=("input", "dim", "keepdim"),
     defaults=(("dim", ()), ("keepdim", False)), positional=1, dtype_rule="same")
 _op("prod", "reduction", torch.prod, (T.prod,), ("prod",), params=("input", "dim", "keepdim"),

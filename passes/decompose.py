@@ -380,7 +380,8 @@ def _count(x: Any, dims: tuple[int, ...]) -> Any:
 
 def _row_max(x: Any, dim: int) -> Any:
     """``amax(x, dim, keepdim=True)`` for softmax: marked ``empty_ok``, because softmax
-    over an empty dim is empty where amax would raise (kernels skip the check for it)."""
+    over an empty dim is empty where amax would raise (kernels skip the check for it, and
+    the pipeline runs it as ``amax_or_empty`` where it stays out of kernels)."""
     m = torch.amax(x, dim, keepdim=True)
     m.node.meta["empty_ok"] = True
     return m
