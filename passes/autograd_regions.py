@@ -167,6 +167,10 @@ def _convex(region: set[Node], index: dict[Node, int]) -> bool:
 def _replace(gm: GraphModule, members: list[Node], name: str) -> bool:
     """Put one call of a new flat region module in place of ``members``; False (and
     ``gm`` unchanged) when the region returns nothing."""
+    # an item of a result made outside the region is one of its inputs, not a member
+    outside = set(members)
+    members = [n for n in members if not (n.op == "call_function" and n.target is
+                                          operator.getitem and n.args[0] not in outside)]
     inside = set(members)
     inputs: dict[Node, None] = {}
     for n in members:
@@ -197,7 +201,8 @@ def _replace(gm: GraphModule, members: list[Node], name: str) -> bool:
                 elif m.op != "output":
                     sub_env[m] = graph.node_copy(m, sub_env.__getitem__)
             env[n] = map_arg(inner.graph.result, sub_env.__getitem__)
-        elif n.op == "call_function" and n.target is operator.getitem:
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(
+                env.get(n.args[0]), (tuple, list)):  # an item of a group's results
             env[n] = env[n.args[0]][n.args[1]]
         else:
             names.append(n.name)

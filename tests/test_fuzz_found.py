@@ -5,9 +5,13 @@ kernels run, without falling back."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
+
+import fxlite
 
 pytest.importorskip("triton")
 
@@ -113,3 +117,43 @@ def test_a_new_path_writing_an_item_of_an_earlier_result_writes_it_once():
     neg, pos = -torch.rand(2, 3), torch.rand(2, 3)
     _run(f, [(neg, torch.randn(3, 2, 2)), (pos, torch.randn(3, 2, 2)),
              (neg, torch.randn(3, 2, 2)), (pos, torch.randn(3, 2, 2))])
+
+
+def test_softmax_over_a_dim_that_becomes_empty_is_empty_as_in_eager():
+    # Softmax over a non-trailing dim leaves its row max out of the kernels, as an eager
+    # torch.amax, which raises for an empty dim where softmax returns an empty tensor
+    # (seeds 817101, 767139).
+    def f(x):
+        return torch.sqrt(x.transpose(-3, -1).softmax(-3).abs() + 1)
+
+    _run(f, [(torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 0),)])
+    g = lambda x: torch.softmax(x.float().transpose(0, 1), dim=0, dtype=torch.float32)  # noqa: E731
+    _run(g, [(torch.randn(3, 4),), (torch.randn(3, 4),), (torch.randn(3, 0),)])
+
+
+def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
+    # Under autograd, groups joined by reductions become one region; an item of a group's
+    # results made outside it was copied in as a member: the pipeline failed on it
+    # ('Node' object is not subscriptable, seeds 819348, 798296 and 4 more), and with
+    # that patched, the region received the whole tuple and ran without autograd.
+    def f(x1, x2):
+        v2 = torch.std(x1, dim=0, correction=0, keepdim=True)
+        v4 = torch.var(v2, dim=-4, correction=0, keepdim=True)
+        if torch.any(x2 < 0):
+            v4 = v4 * 2
+        return torch.nn.functional.relu6(v4)
+
+    compiled = fxlite.compile(f)
+    for b in (torch.rand(3), -torch.rand(3), torch.rand(3), -torch.rand(3)):
+        x = torch.randn(1, 3, 1, 2).half()
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(mine, b)
+        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        assert compiled.fallbacks == []
+        want = f(theirs, b)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(mine.grad, theirs.grad)
