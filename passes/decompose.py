@@ -268,6 +268,18 @@ def _operand(node: Node, depth: int) -> Any:
     return dtype
 
 
+def _eager_layout(y: Any, x: Any) -> Any:
+    """``y`` in the layout eager's softmax and norm kernels give their result: row-major,
+    or channels-last for such an input. The pointwise ops they decompose into follow the
+    input's layout instead (TensorIterator), and a later ``view`` of a transposed input's
+    norm would fail. Kernels lay out the clone as they store (no extra pass)."""
+    tm = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
+    fmt = getattr(tm, "memory_format", torch.contiguous_format)
+    if tm is None or fmt in (torch.contiguous_format, torch.channels_last) or len(tm.shape) < 2:
+        return y
+    return torch.clone(y, memory_format=torch.contiguous_format)
+
+
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
     """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
 
@@ -399,11 +411,12 @@ def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     src = dtype if dtype is not None else _dtype(x)
     if dim is None or src is None or _empty_dim(x, dim):  # amax of nothing has no value
         return NotImplemented
+    source = x
     if dtype is not None:
         x = x.to(dtype)
     x, out = _opmath(x, src)
     e = torch.exp(x - _row_max(x, dim))
-    return _back(e / torch.sum(e, dim, keepdim=True), out)
+    return _eager_layout(_back(e / torch.sum(e, dim, keepdim=True), out), source)
 
 
 @register_decomposition(torch.log_softmax)
@@ -412,11 +425,13 @@ def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
     src = dtype if dtype is not None else _dtype(x)
     if dim is None or src is None or _empty_dim(x, dim):
         return NotImplemented
+    source = x
     if dtype is not None:
         x = x.to(dtype)
     x, out = _opmath(x, src)
     shifted = x - _row_max(x, dim)
-    return _back(shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True)), out)
+    y = shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+    return _eager_layout(_back(y, out), source)
 
 
 @register_decomposition(F.layer_norm)
@@ -429,6 +444,7 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
     if dims is None or src is None:
         return NotImplemented
     n = _norm_count(x, dims, normalized_shape)
+    source = x
     x, out = _opmath(x, src)
     centered = x - torch.sum(x, dims, keepdim=True) / n
     var = torch.sum(centered * centered, dims, keepdim=True) / n
@@ -437,7 +453,7 @@ def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = N
         y = y * weight
     if bias is not None:
         y = y + bias
-    return _back(y, out)
+    return _eager_layout(_back(y, out), source)
 
 
 @register_decomposition(F.rms_norm)
@@ -546,13 +562,14 @@ def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
                                        (t, channels, len(shape), what), {})
            for what, t in (("running_mean", running_mean), ("running_var", running_var),
                            ("weight", weight), ("bias", bias)) if t is not None}  # eager's order
+    source = x
     x, out = _opmath(x, src)
     y = (x - per["running_mean"]) * torch.rsqrt(per["running_var"] + eps)
     if weight is not None:
         y = y * per["weight"]
     if bias is not None:
         y = y + per["bias"]
-    return _back(y, out)
+    return _eager_layout(_back(y, out), source)
 
 
 _FUSIBLE_KINDS = ("pointwise", "reduction", "composite")

@@ -157,3 +157,17 @@ def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
         got.sum().backward()
         want.sum().backward()
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "softmax", "log_softmax", "layer_norm"])
+def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
+    # Eager's norm and softmax kernels return a row-major result whatever the input's
+    # layout; the pointwise ops they decompose into followed the input's, so a later
+    # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301, 767265).
+    stats = torch.randn(3) * 0.1, torch.rand(3) + 1
+    norm = {"batch_norm": lambda x: torch.nn.functional.batch_norm(x, *stats),
+            "softmax": lambda x: x.softmax(-1),
+            "log_softmax": lambda x: x.log_softmax(1),
+            "layer_norm": lambda x: torch.nn.functional.layer_norm(x, (2,))}[op]
+    x = torch.randn(2, 3, 4).transpose(0, 2)
+    _run(lambda a: norm(a).view(-1) * 2, [(x,), (x * 2,), (-x,)])
