@@ -14,6 +14,7 @@ discontinuous ops are exact (``g.t(exact=True)``); operands of ops that amplify 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -149,16 +150,20 @@ class G:
         return self.d.choice(seq)
 
     # ------------------------------------------------------------ steps
+    def _read(self, code: str) -> tuple[str, ...]:
+        """The operands drawn that ``code`` uses (a draw may fall back to a literal)."""
+        return tuple(n for n in self.reads if re.search(rf"\b{re.escape(n)}\b", code))
+
     def expr(self, record: str, code: str, rule: str = "exact", alias: bool = False,
              **kw: Any) -> Step:
-        return Step([f"{self.out} = {code}"], record, tuple(self.reads), out=self.out,
+        return Step([f"{self.out} = {code}"], record, self._read(code), out=self.out,
                     rule=rule, alias=alias, init=self.init, weak=tuple(self.weak), **kw)
 
     def stmt(self, record: str, code: str | list[str], writes: str | None,
              rule: str = "exact", **kw: Any) -> Step:
         lines = [code] if isinstance(code, str) else code
-        return Step(lines, record, tuple(self.reads), writes=writes, rule=rule,
-                    init=self.init, **kw)
+        return Step(lines, record, self._read("\n".join(lines)), writes=writes, rule=rule,
+                    init=self.init, weak=tuple(self.weak), **kw)
 
 
 def _kind_ok(dtype: torch.dtype, kind: str) -> bool:

@@ -299,6 +299,8 @@ def effect(g: G) -> Step:
         return g.stmt("builtins.print", f"print({a}.shape, {a}.sum(), file=_sink)", None,
                       branches=True, traceable=False)
     if which == 1:
+        g.weak.append(a)  # only its rank counts: a compiler may drop the value, and with
+        # it an error eager raises only in making it (a size mismatch after a resize)
         return g.stmt("torch._assert", f"torch._assert({a}.dim() >= 0, 'rank')", None)
     if which == 2:
         return g.stmt("torch._assert", f"torch._assert(bool((({a} == {a}) | {a}.isnan()).all()), "
