@@ -268,14 +268,16 @@ def _operand(node: Node, depth: int) -> Any:
     return dtype
 
 
-def _eager_layout(y: Any, x: Any) -> Any:
-    """``y`` in the layout eager's softmax and norm kernels give their result: row-major,
-    or channels-last for such an input. The pointwise ops they decompose into follow the
-    input's layout instead (TensorIterator), and a later ``view`` of a transposed input's
-    norm would fail. Kernels lay out the clone as they store (no extra pass)."""
+def _eager_layout(y: Any, x: Any, keeps_channels_last: bool = False) -> Any:
+    """``y`` in the layout eager's softmax and norm kernels give their result: row-major
+    (or channels-last for a channels-last input, for batch norm). The pointwise ops they
+    decompose into follow the input's layout instead (TensorIterator), and a later
+    ``view`` of a transposed input's norm would fail. Kernels lay out the clone as they
+    store it (no extra pass)."""
     tm = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
     fmt = getattr(tm, "memory_format", torch.contiguous_format)
-    if tm is None or fmt in (torch.contiguous_format, torch.channels_last) or len(tm.shape) < 2:
+    if tm is None or len(tm.shape) < 2 or fmt == torch.contiguous_format or (
+            keeps_channels_last and fmt == torch.channels_last):
         return y
     return torch.clone(y, memory_format=torch.contiguous_format)
 
@@ -569,7 +571,7 @@ def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
         y = y * per["weight"]
     if bias is not None:
         y = y + per["bias"]
-    return _eager_layout(_back(y, out), source)
+    return _eager_layout(_back(y, out), source, keeps_channels_last=True)
 
 
 _FUSIBLE_KINDS = ("pointwise", "reduction", "composite")

@@ -163,11 +163,14 @@ def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
 def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     # Eager's norm and softmax kernels return a row-major result whatever the input's
     # layout; the pointwise ops they decompose into followed the input's, so a later
-    # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301, 767265).
+    # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301; 767265 with a channels-last one).
     stats = torch.randn(3) * 0.1, torch.rand(3) + 1
     norm = {"batch_norm": lambda x: torch.nn.functional.batch_norm(x, *stats),
             "softmax": lambda x: x.softmax(-1),
             "log_softmax": lambda x: x.log_softmax(1),
-            "layer_norm": lambda x: torch.nn.functional.layer_norm(x, (2,))}[op]
+            "layer_norm": lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])}[op]
     x = torch.randn(2, 3, 4).transpose(0, 2)
     _run(lambda a: norm(a).view(-1) * 2, [(x,), (x * 2,), (-x,)])
+    if op != "batch_norm":  # a channels-last input too (batch norm keeps that layout)
+        cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+        _run(lambda a: norm(a).view(-1) * 2, [(cl,), (cl * 2,), (-cl,)])
