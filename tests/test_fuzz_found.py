@@ -143,21 +143,27 @@ def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
             v4 = v4 * 2
         return torch.nn.functional.relu6(v4)
 
+    x = torch.randn(1, 3, 1, 2).half()
+    _grads_in_kernels(f, [(x, torch.rand(3)), (x, -torch.rand(3)), (x, torch.rand(3)),
+                          (x, -torch.rand(3))])
+
+
+def _grads_in_kernels(f, calls):
+    """Like ``_grads`` (the first argument requires grad), and no part of any call may
+    fall back to eager, which would hide the bug."""
     compiled = fxlite.compile(f)
-    for b in (torch.rand(3), -torch.rand(3), torch.rand(3), -torch.rand(3)):
-        x = torch.randn(1, 3, 1, 2).half()
+    for x, *rest in calls:
         mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = compiled(mine, b)
+            got = compiled(mine, *rest)
         assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
         assert compiled.fallbacks == []
-        want = f(theirs, b)
+        want = f(theirs, *rest)
         torch.testing.assert_close(got, want)
         got.sum().backward()
         want.sum().backward()
         torch.testing.assert_close(mine.grad, theirs.grad)
-
 
 @pytest.mark.parametrize("op", ["batch_norm", "softmax", "log_softmax", "layer_norm"])
 def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
@@ -174,3 +180,18 @@ def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     if op != "batch_norm":  # a channels-last input too (batch norm keeps that layout)
         cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
         _run(lambda a: norm(a).view(-1) * 2, [(cl,), (cl * 2,), (-cl,)])
+
+
+def test_an_identity_group_under_autograd_returns_a_copy_the_caller_may_write():
+    # A reduction over the one element of a 0-dim tensor returns it as it is: the group's
+    # autograd Function returned its input, and writing in place into a view of the result
+    # raised in the compile check, so the segment ran in eager (seed 777156, with prod).
+    def f(x):
+        v0 = x.sum(-1, dtype=torch.float32)
+        v0.masked_fill_(v0 != v0, 0)
+        v3 = v0[...]
+        v5 = torch.mean(v3, dim=-1, keepdim=False)
+        v3.neg_()
+        return v5 + v0
+
+    _grads_in_kernels(f, [(torch.randn(()),), (torch.randn(()),), (torch.randn(()),)])
