@@ -323,7 +323,7 @@ def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
 def test_a_layer_norms_size_checks_are_made_once_per_layout():
     # layer_norm's decomposition checks the normalized sizes on every call of the graph;
     # for one layout the answer is fixed, so the straight line binds it.
-    from fxlite.passes.decompose import _normalized_count
+    from fxlite.passes.decompose_rules import _normalized_count
 
     m = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.LayerNorm(8)).eval()
     c = fxlite.compile(m)

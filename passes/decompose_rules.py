@@ -1,0 +1,430 @@
+"""The default rules of ``decompose`` (see its docstring): softmax, log_softmax, the norms,
+gelu, silu, var, std, mean, eval-mode batch_norm, and the bias of linear and conv.
+
+Each is registered with :func:`fxlite.passes.decompose.register_decomposition` when
+``decompose`` is imported; helpers here read the ShapeProp metadata of a rule's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxlite.autodiff_batch_norm import per_channel
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, map_arg
+from fxlite.ops import is_impure, lookup, resolve, result_dtype
+from fxlite.proxy import Proxy
+
+from .decompose import Rule, register_decomposition
+
+
+# ---------------------------------------------------------------------- the default rules
+def _shape(x: Any) -> tuple[int, ...] | None:
+    meta = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
+    """Reduction dims as non-negative ints (None: all dims), or None if not plain ints."""
+    if dim is None:
+        return tuple(range(ndim))
+    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    if not dims or not all(type(d) is int for d in dims):
+        return None
+    return tuple(d % ndim for d in dims) if ndim else None
+
+
+def _last_dims(normalized_shape: Any) -> tuple[int, ...] | None:
+    """The trailing dims a layer/rms norm reduces over (entries may be traced sizes)."""
+    shape = tuple(normalized_shape) if isinstance(normalized_shape, (list, tuple)) else (normalized_shape,)
+    return tuple(range(-len(shape), 0)) if shape else None
+
+
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _dtype(x: Any) -> torch.dtype | None:
+    """The dtype of value ``x``: its ShapeProp record, or for a node an earlier rule made
+    (the bias add of a split linear), the op table's dtype rule over its inputs."""
+    return _node_dtype(x.node, 8) if isinstance(x, Proxy) else None
+
+
+def _node_dtype(node: Node, depth: int) -> torch.dtype | None:
+    dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+    if isinstance(dtype, torch.dtype) or depth == 0:
+        return dtype if isinstance(dtype, torch.dtype) else None
+    found = resolve(node, node.graph.owning_module)
+    if found is None:
+        return None
+    info, args = found
+    return result_dtype(info, map_arg(args, lambda n: _operand(n, depth - 1)))
+
+
+def _operand(node: Node, depth: int) -> Any:
+    """``node`` as a dtype rule's operand: its dtype, or a meta tensor where it is 0-dim (a
+    0-dim tensor promotes less than one with dims)."""
+    dtype = _node_dtype(node, depth)
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    if dtype is not None and shape is not None and len(shape) == 0:
+        return torch.empty((), dtype=dtype, device="meta")
+    return dtype
+
+
+def _eager_layout(y: Any, x: Any, keeps_channels_last: bool = False) -> Any:
+    """``y`` in the layout eager's softmax and norm kernels give their result: row-major
+    (or channels-last for a channels-last input, for batch norm). The pointwise ops they
+    decompose into follow the input's layout instead (TensorIterator), and a later
+    ``view`` of a transposed input's norm would fail. Kernels lay out the clone as they
+    store it (no extra pass)."""
+    tm = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
+    fmt = getattr(tm, "memory_format", torch.contiguous_format)
+    if tm is None or len(tm.shape) < 2 or fmt == torch.contiguous_format or (
+            keeps_channels_last and fmt == torch.channels_last):
+        return y
+    return torch.clone(y, memory_format=torch.contiguous_format)
+
+
+def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
+    """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
+
+    Halves compute in fp32 (``x.to(torch.float32)``, then the result ``.to(dtype)``);
+    other dtypes compute in themselves (no casts).
+    """
+    if dtype in _HALVES:
+        return x.to(torch.float32), dtype
+    return x, None
+
+
+def _back(y: Any, dtype: torch.dtype | None) -> Any:
+    return y if dtype is None else y.to(dtype)
+
+
+def _normalized_count(sizes: tuple[int, ...], expected: Any) -> int:
+    """How many elements a layer/rms norm normalizes; raises, as eager does, when the
+    input's trailing sizes are not ``normalized_shape`` (a graph reused for other sizes
+    must not normalize over whatever the last dims now hold)."""
+    expected = tuple(expected) if isinstance(expected, (list, tuple)) else (expected,)
+    if tuple(sizes) != expected:
+        raise RuntimeError(f"Given normalized_shape={list(expected)}, expected input with "
+                           f"shape [*, {', '.join(map(str, expected))}], but got input whose "
+                           f"trailing sizes are {list(sizes)}")
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _norm_count(x: Any, dims: tuple[int, ...], normalized_shape: Any) -> Any:
+    """``_count`` for layer/rms norm, checked against ``normalized_shape`` when it runs."""
+    src = _same_shape_source(x)
+    sizes = tuple(src.size(d) for d in dims)
+    return x.tracer.create_proxy("call_function", _normalized_count, (sizes, normalized_shape),
+                                 {})
+
+
+def _nonnegative(n: int) -> int:
+    """``max(n, 0)``, recorded as one call because a traced ``n`` has no truth value."""
+    return max(n, 0)
+
+
+def _same_shape_source(x: Any) -> Any:
+    """The earliest value with ``x``'s shape along a chain of pointwise ops.
+
+    Why: reading a size from ``x + r`` makes the size a consumer of the add, which keeps a
+    layer_norm's prologue out of its fused kernel; ``x`` itself has the same size.
+    """
+    node = x.node
+    shape = _node_shape(node, 8)
+    while shape is not None:
+        info = lookup(node, node.graph.owning_module)
+        if info is None or info.kind != "pointwise":
+            break
+        same = [a for a in node.all_input_nodes if _node_shape(a, 8) == shape]
+        if not same:
+            break
+        node = same[0]
+    return x if node is x.node else Proxy(node, x.tracer)
+
+
+def _node_shape(node: Node, depth: int) -> tuple[int, ...] | None:
+    """ShapeProp's shape of ``node``, or for a node an earlier rule made (the math and
+    reshapes of a decomposed batch_norm), its op run on ``meta`` tensors of its inputs'
+    shapes."""
+    meta = node.meta.get("tensor_meta")
+    if hasattr(meta, "shape"):
+        return tuple(meta.shape)
+    if depth == 0 or node.op not in ("call_function", "call_method") or not node.all_input_nodes:
+        return None
+    fakes = {a: _fake(a, depth - 1) for a in node.all_input_nodes}
+    if any(f is None for f in fakes.values()):
+        return None
+    args, kwargs = map_arg(node.args, fakes.__getitem__), map_arg(node.kwargs, fakes.__getitem__)
+    try:  # (rules record methods, x.reshape(...); normalize makes them functions later)
+        fn = node.target if node.op == "call_function" else getattr(args[0], node.target)
+        out = fn(*(args if node.op == "call_function" else args[1:]), **kwargs)
+    except Exception:  # not an op that runs on meta tensors: unknown
+        return None
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+
+def _fake(node: Node, depth: int) -> Any:
+    """A meta tensor of ``node``'s shape; for a size read (``x.size(1)``, which the
+    per-channel checks of a decomposed batch_norm take), the size; None if unknown."""
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 \
+            and type(node.args[1]) is int and isinstance(node.args[0], Node):
+        shape = _node_shape(node.args[0], depth)
+        return shape[node.args[1]] if shape is not None else None
+    shape = _node_shape(node, depth)
+    return torch.empty(shape, device="meta") if shape is not None else None
+
+
+def _count(x: Any, dims: tuple[int, ...]) -> Any:
+    """How many elements ``dims`` hold, read from ``x`` when the graph runs.
+
+    Why not the traced shape: a compiled graph is reused for other sizes of the same rank,
+    so a literal count would be wrong after a resize.
+    """
+    if not dims:  # a 0-d tensor: one element
+        return 1
+    x = _same_shape_source(x)
+    n = None
+    for d in dims:
+        size = x.size(d)
+        n = size if n is None else n * size
+    return n
+
+
+def _row_max(x: Any, dim: int) -> Any:
+    """``amax(x, dim, keepdim=True)`` for softmax: marked ``empty_ok``, because softmax
+    over an empty dim is empty where amax would raise (kernels skip the check for it, and
+    the pipeline runs it as ``amax_or_empty`` where it stays out of kernels)."""
+    m = torch.amax(x, dim, keepdim=True)
+    m.node.meta["empty_ok"] = True
+    return m
+
+
+def _empty_dim(x: Any, dim: Any) -> bool:
+    shape = _shape(x)
+    return isinstance(dim, int) and bool(shape) and -len(shape) <= dim < len(shape) and \
+        shape[dim] == 0
+
+
+@register_decomposition(torch.softmax)
+def _softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
+    # exp(x - max) / sum(exp(x - max)): the max keeps exp from overflowing
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None or _empty_dim(x, dim):  # amax of nothing has no value
+        return NotImplemented
+    source = x
+    if dtype is not None:
+        x = x.to(dtype)
+    x, out = _opmath(x, src)
+    e = torch.exp(x - _row_max(x, dim))
+    return _eager_layout(_back(e / torch.sum(e, dim, keepdim=True), out), source)
+
+
+@register_decomposition(torch.log_softmax)
+def _log_softmax(x: Any, dim: Any = None, dtype: Any = None) -> Any:
+    # (x - max) - log(sum(exp(x - max)))
+    src = dtype if dtype is not None else _dtype(x)
+    if dim is None or src is None or _empty_dim(x, dim):
+        return NotImplemented
+    source = x
+    if dtype is not None:
+        x = x.to(dtype)
+    x, out = _opmath(x, src)
+    shifted = x - _row_max(x, dim)
+    y = shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+    return _eager_layout(_back(y, out), source)
+
+
+@register_decomposition(F.layer_norm)
+def _layer_norm(x: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
+                eps: float = 1e-5) -> Any:
+    # (x - mean) * rsqrt(var + eps) * weight + bias, over the trailing normalized_shape dims
+    # (halves: all of it in fp32, weight and bias included, rounded once at the end)
+    dims = _last_dims(normalized_shape)
+    src = _dtype(x)
+    if dims is None or src is None:
+        return NotImplemented
+    n = _norm_count(x, dims, normalized_shape)
+    source = x
+    x, out = _opmath(x, src)
+    centered = x - torch.sum(x, dims, keepdim=True) / n
+    var = torch.sum(centered * centered, dims, keepdim=True) / n
+    y = centered * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return _eager_layout(_back(y, out), source)
+
+
+@register_decomposition(F.rms_norm)
+def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Any:
+    # x * rsqrt(mean(x * x) + eps) * weight, in fp32 for halves; eps defaults to the machine
+    # epsilon of the dtype it computes in (fp32's for halves, as eager's kernel has it)
+    dims = _last_dims(normalized_shape)
+    src = _dtype(x)
+    if dims is None or src is None:
+        return NotImplemented
+    n = _norm_count(x, dims, normalized_shape)
+    x, out = _opmath(x, src)
+    if eps is None:
+        eps = torch.finfo(torch.float32 if out is not None else src).eps
+    y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
+    return _back(y * weight if weight is not None else y, out)
+
+
+@register_decomposition(F.gelu)
+def _gelu(x: Any, approximate: str = "none") -> Any:
+    if approximate not in ("none", "tanh"):
+        return NotImplemented
+    x, out = _opmath(x, _dtype(x))  # halves: fp32, as eager; unknown dtype: as it comes
+    if approximate == "tanh":
+        # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))
+        inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
+        return _back(x * 0.5 * (torch.tanh(inner) + 1), out)
+    # 0.5 * x * (1 + erf(x / sqrt(2)))
+    return _back(x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1), out)
+
+
+@register_decomposition(F.silu)
+def _silu(x: Any, inplace: bool = False) -> Any:
+    # x * sigmoid(x)
+    x, out = _opmath(x, _dtype(x))
+    return _back(x * torch.sigmoid(x), out)
+
+
+def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
+    # sum((x - mean)**2) / (n - correction), n the number of reduced elements
+    shape = _shape(x)
+    dims = _dims(dim, len(shape)) if shape is not None else None
+    if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
+        return NotImplemented
+    n = _count(x, dims)
+    x, out = _opmath(x, _dtype(x))
+    # the mean's own gradient term is 0 (the centred values sum to 0), so it is cut from
+    # autograd: differentiated, it would spread a row's NaN (x - inf) over the whole row
+    centered = x - (torch.sum(x, dims, keepdim=True) / n).detach()
+    # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
+    denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
+    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator, out
+
+
+@register_decomposition(torch.var)
+def _var(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
+    parts = _var_parts(x, dim, correction, keepdim)
+    return parts if parts is NotImplemented else _back(*parts)
+
+
+@register_decomposition(torch.std)
+def _std(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) -> Any:
+    # sqrt(var), written so that its gradient is 0 where std is 0, as eager's std_backward
+    # has it (sqrt's own is g / 0 there, and NaN once multiplied by the centred zeros)
+    parts = _var_parts(x, dim, correction, keepdim)
+    if parts is NotImplemented:
+        return parts
+    var, out = parts
+    zero = var == 0
+    return _back(torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, var))), out)
+
+
+@register_decomposition(torch.mean)
+def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    # sum(x) / n
+    shape = _shape(x)
+    dims = _dims(dim, len(shape)) if shape is not None else None
+    if dims is None:
+        return NotImplemented
+    src = dtype if dtype is not None else _dtype(x)
+    if src is None or not src.is_floating_point:
+        return NotImplemented  # torch.mean rejects integer tensors; let it say so
+    n = _count(x, dims)
+    if dtype is not None:
+        x = x.to(dtype)
+    x, out = _opmath(x, src)
+    return _back(torch.sum(x, dims, keepdim=keepdim) / n, out)
+
+
+# ---------------------------------------------------------------------- extern ops
+@register_decomposition(F.batch_norm)
+def _batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
+                bias: Any = None, training: Any = False, momentum: Any = 0.1,
+                eps: Any = 1e-5) -> Any:
+    # eval mode: (x - mean) * rsqrt(var + eps) * weight + bias, per channel (dim 1);
+    # halves compute in fp32, as eager's kernel
+    shape, src = _shape(x), _dtype(x)
+    if training is not False or running_mean is None or running_var is None or shape is None \
+            or len(shape) < 2 or src is None or type(eps) not in (int, float) \
+            or shape[1] == 0:  # no channels: eager ignores the statistics' length
+        return NotImplemented
+    # Per channel: (C,) -> (C, 1, ...), checked against x's channels when the graph runs
+    # (eager raises on another length, and returns an input without channels as it is).
+    channels = _same_shape_source(x).size(1)
+    per = {what: x.tracer.create_proxy("call_function", per_channel,
+                                       (t, channels, len(shape), what), {})
+           for what, t in (("running_mean", running_mean), ("running_var", running_var),
+                           ("weight", weight), ("bias", bias)) if t is not None}  # eager's order
+    source = x
+    x, out = _opmath(x, src)
+    y = (x - per["running_mean"]) * torch.rsqrt(per["running_var"] + eps)
+    if weight is not None:
+        y = y * per["weight"]
+    if bias is not None:
+        y = y + per["bias"]
+    return _eager_layout(_back(y, out), source, keeps_channels_last=True)
+
+
+_FUSIBLE_KINDS = ("pointwise", "reduction", "composite")
+
+
+def _feeds_kernels(node: Node, gm: GraphModule) -> bool:
+    """Every user of ``node`` can join a kernel (through a permute or transpose, too).
+
+    Why: a bias split off a matmul or conv is worth it only when the add joins a kernel
+    that runs anyway; an add that stays alone costs one more pass over the result.
+    """
+    if not node.users:
+        return False
+    for user in node.users:
+        info = lookup(user, gm)
+        if info is None or is_impure(user, gm):
+            return False
+        if info.name in ("permute", "transpose"):
+            if not _feeds_kernels(user, gm):
+                return False
+        elif info.kind not in _FUSIBLE_KINDS:
+            return False
+    return True
+
+
+@register_decomposition(F.linear, when=_feeds_kernels)
+def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    # linear(x, w, b) -> linear(x, w) + b: the bias add joins the next kernel. Not in 16-bit
+    # floats: the matmul would round before the add, which eager's addmm makes in float32
+    # (a bfloat16 LayerNorm after it then differed from eager by twice eager's error).
+    if bias is None or _dtype(x) in (torch.float16, torch.bfloat16):
+        return NotImplemented
+    return F.linear(x, weight) + bias
+
+
+def _conv_rule(conv: Callable[..., Any], spatial: int) -> Rule:
+    def rule(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+             dilation: Any = 1, groups: Any = 1) -> Any:
+        # conv(x, w, b) -> conv(x, w) + b per channel: the bias add joins the next kernel
+        if bias is None:
+            return NotImplemented
+        y = conv(x, weight, None, stride, padding, dilation, groups)
+        return y + bias.reshape((-1,) + (1,) * spatial)
+    rule.__name__ = f"_{conv.__name__}"
+    return rule
+
+
+for _conv, _spatial in ((F.conv1d, 1), (F.conv2d, 2), (F.conv3d, 3)):
+    register_decomposition(_conv, when=_feeds_kernels)(_conv_rule(_conv, _spatial))
