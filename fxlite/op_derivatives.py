@@ -235,8 +235,9 @@ def _mish(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 
 
 def _elu(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # eager's backward takes the negative branch where x <= 0: a NaN input passes g
     x, alpha = a["input"], a.get("alpha", 1.0)
-    return {"input": torch.where(x > 0, g, g * torch.exp(x) * alpha)}
+    return {"input": torch.where(x <= 0, g * torch.exp(x) * alpha, g)}
 
 
 def _hardswish(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:

@@ -175,7 +175,7 @@ def test_unary(name, directions):
 
 
 ACTIVATIONS_AT_NAN = ("relu", "hardtanh", "relu6", "hardsigmoid", "hardswish", "leaky_relu",
-                      "clamp")
+                      "clamp", "elu")
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS_AT_NAN)
@@ -183,6 +183,7 @@ def test_activation_gradients_at_nan_inputs_are_eagers(name, directions):
     # Regression (fuzzer, seed 740140: log1p of x < -1, then relu_): eager's relu, hardtanh
     # and relu6 backward zero the gradient where x is at or past a bound, so at a NaN
     # input it passes on; the rules tested x > 0 (or low < x < high) and gave 0 there.
+    # elu's takes its negative branch where x <= 0 (the fuzz replay of session 15).
     made = []
 
     def nan_edgy():  # for the build and the first call benign; the second call's has NaN
