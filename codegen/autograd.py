@@ -69,12 +69,7 @@ class _Variant:
         results = map_arg(grad.forward.graph.result, values.__getitem__)
         self.forward = CompiledGraph(grad.forward, args, "forward", name)
         saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
-        # An input returned as it is, or a view, would make autograd forbid the caller's
-        # in-place writes into the result: those outputs are copies (kernels' results are
-        # tensors of their own already; an identity group returns its input)
-        outs = [o.clone() if isinstance(o, torch.Tensor) and (
-            o._base is not None or any(o is a for a in args)) else o
-            for o in results[:grad.n_outputs]]
+        outs = results[:grad.n_outputs]
         tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
         self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
         self._zeros: dict[tuple, torch.Tensor] = {}
