@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate
+from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
 from fxlite.autodiff_meta import meta_tensor, propagate
 from fxlite.graph_module import GraphModule
 from fxlite.node import Opcode, map_arg
@@ -72,7 +72,31 @@ class _Variant:
         outs = results[:grad.n_outputs]
         tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
         self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
+        self._examples, self._name = [*saved, *tangents], f"{name}_bwd"
+        self._partial: dict[tuple[bool, ...], CompiledGraph] = {}
+        self._lock = threading.Lock()
         self._zeros: dict[tuple, torch.Tensor] = {}
+
+    def backward_for(self, used: Sequence[bool]) -> CompiledGraph:
+        """The backward for calls where only the outputs marked ``used`` got gradients: the
+        others' zero tangents contribute nothing (``fxlite.autodiff.without_tangents``)."""
+        key = tuple(used)
+        if all(key):
+            return self.backward
+        found = self._partial.get(key)
+        if found is None:
+            with self._lock:
+                found = self._partial.get(key)
+                if found is None:
+                    unused = [k for k, u in enumerate(key) if not u]
+                    pruned = without_tangents(self.grad.backward, len(key), unused)
+                    found = self._partial[key] = CompiledGraph(
+                        pruned, self._examples, "backward", self._name)
+        return found
+
+    def parts(self) -> list[CompiledGraph]:
+        """Every compiled graph: the forward, the backward and its partial versions."""
+        return [self.forward, self.backward, *self._partial.values()]
 
     def zeros(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tangent of an output the loss does not use (a BatchNorm's batch mean, read
@@ -130,7 +154,7 @@ class _GroupFunction(torch.autograd.Function):
             return (None,) * (1 + len(ctx.inputs))
         tangents = [grads[i] if u else variant.zeros(shape, dtype, device)
                     for i, u, (shape, dtype, device) in zip(grad.tangents, used, ctx.outs)]
-        results = variant.backward(*saved, *tangents)
+        results = variant.backward_for(used)(*saved, *tangents)
         if not all(used):  # a gradient that is a shared zero tangent (or a view of one)
             # would be written by whoever accumulates it: give a copy
             shared = {t.untyped_storage().data_ptr() for t, u in zip(tangents, used) if not u}
@@ -175,7 +199,7 @@ class AutogradGroup:
         parts = [self._plain] if self._plain is not None else []
         for v in list(self._variants.values()):
             if v is not None:
-                parts += [v.forward, v.backward]
+                parts += v.parts()
         return parts
 
     @property

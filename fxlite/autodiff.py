@@ -44,7 +44,7 @@ from .node import Node, map_arg
 from .ops import lookup, resolve
 from .proxy import GraphAppendingTracer, Proxy
 
-__all__ = ["GroupGrad", "NotDifferentiable", "differentiate"]
+__all__ = ["GroupGrad", "NotDifferentiable", "differentiate", "without_tangents"]
 
 
 class NotDifferentiable(Exception):
@@ -473,3 +473,56 @@ def _ancestors(nodes: list[Node], stop: set[Node]) -> set[Node]:
         if n not in stop:
             stack.extend(n.all_input_nodes)
     return seen
+
+
+def without_tangents(backward: GraphModule, n_tangents: int, unused: Sequence[int]) -> GraphModule:
+    """A copy of ``backward`` (``(*saved, *tangents) -> grads``) in which the tangents at
+    positions ``unused`` among its last ``n_tangents`` placeholders contribute nothing.
+
+    Why: an output the loss does not use gets a zero tangent, and ``0 * inf`` is NaN: a
+    term of the backward that only carries that zero (a ``log_softmax`` row holding an
+    infinity) would put NaN into the gradient of an input the used outputs share, where
+    eager, which never computes the term, gives a finite one. The backward is linear in
+    its tangents, so a value computed from unused tangents alone is a zero term: where a
+    cotangent sum adds one (``torch.add``), the sum becomes its other term, and DCE drops
+    the rest. A term used any other way keeps its (zero) tangent input::
+
+        # before (tangent_1 unused)                  # after
+        mul = torch.mul(tangent_0, cos)              mul = torch.mul(tangent_0, cos)
+        mul_1 = torch.mul(tangent_1, big)
+        add = torch.add(mul, mul_1)
+        return (add,)                                return (mul,)
+    """
+    import copy
+
+    gm = GraphModule(backward, copy.deepcopy(backward.graph), class_name=type(backward).__name__)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tangents = placeholders[len(placeholders) - n_tangents:]
+    carries = set(tangents)  # values that depend on a tangent
+    zero = {tangents[i] for i in unused}
+    for n in list(graph.nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        parts = [a for a in n.all_input_nodes if a in carries]
+        if not parts:
+            continue
+        carries.add(n)
+        if all(a in zero for a in parts):
+            zero.add(n)
+            continue
+        info = lookup(n)
+        if info is None or info.name != "add" or len(n.args) != 2 or n.kwargs:
+            continue
+        kept = [a for a in n.args if not (isinstance(a, Node) and a in zero)]
+        if len(kept) == 1 and isinstance(kept[0], Node) and _same_meta(kept[0], n):
+            n.replace_all_uses_with(kept[0])
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _same_meta(a: Node, b: Node) -> bool:
+    ta, tb = a.meta.get("tensor_meta"), b.meta.get("tensor_meta")
+    return ta is not None and tb is not None and tuple(ta.shape) == tuple(tb.shape) and \
+        ta.dtype == tb.dtype

@@ -442,3 +442,22 @@ def test_an_op_without_a_rule_runs_under_eager_autograd():
     assert any("no derivative rule for" in f and "floor_divide" in f for f in compiled.fallbacks)
     with pytest.raises(RuntimeError, match="floor_divide"):
         out.sum().backward()
+
+
+def test_without_tangents_drops_the_terms_of_unused_outputs():
+    # y = exp(x) and z = x * w: with z's tangent unused, x's gradient is g_y * exp(x)
+    # alone, and w's gradient (reached only through z) reads nothing but the zero tangent
+    from fxlite.autodiff import differentiate, without_tangents
+
+    gm = normalize(fxlite.symbolic_trace(lambda x, w: (torch.exp(x), x * w)))
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    grad = differentiate(gm, [x, w])
+    pruned = without_tangents(grad.backward, len(grad.tangents), [1])
+    tangent = [n for n in pruned.graph.nodes if n.op == "placeholder"][-1]
+    adds = [n for n in pruned.graph.nodes if n.op == "call_function" and n.target is torch.add]
+    assert not adds and len(tangent.users) <= 1  # x's sum is gone; only w's term reads it
+    assert grad.saved == [("input", 0), ("input", 1)]
+    g_y = torch.randn(3)
+    with torch.no_grad():
+        got = pruned(x, w, g_y, torch.zeros(3))
+        torch.testing.assert_close(got[grad.grads[0]], g_y * torch.exp(x))
