@@ -274,11 +274,14 @@ def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None
     if dims is None or src is None:
         return NotImplemented
     n = _norm_count(x, dims, normalized_shape)
+    source = x
     x, out = _opmath(x, src)
     if eps is None:
         eps = torch.finfo(torch.float32 if out is not None else src).eps
     y = x * torch.rsqrt(torch.sum(x * x, dims, keepdim=True) / n + eps)
-    return _back(y * weight if weight is not None else y, out)
+    # eager's kernel keeps a channels-last input's layout and makes others row-major
+    y = _back(y * weight if weight is not None else y, out)
+    return _eager_layout(y, source, keeps_channels_last=True)
 
 
 @register_decomposition(F.gelu)

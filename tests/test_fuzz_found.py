@@ -165,7 +165,7 @@ def _grads_in_kernels(f, calls):
         want.sum().backward()
         torch.testing.assert_close(mine.grad, theirs.grad)
 
-@pytest.mark.parametrize("op", ["batch_norm", "softmax", "log_softmax", "layer_norm"])
+@pytest.mark.parametrize("op", ["batch_norm", "softmax", "log_softmax", "layer_norm", "rms_norm"])
 def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     # Eager's norm and softmax kernels return a row-major result whatever the input's
     # layout; the pointwise ops they decompose into followed the input's, so a later
@@ -174,10 +174,11 @@ def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     norm = {"batch_norm": lambda x: torch.nn.functional.batch_norm(x, *stats),
             "softmax": lambda x: x.softmax(-1),
             "log_softmax": lambda x: x.log_softmax(1),
-            "layer_norm": lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])}[op]
+            "layer_norm": lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:]),
+            "rms_norm": lambda x: torch.nn.functional.rms_norm(x, x.shape[-1:])}[op]
     x = torch.randn(2, 3, 4).transpose(0, 2)
     _run(lambda a: norm(a).view(-1) * 2, [(x,), (x * 2,), (-x,)])
-    if op != "batch_norm":  # a channels-last input too (batch norm keeps that layout)
+    if op not in ("batch_norm", "rms_norm"):  # a channels-last input too (these two keep it)
         cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
         _run(lambda a: norm(a).view(-1) * 2, [(cl,), (cl * 2,), (-cl,)])
 
