@@ -260,7 +260,8 @@ def _mean(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 
 def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # d prod / d x_i is the product of the others: out / x_i without zeros; with one zero
-    # only that element gets the product of the rest; with two or more, all get 0.
+    # only that element gets the product of the rest; the others' products hold a zero:
+    # 0, or NaN where another element is inf or NaN (0 * inf), as eager's exact products
     x = a["input"]
     a = {**a, "dim": a.get("dim")}
     rank = _rank(x)
@@ -271,7 +272,13 @@ def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     others = torch.where(zero, 1.0, x)
     for d in dims:  # torch.prod takes one dim at a time
         others = torch.prod(others, d, keepdim=True)
-    one_zero = torch.where(torch.logical_and(zero, zeros == 1), g * others, 0.0)
+    bad = torch.logical_not(torch.isfinite(x))
+    bad_count = torch.sum(bad, dims, keepdim=True)
+    others_bad = torch.where(bad, bad_count - 1, bad_count) > 0
+    if a["dim"] is None:  # eager's prod of all elements gives all zeros for two or more
+        others_bad = torch.logical_and(others_bad, zeros == 1)
+    rest = g * torch.where(others_bad, math.nan, 0.0)
+    one_zero = torch.where(torch.logical_and(zero, zeros == 1), g * others, rest)
     return {"input": torch.where(zeros == 0, g * p / x, one_zero)}
 
 

@@ -196,3 +196,13 @@ def test_an_identity_group_under_autograd_returns_a_copy_the_caller_may_write():
         return v5 + v0
 
     _grads_in_kernels(f, [(torch.randn(()),), (torch.randn(()),), (torch.randn(()),)])
+
+
+def test_prod_gradient_with_a_zero_and_an_infinity_is_eagers():
+    # With one zero in a row, the other elements' gradients are products that hold the
+    # zero: eager computes them exactly (0 * inf is NaN); the rule gave 0 (seeds 760960,
+    # 782836, 757672).
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[inf, 0.0, 3.0], [nan, 0.0, 2.0], [0.0, 0.0, inf], [1.5, 2.0, 0.5]])
+    for f in (lambda a: a.prod(), lambda a: a.prod(1), lambda a: a.prod(0, dtype=torch.float32)):
+        _grads(f, [(torch.randn(4, 3),), (x,), (x,)])
