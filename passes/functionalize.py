@@ -15,8 +15,9 @@ graph returns the input itself where it returned the written tensor::
         return (mul, relu_)                        copy_ = x.copy_(relu)
                                                    return (mul, copy_)
 
-Writes through views, into memory another value shares, by ``out=`` arguments, or by ops
-without a pure spelling stay as they are: they are impure nodes, which the fusion
+Writes through views, into memory another value shares, by ``out=`` arguments, by ops
+without a pure spelling, or (under grad mode) into an input that requires grad stay as
+they are: they are impure nodes, which the fusion
 partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
 without it (graphs from ``symbolic_trace``) are left alone.
 """
@@ -63,11 +64,6 @@ def functionalize(gm: GraphModule) -> GraphModule:
             continue
         target, args, kwargs = plan
         written = node.args[0]
-        node.target, node.args, node.kwargs = target, args, kwargs
-        node.meta["impure"] = False
-        node.meta.pop("mutated", None)
-        changed = True
-        value = _keep_dtype(node, written)
         root = root_of.get(written, written)
         # an in-place write left as it is (``b.copy_(v)``) returns the tensor it wrote:
         # a pure write to its result is a write to that tensor
@@ -78,6 +74,18 @@ def functionalize(gm: GraphModule) -> GraphModule:
             if root in seen:
                 break
             seen.add(root)
+        if root.op == "placeholder" and node.meta.get("grad_enabled") and (
+                root.meta.get("requires_grad")
+                or getattr(root.meta.get("tensor_meta"), "requires_grad", False)):
+            # an input autograd tracks: the write-back would change, after the fact, a
+            # value the pure ops saved for their backward (silu saves its input); eager's
+            # in-place op is written for autograd, so it stays
+            continue
+        node.target, node.args, node.kwargs = target, args, kwargs
+        node.meta["impure"] = False
+        node.meta.pop("mutated", None)
+        changed = True
+        value = _keep_dtype(node, written)
         root_of[value] = root
         if root.op == "placeholder":
             final[root] = value

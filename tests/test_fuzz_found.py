@@ -206,3 +206,19 @@ def test_prod_gradient_with_a_zero_and_an_infinity_is_eagers():
     x = torch.tensor([[inf, 0.0, 3.0], [nan, 0.0, 2.0], [0.0, 0.0, inf], [1.5, 2.0, 0.5]])
     for f in (lambda a: a.prod(), lambda a: a.prod(1), lambda a: a.prod(0, dtype=torch.float32)):
         _grads(f, [(torch.randn(4, 3),), (x,), (x,)])
+
+
+def test_an_in_place_activation_of_an_input_autograd_tracks_keeps_its_backward():
+    # Past a graph break, silu_ wrote a segment input that requires grad: functionalized,
+    # its write-back changed the input silu had saved for its backward, which then raised
+    # where eager works (seed 757816).
+    w = torch.randn(2, 3, 1)
+
+    def f(x):
+        v1 = x % 0.5
+        torch._assert(bool(((x == x) | x.isnan()).all()), "equal or NaN")
+        torch.nn.functional.silu(v1, inplace=True)
+        return torch.nn.functional.conv1d(v1, w, padding=1)
+
+    _grads_in_kernels(f, [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),),
+                          (torch.randn(2, 3, 4),)])
