@@ -71,9 +71,10 @@ class _Variant:
         saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
         outs = results[:grad.n_outputs]
         tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
-        self.backward = CompiledGraph(grad.backward, [*saved, *tangents], "backward", f"{name}_bwd")
         self._examples, self._name = [*saved, *tangents], f"{name}_bwd"
-        self._partial: dict[tuple[bool, ...], CompiledGraph] = {}
+        # backward graphs per pattern of outputs that got gradients, compiled when a
+        # backward first needs one (a training BatchNorm's statistics never get any)
+        self._backward: dict[tuple[bool, ...], CompiledGraph] = {}
         self._lock = threading.Lock()
         self._zeros: dict[tuple, torch.Tensor] = {}
 
@@ -81,22 +82,21 @@ class _Variant:
         """The backward for calls where only the outputs marked ``used`` got gradients: the
         others' zero tangents contribute nothing (``fxlite.autodiff.without_tangents``)."""
         key = tuple(used)
-        if all(key):
-            return self.backward
-        found = self._partial.get(key)
+        found = self._backward.get(key)
         if found is None:
             with self._lock:
-                found = self._partial.get(key)
+                found = self._backward.get(key)
                 if found is None:
                     unused = [k for k, u in enumerate(key) if not u]
-                    pruned = without_tangents(self.grad.backward, len(key), unused)
-                    found = self._partial[key] = CompiledGraph(
-                        pruned, self._examples, "backward", self._name)
+                    graph = without_tangents(self.grad.backward, len(key), unused) \
+                        if unused else self.grad.backward
+                    found = self._backward[key] = CompiledGraph(
+                        graph, self._examples, "backward", self._name)
         return found
 
     def parts(self) -> list[CompiledGraph]:
-        """Every compiled graph: the forward, the backward and its partial versions."""
-        return [self.forward, self.backward, *self._partial.values()]
+        """Every compiled graph: the forward and the backwards built so far."""
+        return [self.forward, *self._backward.values()]
 
     def zeros(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tangent of an output the loss does not use (a BatchNorm's batch mean, read
