@@ -15,6 +15,8 @@ counts as a failure. A failing program is shrunk (``fuzz_programs.shrink``) and 
 minimal source saved in the JSON. At the end: the program count, op coverage, failures.
 
 ``--device cpu`` runs kernels through Triton's interpreter (TRITON_INTERPRET=1).
+``--replay old.json`` runs the failing programs of an earlier run again, every path each,
+to see which still fail (``--json`` writes the same summary as a run).
 ``--time-limit`` stops starting programs after that many seconds (the count says how many
 ran). Exit status 1 if any program failed.
 """
@@ -61,23 +63,24 @@ def worker(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGALRM, on_alarm)
     deadline = args.deadline
-    seeds = range(args.start, args.seed + args.count, args.jobs)
+    replay = bool(getattr(args, "seeds", None))  # every path of the given seeds
+    seeds = args.seeds if replay else range(args.start, args.seed + args.count, args.jobs)
     for n, seed in enumerate(seeds):
         if deadline and time.time() > deadline:
             break
         emit(event="start", seed=seed)
         program = generate(RandomDraw(seed), seed, draw_step)
         paths = ["triton"]
-        if n % args.python_every == 0:
+        if replay or n % args.python_every == 0:
             paths.append("python")
         traceable = None
-        if n % args.passes_every == 0:
+        if replay or n % args.passes_every == 0:
             traceable = rebuild(dataclasses.replace(program, buffers=[]),
                                 lambda i, s: s.traceable)
             if traceable is not None:
                 paths.append("passes")
         grad = None
-        if args.grad_every and n % args.grad_every == 0:
+        if replay or args.grad_every and n % args.grad_every == 0:
             grad = gradable(program)
             if grad is not None:
                 paths.append("grad")
@@ -141,6 +144,9 @@ def main() -> int:
     parser.add_argument("--program-timeout", type=int, default=120)
     parser.add_argument("--time-limit", type=float, default=0.0)
     parser.add_argument("--no-shrink", dest="shrink", action="store_false")
+    parser.add_argument("--replay", default=None, metavar="JSON",
+                        help="instead of new programs, run the failing ones of an earlier "
+                             "run's --json through every path, in this process")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -149,6 +155,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.replay:
+        return _replay(args)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -162,6 +170,29 @@ def main() -> int:
     jobs = max(1, min(args.jobs, args.count))
     records = _run_workers(args, device, env, jobs, deadline)
     return _report(args, device, records, time.time() - started)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Run the failing seeds of an earlier run (``--replay``) through every path, in this
+    process, and report as a run does (``--json`` for the same summary)."""
+    failing = json.loads(Path(args.replay).read_text())["failing"]
+    args.seeds = sorted({f["seed"] for f in failing if isinstance(f.get("seed"), int)})
+    args.count, args.jobs = len(args.seeds), 1
+    device = args.device = args.device or ("cuda" if _has_cuda() else "cpu")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton
+    os.environ.setdefault("FXLITE_CACHE_DIR", tempfile.mkdtemp(prefix="fxlite-fuzz-"))
+    out = Path(tempfile.mkdtemp(prefix="fuzz-replay-")) / "replay.jsonl"
+    args.out, args.deadline = str(out), 0.0
+    started = time.time()
+    worker(args)
+    return _report(args, device, _read(out), time.time() - started)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _run_workers(args: argparse.Namespace, device: str, env: dict, jobs: int,
