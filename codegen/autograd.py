@@ -124,11 +124,15 @@ class _GroupFunction(torch.autograd.Function):
         ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
                       for a in args]
         # An input returned as it is, or a view, would make autograd forbid the caller's
-        # in-place writes into the result: those outputs are copies (kernels' results are
-        # tensors of their own already; an identity group returns its input)
-        outs = [o.clone() if isinstance(o, torch.Tensor) and (
-            o._base is not None or any(o is a for a in args)) else o
-            for o in results[:grad.n_outputs]]
+        # in-place writes into the result; one tensor returned twice (x and detach(x))
+        # would be marked non-differentiable for both: those outputs are copies (kernels'
+        # results are tensors of their own already; an identity group returns its input)
+        outs: list[Any] = []
+        for o in results[:grad.n_outputs]:
+            if isinstance(o, torch.Tensor) and (o._base is not None or any(
+                    o is a for a in args) or any(o is p for p in outs)):
+                o = o.clone()
+            outs.append(o)
         # an output the loss does not use gets None, not zeros: the inputs only it reaches
         # then get None too, as in eager (backward below)
         ctx.set_materialize_grads(False)

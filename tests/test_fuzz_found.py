@@ -169,7 +169,8 @@ def _grads_in_kernels(f, calls):
 def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     # Eager's norm and softmax kernels return a row-major result whatever the input's
     # layout; the pointwise ops they decompose into followed the input's, so a later
-    # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301; 767265 with a channels-last one).
+    # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301; 767265
+    # with a channels-last one).
     stats = torch.randn(3) * 0.1, torch.rand(3) + 1
     norm = {"batch_norm": lambda x: torch.nn.functional.batch_norm(x, *stats),
             "softmax": lambda x: x.softmax(-1),
@@ -222,3 +223,27 @@ def test_an_in_place_activation_of_an_input_autograd_tracks_keeps_its_backward()
 
     _grads_in_kernels(f, [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),),
                           (torch.randn(2, 3, 4),)])
+
+
+def test_a_value_and_its_detached_copy_from_one_group_keep_their_gradients_apart():
+    # A group returning x and detach(x) gave the same tensor for both, and marking the
+    # detached one non-differentiable cut the gradient of x too: later results lost
+    # requires_grad (seed 793796).
+    def f(x, flag):
+        v0 = torch.remainder(x, -3)
+        v3 = torch.mean(v0, dim=-1, keepdim=True)
+        v4 = v0.detach()
+        if flag.mean() < 0.5:
+            return v3 - 1, v4
+        return -v3, v4
+
+    x = torch.randn(()).bfloat16()
+    calls = [(x, torch.zeros(2)), (x * 2, torch.ones(2)), (x * 3, torch.zeros(2))]
+    compiled = fxlite.compile(f)
+    for x, flag in calls:
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = compiled(mine, flag), f(theirs, flag)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want]
+        got[0].backward()
+        want[0].backward()
+        torch.testing.assert_close(mine.grad, theirs.grad)
