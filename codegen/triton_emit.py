@@ -80,6 +80,12 @@ class Emitter:
         self.helpers.add(name)
         return name
 
+    def rounded(self, expr: str, dtype: torch.dtype) -> str:
+        """``expr`` (fp32) rounded to half type ``dtype``, still as fp32."""
+        if dtype == torch.bfloat16 and not self.libdevice:
+            return f"{self.helper('_round_bf16')}({expr})"
+        return f"{expr}.to({tl_dtype(dtype)}).to(tl.float32)"
+
     def lit(self, value: Any, ct: torch.dtype) -> str:
         """A Python literal formatted for compute dtype ``ct``."""
         if isinstance(value, complex) or not isinstance(value, (bool, int, float)):

@@ -157,7 +157,13 @@ def _div(e: Emitter, a: dict, ct: torch.dtype) -> str:
         raise Unsupported(f"rounding_mode={mode!r}")
     _integer_divisor(a, ct)
     x, y = e.c(a["input"], ct), e.c(a["other"], ct)
-    return _trunc_expr(e, _quot(x, y, ct)) if _is_float(ct) else f"{x} // {y}"
+    if not _is_float(ct):
+        return f"{x} // {y}"
+    # eager divides halves as halves (trunc(bf16(a / b))): the quotient is rounded first
+    half = next((o.dtype for o in (a["input"], a["other"]) if isinstance(o, Operand)
+                 and o.dtype in (torch.float16, torch.bfloat16)), None)
+    q = _quot(x, y, ct)
+    return _trunc_expr(e, e.rounded(q, half) if half is not None else q)
 
 
 def _sqrt(x: str, ct: torch.dtype) -> str:

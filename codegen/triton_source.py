@@ -245,13 +245,6 @@ DISCRETE = frozenset({"to", "eq", "ne", "lt", "le", "gt", "ge", "floor", "ceil",
                       "isfinite", "logical_and", "logical_or", "logical_xor", "logical_not"})
 
 
-def round_half(e: Emitter, expr: str, dtype: torch.dtype) -> str:
-    """``expr`` (fp32) rounded to half type ``dtype``, still as fp32."""
-    if dtype == torch.bfloat16 and not e.libdevice:
-        return f"{e.helper('_round_bf16')}({expr})"
-    return f"{expr}.to({tl_dtype(dtype)}).to(tl.float32)"
-
-
 def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
             common: torch.dtype | None = None) -> Operand:
     """``v`` as an op argument for ``consumer``, whose operands eager casts to ``common``.
@@ -267,11 +260,11 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
             consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
-        expr = round_half(e, v.name, v.dtype)
+        expr = e.rounded(v.name, v.dtype)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
     if common in _HALVES and dtype != common:
         wide = expr if compute_dtype(dtype) == torch.float32 else f"{expr}.to(tl.float32)"
-        expr, dtype = round_half(e, wide, common), common
+        expr, dtype = e.rounded(wide, common), common
     return Operand(expr, dtype, zero_dim=len(v.dims) == 0, pytype=v.pytype)
 
 
@@ -388,7 +381,7 @@ def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str,
     val = v.name
     if compute_dtype(v.dtype) != v.dtype:
         if v.dtype == torch.bfloat16 and not e.libdevice:
-            val = round_half(e, val, v.dtype)
+            val = e.rounded(val, v.dtype)
         val += f".to({tl_dtype(v.dtype)})"
     extra = "".join(f" & (i{d}{index_pad} == 0)" for d in acc.mask_dims)
     off = acc.offset or "0"

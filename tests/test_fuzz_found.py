@@ -247,3 +247,14 @@ def test_a_value_and_its_detached_copy_from_one_group_keep_their_gradients_apart
         got[0].backward()
         want[0].backward()
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_trunc_division_of_halves_truncates_the_rounded_quotient():
+    # Eager divides halves as halves: trunc(bf16(a / b)), so 4.96875 / 0.99609375 (4.988
+    # in fp32, 5.0 in bf16) gives 5; the kernel truncated the fp32 quotient (seed 847720).
+    # (CUDA's kernel and the CPU's vector loop do; the CPU's loop for 0-dim tensors does
+    # not, so this test keeps to tensors with elements.)
+    x = torch.tensor([4.96875, -4.96875, 9.9375, 1.0]).bfloat16()
+    y = torch.tensor([0.99609375, 0.99609375, 0.99609375, 3.0]).bfloat16()
+    f = lambda a, b: torch.div(a, b, rounding_mode="trunc")  # noqa: E731
+    _run(f, [(x.abs(), y), (x, y), (x, y), (x * 2, y)])
