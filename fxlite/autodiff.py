@@ -224,21 +224,36 @@ def _apply_rule(n: Node, cotangent: dict[Node, Any], live: set[Node], tracer: _R
     result = rule(g, proxied, Proxy(n, tracer))
     if result is NotImplemented:
         raise NotDifferentiable(f"the derivative rule of {info.name} declines {n.format_node()}")
+    out = Proxy(n, tracer)
     for param, grad in result.items():
         target = args.get(param)
         if isinstance(target, Node) and target in live and isinstance(grad, Proxy):
-            _accumulate(cotangent, target, _fit(grad, target))
+            _accumulate(cotangent, target, _fit(grad, target, out))
 
 
-def _fit(grad: Any, target: Node) -> Any:
+def _fit(grad: Any, target: Node, out: Any = None) -> Any:
     """``grad`` summed over the dims ``target`` was broadcast along, in ``target``'s dtype.
 
     A grad smaller than its target (a row value read by full-size ops) is left as it is:
-    its users broadcast it, and the caller expands what the group returns.
+    its users broadcast it, and the caller expands what the group returns. A cotangent
+    can be smaller than its op's result ``out`` too (a mean's, spread by broadcasting):
+    where ``target`` was broadcast along such a dim as well, the sum over it is the
+    value times the dim's size. (``log_softmax(x, -1).mean(-1)``: the ``log(sum)`` term
+    read by each of the row's ``n`` elements gets ``n`` times the mean's cotangent.)
     """
     gs = tuple(grad.node.meta["tensor_meta"].shape)
     tm = target.meta["tensor_meta"]
     ts = tuple(tm.shape)
+    if out is not None:
+        os_ = tuple(out.node.meta["tensor_meta"].shape)
+        spread = [i for i in range(len(os_)) if os_[i] != 1
+                  and _size_at(gs, i, len(os_)) == 1 and _size_at(ts, i, len(os_)) == 1]
+        if spread:
+            count: Any = None
+            for i in spread:
+                count = out.size(i) if count is None else count * out.size(i)
+            grad = grad * count
+            gs = tuple(grad.node.meta["tensor_meta"].shape)
     off = len(gs) - len(ts)  # shapes align on the right
     lead = max(off, 0)
     ones = [off + i for i, s in enumerate(ts) if s == 1 and off + i >= 0 and gs[off + i] != 1]
@@ -251,6 +266,12 @@ def _fit(grad: Any, target: Node) -> Any:
     if grad.node.meta["tensor_meta"].dtype != tm.dtype:
         grad = grad.to(tm.dtype)
     return grad
+
+
+def _size_at(shape: tuple[int, ...], i: int, rank: int) -> int:
+    """The size of ``shape`` at dim ``i`` of a rank-``rank`` shape it broadcasts to."""
+    j = i - (rank - len(shape))
+    return shape[j] if j >= 0 else 1
 
 
 # ---------------------------------------------------------------------- save or recompute

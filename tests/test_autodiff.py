@@ -461,3 +461,28 @@ def test_without_tangents_drops_the_terms_of_unused_outputs():
     with torch.no_grad():
         got = pruned(x, w, g_y, torch.zeros(3))
         torch.testing.assert_close(got[grad.grads[0]], g_y * torch.exp(x))
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("op", ["log_softmax", "center", "softmax"])
+def test_a_row_statistic_read_by_a_reduction_over_the_same_dim(op, reduce, dim):
+    # log_softmax(x, -1).mean(-1) (a label-smoothed loss) and (x - x.mean(d)).mean(d): the
+    # mean's cotangent reaches the row's log(sum) or mean through values it spreads over
+    # the row by broadcasting, so its gradient is n times the cotangent; it was given once,
+    # and x's gradient was wrong from the first call that ran the backward kernels (found
+    # by the fuzzer, seed 855668).
+    def f(x):
+        y = {"log_softmax": lambda: torch.log_softmax(x, dim),
+             "center": lambda: x - x.mean(dim, keepdim=True),
+             "softmax": lambda: torch.softmax(x, dim)}[op]()
+        return y.mean(dim) if reduce == "mean" else y.sum(dim, keepdim=True)
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        x = torch.randn(3, 4, 5, dtype=F64, device=DEVICE)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        w = torch.randn_like(f(x))
+        (compiled(a) * w).sum().backward()
+        (f(b) * w).sum().backward()
+        torch.testing.assert_close(a.grad, b.grad)
