@@ -133,12 +133,13 @@ def _pow(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
         elif e != 0:
             grads["input"] = g * e * torch.pow(x, e - 1)
     if _tensor(e):
-        # out * log(x), and 0 where x == 0 and e >= 0 (where out * log(x) is 0 * -inf)
+        # out * log(x), and 0 where x == 0 and e >= 0 (where out * log(x) is 0 * -inf);
+        # g multiplies the whole, as in eager, so a NaN g stays NaN there too
         if _tensor(x):
             at_zero = torch.logical_and(x == 0, e >= 0)
-            grads["exponent"] = torch.where(at_zero, 0.0, g * out * torch.log(x))
+            grads["exponent"] = g * torch.where(at_zero, 0.0, out * torch.log(x))
         elif x == 0:
-            grads["exponent"] = torch.where(e >= 0, 0.0, g * out * -math.inf)
+            grads["exponent"] = g * torch.where(e >= 0, 0.0, out * -math.inf)
         else:
             grads["exponent"] = g * out * (math.log(x) if x > 0 else math.nan)
     return grads

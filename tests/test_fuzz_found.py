@@ -258,3 +258,14 @@ def test_trunc_division_of_halves_truncates_the_rounded_quotient():
     y = torch.tensor([0.99609375, 0.99609375, 0.99609375, 3.0]).bfloat16()
     f = lambda a, b: torch.div(a, b, rounding_mode="trunc")  # noqa: E731
     _run(f, [(x.abs(), y), (x, y), (x, y), (x * 2, y)])
+
+
+def test_pow_exponent_gradient_at_a_zero_base_keeps_a_nan_cotangent():
+    # Eager multiplies the exponent's gradient by g outside its 0-at-zero-base rule, so a
+    # NaN cotangent (softmax of a row holding NaN) gives NaN there; the rule gave 0
+    # (seed 854240 of this session's run).
+    def f(x):
+        return torch.softmax(x ** x.abs().clamp(max=3), 0)
+
+    x = torch.tensor([0.0, -0.0, float("nan"), 1.5, -2.0])
+    _grads(f, [(torch.rand(5) + 0.5,), (x,), (x,)])
