@@ -155,11 +155,11 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.replay:
-        return _replay(args)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.replay:
+        return _replay(args, device)
     env = dict(os.environ)
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
@@ -172,13 +172,13 @@ def main() -> int:
     return _report(args, device, records, time.time() - started)
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace, device: str) -> int:
     """Run the failing seeds of an earlier run (``--replay``) through every path, in this
     process, and report as a run does (``--json`` for the same summary)."""
     failing = json.loads(Path(args.replay).read_text())["failing"]
     args.seeds = sorted({f["seed"] for f in failing if isinstance(f.get("seed"), int)})
     args.count, args.jobs = len(args.seeds), 1
-    device = args.device = args.device or ("cuda" if _has_cuda() else "cpu")
+    args.device = device
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton
     os.environ.setdefault("FXLITE_CACHE_DIR", tempfile.mkdtemp(prefix="fxlite-fuzz-"))
@@ -187,12 +187,6 @@ def _replay(args: argparse.Namespace) -> int:
     started = time.time()
     worker(args)
     return _report(args, device, _read(out), time.time() - started)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _run_workers(args: argparse.Namespace, device: str, env: dict, jobs: int,
