@@ -4,28 +4,42 @@ cuBLAS's tensor-core kernels need every row of a matmul's output to start on a 1
 boundary. A linear layer with 50,257 outputs (GPT-2's vocabulary) gives rows of odd
 length, and cuBLAS then runs an old kernel that does not need the alignment: on an H200,
 GPT-2's LM head at batch 32 x 128 tokens in bfloat16 took 3.3 ms of the model's 5.0 ms of
-GPU time (torch.profiler). With the weight's rows padded to a multiple of 16 bytes, the
-matmul writes aligned rows; a ``clone`` of their first columns gives eager's contiguous
-result. The clone is a graph op, so it fuses: alone it is a Triton copy (0.23 ms for
-GPT-2's bfloat16 logits at batch 32 on an H200, where torch's copy of the same slice took
-0.46), and a pointwise consumer (a cast, a softmax) reads the padded rows directly.
+GPU time (torch.profiler). Two ways around it, chosen per linear from its shapes:
 
-The padded weight is made on each call: one copy of the weight, 0.074 ms of GPU time for
-GPT-2's head in bfloat16 on an H200. A copy kept between calls could go stale: a write
-through ``weight.data`` changes no version counter that a check could read. Calls that
-autograd records run the plain ``F.linear`` (the slice then takes every column).
+- **Row groups** (:func:`grouped_linear`, no bias, many rows). With ``per`` elements to
+  16 bytes, rows ``r, r + per, r + 2 per, ...`` of eager's contiguous result form a matrix
+  whose row stride (``per`` rows) is aligned. Starting each group at a column that makes
+  its first element aligned, all ``per`` groups are one strided batched matmul straight
+  into the result; two thin matmuls fill the columns left at both edges. GPT-2's head in
+  bfloat16 at 4096 rows took 0.59 ms of GPU time on an H200 this way, against 0.99 ms
+  padded and copied, and 3.34 ms plain (``BENCHMARKS.md``, fixed-width section on the LM head).
+  Each group reads the whole weight, so with few rows the padded copy is cheaper (128
+  rows: 0.15 ms grouped, 0.10 padded).
+- **A padded weight** (:func:`padded_linear`). With the weight's rows padded to a multiple
+  of 16 bytes, the matmul writes aligned rows; a ``clone`` of their first columns gives
+  eager's contiguous result. The clone is a graph op, so it fuses: alone it is a Triton
+  copy, and a pointwise consumer (a cast, a softmax) reads the padded rows directly. The
+  padded weight is made on each call (0.074 ms for GPT-2's bfloat16 head on an H200): a
+  copy kept between calls could go stale, as a write through ``weight.data`` changes no
+  version counter that a check could read. In float32 with few rows the plain linear is
+  faster (128 rows: 0.09 ms plain, 0.19 padded), and the layer is left alone.
+
+Calls that autograd records run the plain ``F.linear``; so do calls whose tensors do not
+meet the row groups' alignment, or that autocast would cast.
 
 Writing the plain weight's product into a padded view (``torch.mm(..., out=view)``, the
 row stride aligned but 50,257 columns) does not help: cuBLAS still ran the old kernel,
-3.35 ms for GPT-2's bfloat16 head at batch 32 on an H200, against 0.49 ms for the padded
-weight's copy and matmul together.
+3.35 ms for GPT-2's bfloat16 head at batch 32 on an H200. The row groups' widths are
+multiples of ``per`` too.
 
 Example::
 
-    # before                                   # after
+    # before                                   # after (padded weight)
     logits = torch._C._nn.linear(h, wte)        padded = padded_linear(h, wte)
                                                  rows = padded[..., :50257]
                                                  logits = torch.clone(rows)
+                                                 # after (row groups)
+                                                 logits = grouped_linear(h, wte)
 """
 
 from __future__ import annotations
@@ -39,14 +53,16 @@ from fxlite.passes.shape_prop import node_layout
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 
-__all__ = ["pad_linears", "padded_linear"]
+__all__ = ["grouped_linear", "pad_linears", "padded_linear"]
 
 _LINEARS = frozenset({F.linear, torch._C._nn.linear})
 _MIN_FLOPS = 1e9  # below this the copies cost more than the alignment saves
+_GROUP_ROWS = 128  # rows a row group needs for its matmul to pay for reading the weight
+_F32_PAD_ROWS = 1024  # float32: fewer rows run the plain linear faster than padded
 
 
 def _aligned(rows: int, dtype: torch.dtype) -> int:
-    per = max(1, 16 // dtype.itemsize)
+    per = _per(dtype)
     return -(-rows // per) * per
 
 
@@ -65,6 +81,64 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, _pad_rows(weight, pad), b)
 
 
+def _per(dtype: torch.dtype) -> int:
+    return max(1, 16 // dtype.itemsize)
+
+
+def _groups_fit(rows: int, k: int, m: int, dtype: torch.dtype) -> bool:
+    """Whether a bias-free linear of these sizes runs as row groups (:func:`grouped_linear`)."""
+    per = _per(dtype)
+    return (per > 1 and m % per == 0 and m // per >= _GROUP_ROWS and k % per == 0
+            and rows >= 8 * per * per)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, eager's contiguous result, written by aligned matmuls when
+    ``weight``'s rows are not a multiple of 16 bytes (see the module's docstring).
+
+    Rows of the result are taken in ``per`` interleaved groups (``per`` elements to 16
+    bytes): group ``r`` holds rows ``r, r + per, ...`` and starts at column
+    ``per + s * r`` (``s`` makes its first element aligned), so its row stride, its start
+    and its weight rows are all aligned, and the groups are one strided ``bmm``. The
+    columns before the last group's start and after the first group's end come from two
+    thin matmuls over every row. Tensors that do not fit (not contiguous, misaligned, a
+    row count that ``per`` does not divide, other dtypes, autocast, autograd recording)
+    run the plain ``F.linear``, as does a call with a bias.
+    """
+    rows, k = weight.shape if weight.dim() == 2 else (0, 0)
+    per = _per(weight.dtype)
+    if bias is not None or not rows or not _grouped_call_fits(x, weight, per):
+        return F.linear(x, weight, bias)
+    flat = x.view(-1, k)
+    m = flat.shape[0] // per
+    out = flat.new_empty((flat.shape[0], rows))
+    shift = -rows % per  # group r starts at per + shift * r: r * rows + that is aligned
+    last = per + shift * (per - 1)
+    width = (rows - last) // per * per
+    a = flat.as_strided((per, m, k), (k, per * k, 1))
+    b = weight.as_strided((per, k, width), (shift * k, 1, k), weight.storage_offset() + per * k)
+    c = out.as_strided((per, m, width), (rows + shift, per * rows, 1), per)
+    torch.bmm(a, b, out=c)
+    for lo, hi in ((0, last), (per + width, rows)):
+        if hi > lo:
+            torch.mm(flat, weight[lo:hi].t(), out=out[:, lo:hi])
+    return out.view(*x.shape[:-1], rows)
+
+
+def _grouped_call_fits(x: torch.Tensor, weight: torch.Tensor, per: int) -> bool:
+    rows, k = weight.shape
+    if (per == 1 or x.dtype != weight.dtype or x.device != weight.device or x.dim() < 2
+            or x.shape[-1] != k or k % per or rows < 8 * per * per):
+        return False
+    if not (x.is_contiguous() and weight.is_contiguous()) or x.numel() // k % per:
+        return False
+    if (x.data_ptr() % 16 or weight.data_ptr() % 16 or x.numel() // k < per
+            or torch.is_autocast_enabled(x.device.type)):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
 def _pad_rows(weight: torch.Tensor, pad: int) -> torch.Tensor:
     """``weight`` with ``pad`` rows of zeros below it. One copy and a fill of the new rows
     alone (``F.pad`` fills the whole buffer first: GPT-2's head on an H200 took 24 us
@@ -77,9 +151,10 @@ def _pad_rows(weight: torch.Tensor, pad: int) -> torch.Tensor:
 
 def pad_linears(gm: GraphModule) -> bool:
     """Route each large ``linear`` of a 16- or 32-bit float weight whose rows would not be
-    16-byte aligned through :func:`padded_linear`, and give its users a contiguous clone
-    of the linear's columns. Linears that autograd would record (grad mode on and a
-    tensor needing grad, when the recording saw them) are left alone. Returns whether
+    16-byte aligned through :func:`grouped_linear` (bias-free, with many rows) or through
+    :func:`padded_linear`, whose users get a contiguous clone of the linear's columns.
+    Linears that autograd would record (grad mode on and a tensor needing grad, when the
+    recording saw them) are left alone, as are float32 ones with few rows. Returns whether
     ``gm`` changed."""
     changed = False
     graph = gm.graph
@@ -94,7 +169,13 @@ def pad_linears(gm: GraphModule) -> bool:
         m = 1
         for size in x[0][:-1]:
             m *= size
-        if _aligned(rows, w[2]) != rows and 2 * m * rows * k >= _MIN_FLOPS:
+        if _aligned(rows, w[2]) == rows or 2 * m * rows * k < _MIN_FLOPS:
+            continue
+        bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if bias is None and not n.kwargs and _groups_fit(rows, k, m, w[2]):
+            n.target = grouped_linear
+            changed = True
+        elif w[2] != torch.float32 or m >= _F32_PAD_ROWS:
             n.target = padded_linear
             with graph.inserting_after(n):
                 cut = graph.call_function(operator.getitem, (n, (Ellipsis, slice(None, rows))))

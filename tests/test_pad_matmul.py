@@ -1,13 +1,15 @@
-"""Linear layers with odd output widths run with padded, aligned weights
-(``passes/pad_matmul.py``), giving eager's values and layout; the padded copy follows every
+"""Linear layers with odd output widths run as aligned row groups or with padded, aligned
+weights (``passes/pad_matmul.py``), giving eager's values and layout; both follow every
 write to the weight, through ``.data`` too."""
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fxlite.passes import pad_matmul
-from fxlite.passes.pad_matmul import pad_linears, padded_linear
+from fxlite.passes.pad_matmul import grouped_linear, pad_linears, padded_linear
 from fxlite.passes.shape_prop import ShapeProp
 
 import fxlite
@@ -63,8 +65,57 @@ class Head(torch.nn.Module):
         return F.linear(hidden, self.head.weight)
 
 
+def _nan_empty(monkeypatch):
+    """new_empty gives NaNs: a column a kernel leaves unwritten shows."""
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, size, **kw: torch.full(
+        size, float("nan"), dtype=self.dtype, device=self.device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [521, 1001, 1031])
+def test_grouped_linear_writes_every_column_of_eagers_contiguous_result(monkeypatch, dtype,
+                                                                        rows):
+    _nan_empty(monkeypatch)
+    torch.manual_seed(rows)
+    x, w = torch.randn(2, 520, 64, dtype=dtype), torch.randn(rows, 64, dtype=dtype)
+    with torch.no_grad(), mock.patch.object(torch, "bmm", wraps=torch.bmm) as bmm:
+        got = grouped_linear(x, w, None)  # recordings pass the bias None positionally
+    assert bmm.call_count == 1  # the row groups ran, not the plain linear
+    want = F.linear(x.double(), w.double())
+    assert got.shape == want.shape and got.is_contiguous() and got.dtype == dtype
+    tol = {torch.float32: 1e-5}.get(dtype, 1e-2)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 8)
+
+
+def test_grouped_linear_runs_the_plain_linear_for_tensors_that_do_not_fit():
+    torch.manual_seed(0)
+    w = torch.randn(1001, 64)
+    base = torch.randn(1024 * 64 + 1)
+    cases = {"transposed": torch.randn(64, 1024).t(),
+             "misaligned": base[1:].view(1024, 64),
+             "rows per does not divide": torch.randn(1023, 64),
+             "no rows": torch.randn(0, 64),
+             "a bias": torch.randn(1024, 64)}
+    for name, x in cases.items():
+        with torch.no_grad(), mock.patch.object(torch, "bmm", wraps=torch.bmm) as bmm:
+            bias = torch.randn(1001) if name == "a bias" else None
+            got = grouped_linear(x, w, bias)
+        assert bmm.call_count == 0, name
+        torch.testing.assert_close(got, F.linear(x, w, bias), msg=name)
+    x = torch.randn(1024, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        got, want = grouped_linear(x, w), F.linear(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    x.requires_grad_()
+    seed = torch.randn(1024, 1001)
+    grouped_linear(x, w).backward(seed)  # autograd records it: the plain linear
+    torch.testing.assert_close(x.grad, seed @ w)
+
+
 def test_the_pass_routes_only_large_unaligned_linears(monkeypatch):
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 2 * 64 * 32 * 32 + 1)  # proj is too small
+    monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 64)
     for rows, expect in ((1001, True), (1000, False)):
         gm = fxlite.symbolic_trace(Head(rows))
         x = torch.randn(64, 32)
@@ -77,12 +128,32 @@ def test_the_pass_routes_only_large_unaligned_linears(monkeypatch):
             assert got.is_contiguous()
 
 
+def test_the_pass_picks_row_groups_for_many_rows_and_leaves_few_float32_rows_alone(
+        monkeypatch):
+    _nan_empty(monkeypatch)
+    monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
+    for rows_in, routed in ((512, "grouped_linear"), (256, None)):  # f32: 4 to 16 bytes
+        gm = fxlite.symbolic_trace(Head(1001))
+        x = torch.randn(rows_in, 32)
+        ShapeProp(gm).propagate(x)
+        assert pad_linears(gm) == (routed is not None)
+        assert "padded_linear" not in gm.code  # fewer than _F32_PAD_ROWS float32 rows
+        assert routed is None or gm.code.count(routed) == 1
+        with torch.no_grad():
+            for _ in range(2):
+                x = torch.randn(rows_in, 32)
+                got = gm(x)
+                torch.testing.assert_close(got, Head.forward(gm, x))
+                assert got.is_contiguous()
+
+
 def test_compiled_the_padded_head_copies_its_columns_in_a_kernel(monkeypatch):
     """The clone of the linear's columns is a graph op: fuse makes it a kernel (here a
     lone copy; the pass runs on CUDA only, so this test says it is on one)."""
     from fxlite.codegen import pipeline
 
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
+    monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)
     monkeypatch.setattr(pipeline, "_on_gpu", lambda sample: True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # conftest interprets on CPU
     torch.manual_seed(0)
@@ -119,3 +190,25 @@ def test_on_the_gpu_an_lm_head_with_an_odd_vocabulary_is_padded():
             torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
             assert got.stride() == want.stride()
     assert "padded_linear" in compiled.code
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite pads on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_the_gpu_an_lm_head_over_many_rows_runs_as_row_groups(dtype):
+    torch.manual_seed(0)
+    model = Head(50257).cuda().eval().to(dtype)
+    compiled = fxlite.compile(model)
+    tol = {torch.float32: {}}.get(dtype, {"rtol": 1.6e-2, "atol": 1e-2})
+    with torch.no_grad():
+        for step in range(5):
+            if step == 2:  # the weight is written in place, then through .data
+                model.head.weight.mul_(-2)
+            if step == 3:
+                model.head.weight.data.mul_(-1)
+            if step == 4:
+                model.head.weight.data = torch.randn_like(model.head.weight)
+            x = torch.randn(16, 128, 32, device="cuda", dtype=dtype)
+            got, want = compiled(x), model(x)
+            torch.testing.assert_close(got, want, **tol)
+            assert got.stride() == want.stride()
+    assert "grouped_linear" in compiled.code
