@@ -91,6 +91,8 @@ class CompiledFunction:
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
         self._all_eager: str | None = None
+        self._eager_why: dict[tuple, str] = {}  # key -> why its calls run in eager PyTorch
+        self._last_eager: str | None = None  # why the latest call did, when it did
         self._limit_warned = False
         self._lock = threading.RLock()
         self._last: list[Segment] = []
@@ -154,7 +156,7 @@ class CompiledFunction:
                 if root is None:
                     return self._first(key, base, leaves, args, kwargs)
         if root is _EAGER:
-            self._last = []
+            self._last, self._last_eager = [], self._eager_why.get(key)
             return self._fn(*args, **kwargs)
         if root.read is None and root.compiled is not None and root.compiled.kernels and (
                 fast is not None or graphs is not None) and tensors_only and _plain(root, leaves) \
@@ -229,8 +231,10 @@ class CompiledFunction:
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         segments = split(rec)
-        if not self._compile(segments, rec, 0, _sample_env(rec, leaves)):
-            self._trees[key] = _EAGER
+        failure = self._compile(segments, rec, 0, _sample_env(rec, leaves))
+        if failure is not None:
+            self._trees[key], self._eager_why[key] = _EAGER, failure
+            self._last, self._last_eager = [], failure
             return result
         _link(segments)
         segments[0].direct = _plain(segments[0], leaves)
@@ -269,10 +273,10 @@ class CompiledFunction:
             if self._fullgraph:
                 raise TraceError(f"fullgraph=True, but the function cannot be captured: "
                                  f"it {rec.unsupported}")
-            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: it "
-                      f"{rec.unsupported}")
-            self._trees[key] = _EAGER
-            self._last = []
+            why = f"it {rec.unsupported}"
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
+            self._trees[key], self._eager_why[key] = _EAGER, why
+            self._last, self._last_eager = [], why
             return True
         if self._guard.key(arg_modules) != base[3][0]:
             self._all_eager = ("it changes Python state that it reads (a module attribute, "
@@ -317,7 +321,7 @@ class CompiledFunction:
                 seg.children[key] = _EAGER
                 return result
             available.update(s.outputs)
-        if not self._compile(segments, rec, seg.index + 1, dict(env)):
+        if self._compile(segments, rec, seg.index + 1, dict(env)) is not None:
             seg.children[key] = _EAGER
             return result
         _link(new)
@@ -334,17 +338,18 @@ class CompiledFunction:
                   "inputs and paths now run in eager PyTorch")
 
     def _compile(self, segments: list[Segment], rec: Any, start: int,
-                 env: dict[str, Any]) -> bool:
+                 env: dict[str, Any]) -> str | None:
         """Compile ``segments[start:]`` in path order, each checked on the values the
-        recording (or the segments before it) gave its inputs. False (with a warning) if
-        even the recorded ops could not be replayed: that path then runs in eager."""
+        recording (or the segments before it) gave its inputs. If even the recorded ops
+        could not be replayed, that path runs in eager: warns, and returns why."""
         try:
             self._compile_path(segments, rec, start, env)
         except Exception as e:  # never a crash where eager works
-            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: replaying "
-                      f"its recording failed ({type(e).__name__}: {str(e).splitlines()[0]})")
-            return False
-        return True
+            why = (f"replaying its recording failed ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0]})")
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
+            return why
+        return None
 
     def _compile_path(self, segments: list[Segment], rec: Any, start: int,
                       env: dict[str, Any]) -> None:
@@ -405,8 +410,10 @@ class CompiledFunction:
 
     @property
     def fallbacks(self) -> list[str]:
-        """Why parts of the latest call run in eager PyTorch."""
-        return [f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
+        """Why parts of the latest call run in eager PyTorch (or all of it)."""
+        whole = self._all_eager or (None if self._last else self._last_eager)
+        return ([f"{_name(self._fn)} runs in eager PyTorch: {whole}"] if whole else []) + [
+            f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
 
     @property
     def code(self) -> str:

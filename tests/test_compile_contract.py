@@ -388,6 +388,24 @@ def _eager_with_warning(f, mine, eager, match):
         for _ in range(3):
             x = rand(3)
             torch.testing.assert_close(c(mine, x), f(eager, x))
+            assert [why for why in c.fallbacks if match in why], c.fallbacks  # says so too
+
+
+def test_a_function_whose_recording_cannot_be_replayed_says_why_in_fallbacks(monkeypatch):
+    # a regression: the whole call ran eagerly with an empty `fallbacks`, so a benchmark
+    # reported 0 kernels and no fallback
+    from fxlite.codegen.compile import CompiledFunction
+
+    def broken(self, *args):
+        raise RuntimeError("no replay")
+
+    monkeypatch.setattr(CompiledFunction, "_compile_path", broken)
+    c = fxlite.compile(lambda x: x.sin() + 1)
+    with pytest.warns(UserWarning, match="replaying its recording failed"):
+        for _ in range(2):
+            x = rand(3)
+            torch.testing.assert_close(c(x), x.sin() + 1)
+            assert len(c.fallbacks) == 1 and "RuntimeError: no replay" in c.fallbacks[0]
 
 
 class _State:
