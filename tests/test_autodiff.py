@@ -193,7 +193,8 @@ def test_activation_gradients_at_nan_inputs_are_eagers(name, directions):
             x.view(-1)[-3:] = torch.tensor([float("nan"), 6.0, -1.0], dtype=F64)
         return [req(x)]
 
-    check_grads(UNARY[name], nan_edgy, directions)
+    loose = DEVICE == "cuda" and name in ("hardsigmoid", "hardswish")  # see test_unary
+    check_grads(UNARY[name], nan_edgy, directions, out_rtol=1e-7 if loose else 1e-9)
 
 
 @pytest.mark.parametrize("name", POSITIVE)

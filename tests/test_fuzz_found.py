@@ -16,6 +16,7 @@ import fxlite
 pytest.importorskip("triton")
 
 from test_fuzz_regressions import _grads, _run  # isort: skip
+from test_triton_kernels import DEVICE  # isort: skip
 
 
 def test_zero_dim_tensor_promotes_less_with_a_transposed_operand():
@@ -127,9 +128,10 @@ def test_softmax_over_a_dim_that_becomes_empty_is_empty_as_in_eager():
     def f(x):
         return torch.sqrt(x.transpose(-3, -1).softmax(-3).abs() + 1)
 
-    _run(f, [(torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 0),)])
+    r = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    _run(f, [(r(2, 3, 2, 2),), (r(2, 3, 2, 2),), (r(2, 3, 2, 0),)])
     g = lambda x: torch.softmax(x.float().transpose(0, 1), dim=0, dtype=torch.float32)  # noqa: E731
-    _run(g, [(torch.randn(3, 4),), (torch.randn(3, 4),), (torch.randn(3, 0),)])
+    _run(g, [(r(3, 4),), (r(3, 4),), (r(3, 0),)])
 
 
 def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
@@ -144,9 +146,8 @@ def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
             v4 = v4 * 2
         return torch.nn.functional.relu6(v4)
 
-    x = torch.randn(1, 3, 1, 2).half()
-    _grads_in_kernels(f, [(x, torch.rand(3)), (x, -torch.rand(3)), (x, torch.rand(3)),
-                          (x, -torch.rand(3))])
+    x, r = torch.randn(1, 3, 1, 2, device=DEVICE).half(), torch.rand(3, device=DEVICE)
+    _grads_in_kernels(f, [(x, r), (x, -r), (x, r), (x, -r)])
 
 
 def _grads_in_kernels(f, calls):
@@ -172,16 +173,17 @@ def test_a_view_of_a_norm_of_a_transposed_input_works_as_in_eager(op):
     # layout; the pointwise ops they decompose into followed the input's, so a later
     # .view(-1) failed and the segment fell back to eager (seeds 805648, 818301; 767265
     # with a channels-last one).
-    stats = torch.randn(3) * 0.1, torch.rand(3) + 1
+    stats = torch.randn(3, device=DEVICE) * 0.1, torch.rand(3, device=DEVICE) + 1
     norm = {"batch_norm": lambda x: torch.nn.functional.batch_norm(x, *stats),
             "softmax": lambda x: x.softmax(-1),
             "log_softmax": lambda x: x.log_softmax(1),
             "layer_norm": lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:]),
             "rms_norm": lambda x: torch.nn.functional.rms_norm(x, x.shape[-1:])}[op]
-    x = torch.randn(2, 3, 4).transpose(0, 2)
-    _run(lambda a: norm(a).view(-1) * 2, [(x,), (x * 2,), (-x,)])
+    x = torch.randn(2, 3, 4, device=DEVICE).transpose(0, 2)
+    if not (op == "batch_norm" and DEVICE == "cuda"):  # CUDA's eager keeps x's layout
+        _run(lambda a: norm(a).view(-1) * 2, [(x,), (x * 2,), (-x,)])  # without affine
     if op not in ("batch_norm", "rms_norm"):  # a channels-last input too (these two keep it)
-        cl = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+        cl = torch.randn(2, 3, 2, 2, device=DEVICE).to(memory_format=torch.channels_last)
         _run(lambda a: norm(a).view(-1) * 2, [(cl,), (cl * 2,), (-cl,)])
 
 
@@ -197,7 +199,7 @@ def test_an_identity_group_under_autograd_returns_a_copy_the_caller_may_write():
         v3.neg_()
         return v5 + v0
 
-    _grads_in_kernels(f, [(torch.randn(()),), (torch.randn(()),), (torch.randn(()),)])
+    _grads_in_kernels(f, [(torch.randn((), device=DEVICE),) for _ in range(3)])
 
 
 def test_prod_gradient_with_a_zero_and_an_infinity_is_eagers():
@@ -214,7 +216,7 @@ def test_an_in_place_activation_of_an_input_autograd_tracks_keeps_its_backward()
     # Past a graph break, silu_ wrote a segment input that requires grad: functionalized,
     # its write-back changed the input silu had saved for its backward, which then raised
     # where eager works (seed 757816).
-    w = torch.randn(2, 3, 1)
+    w = torch.randn(2, 3, 1, device=DEVICE)
 
     def f(x):
         v1 = x % 0.5
@@ -222,8 +224,7 @@ def test_an_in_place_activation_of_an_input_autograd_tracks_keeps_its_backward()
         torch.nn.functional.silu(v1, inplace=True)
         return torch.nn.functional.conv1d(v1, w, padding=1)
 
-    _grads_in_kernels(f, [(torch.randn(2, 3, 4),), (torch.randn(2, 3, 4),),
-                          (torch.randn(2, 3, 4),)])
+    _grads_in_kernels(f, [(torch.randn(2, 3, 4, device=DEVICE),) for _ in range(3)])
 
 
 def test_a_value_and_its_detached_copy_from_one_group_keep_their_gradients_apart():
