@@ -17,7 +17,11 @@ arguments, a function that does only the work that changes between calls:
   fixed calls its prepared direct launch without looking it up; others look it up;
 - views and size reads of attributes alone (``per_channel(weight, 64, 4, ...)``,
   ``x.size(1)`` of a fixed ``x``) are computed once, when the function is made, and
-  bound as constants: a view shares the attribute's memory, so it sees in-place writes.
+  bound as constants: a view shares the attribute's memory, so it sees in-place writes;
+- a chain of views of a fixed value (GPT-2's ``qkv.split(...)[1].view(...).transpose(1,
+  2)``: four torch calls, 9.5 us of host time on the development machine) is one
+  ``torch.as_strided`` of the chain's first tensor (1.7 us), written where a later op
+  reads it; a view nothing reads costs nothing (:meth:`_Writer.defer`).
 
 Everything else is called as the graph calls it, in the graph's order. Example, for a
 convolution followed by BatchNorm and ReLU in one kernel::
@@ -56,6 +60,8 @@ _VIEWS = frozenset({
     "view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "permute",
     "transpose", "t", "expand", "narrow", "select", "view_as", "expand_as", "detach",
     "per_channel", "movedim", "swapaxes"})
+# Views returning a tuple of views.
+_TUPLE_VIEWS = frozenset({"split", "chunk", "unbind", "tensor_split", "split_with_sizes"})
 # Size reads: computed once when the tensors they read are fixed.
 _SIZES = frozenset({"size", "dim", "numel", "stride", "ndimension", "nelement",
                     "broadcast_size", "_normalized_count", "__len__"})
@@ -187,6 +193,9 @@ class _Writer:
         self.namespace: dict[str, Any] = {}
         self.lines: list[str] = []
         self.complete = True  # every fixed kernel had a prepared launch
+        # views not written yet: node -> (the tensor the chain starts from, how to write
+        # a tuple of views; None for one view, written as torch.as_strided of the start)
+        self.deferred: dict[Node, tuple[Node, Any]] = {}
 
     def bind(self, prefix: str, value: Any) -> str:
         name = f"_{prefix}{len(self.namespace)}"
@@ -195,6 +204,8 @@ class _Writer:
 
     def expr(self, a: Any) -> str:
         if isinstance(a, Node):
+            if a in self.deferred:
+                self._write_deferred(a)
             return self.names[a]
         if isinstance(a, tuple):
             inner = ", ".join(self.expr(x) for x in a) + ("," if len(a) == 1 else "")
@@ -208,6 +219,57 @@ class _Writer:
         if a is None or type(a) in (bool, int) or (type(a) is float and math.isfinite(a)):
             return repr(a)
         return self.bind("c", a)  # dtypes, devices, memory formats, slices...
+
+    def defer(self, node: Node, out: Any) -> bool:
+        """Leave a view of a fixed value unwritten until an op reads it (see the module's
+        docstring); whether it was. A view qualifies when its tensor input is fixed, its
+        other inputs are constants, it shares that tensor's memory and dtype, autograd
+        does not record it, and its users only read it (or return it)."""
+        op, src = _name(node), node.args[0] if node.args else None
+        tuple_item = node.target is operator.getitem and src in self.deferred \
+            and type(node.args[1]) is int
+        if not (op in _VIEWS or op in _TUPLE_VIEWS or tuple_item) or not isinstance(src, Node) \
+                or src not in self.fixed or node.meta.get("impure") \
+                or not all(u.op == "output" or _only_read_by(u) for u in node.users):
+            return False
+        if any(n is not src and n not in self.const for n in node.all_input_nodes):
+            return False
+        root = self.deferred[src][0] if src in self.deferred else src
+        base = self.env[root]
+        if type(base) is not torch.Tensor or base.layout != torch.strided or op == "detach" \
+                or base.requires_grad and torch.is_grad_enabled():  # as_strided would record
+            return False
+        many = op in _TUPLE_VIEWS and not tuple_item
+        for t in (out if many and isinstance(out, (tuple, list)) else [out]):
+            if (type(t) is not torch.Tensor or t.dtype != base.dtype or t.requires_grad
+                    or t.layout != torch.strided or not _shares_memory(t, [base])):
+                return False
+        self.deferred[node] = root, (node if many else None)
+        return True
+
+    def flush(self) -> None:
+        """Write every deferred view some op reads, in the graph's order."""
+        for node in [n for n in self.deferred if n.users]:
+            if node in self.deferred:
+                self._write_deferred(node)
+
+    def _write_deferred(self, node: Node) -> None:
+        root, many = self.deferred.pop(node)
+        if many is not None:  # the tuple itself is read: the op as the graph calls it
+            head = ", ".join([self.expr(a) for a in node.args[1 if node.op == "call_method"
+                                                            else 0:]]
+                             + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()])
+            call = (f"{self.expr(node.args[0])}.{node.target}" if node.op == "call_method"
+                    else self.bind("f", node.target))
+            self.lines.append(f"    {self.names[node]} = {call}({head})")
+            return
+        out, base = self.env[node], self.env[root]
+        start = self.expr(root)
+        delta = out.storage_offset() - base.storage_offset()
+        offset = f", {start}.storage_offset() + {delta}" if delta else ""
+        strided = self.namespace.setdefault("_as_strided", torch.as_strided) and "_as_strided"
+        self.lines.append(f"    {self.names[node]} = {strided}({start}, {tuple(out.shape)!r}, "
+                          f"{tuple(out.stride())!r}{offset})")
 
     def value(self, a: Any) -> Any:
         if isinstance(a, Node):
@@ -318,6 +380,8 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
                 w.lines.append(f"    {name} = {w.bind('K', node.target)}({joined})")
                 w.env[node] = node.target(*inputs)
         else:
+            if not _only_read_by(node):  # it may move a tensor's storage (set_, resize_):
+                w.flush()  # views made before it are made before it
             name = _call(w, gm, node, name)
         w.names[node] = name
     if _escapes(w):
@@ -353,6 +417,8 @@ def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
         if hoist and not node.meta.get("impure"):
             w.const.add(node)
             return w.bind("c", out)
+        if w.defer(node, out):
+            return name
     head = ", ".join([w.expr(a) for a in node.args[1 if fn is None else 0:]]
                      + [f"{k}={w.expr(v)}" for k, v in node.kwargs.items()])
     if fn is None:
@@ -379,8 +445,12 @@ def _only_read(node: Node) -> bool:
     """Whether every user of ``node`` only reads it: kernels and torch ops that are not
     in place. A view bound once must not be returned (the caller could reshape it in
     place) nor reach an op that could change it."""
-    return all(_kernel_call(u) or (_trusted(u) and not _name(u).endswith("_")
-                                   and not u.meta.get("impure")) for u in node.users)
+    return all(map(_only_read_by, node.users))
+
+
+def _only_read_by(user: Node) -> bool:
+    return _kernel_call(user) or (_trusted(user) and not _name(user).endswith("_")
+                                  and not user.meta.get("impure"))
 
 
 class StraightRunner:

@@ -351,3 +351,65 @@ def test_a_dict_argument_with_other_keys_is_refused_before_anything_runs() -> No
     k.prepare([x])
     assert straight_line(_module(build), (x,)) is None
     assert ran == []
+
+
+def test_a_chain_of_views_is_one_as_strided_written_where_an_op_reads_it() -> None:
+    # GPT-2's heads: qkv.split(...)[1].view(...).transpose(1, 2) was four torch calls a
+    # call; it is one as_strided of qkv, at the right offset from wherever qkv starts
+    big = torch.randn(64 + 2 * 24)
+    x = big[4:4 + 2 * 24].view(2, 24)  # an argument with a storage offset (aligned)
+    relu = _Kernel("relu", torch.relu, (x,))
+    scale = _Kernel("scale", lambda a: a * 3, (torch.randn(2, 3, 4).transpose(1, 2),))
+
+    def build(g):
+        qkv = g.call_function(relu, (g.placeholder("x"),))
+        parts = g.call_method("split", (qkv, 8), {"dim": 1})
+        k = g.call_function(operator.getitem, (parts, 1))
+        heads = g.call_method("transpose", (g.call_method("view", (k, 2, 4, 2)), 1, 2))
+        g.call_method("view", (qkv, -1))  # read by nothing: never written
+        head0 = g.call_method("select", (g.call_method("view", (heads, 2, 2, 4)), 1, 0))
+        cat = g.call_function(torch.cat, (parts, 1))  # the tuple itself is read
+        g.output((g.call_function(scale, (head0,)), heads, cat))
+
+    def want(a):
+        heads = torch.relu(a).split(8, 1)[1].view(2, 4, 2).transpose(1, 2)
+        return heads.view(2, 2, 4)[:, 0] * 3, heads, torch.relu(a)
+
+    fn, result, _, _ = straight_line(_module(build), (x,))
+    names = fn.__code__.co_names
+    assert names.count("_as_strided") == 1 and "split" in names
+    assert "transpose" not in names and "view" not in names and "select" not in names
+    for arg in (x, big[8:8 + 2 * 24].view(2, 24), torch.randn(2, 24)):  # same fast key
+        got = fn(arg)
+        for g_, w in zip(got, want(arg)):
+            assert g_.shape == w.shape and g_.stride() == w.stride()
+            torch.testing.assert_close(g_, w)
+        assert got[1]._base is not None  # a view of the kernel's result, as in eager
+
+
+def test_views_of_tensors_autograd_records_are_written_as_the_graph_calls_them() -> None:
+    x = torch.randn(2, 6, requires_grad=True)
+
+    def build(g):
+        v = g.call_method("view", (g.placeholder("x"), 3, 4))
+        g.output(g.call_function(torch.mul, (v, 2.0)))
+
+    fn, _, _, _ = straight_line(_module(build), (x,))
+    assert "_as_strided" not in fn.__code__.co_names
+    fn(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 6), 2.0))
+
+
+def test_views_are_made_before_an_op_that_may_move_their_tensors_storage() -> None:
+    x = torch.randn(2, 6)
+    double = _Kernel("double", lambda a: a * 2, (x,))
+
+    def build(g):
+        y = g.call_function(double, (g.placeholder("x"),))
+        v = g.call_method("view", (y, 3, 4))
+        g.call_method("set_", (y, torch.zeros(5)))  # y's storage changes; v keeps the old
+        g.output(g.call_function(torch.add, (v, 1)))
+
+    fn, result, _, _ = straight_line(_module(build), (x,))
+    torch.testing.assert_close(result, (x * 2).view(3, 4) + 1)
+    torch.testing.assert_close(fn(x + 1), ((x + 1) * 2).view(3, 4) + 1)
