@@ -11,10 +11,10 @@ GPU time (torch.profiler). Two ways around it, chosen per linear from its shapes
   whose row stride (``per`` rows) is aligned. Starting each group at a column that makes
   its first element aligned, all ``per`` groups are one strided batched matmul straight
   into the result; two thin matmuls fill the columns left at both edges. GPT-2's head in
-  bfloat16 at 4096 rows took 0.59 ms of GPU time on an H200 this way, against 0.99 ms
-  padded and copied, and 3.34 ms plain (``BENCHMARKS.md``, fixed-width section on the LM head).
-  Each group reads the whole weight, so with few rows the padded copy is cheaper (128
-  rows: 0.15 ms grouped, 0.10 padded).
+  bfloat16 at 4096 rows took 0.61 ms of GPU time on an H200 this way, against 0.98 ms
+  padded and copied, and 3.33 ms plain (``benchmarks/bench_lm_head.py``). Each group
+  reads the whole weight, so with few rows the padded copy is cheaper (128 rows:
+  0.157 ms grouped, 0.098 padded).
 - **A padded weight** (:func:`padded_linear`). With the weight's rows padded to a multiple
   of 16 bytes, the matmul writes aligned rows; a ``clone`` of their first columns gives
   eager's contiguous result. The clone is a graph op, so it fuses: alone it is a Triton
@@ -22,7 +22,7 @@ GPU time (torch.profiler). Two ways around it, chosen per linear from its shapes
   padded weight is made on each call (0.074 ms for GPT-2's bfloat16 head on an H200): a
   copy kept between calls could go stale, as a write through ``weight.data`` changes no
   version counter that a check could read. In float32 with few rows the plain linear is
-  faster (128 rows: 0.09 ms plain, 0.19 padded), and the layer is left alone.
+  faster (128 rows: 0.096 ms plain, 0.189 padded), and the layer is left alone.
 
 Calls that autograd records run the plain ``F.linear``; so do calls whose tensors do not
 meet the row groups' alignment, or that autocast would cast.
