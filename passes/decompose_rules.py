@@ -79,25 +79,14 @@ def _eager_layout(y: Any, x: Any, keeps_channels_last: bool = False) -> Any:
     """``y`` in the layout eager's softmax and norm kernels give their result: row-major
     (or channels-last for a channels-last input, for batch norm). The pointwise ops they
     decompose into follow the input's layout instead (TensorIterator), and a later
-    ``view`` of a transposed input's norm would fail (see :func:`row_major`)."""
+    ``view`` of a transposed input's norm would fail. Kernels lay out the clone as they
+    store it (no extra pass)."""
     tm = x.node.meta.get("tensor_meta") if isinstance(x, Proxy) else None
     fmt = getattr(tm, "memory_format", torch.contiguous_format)
     if tm is None or len(tm.shape) < 2 or fmt == torch.contiguous_format or (
             keeps_channels_last and fmt == torch.channels_last):
         return y
-    return y.tracer.create_proxy("call_function", row_major, (y.node,), {})
-
-
-def row_major(y: torch.Tensor) -> torch.Tensor:
-    """``y`` itself when it is row-major already, else a row-major copy.
-
-    Why a graph call, not a ``clone``: whether the copy is needed shows only once the
-    kernels have laid ``y`` out. The metadata decompose sees can be older than the layout
-    passes: convnext's LayerNorm of a permuted convolution output is row-major once the
-    convolutions are channels-last, and a clone there was a fifth pass over the tensor
-    (4 torch copies, 59 us a batch-32 call of convnext_tiny f32 on an H200).
-    """
-    return y if y.is_contiguous() else y.clone(memory_format=torch.contiguous_format)
+    return torch.clone(y, memory_format=torch.contiguous_format)
 
 
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:

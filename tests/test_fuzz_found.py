@@ -272,33 +272,3 @@ def test_pow_exponent_gradient_at_a_zero_base_keeps_a_nan_cotangent():
 
     x = torch.tensor([0.0, -0.0, float("nan"), 1.5, -2.0])
     _grads(f, [(torch.rand(5) + 0.5,), (x,), (x,)])
-
-
-def test_a_norm_of_a_permuted_channels_last_conv_output_is_not_copied_again(monkeypatch):
-    # convnext's LayerNorm2d: permute, layer_norm, permute back. decompose saw the permuted
-    # NCHW conv output and asked for a row-major copy, but once the convolutions are
-    # channels-last the norm's input and result are row-major already: the clone was a
-    # fifth pass (4 torch copies, 59 us of convnext_tiny's f32 batch-32 call on an H200).
-    from fxlite.codegen import pipeline
-    from fxlite.passes.decompose_rules import row_major
-
-    y = torch.randn(2, 3, 4)
-    assert row_major(y) is y
-    t = y.transpose(0, 2)
-    assert row_major(t).is_contiguous() and torch.equal(row_major(t), t)
-
-    monkeypatch.setattr(pipeline, "_on_gpu", lambda sample: True)  # channels-last convs
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem, self.down = nn.Conv2d(3, 8, 4, 4), nn.Conv2d(8, 16, 2, 2)
-            self.norm = nn.LayerNorm(8)
-
-        def forward(self, x):
-            h = self.norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-            return self.down(h)
-
-    model = Block().eval().to(DEVICE)
-    compiled = _run(model, [(torch.randn(2, 3, 32, 32, device=DEVICE),) for _ in range(3)])
-    assert "row_major" in compiled.code and "contiguous_format" not in compiled.code
