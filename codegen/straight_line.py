@@ -267,8 +267,8 @@ class _Writer:
         start = self.expr(root)
         delta = out.storage_offset() - base.storage_offset()
         offset = f", {start}.storage_offset() + {delta}" if delta else ""
-        strided = self.namespace.setdefault("_as_strided", torch.as_strided) and "_as_strided"
-        self.lines.append(f"    {self.names[node]} = {strided}({start}, {tuple(out.shape)!r}, "
+        self.namespace["_as_strided"] = torch.as_strided
+        self.lines.append(f"    {self.names[node]} = _as_strided({start}, {tuple(out.shape)!r}, "
                           f"{tuple(out.stride())!r}{offset})")
 
     def value(self, a: Any) -> Any:
