@@ -244,8 +244,8 @@ def _fit(grad: Any, target: Node, out: Any = None) -> Any:
     gs = tuple(grad.node.meta["tensor_meta"].shape)
     tm = target.meta["tensor_meta"]
     ts = tuple(tm.shape)
-    if out is not None:
-        os_ = tuple(out.node.meta["tensor_meta"].shape)
+    os_ = tuple(out.node.meta["tensor_meta"].shape) if out is not None else ()
+    if out is not None and _broadcasts_to(ts, os_):  # not a reduction's input
         spread = [i for i in range(len(os_)) if os_[i] != 1
                   and _size_at(gs, i, len(os_)) == 1 and _size_at(ts, i, len(os_)) == 1]
         if spread:
@@ -266,6 +266,14 @@ def _fit(grad: Any, target: Node, out: Any = None) -> Any:
     if grad.node.meta["tensor_meta"].dtype != tm.dtype:
         grad = grad.to(tm.dtype)
     return grad
+
+
+def _broadcasts_to(shape: tuple[int, ...], result: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``result`` (an operand of a pointwise op does; the
+    input of a reduction, which has the reduced dims or more of them, does not)."""
+    if len(shape) > len(result):
+        return False
+    return all(s in (1, r) for s, r in zip(shape[::-1], result[::-1]))
 
 
 def _size_at(shape: tuple[int, ...], i: int, rank: int) -> int:

@@ -272,3 +272,18 @@ def test_pow_exponent_gradient_at_a_zero_base_keeps_a_nan_cotangent():
 
     x = torch.tensor([0.0, -0.0, float("nan"), 1.5, -2.0])
     _grads(f, [(torch.rand(5) + 0.5,), (x,), (x,)])
+
+
+@pytest.mark.parametrize("case", ["amax_of_a_size_1_dim", "var_of_a_trailing_dim",
+                                  "var_of_all", "sum_keepdim"])
+def test_a_reductions_input_gradient_is_not_scaled_as_a_broadcast(case):
+    # b1a02c5 scaled a cotangent by the size of each dim it was spread over by broadcasting,
+    # aligning shapes on the right. A reduction's input has the reduced dims too, so that
+    # alignment matched the wrong dims: x.amax(1) of a (4, 1) x gave gradients 4 times too
+    # large from the second call on (fuzz seeds 959840, 966560; var: 955400, 960136).
+    fn, shape = {"amax_of_a_size_1_dim": (lambda x: x.amax(1, False), (4, 1)),
+                 "var_of_a_trailing_dim": (lambda x: torch.var(x, -1, unbiased=False),
+                                           (1, 3, 1, 2)),
+                 "var_of_all": (lambda x: x.to(torch.float64).var(), (1, 4)),
+                 "sum_keepdim": (lambda x: (x * 2).sum((0, 2), keepdim=True), (3, 1, 4))}[case]
+    _grads(fn, [(torch.randn(*shape, device=DEVICE),) for _ in range(3)])
