@@ -102,13 +102,15 @@ def functionalize(gm: GraphModule) -> GraphModule:
                 back.meta["tensor_meta"] = root.meta["tensor_meta"]
             out.args = (_swap(out.args[0], value, back),)
             backs[root] = back
-        _returned_views(gm, out, {v: backs[r] for v, r in root_of.items() if r in backs})
+        _returned_views(gm, out, {v: backs[r] for v, r in root_of.items() if r in backs},
+                        by_name)
     if changed:
         gm.recompile()
     return gm
 
 
-def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node]) -> None:
+def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node],
+                    by_name: dict[str, Node]) -> None:
     """A returned view of a written input's new value becomes the same view of the input
     after its write-back, as in eager, where it shares the input's memory: a later graph
     that writes through it (``v = b.view(6)`` returned, then ``v.mul_(2)`` past a graph
@@ -117,17 +119,25 @@ def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node]) -> No
         view = add.view((6,))                       copy_ = b.copy_(add)
         return (view,)                      ->      view_1 = copy_.view((6,))
                                                     return (view_1,)
+
+    So does a returned in-place write left as it is into that value (``b.add_(s)``, then
+    ``b.copy_(x)``: the copy writes the new value and returns it), which is the input
+    itself in eager.
     """
     def rebased(n: Any) -> Any:
-        chain = []
+        chain, same = [], False
         while isinstance(n, Node) and n not in back_of:
+            wrote = by_name.get(n.meta.get("same_object"))
+            if wrote is not None and wrote is not n:
+                n, same = wrote, True  # an in-place op's result is the tensor it wrote
+                continue
             info = lookup(n, gm) if n.op in ("call_method", "call_function") else None
             if info is None or info.kind != "view" or not n.args or not isinstance(
                     n.args[0], Node):
                 return None
             chain.append(n)
             n = n.args[0]
-        if not chain or not isinstance(n, Node):
+        if not (chain or same) or not isinstance(n, Node):
             return None
         base = back_of[n]
         for view in reversed(chain):

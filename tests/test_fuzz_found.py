@@ -287,3 +287,24 @@ def test_a_reductions_input_gradient_is_not_scaled_as_a_broadcast(case):
                  "var_of_all": (lambda x: x.to(torch.float64).var(), (1, 4)),
                  "sum_keepdim": (lambda x: (x * 2).sum((0, 2), keepdim=True), (3, 1, 4))}[case]
     _grads(fn, [(torch.randn(*shape, device=DEVICE),) for _ in range(3)])
+
+
+def test_a_buffer_written_in_place_twice_keeps_a_write_past_a_graph_break():
+    # b0.add_(s) became a new value and b0.copy_(x0) an in-place write into it; the graph
+    # passed that value, not b0, to the segment after the data-dependent `if`, whose
+    # b0.add_(...) then wrote a temporary: the buffer lost it from the second call on
+    # (fuzz seed 962445, since the fourteenth session at least).
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b0", torch.tensor(0.5))
+
+        def forward(self, x0, x1):
+            self.b0.add_(x1.sum())
+            self.b0.copy_(x0)
+            if bool((x1 != 0).all()):
+                x1.mul_(2)
+            self.b0.add_(x1.sum())
+            return x0 <= float("inf"), x0
+
+    _run(M(), [(torch.tensor(-3), torch.randn(())) for _ in range(4)])
