@@ -233,8 +233,7 @@ class CompiledFunction:
         segments = split(rec)
         failure = self._compile(segments, rec, 0, _sample_env(rec, leaves))
         if failure is not None:
-            self._trees[key], self._eager_why[key] = _EAGER, failure
-            self._last, self._last_eager = [], failure
+            self._eager(key, failure)
             return result
         _link(segments)
         segments[0].direct = _plain(segments[0], leaves)
@@ -275,8 +274,7 @@ class CompiledFunction:
                                  f"it {rec.unsupported}")
             why = f"it {rec.unsupported}"
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
-            self._trees[key], self._eager_why[key] = _EAGER, why
-            self._last, self._last_eager = [], why
+            self._eager(key, why)
             return True
         if self._guard.key(arg_modules) != base[3][0]:
             self._all_eager = ("it changes Python state that it reads (a module attribute, "
@@ -287,6 +285,11 @@ class CompiledFunction:
         if any(n.meta.get("mutated") for n in rec.graph.nodes):
             self._alias = True
         return False
+
+    def _eager(self, key: tuple, why: str) -> None:
+        """Calls under ``key`` run in eager PyTorch, for ``why``; this one did too."""
+        self._trees[key], self._eager_why[key] = _EAGER, why
+        self._last, self._last_eager = [], why
 
     def _miss(self, seg: Segment, value: Any, env: dict[str, Any], leaves: list[Any],
               args: tuple, kwargs: dict, eager: bool) -> Any:

@@ -256,12 +256,8 @@ class _Writer:
     def _write_deferred(self, node: Node) -> None:
         root, many = self.deferred.pop(node)
         if many is not None:  # the tuple itself is read: the op as the graph calls it
-            head = ", ".join([self.expr(a) for a in node.args[1 if node.op == "call_method"
-                                                            else 0:]]
-                             + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()])
-            call = (f"{self.expr(node.args[0])}.{node.target}" if node.op == "call_method"
-                    else self.bind("f", node.target))
-            self.lines.append(f"    {self.names[node]} = {call}({head})")
+            self.call_line(node, self.names[node],
+                           None if node.op == "call_method" else node.target)
             return
         out, base = self.env[node], self.env[root]
         start = self.expr(root)
@@ -270,6 +266,16 @@ class _Writer:
         self.namespace["_as_strided"] = torch.as_strided
         self.lines.append(f"    {self.names[node]} = _as_strided({start}, {tuple(out.shape)!r}, "
                           f"{tuple(out.stride())!r}{offset})")
+
+    def call_line(self, node: Node, name: str, fn: Any) -> None:
+        """Write ``name = fn(args...)``, or ``name = args[0].method(...)`` for ``fn`` None
+        (a ``call_method`` node), with the node's arguments."""
+        head = ", ".join([self.expr(a) for a in node.args[1 if fn is None else 0:]]
+                         + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()])
+        if fn is None:
+            self.lines.append(f"    {name} = {self.expr(node.args[0])}.{node.target}({head})")
+        else:
+            self.lines.append(f"    {name} = {self.bind('f', fn)}({head})")
 
     def value(self, a: Any) -> Any:
         if isinstance(a, Node):
@@ -419,12 +425,7 @@ def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
             return w.bind("c", out)
         if w.defer(node, out):
             return name
-    head = ", ".join([w.expr(a) for a in node.args[1 if fn is None else 0:]]
-                     + [f"{k}={w.expr(v)}" for k, v in node.kwargs.items()])
-    if fn is None:
-        w.lines.append(f"    {name} = {w.expr(node.args[0])}.{node.target}({head})")
-    else:
-        w.lines.append(f"    {name} = {w.bind('f', fn)}({head})")
+    w.call_line(node, name, fn)
     return name
 
 

@@ -125,10 +125,11 @@ def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node],
     itself in eager.
     """
     def rebased(n: Any) -> Any:
-        chain, same = [], False
+        chain, same, seen = [], False, set()
         while isinstance(n, Node) and n not in back_of:
             wrote = by_name.get(n.meta.get("same_object"))
-            if wrote is not None and wrote is not n:
+            if wrote is not None and wrote is not n and wrote not in seen:
+                seen.add(n)
                 n, same = wrote, True  # an in-place op's result is the tensor it wrote
                 continue
             info = lookup(n, gm) if n.op in ("call_method", "call_function") else None
