@@ -172,6 +172,17 @@ def test_compiled_the_padded_head_copies_its_columns_in_a_kernel(monkeypatch):
     assert [r[1:3] for r in rows if "clone" in r] == [["pointwise", "clone"]]  # one copy kernel
 
 
+def _write_the_weight(weight, k):
+    """The k-th write of a GPU test (none for k < 0): in place, then through ``.data``,
+    then new storage."""
+    if k == 0:
+        weight.mul_(-2)
+    elif k == 1:
+        weight.data.mul_(-1)
+    elif k == 2:
+        weight.data = torch.randn_like(weight)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite pads on CUDA")
 def test_on_the_gpu_an_lm_head_with_an_odd_vocabulary_is_padded():
     torch.manual_seed(0)
@@ -179,12 +190,7 @@ def test_on_the_gpu_an_lm_head_with_an_odd_vocabulary_is_padded():
     compiled = fxlite.compile(model)
     with torch.no_grad():
         for step in range(6):
-            if step == 3:  # the weight is written in place, then through .data
-                model.head.weight.mul_(-2)
-            if step == 4:
-                model.head.weight.data.mul_(-1)
-            if step == 5:  # and then swapped for new storage
-                model.head.weight.data = torch.randn_like(model.head.weight)
+            _write_the_weight(model.head.weight, step - 3)
             x = torch.randn(64, 8, 32, device="cuda", dtype=torch.bfloat16)
             got, want = compiled(x), model(x)
             torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
@@ -201,12 +207,7 @@ def test_on_the_gpu_an_lm_head_over_many_rows_runs_as_row_groups(dtype):
     tol = {torch.float32: {}}.get(dtype, {"rtol": 1.6e-2, "atol": 1e-2})
     with torch.no_grad():
         for step in range(5):
-            if step == 2:  # the weight is written in place, then through .data
-                model.head.weight.mul_(-2)
-            if step == 3:
-                model.head.weight.data.mul_(-1)
-            if step == 4:
-                model.head.weight.data = torch.randn_like(model.head.weight)
+            _write_the_weight(model.head.weight, step - 2)
             x = torch.randn(16, 128, 32, device="cuda", dtype=dtype)
             got, want = compiled(x), model(x)
             torch.testing.assert_close(got, want, **tol)
