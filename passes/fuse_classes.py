@@ -72,7 +72,7 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     tm = _tensor_meta(node)
     fmt = node.kwargs.get("memory_format")
     if tm is None or not _plain(tm) or is_impure(node, module) or (
-            fmt is not None and not _layout_copy(node, info, module, fmt)):
+            fmt is not None and not _layout_copy(info, fmt)):
         return None
     in_shapes: list[Shape] = []
     for inp in node.all_input_nodes:
@@ -93,19 +93,12 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     return _classify_view(node, info, module, shape, len(in_shapes))
 
 
-def _layout_copy(node: Node, info: OpInfo, module: torch.nn.Module, fmt: Any) -> bool:
-    """Whether ``node`` is a clone into a memory format whose readers all stay outside
-    kernels (a convolution's input or weight made channels-last, or the contiguous
-    gradient of such a weight): a kernel stores a group's result in the layout of its
-    metadata. A kernel lays a value it hands to another op of its group out as its inputs,
-    so a clone read inside a group would lose its layout."""
-    if info.name != "clone" or fmt not in MEMORY_FORMATS:
-        return False
-    for user in node.users:
-        found = lookup(user, module) if user.op != "output" else None
-        if found is not None and found.kind in ("pointwise", "reduction", "view"):
-            return False
-    return True
+def _layout_copy(info: OpInfo, fmt: Any) -> bool:
+    """Whether ``node`` is a clone into a dense memory format (a convolution's input or
+    weight made channels-last, a norm's result made row-major as eager's kernel gives it).
+    It fuses: a kernel stores each result in the layout of its metadata, and its readers
+    in the group read the value, not memory, so the layout only matters to that store."""
+    return info.name == "clone" and fmt in MEMORY_FORMATS
 
 
 def _broadcast(shapes: list[Shape]) -> Shape | None:

@@ -289,6 +289,27 @@ def test_a_norms_tail_keeps_its_kernel_and_eagers_layout():
     assert [k.kind for k in run.kernels.values()] == ["reduction", "pointwise"]
 
 
+def test_a_norms_row_major_clone_fuses_into_its_kernel():
+    """A regression: eager's layer_norm gives a row-major result for a permuted input, a
+    clone that decompose writes after the norm's math. It ran as torch's copy when a view
+    read it (convnext's stem: 49 us a call of convnext_tiny f32 on an H200). The norm's
+    kernel now stores the clone itself; a conv and a pointwise kernel read it."""
+    conv = nn.Conv2d(4, 4, 3, padding=1).to(DEVICE)
+
+    def fn(x, w, b):
+        y = F.layer_norm(x.permute(0, 2, 3, 1), (4,), w, b).permute(0, 3, 1, 2)
+        return conv(y) + y
+
+    compiled = fxlite.compile(fn)
+    with torch.no_grad():
+        for _ in range(3):
+            args = (torch.randn(2, 4, 3, 5, device=DEVICE), torch.rand(4, device=DEVICE) + 0.5,
+                    torch.randn(4, device=DEVICE))
+            got, want = compiled(*args), fn(*args)
+            same(got, want)
+    assert "clone" not in compiled.code and compiled.kernels and not compiled.fallbacks
+
+
 def test_a_permute_whose_source_is_used_twice_stays():
     def fn(a):
         y = a + 1
