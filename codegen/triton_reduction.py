@@ -11,8 +11,9 @@ Two variants are generated, and the launcher picks one from the row length:
   registers and runs every stage (softmax: max, exp, sum, divide) on it.
 - ``<name>_looped`` runs one loop over the row per reduction *level* (a reduction whose
   input depends on an earlier reduction is one level deeper), recomputing that loop's
-  prologue from loads and the row values found so far; a final loop computes and stores
-  the full-size outputs.
+  prologue from loads and the row values found so far. A full-size output is stored by
+  the first loop that can compute it; those that need the deepest reductions get a final
+  loop of their own.
 
 Before any reduction the block is re-masked with the reduction's identity (0 for sum, 1
 for prod, -inf/+inf or the integer extremes for max/min), so padded lanes and padded rows
@@ -263,10 +264,18 @@ def _looped(k: _Kernel, e: Emitter) -> None:
                 emit_value(e, v, inner)
         e.lines.extend(inner + t for t in body_tail)
 
+    # A full-size output is stored by the first loop that can compute it: the loop of
+    # the level after its own (its reductions are row values by then), or a last loop
+    # for those that need the deepest reductions. Stored in a reduction's loop, it costs
+    # no second pass over the inputs (a BatchNorm backward's masked gradient is level 0).
+    full_out = [(j, v, acc) for j, v, acc in k.stores if k.full(v)]
+    early = {lvl: [(j, v, acc) for j, v, acc in full_out if level[v] == lvl - 1]
+             for lvl in range(1, depth + 1)}
+    late = [(j, v, acc) for j, v, acc in full_out if level[v] >= depth]
     emit_rows(0)
     for lvl in range(1, depth + 1):
         reds = [v for v in plan.values if v.kind == "reduce" and level[v] == lvl]
-        tail = []
+        tail = [_store(e, k, j, v, acc) for j, v, acc in early[lvl]]
         for v in reds:
             ct = _reduce_ct(v)
             e.lines.append(f"{ind}{v.name}_acc = tl.full([ROWS, BLOCK_C], "
@@ -275,17 +284,16 @@ def _looped(k: _Kernel, e: Emitter) -> None:
             block = _reduce_input(e, v)
             comb = _combine(v.op, _reduce_ct(v), e).format(a=f"{v.name}_acc", b=block)
             tail.append(f"{v.name}_acc = {comb}")
-        emit_loop([v.args["input"] for v in reds], tail, False)
+        emit_loop([v.args["input"] for v in reds] + [v for _, v, _ in early[lvl]], tail,
+                  lvl == depth and not late)
         for v in reds:
             red = _final(v.op, _reduce_ct(v), f"{v.name}_acc", e)
             if compute_dtype(v.dtype) == torch.bool:
                 red = f"({red} != 0)"
             e.lines.append(f"{ind}{v.name} = {red}")
         emit_rows(lvl)
-    full_out = [(j, v, acc) for j, v, acc in k.stores if k.full(v)]
-    if full_out:
-        emit_loop([v for _, v, _ in full_out], [_store(e, k, j, v, acc) for j, v, acc in full_out],
-                  True)
+    if late:
+        emit_loop([v for _, v, _ in late], [_store(e, k, j, v, acc) for j, v, acc in late], True)
 
 
 def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:

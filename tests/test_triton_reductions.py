@@ -233,3 +233,38 @@ def test_a_channels_last_sum_over_space_packs_adjacent_channels_per_program():
     c = x.contiguous()  # rows of contiguous values: a whole row or two per program
     kc = generate_kernel(group(lambda a: a.sum((2, 3), keepdim=True), c), [c])
     assert kc._current.config(tuple(c.shape))[1]["BLOCK_C"] == 1024
+
+
+def _looped_passes(kernel) -> int:
+    looped = kernel.source.split("_looped(")[1]
+    return looped.count("for c0 in range(")
+
+
+def test_looped_full_outputs_are_stored_by_the_first_loop_that_computes_them():
+    # A level-0 output (no reduction in its cone) is stored in the first reduction's loop,
+    # a level-1 one in the second: no extra pass over the row unless an output needs the
+    # deepest reduction. Checked in the contiguous and the strided-columns layout (BatchNorm
+    # backward over H, W of a channels-last tensor stores its masked gradient this way).
+    def two_levels(a, g):
+        masked = torch.where(a > 0, g, 0.0)
+        centred = a - torch.mean(a, -1, keepdim=True)
+        var = torch.mean(centred * centred, -1, keepdim=True)
+        return masked, centred, var, masked.sum(-1, keepdim=True)
+
+    def deepest(a):
+        centred = a - torch.mean(a, -1, keepdim=True)
+        return centred * torch.rsqrt(torch.mean(centred * centred, -1, keepdim=True) + 1e-5)
+
+    x, g = rand(5, 40), rand(5, 40)
+    assert _looped_passes(check(two_levels, x, g, max_block=16)) == 2
+    assert _looped_passes(check(deepest, x, max_block=16)) == 3
+    xs = rand(2, 3, 6, 7).contiguous(memory_format=torch.channels_last)
+    gs = rand(2, 3, 6, 7).contiguous(memory_format=torch.channels_last)
+
+    def per_channel(a, b):
+        masked = torch.where(a > 0, b, 0.0)
+        return masked * 2, torch.sum(masked * a, (2, 3), keepdim=True)
+
+    for kw in VARIANTS.values():
+        check(per_channel, xs, gs, **kw)
+    assert _looped_passes(check(per_channel, xs, gs, max_block=16)) == 1
