@@ -450,6 +450,12 @@ def test_launch_heuristic():
     assert add_ln.kernels[0]._current.row_inputs == 2  # x and r
     assert launch_config("reduction", 8, 100_000)["variant"] == "looped"
     assert launch_config("reduction", 8, 100, max_block=16)["variant"] == "looped"
+    # rows of 65 to 512 run one warp a program over 1024 elements (H200 measurements in
+    # launch_config); shorter and longer rows keep 2048 elements over 4 warps or more
+    narrow = launch_config("reduction", 100_352, 96)
+    assert (narrow["ROWS"], narrow["BLOCK_C"], narrow["num_warps"]) == (8, 128, 1)
+    assert launch_config("reduction", 4, 96)["ROWS"] == 4  # no more rows than there are
+    assert launch_config("reduction", 8192, 768)["num_warps"] >= 4
 
 
 def test_bytes_moved():
