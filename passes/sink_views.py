@@ -150,7 +150,9 @@ def _sink(view: Node, gm: GraphModule) -> list[Node]:
     perm = _perm(view, rank, gm)
     made: list[Node] = []
     doomed: list[Node] = []  # permutes folded into the new ones
-    with graph.inserting_before(view):
+    # at the op's place, not the view's: an in-place write between them (one left impure,
+    # to a view or aliased input) must not come before the op reads its inputs
+    with graph.inserting_before(src):
         def move(a: Node) -> Node:
             tm = tensor_meta(a)
             if tm is None or len(tm.shape) == 0:

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxlite
 
@@ -308,3 +309,27 @@ def test_a_buffer_written_in_place_twice_keeps_a_write_past_a_graph_break():
             return x0 <= float("inf"), x0
 
     _run(M(), [(torch.tensor(-3), torch.randn(())) for _ in range(4)])
+
+
+def test_a_permute_sunk_through_its_producer_reads_the_input_before_a_write():
+    # sink_views rewrote permute(x // x) as permute(x) // permute(x) at the permute's
+    # place, after hardtanh_(x), an in-place write left impure (x is a view of another
+    # tensor): the division read the clamped x, 1.0 where eager's inf // inf is NaN
+    # (seed 980533).
+    def f(x):
+        v = x.div(x, rounding_mode="floor")
+        F.hardtanh(x, inplace=True)
+        return v.permute(1, 2, 0) * 2
+
+    compiled = fxlite.compile(f)
+    for trap in (False, True, True):
+        values = torch.tensor([0.5, 3.0, -2.0, 4.0, 5.0, -6.0])
+        if trap:
+            values[1] = float("inf")
+        mine, theirs = values[:].view(1, 2, 3), values.clone()[:].view(1, 2, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(mine)
+        torch.testing.assert_close(got, f(theirs), equal_nan=True)
+        torch.testing.assert_close(mine, theirs)
+        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
