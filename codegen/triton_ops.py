@@ -159,9 +159,10 @@ def _div(e: Emitter, a: dict, ct: torch.dtype) -> str:
     x, y = e.c(a["input"], ct), e.c(a["other"], ct)
     if not _is_float(ct):
         return f"{x} // {y}"
-    # eager divides halves as halves (trunc(bf16(a / b))): the quotient is rounded first
-    half = next((o.dtype for o in (a["input"], a["other"]) if isinstance(o, Operand)
-                 and o.dtype in (torch.float16, torch.bfloat16)), None)
+    # eager divides in the result's dtype: a half result is trunc(bf16(a / b)), the
+    # quotient rounded first; a float32 one (f32 / f16) is not rounded to the half operand
+    out = a.get("_out_dtype")
+    half = out if out in (torch.float16, torch.bfloat16) else None
     q = _quot(x, y, ct)
     return _trunc_expr(e, e.rounded(q, half) if half is not None else q)
 

@@ -322,7 +322,7 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
         args = {k: operand(a, v, e, common) if isinstance(a, Value) else
                 _rounded_literal(a, common) if k in _OPERAND_KEYS else a
                 for k, a in v.args.items()}
-        if v.op == "to":
+        if v.op in ("to", "truediv"):  # a cast, and a quotient rounded as eager's dtype
             args["_out_dtype"] = v.dtype
         index = e.index
         if not e.space <= v.span:  # the index names elements of the whole space only

@@ -264,6 +264,18 @@ def test_trunc_division_of_halves_truncates_the_rounded_quotient():
     _run(f, [(benign, y.abs().round()), (x, y), (x, y), (x * 2, y)])
 
 
+
+def test_trunc_division_of_a_float32_by_a_half_does_not_round_the_quotient_to_half():
+    # f32 / f16 is a float32 division in eager: -0.93801486 / -0.00012081861 is 7763.827
+    # in fp32 (trunc 7763); the kernel rounded it to f16 (7764) because one operand was a
+    # half (seed 969747).
+    x = torch.tensor([-0.9380148649215698, 1.0, 7.5])
+    y = torch.tensor([-0.0001208186149597168, 3.0, 0.5]).half()
+    f = lambda a, b: torch.div(a, b, rounding_mode="trunc")  # noqa: E731
+    benign = (torch.tensor([4.0, -6.0, 9.0]), torch.tensor([2.0, 3.0, 1.0]).half())
+    _run(f, [benign, (x, y), (x, y)])
+    _run(lambda a, b: f(b, a), [benign, (x, y), (x, y)])
+
 def test_pow_exponent_gradient_at_a_zero_base_keeps_a_nan_cotangent():
     # Eager multiplies the exponent's gradient by g outside its 0-at-zero-base rule, so a
     # NaN cotangent (softmax of a row holding NaN) gives NaN there; the rule gave 0
