@@ -345,3 +345,16 @@ def test_a_permute_sunk_through_its_producer_reads_the_input_before_a_write():
         torch.testing.assert_close(got, f(theirs), equal_nan=True)
         torch.testing.assert_close(mine, theirs)
         assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+
+
+def test_a_float32_gradient_through_a_bf16_tanh_is_the_kernels():
+    # The backward group g * (1 - o * o) of a bf16 tanh, cast to the float32 input's
+    # gradient, was checked against its eager run op by op in bf16 at float32's tolerance:
+    # 1 - bf16(o * o) cancels for o near 1 (2.5% off); the kernel, in fp32 and rounded once
+    # as eager's tanh_backward, "disagreed" and the group fell back to the worse values
+    # (seed 966321).
+    x = torch.tensor([-1.3442760, -0.7535459, -0.2251372, 4.8713012, -1.1938664, 3.3006101,
+                      -0.8183356])
+    w = torch.randn(7, generator=torch.Generator().manual_seed(4242), dtype=torch.float64)
+    _grads(lambda x: torch.tanh((x * -1.5).bfloat16()), [(x.flip(0),), (x,), (x,)],
+           weights=[w])
