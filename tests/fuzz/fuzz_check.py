@@ -23,6 +23,7 @@ Every check adds the op-table records the captured or traced graphs hold to
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections import Counter
 from typing import Any
@@ -91,7 +92,34 @@ def same(got: Any, want: Any, exact: Any, path: str, upcast: Any = None,
                 return []
             except AssertionError:
                 pass
+            if no_farther(got, want, upcast, rtol, atol):
+                STATS["values no farther from the higher-precision run than eager's"] += 1
+                return []
         return [f"{path}: " + " ".join(first[:4])]
+
+
+def no_farther(got: torch.Tensor, want: torch.Tensor, upcast: torch.Tensor, rtol: float,
+               atol: float) -> bool:
+    """Whether no element of ``got`` is farther from ``upcast`` (the program run in
+    higher precision) than eager's ``want`` is at its worst, up to the tolerance; NaN
+    and infinities (in eager's result or the reference) must be eager's.
+
+    Eager's own rounding error bounds what another order of the same operations gives:
+    an ill-conditioned value (a batch norm of two elements per channel, or of bf16
+    values of a tiny variance) amplifies rounding past any fixed tolerance, in eager as
+    compiled, and a reduction spreads it over the elements (eager's two gradients of a
+    two-element channel, exact negatives, were 5e-5 and 2e-7 off; fxlite's 2.6e-5
+    both), while a wrong value lands farther from the reference than eager's worst."""
+    g, w, u = (t.detach().cpu().double() for t in (got, want, upcast))
+    if not g.shape == w.shape == u.shape:
+        return False
+    finite = u.isfinite() & w.isfinite()
+    special = ((g == w) | (g.isnan() & w.isnan()))[~finite]
+    if not finite.any():
+        return bool(special.all())
+    worst = (w - u)[finite].abs().max()
+    close = ((g - u).abs() <= worst + atol + rtol * u.abs())[finite]
+    return bool(special.all() and close.all())
 
 
 def bits_differ(got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -113,9 +141,11 @@ def bits_differ(got: torch.Tensor, want: torch.Tensor) -> str | None:
            f"{w[i].item()!r}"
 
 
-def _upcast(x: Any) -> Any:
+def _upcast(x: Any, wide: bool = False) -> Any:
+    """``x`` in higher precision: float16 and bfloat16 as float32, float32 as float64
+    (``wide``: every floating dtype as float64)."""
     if isinstance(x, torch.Tensor) and x.dtype in FLOATS:
-        return x.to(torch.float64 if x.dtype == torch.float32 else torch.float32)
+        return x.to(torch.float64 if wide or x.dtype == torch.float32 else torch.float32)
     return x
 
 
@@ -244,11 +274,18 @@ def _cuda_norm_rows(program: Program, device: str, call: int, problems: list[str
 
 
 def _loosest(program: Program) -> torch.dtype | None:
-    """The lowest-precision floating dtype among the inputs and buffers, if any (a
-    float64 result computed from float32 data is only as good as float32)."""
+    """The lowest-precision floating dtype among the inputs, the buffers and the casts
+    the program's code makes, if any (a float64 result computed from float32 data is only
+    as good as float32; a float32 gradient through ``x.bfloat16()`` only as good as
+    bfloat16: eager computes that gradient in bfloat16 too)."""
     order = (torch.bfloat16, torch.float16, torch.float32)
     dtypes = {s.dtype for s in program.inputs + program.buffers}
+    code = "\n".join(line for s in program.steps for line in s.code)
+    dtypes |= {d for d, pattern in _HALF_NAMES.items() if re.search(pattern, code)}
     return next((d for d in order if d in dtypes), None)
+
+
+_HALF_NAMES = {torch.bfloat16: r"bfloat16|BFloat16", torch.float16: r"(?<!b)float16|half\b|Half"}
 
 
 def _dead_code_error(program: Program, error: BaseException) -> bool:
@@ -273,16 +310,17 @@ def _exact_like(exact: Any, want: Any) -> Any:
     return exact
 
 
-def upcast_program(program: Program, device: str, before: dict[str, torch.Tensor]) -> Any:
+def upcast_program(program: Program, device: str, before: dict[str, torch.Tensor],
+                   wide: bool = False) -> Any:
     """``program`` built with the state ``before`` (if any) and its buffers upcast
-    (float16 and bfloat16 to float32, float32 to float64)."""
+    (float16 and bfloat16 to float32, float32 to float64; ``wide``: all to float64)."""
     ref = program.build(device)
     if isinstance(ref, torch.nn.Module):
         if before:
             ref.load_state_dict(before)
         for name, buf in list(ref.named_buffers()):
             owner = ref.get_submodule(name.rpartition(".")[0]) if "." in name else ref
-            owner._buffers[name.rpartition(".")[2]] = _upcast(buf)
+            owner._buffers[name.rpartition(".")[2]] = _upcast(buf, wide)
     return ref
 
 
@@ -291,9 +329,13 @@ def _reference(program: Program, device: str, call: int, seed: int,
                ) -> tuple[Any, list[Any], dict[str, Any]]:
     """The program in higher precision (float16 and bfloat16 as float32, float32 as
     float64), from the state eager had before the call: (result, inputs after, state)."""
-    ref = upcast_program(program, device, before)
-    xs = [_upcast(x) for x in make_inputs(program, call, device, resize)]
-    out, err, _ = _call(ref, xs, seed)
+    for wide in (False, True):  # all in float64 where eager refuses the mix (batch_norm
+        # of a float32 input with float64 statistics, from bf16 and f32)
+        ref = upcast_program(program, device, before, wide)
+        xs = [_upcast(x, wide) for x in make_inputs(program, call, device, resize)]
+        out, err, _ = _call(ref, xs, seed)
+        if err is None:
+            break
     return (out if err is None else None), xs, _state(ref)
 
 

@@ -162,3 +162,20 @@ def test_every_record_is_exercised() -> None:
     assert not unreached, f"no catalog entry draws these records: {unreached}"
     missing = [r for r in targets if not COVERAGE[r]]
     assert not missing, f"records no captured or traced graph held: {missing}"
+
+
+def test_a_value_no_farther_from_the_reference_than_eagers_worst_passes():
+    """``same`` accepts, failing the tolerance, values no farther from the higher-precision
+    run than eager's worst element (a two-element batch norm's gradients, seed 955905),
+    and still rejects a value farther off, or NaN where eager has a number."""
+    import torch
+    from fuzz_check import same
+
+    u = torch.tensor([-0.08146119335073974, 0.08146119335073974, 0.0], dtype=torch.float64)
+    want = torch.tensor([-0.08151240646839142, 0.08146136999130249, 0.0])
+    got = torch.tensor([-0.08148765563964844, 0.08148765563964844, 0.0])
+    assert same(got, want, False, "g") != []  # beyond float32's tolerance of eager
+    assert same(got, want, False, "g", u) == []
+    for wrong in (torch.tensor([-0.0814, 0.0817, 0.0]), torch.tensor([-0.0815, 0.0815, 1.0]),
+                  torch.tensor([-0.0815, 0.0815, float("nan")])):
+        assert same(wrong, want, False, "g", u) != []
