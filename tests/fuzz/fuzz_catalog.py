@@ -31,9 +31,10 @@ KNOWN_OPEN = {
                     "self-overlap), raises a partial-overlap error when fxlite replays it, "
                     "so the call runs in eager with two warnings "
                     "(test_a_tensor_written_into_a_view_of_itself)",
-    "max_all_nan_grad": "on the CPU, eager's backward of torch.max(x) (no dim) puts a NaN "
-                        "cotangent on the maxima only (masked_fill); fxlite's rule (as "
-                        "eager on CUDA) multiplies it by the mask: NaN everywhere "
+    "max_all_nan_grad": "on the CPU, eager's backward of torch.max(x) and torch.min(x) (no "
+                        "dim) puts a NaN cotangent on the maxima (minima) only "
+                        "(masked_fill); fxlite's rule (as eager on CUDA) multiplies it by "
+                        "the mask: NaN everywhere "
                         "(test_max_of_all_elements_with_a_nan_gradient_on_the_cpu)",
 }
 

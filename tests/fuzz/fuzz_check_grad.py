@@ -61,8 +61,8 @@ def gradable(program: Program) -> Program | None:
 
     writes_input = {i for i, s in enumerate(program.steps)
                     if s.writes is not None and root(s.writes).startswith(("x", "self."))}
-    if "max_all_nan_grad" in KNOWN_OPEN:  # steps of torch.max, which may be max(x)
-        writes_input |= {i for i, s in enumerate(program.steps) if s.record == "max"}
+    if "max_all_nan_grad" in KNOWN_OPEN:  # steps of torch.max or min: max(x), min(x)
+        writes_input |= {i for i, s in enumerate(program.steps) if s.record in ("max", "min")}
     if not writes_input:
         return program
     return rebuild(program, lambda i, s: i not in writes_input)
