@@ -33,7 +33,8 @@ import torch
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
 from fxlite.autodiff_meta import meta_tensor, propagate
 from fxlite.graph_module import GraphModule
-from fxlite.node import Opcode, map_arg
+from fxlite.node import Node, Opcode, map_arg
+from fxlite.ops import lookup
 
 from .autograd_pipeline import CompiledGraph
 
@@ -112,9 +113,51 @@ class _Variant:
         return found
 
 
+def output_views(group: GraphModule) -> dict[int, int]:
+    """Which of ``group``'s outputs are views of another: output index -> that output's
+    index (through view ops: reshape, view, permute, detach...), or the same value twice."""
+    node = next(n for n in group.graph.nodes if n.op == Opcode.OUTPUT)
+    outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+    first: dict[Any, int] = {}
+    for j, n in enumerate(outs):
+        if isinstance(n, Node):
+            first.setdefault(n, j)
+    found: dict[int, int] = {}
+    for i, n in enumerate(outs):
+        while isinstance(n, Node):
+            if first.get(n, i) != i:
+                found[i] = first[n]
+                break
+            info = lookup(n, group) if n.op in (Opcode.CALL_FUNCTION, Opcode.CALL_METHOD) \
+                else None
+            if info is None or info.kind != "view" or not n.args:
+                break
+            n = n.args[0]
+    return found
+
+
+def _aliases(view: torch.Tensor, base: Any) -> bool:
+    return isinstance(base, torch.Tensor) and base.dtype == view.dtype and \
+        base.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+
+
+def _remade_views(outs: tuple, views: dict[int, Any]) -> tuple:
+    """``outs`` with each output that the kernel returned as a view of another output made
+    again as that view (the Function returned a copy): ``v2 = v1.reshape(...)`` written in
+    place after a graph break then writes ``v1``, as in eager (fuzz seed 977848)."""
+    remade = list(outs)
+    for i, source in views.items():
+        if not isinstance(source, tuple):
+            continue
+        j, size, stride, offset = source
+        base = outs[j] if remade[i].requires_grad else outs[j].detach()
+        remade[i] = base.as_strided(size, stride, offset)
+    return tuple(remade)
+
+
 class _GroupFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, variant: _Variant, *args: Any) -> Any:
+    def forward(ctx: Any, variant: _Variant, views: dict, *args: Any) -> Any:
         grad = variant.grad
         results = variant.forward(*args)
         saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
@@ -126,11 +169,17 @@ class _GroupFunction(torch.autograd.Function):
         # An input returned as it is, or a view, would make autograd forbid the caller's
         # in-place writes into the result; one tensor returned twice (x and detach(x))
         # would be marked non-differentiable for both: those outputs are copies (kernels'
-        # results are tensors of their own already; an identity group returns its input)
+        # results are tensors of their own already; an identity group returns its input).
+        # An output the group makes as a view of another (``views``), which the kernel
+        # returned as one, is made again as that view outside, so that a later in-place
+        # write through it reaches its base, as in eager.
         outs: list[Any] = []
-        for o in results[:grad.n_outputs]:
+        for i, o in enumerate(results[:grad.n_outputs]):
             if isinstance(o, torch.Tensor) and (o._base is not None or any(
                     o is a for a in args) or any(o is p for p in outs)):
+                j = views.get(i)
+                if j is not None and _aliases(o, results[j]):
+                    views[i] = (j, tuple(o.shape), o.stride(), o.storage_offset())
                 o = o.clone()
             outs.append(o)
         # an output the loss does not use gets None, not zeros: the inputs only it reaches
@@ -155,7 +204,7 @@ class _GroupFunction(torch.autograd.Function):
         used = [grads[i] is not None for i in grad.tangents]
         reached = frozenset().union(*(s for s, u in zip(grad.sources, used) if u))
         if not reached:
-            return (None,) * (1 + len(ctx.inputs))
+            return (None,) * (2 + len(ctx.inputs))
         tangents = [grads[i] if u else variant.zeros(shape, dtype, device)
                     for i, u, (shape, dtype, device) in zip(grad.tangents, used, ctx.outs)]
         results = variant.backward_for(used)(*saved, *tangents)
@@ -164,7 +213,7 @@ class _GroupFunction(torch.autograd.Function):
             shared = {t.untyped_storage().data_ptr() for t, u in zip(tangents, used) if not u}
             results = [r.clone() if isinstance(r, torch.Tensor)
                        and r.untyped_storage().data_ptr() in shared else r for r in results]
-        out: list[Any] = [None]
+        out: list[Any] = [None, None]
         for i, spec in enumerate(ctx.inputs):
             k = grad.grads[i]
             if i not in reached:
@@ -194,6 +243,7 @@ class AutogradGroup:
         self._plain: CompiledGraph | None = None
         self._variants: dict[tuple, _Variant | None] = {}
         self._lock = threading.Lock()
+        self._views: dict[int, int] | None = None
 
     @property
     def __name__(self) -> str:  # generated forward code calls the callable by this name
@@ -236,7 +286,12 @@ class AutogradGroup:
                         self._variants[key] = variant
         if variant is None:
             return self.group(*args)
-        outs = _GroupFunction.apply(variant, *args)
+        if self._views is None:
+            self._views = output_views(self.group)
+        views: dict[int, Any] = dict(self._views)
+        outs = _GroupFunction.apply(variant, views, *args)
+        if any(isinstance(v, tuple) for v in views.values()):
+            outs = _remade_views(outs, views)
         return outs[0] if variant.grad.single else outs
 
     def _inference(self, args: tuple) -> Any:
