@@ -30,7 +30,7 @@ from fxlite.ops import attribute_at, lookup
 
 # Relative tolerance per dtype, as ``pipeline.assert_same`` uses (float32 on a GPU that
 # allows TF32: as ``pipeline._disagreement``).
-_TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+HALF_TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 _SEEDED = frozenset({"draw_seed", "seeded_dropout"})
 # Effects that only raise or pass (timm checks shapes with torch._assert): running a
 # graph again with them does the same.
@@ -145,7 +145,7 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
     finite &= torch.isfinite(r)
     g, e, r = g[finite], e[finite], r[finite]
     error, eager_error, scale = (_rms(g - r), _rms(e - r), _rms(r))
-    tolerance = _TOLERANCE.get(expected.dtype, 1.3e-6)
+    tolerance = HALF_TOLERANCE.get(expected.dtype, 1.3e-6)
     if expected.dtype == torch.float32 and expected.is_cuda and (
             torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32):
         tolerance = 2e-3

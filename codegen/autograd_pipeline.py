@@ -29,6 +29,7 @@ from fxlite.interpreter import Interpreter
 from fxlite.node import Node, Opcode
 from fxlite.ops import is_impure, lookup
 
+from .accuracy import HALF_TOLERANCE
 from .report import KernelRecord
 
 __all__ = ["CompiledGraph"]
@@ -142,7 +143,7 @@ class _KernelCheck(Interpreter):
         return got  # what later calls get from the kernel: the same values on every call
 
 
-_TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.float64: 1e-7}
+_TOL = {**HALF_TOLERANCE, torch.float32: 1e-5, torch.float64: 1e-7}
 
 
 def _least_precise(args: Sequence[Any]) -> torch.dtype | None:
@@ -175,7 +176,7 @@ def _assert_same(got: Any, expected: Any, inputs: torch.dtype | None = None) -> 
         if not torch.equal(got, expected):
             raise AssertionError("values differ")
         return
-    tol = max(_TOL.get(expected.dtype, 1e-5), _TOL.get(inputs, 0.0) if inputs else 0.0)
+    tol = max(_TOL.get(expected.dtype, 1e-5), _TOL.get(inputs, 0.0))
     if not torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True):
         diff = (got.double() - expected.double()).abs().nan_to_num().max().item()
         raise AssertionError(f"values differ (max abs difference {diff:.3g})")

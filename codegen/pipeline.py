@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fxlite.codegen.accuracy import attributes, float64_problem, reproducible, versions
+from fxlite.codegen.accuracy import (
+    HALF_TOLERANCE,
+    attributes,
+    float64_problem,
+    reproducible,
+    versions,
+)
 from fxlite.codegen.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.report import KernelRecord
 from fxlite.codegen.straight_line import StraightRunner
@@ -504,7 +510,7 @@ def assert_same(got: Any, expected: Any) -> None:
         if not (expected.is_floating_point() or expected.is_complex()):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)  # integers, bool
             return
-        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(expected.dtype, 1.3e-6)
+        tol = HALF_TOLERANCE.get(expected.dtype, 1.3e-6)
         atol = 1e-5 if expected.dtype == torch.float32 else tol
         torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol,
                                    equal_nan=True)

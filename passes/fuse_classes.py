@@ -94,8 +94,9 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
 
 
 def _layout_copy(info: OpInfo, fmt: Any) -> bool:
-    """Whether ``node`` is a clone into a dense memory format (a convolution's input or
-    weight made channels-last, a norm's result made row-major as eager's kernel gives it).
+    """Whether an op of ``info`` with ``memory_format=fmt`` is a clone into a dense
+    layout (a convolution's input or weight made channels-last, a norm's result made
+    row-major as eager's kernel gives it).
     It fuses: a kernel stores each result in the layout of its metadata, and its readers
     in the group read the value, not memory, so the layout only matters to that store."""
     return info.name == "clone" and fmt in MEMORY_FORMATS
