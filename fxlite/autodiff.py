@@ -195,7 +195,7 @@ def _joint(gm: GraphModule, inputs: Sequence[Any], requires_grad: Sequence[bool]
                   sources)
 
 
-def _detaches(n: Node, gm: GraphModule) -> bool:
+def _detaches(n: Node, gm: GraphModule | None) -> bool:
     """Whether ``n`` is ``detach``: its value carries no gradient (unlike ops whose
     derivative is 0, such as floor, whose results still require grad in eager)."""
     found = resolve(n, gm)
@@ -452,6 +452,7 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
     from fxlite.passes.normalize import normalize_graph
 
     normalize_graph(graph, None, [n for n in joint.created if not n._erased])
+    _forget_detaches(graph, set(joint.outputs))
     graph.eliminate_dead_code()
     graph.lint()
 
@@ -489,6 +490,25 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
                      [i for i, t in enumerate(joint.tangents) if t is not None], grads, zero,
                      [joint.sources[o] for o, t in zip(joint.outputs, joint.tangents)
                       if t is not None])
+
+
+def _forget_detaches(graph: Graph, keep: set[Node]) -> None:
+    """Once the rules have run, ``detach`` has done its work: each one (but an output) is
+    replaced by its input, and the duplicates that leaves are merged. BatchNorm's variance
+    reads ``x - mean.detach()`` and its output ``x - mean``; the two become one value, so
+    the forward computes it once and the backward reads or recomputes one tensor."""
+    from fxlite.passes.cse import merge_duplicates
+
+    dropped = False
+    for n in list(graph.nodes):
+        found = resolve(n) if n.op in ("call_function", "call_method") and n not in keep else None
+        source = found[1].get("input") if found is not None and found[0].name == "detach" else None
+        if isinstance(source, Node):
+            n.replace_all_uses_with(source)
+            graph.erase_node(n)
+            dropped = True
+    if dropped:
+        merge_duplicates(graph, None, keep)
 
 
 def _ancestors(nodes: list[Node], stop: set[Node]) -> set[Node]:

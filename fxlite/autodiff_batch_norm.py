@@ -9,7 +9,8 @@ that updates the running statistics as eager does::
         y = bn(x)                            n = x.size(0) * x.size(2) * x.size(3)
                                              mean = sum(x, (0, 2, 3), keepdim=True) / n
                                              c = x - mean
-                                             var = sum(c * c, (0, 2, 3), keepdim=True) / n
+                                             d = x - mean.detach()  # c, to autodiff's eyes
+                                             var = sum(d * d, (0, 2, 3), keepdim=True) / n
                                              y = c * rsqrt(var + eps) * w[:, None, None] + b[...]
                                              ...
                                              update_running_stats((bn.running_mean, bn.running_var,
@@ -21,6 +22,10 @@ biased batch variance; the running variance gets the unbiased one
 (``var * n / (n - 1)``), ``momentum=None`` is the cumulative average, and the module's
 ``num_batches_tracked`` is incremented, as ``nn.BatchNorm`` does. The update runs without
 grad, so the buffers never join the autograd graph.
+
+Why ``d``: the variance's gradient through the mean is 0 (the centred values sum to 0),
+and left in, it costs the backward a second pass of sums over the batch. autodiff merges
+``d`` with ``c`` once the derivative rules have run, so the forward computes one.
 """
 
 from __future__ import annotations
@@ -243,7 +248,11 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any,
     else:
         mean = torch.sum(x, dims, keepdim=True) / n
     centered = x - mean
-    var = torch.sum(centered * centered, dims, keepdim=True) / n
+    # The variance's path to the mean is cut from autograd: its gradient there is 0 (the
+    # centred values sum to 0), and differentiated it is a second pass over the batch
+    # (sum of the centred gradient) that the backward kernels would have to make.
+    apart = x - mean.detach()
+    var = torch.sum(apart * apart, dims, keepdim=True) / n
     y = centered * torch.rsqrt(var + eps)
     for p, what, combine in ((weight, "weight", torch.mul), (bias, "bias", torch.add)):
         if p is not None:  # (C,) -> (C, 1, ...), checked against x's channels

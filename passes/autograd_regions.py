@@ -20,7 +20,8 @@ a whole (``fxlite.autodiff``) and the kernel pipeline fuses again, forward and b
 
 What joins: calls of fused groups whose every op has a derivative rule, their
 ``getitem``s, and pure pointwise and reduction ops with a derivative rule (such as the
-outer sums of ``split_sums``) between them. Regions stay convex (no path leaves one and comes back)
+outer sums of ``split_sums``) between them, and ``detach`` (BatchNorm's variance reads
+its mean detached). Regions stay convex (no path leaves one and comes back)
 and never span an impure node, as fuse's groups; only regions of two groups or more are
 made, and only around a reduction that fuse left outside its groups and that keeps a dim
 (the per-channel outer sums of ``split_sums``): there the engine's gradient additions and
@@ -107,8 +108,8 @@ def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
     views only and declines the others, which would send the whole region to eager
     autograd; inside a group fuse admits unit and broadcast views only.)"""
     found = resolve(n, gm)
-    return found is not None and (views or found[0].kind in GROUP_KINDS) and \
-        found[0].vjp is not None and not is_impure(n, gm)
+    return found is not None and (views or found[0].kind in GROUP_KINDS or found[0].name == "detach") \
+        and found[0].vjp is not None and not is_impure(n, gm)
 
 
 def _joins(n: Node, gm: GraphModule) -> bool:

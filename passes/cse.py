@@ -13,15 +13,17 @@ and no value that an impure node may write (``a = x.clone(); a.add_(1)``) merges
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from typing import Any
 
 import torch
 
+from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, resolve
 
-__all__ = ["cse"]
+__all__ = ["cse", "merge_duplicates"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -44,7 +46,26 @@ def cse(gm: GraphModule) -> GraphModule:
             mul = add * add_1                          return mul
             return mul
     """
-    graph = gm.graph
+    merge_duplicates(gm.graph, gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def merge_duplicates(graph: Graph, gm: GraphModule | None = None,
+                     keep: Container[Node] = ()) -> int:
+    """``cse``'s work on a bare graph: merge each later duplicate into the first.
+
+    Args:
+        graph: the graph to rewrite in place (not linted or recompiled here).
+        gm: the module that owns ``graph``, to resolve its ``call_module`` nodes (None for a
+            graph of calls only, such as autodiff's joint graph).
+        keep: nodes that must stay themselves (a caller holds them): they are never
+            replaced, though later duplicates of them are.
+
+    Returns:
+        How many nodes were merged away.
+    """
     # Plan first (nothing changes while keys are computed), then apply.
     rep: dict[Node, Node] = {}
     seen: dict[Any, Node] = {}
@@ -55,18 +76,16 @@ def cse(gm: GraphModule) -> GraphModule:
                 seen.clear()  # it may mutate a value: nothing before it equals anything after
             continue
         first = seen.setdefault(key, node)
-        if first is not node:
+        if first is not node and node not in keep:
             rep[node] = first
     for node, first in rep.items():
         node.replace_all_uses_with(first)
     for node in reversed(list(rep)):
         graph.erase_node(node)
-    graph.lint()
-    gm.recompile()
-    return gm
+    return len(rep)
 
 
-def _key(node: Node, gm: GraphModule, rep: dict[Node, Node]) -> Any:
+def _key(node: Node, gm: GraphModule | None, rep: dict[Node, Node]) -> Any:
     """What two nodes must share to be merged, or None if ``node`` must stay."""
     op = node.op
     if op == "get_attr":
@@ -89,7 +108,7 @@ def _key(node: Node, gm: GraphModule, rep: dict[Node, Node]) -> Any:
     return ("op", info.name, tuple(sorted(items.items())))
 
 
-def _written(node: Node, gm: GraphModule) -> bool:
+def _written(node: Node, gm: GraphModule | None) -> bool:
     """Whether an impure op may write ``node``'s value: it reads it directly or through
     views (``a.view(-1).mul_(3)``). Two equal values are one only while neither changes."""
     todo, seen = [node], {node}
