@@ -66,6 +66,7 @@ from fxlite.node import Node
 from fxlite.ops import is_impure, lookup
 
 from .fuse_classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
+from .fuse_remat import rematerialize
 from .sink_views import sink_views
 from .size_sources import size_sources
 from .split_module import extract_subgraph, set_call_meta, unpack_outputs
@@ -323,7 +324,8 @@ class _Partitioner:
 
 
 # ---------------------------------------------------------------------- building the result
-def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
+def fuse(gm: GraphModule, *, max_group_size: int | None = None, recompute: bool = True
+         ) -> GraphModule:
     """Partition ``gm`` into fusible groups, each called as a ``fused_<i>`` submodule.
 
     Args:
@@ -332,6 +334,10 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
             they fuse as their primitives; running ``normalize`` and ``decompose`` yourself
             gives the same groups.
         max_group_size: if given, no group grows beyond this many nodes.
+        recompute: let a group recompute full-size pointwise values of a reduction group
+            rather than load them, where that moves less memory (``passes/fuse_remat.py``).
+            Their copies are new nodes, so the groups then cover more than ``gm``'s nodes.
+            Off when ``max_group_size`` is given.
 
     Returns:
         A new GraphModule computing the same outputs. Extern and unclassified nodes stay as
@@ -360,6 +366,13 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None) -> GraphModule:
     gm = split_sums(gm)  # sums over inner and outer dims: the inner part fuses
     partitioner = _Partitioner(gm, max_group_size)
     groups = partitioner.run()
+    # (with a size limit a copy might not fit its reader's group: then none are made)
+    again = None if max_group_size is not None or not recompute else rematerialize(
+        gm, groups, {n: c.kind for n, c in partitioner.cls.items()})
+    if again is not None:  # readers recompute values rather than load them: partition anew
+        gm = again
+        partitioner = _Partitioner(gm, max_group_size)
+        groups = partitioner.run()
     return _build(gm, groups, partitioner.segment, partitioner.barriers)
 
 

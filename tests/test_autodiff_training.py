@@ -238,3 +238,41 @@ def test_running_stats_update_without_duplicates_is_one_batch(monkeypatch):
         torch.testing.assert_close(rm, m, rtol=0, atol=0)
         torch.testing.assert_close(rv, v, rtol=0, atol=0)
         assert nbt.item() == 5
+
+
+def _full_size_traffic(kernel, shape) -> int:
+    """How many tensors of ``shape`` a kernel loads or stores."""
+    graph = kernel.group.graph
+    outs = graph.result if isinstance(graph.result, (tuple, list)) else (graph.result,)
+    values = [n for n in graph.nodes if n.op == "placeholder"] + list(outs)
+    return sum(tuple(getattr(v.meta.get("tensor_meta"), "shape", ())) == shape for v in values)
+
+
+def test_batch_norm_training_kernels_pass_over_the_batch_few_times():
+    """A train-mode BatchNorm + ReLU, big enough for its sums to split: forward four
+    passes over full-size tensors (two sums, then load x and store y) in five kernels;
+    backward five passes in four kernels (one pass of four sums, then the gradient).
+    Before, the variance's path to the mean cost backward a second pass of sums (six
+    kernels, nine passes), and kernels stored the centred values for the next to load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                          nn.ReLU(inplace=True)).to(DEVICE).train()
+    eager = copy.deepcopy(model)
+    fn = fxlite.compile(model)
+    for _ in range(3):
+        x = torch.randn(4, 3, 32, 32, device=DEVICE)
+        g = torch.randn(4, 8, 32, 32, device=DEVICE)
+        out, ref = fn(x), eager(x)
+        out.backward(g)
+        ref.backward(g)
+        torch.testing.assert_close(out, ref)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(model[1].running_var, eager[1].running_var)
+    shape = (4, 8, 32, 32)
+    # (the BatchNorm's kernels: not the counter's `num_batches_tracked += 1`)
+    forward = [k for k in fn.kernels if k.direction == "forward" and "region" in k.name]
+    backward = [k for k in fn.kernels if k.direction == "backward"]
+    assert (len(forward), len(backward)) == (5, 4)
+    assert sum(_full_size_traffic(k, shape) for k in forward) == 4
+    assert sum(_full_size_traffic(k, shape) for k in backward) == 5

@@ -425,3 +425,52 @@ def test_broadcast_size_is_eagers_broadcast() -> None:
         broadcast_size(-1, torch.ones(3), torch.ones(4))
     with pytest.raises(IndexError):
         broadcast_size(3, a, b)
+
+
+def _full_outputs(fused: GraphModule, call: Node, shape: tuple[int, ...]) -> int:
+    sub = getattr(fused, call.target)
+    outs = sub.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return sum(tuple(o.meta["tensor_meta"].shape) == shape for o in outs)
+
+
+def test_a_reader_recomputes_a_reduction_groups_full_value_instead_of_loading_it() -> None:
+    """``c = x - m`` feeds a row sum and, past a sum over rows that no group can hold, a
+    second kernel. The second kernel loads ``x`` again rather than ``c``: the first one
+    no longer stores ``c`` (one full-size write less, the same loads)."""
+    def f(x, m):
+        c = x - m
+        s = (c * c).sum(1, keepdim=True)
+        t = s.amax(0, keepdim=True)
+        return c * t
+
+    x, m = torch.randn(6, 40), torch.randn(6, 1)
+    gm = _prep(f, x, m)
+    plain, fused = fuse(gm, recompute=False), fuse(gm)
+    first = [_full_outputs(g, _fused_calls(g)[0], (6, 40)) for g in (plain, fused)]
+    assert first == [1, 0]
+    second = _fused_calls(fused)[1]
+    assert [a.name for a in second.args if isinstance(a, Node)][:1] == ["x"]
+    for out in (plain(x, m), fused(x, m)):
+        torch.testing.assert_close(out, f(x, m))
+    x2 = torch.randn(6, 40)
+    torch.testing.assert_close(fused(x2, m), f(x2, m))
+
+
+def test_a_value_that_an_extern_op_also_reads_is_still_loaded() -> None:
+    """When the stored value stays (a matmul reads it too), a reader recomputes it only if
+    that loads nothing new: here it would load ``x`` instead of ``c``, so it does not."""
+    def f(x, m, w):
+        c = x - m
+        s = (c * c).sum(1, keepdim=True)
+        t = s.amax(0, keepdim=True)
+        return c * t, c @ w
+
+    x, m, w = torch.randn(6, 40), torch.randn(6, 1), torch.randn(40, 3)
+    gm = _prep(f, x, m, w)
+    fused = fuse(gm)
+    calls = _fused_calls(fused)
+    assert _full_outputs(fused, calls[0], (6, 40)) == 1
+    assert "x" not in [a.name for a in calls[1].args if isinstance(a, Node)]
+    for got, want in zip(fused(x, m, w), f(x, m, w)):
+        torch.testing.assert_close(got, want)
