@@ -335,7 +335,7 @@ def test_a_permute_sunk_through_its_producer_reads_the_input_before_a_write():
 
     compiled = fxlite.compile(f)
     for trap in (False, True, True):
-        values = torch.tensor([0.5, 3.0, -2.0, 4.0, 5.0, -6.0])
+        values = torch.tensor([0.5, 3.0, -2.0, 4.0, 5.0, -6.0], device=DEVICE)
         if trap:
             values[1] = float("inf")
         mine, theirs = values[:].view(1, 2, 3), values.clone()[:].view(1, 2, 3)
