@@ -26,6 +26,7 @@ import torch
 from fxlite.autodiff_meta import propagate
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
+from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode
 from fxlite.ops import is_impure, lookup
 
@@ -140,6 +141,7 @@ class _KernelCheck(Interpreter):
         self.kernels[target] = kernel
         owner.kernels.append(kernel)
         owner.records.append(KernelRecord.of(kernel, args, expected))
+        log_kernel(kernel)  # a backward kernel is made by the first backward, not the compile
         return got  # what later calls get from the kernel: the same values on every call
 
 

@@ -44,7 +44,7 @@ from fxlite.codegen.structure import flatten_call
 from fxlite.codegen.trial import Trial, choose_runner
 
 from fxlite.graph_module import GraphModule
-from fxlite.logs import log_break, log_graph, log_kernel
+from fxlite.logs import log_break, log_graph
 from fxlite.proxy import TraceError
 
 __all__ = ["CompiledFunction", "CompiledModule", "compile"]
@@ -392,8 +392,6 @@ class CompiledFunction:
                     not interpreting()
                 graphed = cuda and self._graphs_wanted() and backend in ("triton", "python")
                 seg.run = choose_runner(seg, cuda, graphed)
-                for kernel in compiled.kernels:
-                    log_kernel(kernel)
                 env.update(zip(seg.outputs, compiled.outputs or ()))
                 # The check run's values hold its autograd graph, and with it the grad
                 # accumulators of the parameters, made on this stream: a later CUDA graph

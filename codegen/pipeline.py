@@ -43,6 +43,7 @@ from fxlite.passes.pad_matmul import pad_linears
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
+from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode, map_aggregate
 from fxlite.op_records import amax_or_empty
 
@@ -464,6 +465,7 @@ class _KernelCheck(_Replay):
         self.kernels[target] = kernel
         result = got if expected is None else expected
         self.records.append(KernelRecord.of(kernel, args, result))
+        log_kernel(kernel)
         return result
 
 

@@ -145,3 +145,26 @@ def test_kernel_listener_sees_kernels_with_the_log_off(capsys):
     logs.log_kernel(kernel)  # after the block: no longer called
     assert seen == [kernel]
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs Triton kernels (a GPU or TRITON_INTERPRET=1)")
+def test_the_kernel_log_under_autograd_keeps_the_kernels_and_shows_backward_ones(capsys):
+    # With the kernels log on, logging an autograd group (which has no source of its own)
+    # raised, and the whole function fell back to eager: logging changed what ran.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logs.set_logs(kernels=True)
+    f = lambda x: torch.tanh(x * -1.5)  # noqa: E731
+    compiled = fx.compile(f)
+    for _ in range(2):
+        x = torch.randn(7, device=device)
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        compiled(mine).sum().backward()
+        f(theirs).sum().backward()
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    assert compiled.fallbacks == []
+    printed = capsys.readouterr().err
+    directions = sorted(k.direction for k in compiled.kernels)
+    assert directions == ["backward", "forward"]
+    for kernel in compiled.kernels:  # each printed once, the backward one when it was made
+        assert printed.count(f"===== kernel {kernel.name} ") == 1
