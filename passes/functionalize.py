@@ -75,11 +75,13 @@ def functionalize(gm: GraphModule) -> GraphModule:
                 break
             seen.add(root)
         if root.op == "placeholder" and node.meta.get("grad_enabled") and (
-                root.meta.get("requires_grad")
-                or getattr(root.meta.get("tensor_meta"), "requires_grad", False)):
-            # an input autograd tracks: the write-back would change, after the fact, a
-            # value the pure ops saved for their backward (silu saves its input); eager's
-            # in-place op is written for autograd, so it stays
+                _requires_grad(root) or _requires_grad(node)):
+            # An input autograd tracks, or a write into one whose result autograd tracks
+            # (``b.div_(x)``, x requiring grad): the write-back would change, after the
+            # fact, a value the pure ops saved for their backward (silu saves its input;
+            # b / x saves b, and a fused group may save b to recompute ``b * 2`` for
+            # ``b.mul_(2).div_(x)``). Eager's in-place op is written for autograd (it
+            # saves what it needs), so it stays.
             continue
         node.target, node.args, node.kwargs = target, args, kwargs
         node.meta["impure"] = False
@@ -107,6 +109,12 @@ def functionalize(gm: GraphModule) -> GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _requires_grad(node: Node) -> bool:
+    """Whether the capture saw ``node``'s value require grad."""
+    return bool(node.meta.get("requires_grad")
+                or getattr(node.meta.get("tensor_meta"), "requires_grad", False))
 
 
 def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node],
