@@ -44,7 +44,6 @@ interpreter) is used only when compiling for a GPU.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import threading
@@ -60,7 +59,6 @@ from .cache import kernel_dir, load_module
 from .triton_binaries import binary_key, load_binary, save_binary
 from .triton_common import (
     Plan,
-    analyze,
     computed_outputs,
     guard_key,
     iteration_space,
@@ -75,18 +73,13 @@ from .triton_config import (
     triton_cdiv,
 )
 from .triton_emit import Unsupported
+from .triton_generate import _generate, _identifier, interpreting
 from .triton_launch import Binary, _DirectLaunch, _fingerprint
 from .triton_layout import dense_strides, inverse, memory_order, merges, permute_inputs
-from .triton_pointwise import build_pointwise
-from .triton_reduction import build_reduction
 from .triton_source import KernelSource, division_magic
 
 __all__ = ["DEFAULT_MAX_BLOCK", "TritonKernel", "candidate_configs", "generate_kernel",
            "guard_key", "interpreting", "launch_config", "why_unsupported"]
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------ loading
@@ -532,40 +525,6 @@ def _make_spec(group: GraphModule, inputs: list[Any], name: str, libdevice: bool
                max_block: int) -> _Spec:
     plan, src = _generate(group, inputs, name, libdevice)
     return _Spec(plan, src, max_block)
-
-
-def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool | None
-              ) -> tuple[Plan, KernelSource]:
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    if tensors and tensors[0].device.type == "cpu" and not interpreting():
-        raise Unsupported("CPU tensors need TRITON_INTERPRET=1")
-    if interpreting():
-        import triton.language as tl
-
-        if type(tl.sum).__name__ != "InterpretedFunction":
-            raise Unsupported("TRITON_INTERPRET=1 was set after triton was imported; set it "
-                              "before the first import of triton")
-    if libdevice is None:
-        libdevice = not interpreting()
-    plan = analyze(group, inputs, _UNNAMED)
-    src = (build_pointwise if plan.kind == "pointwise" else build_reduction)(plan, libdevice)
-    # The function is named by what it computes and a digest of its text, not by the
-    # group: identical groups (repeated blocks) give one source, compiled once.
-    ops = list(dict.fromkeys(v.op for v in plan.values if v.kind in ("pw", "reduce")))
-    label = "_".join(["fx"] + ops[:4])
-    plan.name = f"{label}_{hashlib.sha256(src.text.encode()).hexdigest()[:10]}"
-    src = KernelSource(src.text.replace(_UNNAMED, plan.name),
-                       {v: f.replace(_UNNAMED, plan.name) for v, f in src.functions.items()},
-                       src.args, src.tile)
-    return plan, src
-
-
-_UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (triton_common._Builder.fresh)
-
-
-def _identifier(name: str) -> str:
-    out = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
-    return out if out and not out[0].isdigit() else f"k_{out}"
 
 
 def generate_kernel(group_gm: GraphModule, example_inputs: Sequence[Any], name: str = "kernel",

@@ -376,6 +376,8 @@ def test_write_of_a_value_into_itself_after_a_channels_last_kernel():
 # ---------------------------------------------------------------------- gradients
 # Found by the gradient check (tests/fuzz/fuzz_check_grad.py): compiled and eager
 # backward of the same program, from the same weighted sum of its results.
+# Their regression tests are in test_fuzz_regressions_grad.py; _grads stays here, for
+# the tests below and the other files that import it.
 def _grads(fn, calls, weights=None):
     """Compile ``fn``; per call, backward from ``sum(w * out)`` over its results in both
     and compare the results and every input's ``.grad`` (None where eager's is None)."""
@@ -395,67 +397,6 @@ def _grads(fn, calls, weights=None):
         assert [g is None for g in got_g] == [g is None for g in want_g], f"call {i}"
         torch.testing.assert_close(got_g, want_g, equal_nan=True,
                                    msg=lambda m: f"call {i}, grads: {m}")
-
-
-def test_remainder_grad_of_an_infinite_dividend_is_nan():
-    # d(x % y)/dy = -(x // y), which eager's floor division makes NaN for an infinite x;
-    # the rule's floor(x / y) gave -inf (fmod: trunc division, which gives inf as eager).
-    x = torch.tensor([float("inf"), float("-inf"), 4.3, -1.2, float("nan")])
-    y = torch.tensor([1.87, -0.5, 0.5, 2.8, 1.0])
-    for f in (lambda a, b: a % b, torch.fmod):
-        _grads(f, [(torch.randn(5), torch.rand(5) + 1), (x, y)])
-
-
-def test_input_reached_only_by_an_unused_result_gets_no_grad():
-    # A fused group returning (trunc(a) * 2, minimum(tanh(b), trunc(a))): backward from the
-    # first result alone gave b a zero gradient where eager leaves b.grad None (an
-    # optimizer then skips b).
-    def f(a, b):
-        t = a.trunc()
-        return t * 2, torch.minimum(torch.tanh(b), t)
-
-    _grads(f, [(torch.randn(2, 3), torch.randn(2, 3))] * 3, weights=[1.0, None])
-
-
-def test_var_gradient_of_a_row_holding_an_infinity():
-    # Found by the gradient check on an H200 (9 programs, e.g. seeds 6903, 7445, 9733),
-    # reproduced on the CPU: var and std were differentiated after decompose, through their
-    # mean, whose gradient term (0 for finite rows) was NaN for a row holding an infinity
-    # and spread across the row; eager's var_backward gives -inf at the finite elements.
-    x = torch.randn(2, 3)
-    x[0, 1] = float("inf")
-    _grads(lambda t: torch.var(t, -1, unbiased=False), [(torch.randn(2, 3),), (x,), (x,)])
-
-
-def test_std_gradient_where_std_is_zero():
-    # Found with the one above (seeds 847, 6000, 7445): std's gradient is 0 where std is 0
-    # in eager (std_backward masks it); sqrt's derivative there is g / 0, and NaN once
-    # multiplied by the centred zeros. Benign rows first, then a constant row and an
-    # infinity, then a single element.
-    const = torch.tensor([[2.0, 2.0, 2.0], [1.0, -3.0, 0.5]])
-    inf = const.clone()
-    inf[1, 1] = float("inf")
-    _grads(lambda t: torch.std(t, -1, unbiased=False),
-           [(torch.randn(2, 3),), (const,), (inf,), (const,)])
-    _grads(lambda t: torch.std(t, 0, keepdim=True, unbiased=False), [(torch.randn(1, 4),)] * 2)
-
-
-def test_detach_inside_a_group_cuts_the_gradient():
-    # Found by the gradient fuzzer on an H200 (seeds 5288, 9484) once detach had a record:
-    # a result computed only from x.detach() required grad, and x got a zero gradient
-    # where eager gives None. Then x.detach() * x: the gradient flows through one factor.
-    def only(x, y):
-        v = torch.clamp(x, min=2.0, max=0.0).detach()
-        return F.softmax(F.gelu(torch.std(v, dim=-1, correction=0, keepdim=True)), -1,
-                         dtype=torch.float32) + y
-
-    compiled = fxlite.compile(only)
-    for _ in range(3):
-        x, y = torch.randn(1, 4, requires_grad=True), torch.randn(1, 1, requires_grad=True)
-        out = compiled(x, y)
-        out.sum().backward()
-        assert x.grad is None and y.grad is not None
-    _grads(lambda t: t.detach() * t + t, [(torch.randn(2, 4),)] * 3)
 
 
 # ---------------------------------------------------------------------- fixed elsewhere

@@ -1,0 +1,282 @@
+"""fxlite.compile's contract where Python state is involved: a function that changes Python
+state, sets attributes of an argument, or stores tensors in a module's objects, a global
+or an argument container runs eagerly with a warning that says why (and ``fallbacks``
+says so too); one that returns objects holding new tensors gets them rebuilt on every
+call. Never a stale object or result.
+
+Split from test_compile_contract.py, whose helpers and autouse fixture it imports; as
+there, every test calls the compiled function several times with fresh inputs.
+"""
+
+from __future__ import annotations
+
+from test_compile_contract import DEVICE, rand  # isort: skip
+from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
+
+import dataclasses
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("triton")
+
+import fxlite
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def test_python_state_changed_by_the_function_runs_eagerly():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    m = Counter()
+    c = fxlite.compile(m)
+    x = rand(3)
+    with pytest.warns(UserWarning, match="Python state"):
+        outs = [c(x) for _ in range(3)]
+    for i, out in enumerate(outs, 1):
+        torch.testing.assert_close(out, x * i)
+
+
+def _eager_with_warning(f, mine, eager, match):
+    """Compile ``f(state, x)``; over three calls with fresh ``x`` it warns ``match`` and
+    gives what ``f`` gives on a twin ``eager`` state."""
+    c = fxlite.compile(f)
+    with pytest.warns(UserWarning, match=match):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(mine, x), f(eager, x))
+            assert [why for why in c.fallbacks if match in why], c.fallbacks  # says so too
+
+
+def test_a_function_whose_recording_cannot_be_replayed_says_why_in_fallbacks(monkeypatch):
+    # a regression: the whole call ran eagerly with an empty `fallbacks`, so a benchmark
+    # reported 0 kernels and no fallback
+    from fxlite.codegen.compile import CompiledFunction
+
+    def broken(self, *args):
+        raise RuntimeError("no replay")
+
+    monkeypatch.setattr(CompiledFunction, "_compile_path", broken)
+    c = fxlite.compile(lambda x: x.sin() + 1)
+    with pytest.warns(UserWarning, match="replaying its recording failed"):
+        for _ in range(2):
+            x = rand(3)
+            torch.testing.assert_close(c(x), x.sin() + 1)
+            assert len(c.fallbacks) == 1 and "RuntimeError: no replay" in c.fallbacks[0]
+
+
+class _State:
+    def __init__(self):
+        self.h = torch.zeros(3, device=DEVICE)
+        self.steps = 0
+
+
+@pytest.mark.parametrize("what", ["tensor", "number"])
+def test_attributes_set_on_an_argument_object_run_eagerly(what):
+    # a regression: the replay ran the recorded tensor ops but never set state.h again,
+    # so from the second call the object and the results were stale
+    def f(state, x):
+        if what == "tensor":
+            state.h = state.h + x
+        else:
+            state.steps += 1
+        return state.h * 2 + state.steps
+
+    mine, eager = _State(), _State()
+    _eager_with_warning(f, mine, eager, "sets attributes of its _State argument")
+    torch.testing.assert_close(mine.h, eager.h)
+    assert mine.steps == eager.steps
+
+
+class _Holder(nn.Module):
+    """A module keeping tensors in plain Python state: an object and a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = _State()
+        self.history = []
+
+    def forward(self, x):
+        self.state.h = self.state.h + x
+        self.history.append(x.sum())
+        return self.state.h * 2
+
+
+_GLOBAL = {"h": None}
+
+
+def _accumulate(x):
+    _GLOBAL["h"] = x if _GLOBAL["h"] is None else _GLOBAL["h"] + x
+    return _GLOBAL["h"] * 2
+
+
+def test_tensors_stored_in_a_modules_objects_or_a_global_run_eagerly():
+    # a regression: replays ran the tensor ops but never stored the new tensors, so the
+    # object, the list and the global dict kept the first call's and the results drifted
+    mine, eager = _Holder().to(DEVICE), _Holder().to(DEVICE)
+    mine.state.h, eager.state.h = mine.state.h.to(DEVICE), eager.state.h.to(DEVICE)
+    c = fxlite.compile(mine)
+    with pytest.warns(UserWarning, match="stores tensors in a _State that"):
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(x), eager(x))
+    torch.testing.assert_close(mine.state.h, eager.state.h)
+    assert len(mine.history) == len(eager.history) == 3
+    _GLOBAL["h"] = None
+    c = fxlite.compile(_accumulate)
+    total = None
+    with pytest.warns(UserWarning, match="stores tensors in a dict"):
+        for _ in range(3):
+            x = rand(3)
+            total = x if total is None else total + x
+            torch.testing.assert_close(c(x), total * 2)
+
+
+@dataclasses.dataclass
+class _Carry:
+    h: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "dict"])
+def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
+    # a regression: flattened as containers, a dataclass or dict argument's new tensors
+    # were never stored by the replays
+    def f(carry, x):
+        if kind == "dict":
+            carry["h"] = carry["h"] + x
+            return carry["h"] * 2
+        carry.h = carry.h + x
+        return carry.h * 2
+
+    def make():
+        return {"h": torch.zeros(3, device=DEVICE)} if kind == "dict" else _Carry(
+            torch.zeros(3, device=DEVICE))
+
+    mine, eager = make(), make()
+    _eager_with_warning(f, mine, eager, "stores tensors in a")
+    h = (lambda t: t["h"]) if kind == "dict" else (lambda t: t.h)
+    torch.testing.assert_close(h(mine), h(eager))
+
+
+def test_python_state_without_tensors_in_a_modules_objects_still_compiles():
+    # a logger's level cache, a config object: changed or not, no tensor is stored there
+    class Logged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = {"n": 0}
+            self.config = types.SimpleNamespace(scale=2.0)
+
+        def forward(self, x):
+            self.calls["n"] += 1  # a Python side effect, made on the recording call only
+            return x * self.config.scale
+
+    m = Logged().to(DEVICE)
+    c = fxlite.compile(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            x = rand(3)
+            torch.testing.assert_close(c(x), x * 2)
+    assert c.kernels
+
+
+class _Cache:
+    """Like a transformers DynamicCache: an object made inside the call, holding tensors
+    (and a module, which stays shared)."""
+
+    def __init__(self, keys, owner):
+        self.layers = [{"keys": keys, "double": keys * 2}]
+        self.owner = owner
+
+
+def test_a_returned_object_holding_new_tensors_is_rebuilt_on_every_call():
+    # a regression: the object recorded on the first call came back on every later call
+    # (GPT-2's past_key_values held the first call's keys and values)
+    m = nn.Linear(4, 4).to(DEVICE)
+
+    def f(x):
+        keys = m(x)
+        return keys.sum(), _Cache(keys, m)
+
+    c = fxlite.compile(f)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled, no fallback
+        for _ in range(3):
+            x = rand(2, 4)
+            total, cache = c(x)
+            torch.testing.assert_close(cache.layers[0]["keys"], m(x))
+            torch.testing.assert_close(cache.layers[0]["double"], m(x) * 2)
+            torch.testing.assert_close(total, m(x).sum())
+            assert cache.owner is m and all(cache is not s for s in seen)
+            seen.append(cache)
+    assert c.kernels
+
+
+class _Locked:
+    def __init__(self, t):
+        self.t = t
+        self.lock = threading.Lock()  # deepcopy cannot copy it
+
+
+def test_a_returned_object_that_cannot_be_copied_runs_eagerly():
+    c = fxlite.compile(lambda x: _Locked(x * 2))
+    with pytest.warns(UserWarning, match="returns a _Locked holding tensors"):
+        for _ in range(3):
+            x = rand(4)
+            torch.testing.assert_close(c(x).t, x * 2)
+
+
+def test_returned_objects_without_tensors_and_modules_still_compile():
+    m = nn.Linear(3, 3).to(DEVICE)
+
+    def f(x):
+        return m(x), m, "tag", torch.float32
+
+    c = fxlite.compile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            x = rand(2, 3)
+            out, mod, tag, dtype = c(x)
+            torch.testing.assert_close(out, m(x))
+            assert mod is m and tag == "tag" and dtype == torch.float32
+
+
+@pytest.mark.parametrize("returns", ["none", "object", "module"])
+def test_a_single_result_that_is_no_tensor_comes_back_on_later_calls(returns):
+    # a regression: a lone result leaf was taken for a tensor on later calls, so a
+    # function that wrote its input and returned None raised IndexError on its second
+    # call, and a lone returned object came back as its first tensor
+    m = nn.Linear(4, 4).to(DEVICE)
+
+    def f(x, total):
+        total.add_(torch.relu(x) * 2)
+        if returns == "object":
+            return _Cache(m(x), m)
+        return m if returns == "module" else None
+
+    c = fxlite.compile(f)
+    x = rand(3, 4)
+    total, want = torch.zeros_like(x), torch.zeros_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            got, expected = c(x, total), f(x, want)
+            torch.testing.assert_close(total, want)
+            if returns == "object":
+                assert isinstance(got, _Cache) and got.owner is m
+                torch.testing.assert_close(got.layers[0]["keys"], expected.layers[0]["keys"])
+            else:
+                assert got is expected
