@@ -305,6 +305,16 @@ class _Spec:
 _NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)
 
 
+def _least_output_rank(group: GraphModule) -> int:
+    """The lowest rank among the group's outputs that ShapeProp described (a large number
+    when it described none: the kernel's check against eager still refuses a wrong shape)."""
+    out = next((n for n in group.graph.nodes if n.op == "output"), None)
+    items = out.args[0] if out is not None else ()
+    metas = [n.meta.get("tensor_meta") for n in (
+        items if isinstance(items, (tuple, list)) else (items,)) if hasattr(n, "meta")]
+    return min((len(tm.shape) for tm in metas if tm is not None), default=1 << 30)
+
+
 class TritonKernel:
     """A generated kernel for one fused group, callable like the group.
 
@@ -348,6 +358,10 @@ class TritonKernel:
             (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
             and n.kwargs.get("memory_format") is None
             for n in group.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+        # It runs on full-rank views of the inputs (permute_inputs), so an output made from
+        # lower-rank inputs alone would come back with leading size-1 dims: a group with
+        # such an output keeps the logical order when the inputs' ranks differ.
+        self._least_rank = _least_output_rank(group)
 
     @property
     def __name__(self) -> str:  # generated forward code calls the kernel by this name
@@ -384,6 +398,8 @@ class TritonKernel:
         the memory order (None: the logical one; see ``triton_layout``)."""
         try:
             order = memory_order(inputs) if self._reorder else None
+            if order is not None and self._least_rank < len(order):
+                order = None
             if order is not None:  # the kernel runs on views in memory order
                 ordered = permute_inputs(inputs, order)
                 key, shape = key_and_shape(ordered)

@@ -353,3 +353,25 @@ def test_a_fused_norms_size_check_still_raises_for_other_sizes():
         fn(a, b)
     with pytest.raises(RuntimeError, match="normalized_shape"):
         compiled(a, b)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_an_output_of_a_lower_rank_input_keeps_its_rank_in_a_reordered_kernel(layout):
+    """A pointwise group over a transposed rank-3 input and a rank-4 one runs in the
+    inputs' memory order on full-rank views; the output made from the rank-3 input alone
+    came back as 1x3x2x2, the check refused the kernel, and the group ran in eager (GPU
+    fuzz seed 1007807)."""
+    def f(x1, x0):
+        v0 = F.relu6(x1)
+        return v0, torch.minimum(v0, x0)
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        x1 = torch.randn(3, 2, 2, device=DEVICE) * 4
+        x1 = x1.transpose(1, 2) if layout == "transposed" else x1
+        x0 = torch.randn(2, 3, 2, 2, device=DEVICE) * 4
+        got, want = compiled(x1, x0), f(x1, x0)
+        for g, w in zip(got, want):
+            same(g, w)
+            assert g.stride() == w.stride()
+    assert not compiled.fallbacks, compiled.fallbacks
