@@ -205,7 +205,9 @@ def _view_size_checks(node: Node, name: str, v: Value, module: Any = None
     """What a view that changed nothing when recorded needs to stay a no-op: the literal
     sizes it names (``x.view(3, 5)``, ``x.expand(2, 4)``), and for ``squeeze`` dims that
     must not become 1. Without these checks, a kernel reused for other sizes would skip
-    the error eager raises (or the squeeze it does)."""
+    the error eager raises (or the squeeze it does). Only dims the value spans are checked:
+    at the others (a reduced dim kept, a broadcast one) its size is 1, whatever the
+    iteration space's."""
     info = op_table.lookup(node, module)
     try:
         args = op_table.canonical_args(node, info, module) if info is not None else {}
@@ -217,14 +219,15 @@ def _view_size_checks(node: Node, name: str, v: Value, module: Any = None
             [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple))
             else [])
         return [(v.dims[d], -1) for d in dims if isinstance(d, int) and
-                -len(v.dims) <= d < len(v.dims)]
+                -len(v.dims) <= d < len(v.dims) and v.dims[d] in v.span]
     sizes = args.get("size", args.get("shape")) if name in ("view", "reshape", "expand") \
         else None
     if isinstance(sizes, int):
         sizes = (sizes,)
     if not isinstance(sizes, (list, tuple)) or len(sizes) != len(v.dims):
         return []
-    return [(v.dims[i], s) for i, s in enumerate(sizes) if type(s) is int and s >= 0]
+    return [(v.dims[i], s) for i, s in enumerate(sizes)
+            if type(s) is int and s >= 0 and v.dims[i] in v.span]
 
 
 def _table_args(node: Node, info: op_table.OpInfo, module: torch.nn.Module | None = None

@@ -375,3 +375,18 @@ def test_an_output_of_a_lower_rank_input_keeps_its_rank_in_a_reordered_kernel(la
             same(g, w)
             assert g.stride() == w.stride()
     assert not compiled.fallbacks, compiled.fallbacks
+
+
+def test_a_view_of_a_kept_reduced_dim_checks_the_values_size_not_the_rows():
+    """``amax(x, -1, keepdim=True).reshape(1, 1)`` of a 1x4 input: the view's size check
+    compared its literal 1 with the iteration space's 4 at the reduced dim, so the kernel
+    refused its own inputs and the group ran in eager (GPU fuzz seeds 1000404, 1002521,
+    1006066). Views of spanned dims keep their checks (the fused norm test above)."""
+    def f(x):
+        return torch.amax(x, dim=-1, keepdim=True).reshape(1, 1) * 2
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        x = torch.randn(1, 4, device=DEVICE)
+        same(compiled(x), f(x))
+    assert not compiled.fallbacks, compiled.fallbacks
