@@ -352,9 +352,10 @@ class Recorder(TorchFunctionMode):
         state the call started from."""
         for t in tensors:
             name = self._name_of(t) or self._external(t)
-            targets = [(name, t)]
-            if not self._is_external(name):  # a view of an input writes the input
-                targets = self._externals_sharing(t)
+            # a view of an input writes the input; an input (or an earlier segment's
+            # result) writes the others that share its memory (x and x.squeeze())
+            targets = [(name, t)] if self._is_external(name) else []
+            targets += [(n, v) for n, v in self._externals_sharing(t) if n != name]
             for name, value in targets:
                 if self._is_external(name) and name not in self.rec.pre_state:
                     with torch.no_grad():

@@ -389,3 +389,25 @@ def test_a_write_back_never_changes_a_value_saved_for_backward():
 
     small, big = torch.rand(4) * 0.4 + 0.05, torch.rand(4) + 0.6
     _grads(f, [(small,), (big,), (small,), (big,), (small,)])
+
+
+def test_a_new_path_that_writes_through_a_view_checks_from_the_values_before_the_write():
+    # The second call records a new path from the break on: its div_ through v0 (an
+    # earlier segment's view of x) saved v0's value before the write but not x's, so the
+    # compile check read the written x, "disagreed" with eager and the path ran in eager
+    # (GPU fuzz seed 1001663).
+    def f(x):
+        v0 = x.squeeze(-1)
+        v2 = x + int(v0.sum().item())
+        v0.div_(2)
+        return v2
+
+    compiled = fxlite.compile(f)
+    for value in (-2.25, 3.5, -3.25):
+        mine, theirs = torch.tensor(value), torch.tensor(value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(mine)
+        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        torch.testing.assert_close(got, f(theirs))
+        torch.testing.assert_close(mine, theirs)
