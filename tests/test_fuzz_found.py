@@ -404,7 +404,7 @@ def test_a_new_path_that_writes_through_a_view_checks_from_the_values_before_the
 
     compiled = fxlite.compile(f)
     for value in (-2.25, 3.5, -3.25):
-        mine, theirs = torch.tensor(value), torch.tensor(value)
+        mine, theirs = torch.tensor(value, device=DEVICE), torch.tensor(value, device=DEVICE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = compiled(mine)
