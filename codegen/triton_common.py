@@ -351,8 +351,10 @@ class _Builder:
 
         if v.dims != _natural(len(old), r) or varying(old) != varying(new):
             raise Unsupported(f"{node.name}: a view that changes the shape")
-        # a copy of the value at its new dims (emitted as the op-table's clone: no work)
-        return self.add(Value(self.fresh(node.name), "pw", self.meta(node).dtype,
+        # a copy of the value at its new dims (emitted as the op-table's clone: no work),
+        # named by the op as every value is: a node's name would make each layer's source
+        # (and binary) its own, where the repeated blocks of a network share one
+        return self.add(Value(self.fresh("view"), "pw", self.meta(node).dtype,
                               _natural(len(new), r), v.span, op="clone", args={"input": v},
                               node=node.name, exact=v.exact))
 

@@ -369,6 +369,32 @@ def test_repeated_blocks_share_kernel_sources_and_precompile_foresees_them(monke
     assert {k._current.source_id for k in run.kernels.values()} == planned
 
 
+class _FlatBlock(nn.Module):
+    """A GPT-2 MLP's tail at batch one: pointwise math, then a view that drops the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * 0.5 + 1).view(-1, 16).unsqueeze(0)
+
+
+def test_blocks_whose_view_drops_a_batch_of_one_share_kernel_sources():
+    # The view's value was named after its node (view_10, view_21, ...), so at batch one
+    # every GPT-2 layer's kernel had a source of its own: 39 compiles in place of 6.
+    from fxlite.codegen import triton_precompile
+
+    model = nn.Sequential(_FlatBlock(), _FlatBlock(), _FlatBlock()).eval().to(DEVICE)
+    x = torch.randn(1, 8, 16, device=DEVICE)
+    fused = lower(model, x)
+    report = triton_precompile.precompile(fused)
+    assert report["kernels"] == 3 and report["sources"] == 1, report
+    run = Kernels(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 def test_precompile_compiles_what_the_first_call_launches():
     model = nn.Sequential(ConvNeXtBlock(32), ConvNeXtBlock(32)).eval().cuda()
