@@ -16,8 +16,8 @@ graph returns the input itself where it returned the written tensor::
                                                    return (mul, copy_)
 
 Writes through views, into memory another value shares, by ``out=`` arguments, by ops
-without a pure spelling, or (under grad mode) into an input that requires grad stay as
-they are: they are impure nodes, which the fusion
+without a pure spelling, or (under grad mode) into an input that requires grad or with a
+result that does, stay as they are: they are impure nodes, which the fusion
 partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
 without it (graphs from ``symbolic_trace``) are left alone.
 """
