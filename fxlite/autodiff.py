@@ -501,8 +501,9 @@ def _forget_detaches(graph: Graph, keep: set[Node]) -> None:
 
     dropped = False
     for n in list(graph.nodes):
-        found = resolve(n) if n.op in ("call_function", "call_method") and n not in keep else None
-        source = found[1].get("input") if found is not None and found[0].name == "detach" else None
+        if n in keep or n.op not in ("call_function", "call_method") or not _detaches(n, None):
+            continue
+        source = resolve(n)[1].get("input")
         if isinstance(source, Node):
             n.replace_all_uses_with(source)
             graph.erase_node(n)

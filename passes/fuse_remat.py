@@ -63,8 +63,10 @@ def rematerialize(gm: GraphModule, groups: list[Any], kinds: Mapping[Node, str]
         return None
     graph = _copy_graph(gm)
     by_name = {n.name: n for n in graph.nodes}
+    # the readers' order, read once: copies go in before them and never reorder them
+    position = {n: i for i, n in enumerate(graph.nodes)}.__getitem__
     for cone, readers in plan:
-        first = min((by_name[r] for r in readers), key=_position(graph))
+        first = min((by_name[r] for r in readers), key=position)
         env: dict[Node, Node] = {}
         with graph.inserting_before(first):
             for name in cone:
@@ -78,11 +80,6 @@ def rematerialize(gm: GraphModule, groups: list[Any], kinds: Mapping[Node, str]
 
 def _mapper(env: dict[Node, Node]) -> Any:
     return lambda a: env.get(a, a)
-
-
-def _position(graph: Any) -> Any:
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return index.__getitem__
 
 
 def _numel(n: Node) -> int | None:
