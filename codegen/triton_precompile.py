@@ -115,7 +115,7 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     return jobs, groups, kernels, sources
 
 
-def _known(key: tuple, job: tuple, cache: Path) -> bool:
+def _known(key: tuple, job: tuple, cache: Path | None) -> bool:
     """Whether the launch path will find this job's binary without Triton's JIT: in this
     process, or in the disk index (warming it up would cost Triton's cache key, a hash of
     its own sources: 0.4 s in a new process)."""
