@@ -12,9 +12,11 @@ Safety: the source holds only identifiers checked here and literals written here
 name, target, annotation or repr can inject code:
 
 - a node name is used only if it is an identifier that shadows nothing (``self``,
-  ``torch``, a builtin); any other is replaced by a fresh name in the code;
-- an attribute, module path or method name that is not a plain identifier (or that
-  Python would mangle, ``__x``) becomes ``getattr(x, '...')`` with the name as a literal;
+  ``torch``, a builtin) and that Python's NFKC folding of identifiers leaves as it is
+  (``ｓｅｌｆ`` would mean ``self``); any other is replaced by a fresh name in the code;
+- an attribute, module path, method or keyword name that is not a plain identifier (or
+  that Python would fold or mangle, ``ｗ``, ``__x``) becomes ``getattr(x, '...')`` (or
+  ``**{'...': v}``) with the name as a literal;
 - a function prints as a dotted path (``torch.relu``) only if every atom is an identifier
   and the path leads back to that very object;
 - annotations are rebuilt from their parts (``typing.Optional[torch.Tensor]``);
@@ -36,6 +38,7 @@ import operator
 import sys
 import types
 import typing
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +67,11 @@ _MAX_NESTING = 64
 
 
 def _is_ident(s: Any) -> bool:
+    """An identifier Python reads as exactly ``s``: the parser folds identifiers with NFKC,
+    so ``ｇｅｔａｔｔｒ`` in source means ``getattr`` and must not pass as a fresh name."""
     # type() and not isinstance(): a str subclass could override isidentifier().
-    return type(s) is str and s.isidentifier() and not keyword.iskeyword(s)
+    return type(s) is str and s.isidentifier() and not keyword.iskeyword(s) and (
+        s.isascii() or unicodedata.normalize("NFKC", s) == s)
 
 
 def _is_attr(s: Any) -> bool:
@@ -149,6 +155,8 @@ class _Emitter:
         for n in odd:
             hint = _plain(n.name) if isinstance(n.name, str) else "node"
             self.ref[n] = self.names.create_name(hint.lstrip("_") or "node")
+        # No global may be named forward: the generated def would rebind it. (A local may.)
+        self.names.reserve("forward")
         self.globals: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
         self._spelled: dict[int, str] = {}  # id(obj) -> qualified(obj); objects outlive this

@@ -11,6 +11,7 @@ and iterating while erasing is safe. ``str(graph)`` prints one node per line::
 
 Node names are unique within a graph, are valid Python identifiers, and never shadow a
 keyword or a builtin (``sum`` becomes ``sum_1``), so generated code can use them as-is.
+Candidates are folded with NFKC first, as Python folds identifiers (``ｓｕｍ`` is ``sum``).
 Code generation lives in ``fxlite.codegen.python``, not here.
 """
 
@@ -24,6 +25,7 @@ import inspect
 import keyword
 import re
 import sys
+import unicodedata
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,7 +74,9 @@ class _Namespace:
     def _sanitize(self, candidate: str) -> str:
         name = self._cache.get(candidate)
         if name is None:
-            name = _NOT_IDENT.sub("_", _CAMEL.sub(r"_\1", candidate)).lower() or "_"
+            # NFKC first, as Python folds identifiers: "ｇｅｔａｔｔｒ" is "getattr" (reserved)
+            folded = unicodedata.normalize("NFKC", candidate)
+            name = _NOT_IDENT.sub("_", _CAMEL.sub(r"_\1", folded)).lower() or "_"
             if name[0].isdigit():
                 name = "_" + name
             self._cache[candidate] = name

@@ -14,12 +14,11 @@ import os
 import re
 import sys
 import types
-from keyword import iskeyword
 from typing import Any
 
 import torch
 
-from fxlite.codegen.python import PythonCode, generate, import_spelling
+from fxlite.codegen.python import PythonCode, _is_ident, generate, import_spelling
 
 from .graph import Graph, gc_paused
 
@@ -297,7 +296,7 @@ class GraphModule(torch.nn.Module):
             ValueError: ``module_name`` is not a Python identifier.
             RuntimeError: the code needs an object that cannot be imported by name.
         """
-        if type(module_name) is not str or not module_name.isidentifier() or iskeyword(module_name):
+        if not _is_ident(module_name):
             raise ValueError(f"to_folder: module_name must be a Python identifier, not {module_name!r}")
         os.makedirs(folder, exist_ok=True)
         tensors = {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
@@ -350,10 +349,6 @@ def _import_lines(code: PythonCode) -> list[str]:
         if rest:  # a nested name (Outer.inner): import the outer one, then look it up
             lines.append(f"{name} = {name}.{rest}")
     return lines
-
-
-def _is_ident(s: Any) -> bool:
-    return type(s) is str and s.isidentifier() and not iskeyword(s)
 
 
 def _class_name(name: str) -> str:
