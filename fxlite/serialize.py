@@ -5,8 +5,13 @@ safetensors layout (``fxlite.serialize_tensors``). Loading runs no code from the
 it never calls ``eval``, ``exec`` or ``pickle``, and every target is looked up by name in
 an allowlist (``fxlite.serialize_allowlist``): torch ops, ``torch.nn.functional``,
 ``operator``, ``math``, Tensor methods, standard ``torch.nn`` modules (rebuilt from their
-constructor arguments) and what the loading program registered. An unknown target, or a
-truncated or edited file, raises :class:`SerializationError` naming what is wrong.
+constructor arguments) and what the loading program registered. ``get_attr`` and
+``call_module`` targets must be paths through the modules the file stores (no dunder, no
+attribute of Python's object graph); modules are built on the meta device, and every stored
+tensor must have the shape their constructor gives it; reading stops at :class:`Limits`
+(file size, JSON depth, nodes, values, time); and nothing outside the new module changes.
+An unknown target, or a truncated, edited or oversized file, raises
+:class:`SerializationError` naming what is wrong. SECURITY.md has the threat model.
 
 How this differs from pickling a GraphModule: ``pickle.load`` imports and calls whatever
 the file names (any function, any class, with any arguments), so a pickle from someone
@@ -29,7 +34,8 @@ The graph JSON::
              {"dict": [[k, v]...]}, {"slice": [a, b, c]}, {"node": "x"}, {"float": "inf"},
              {"dtype": "float32"}, {"device": "cpu"}, {"function": "torch.relu"},
              {"registered": "mylib.op"}, {"tensor": key}, and {"ref": i}: a part nested too
-             deep, kept in the record's own "values" list (entries refer only to earlier ones)
+             deep, kept in the record's own "values" list (entries refer only to earlier
+             ones, each once: a table whose entries shared parts could expand exponentially)
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -46,9 +53,9 @@ from . import serialize_tensors
 from .graph import Graph, check_order, gc_paused
 from .graph_module import GraphModule
 from .node import Node
-from .serialize_tensors import SerializationError
+from .serialize_tensors import Limits, SerializationError
 
-__all__ = ["SerializationError", "load", "register", "save"]
+__all__ = ["Limits", "SerializationError", "load", "register", "save"]
 
 register = allow.register
 _FORMAT, _VERSION = "fxlite.graph", 1
@@ -83,33 +90,51 @@ def save(gm: GraphModule, path: str | os.PathLike) -> None:
     serialize_tensors.write(path, text, writer.tensors)
 
 
-def load(path: str | os.PathLike) -> GraphModule:
+def load(path: str | os.PathLike, *, limits: Limits | None = None) -> GraphModule:
     """Read a GraphModule written by :func:`save`, running no code from the file.
 
+    What the file may do is bounded: it names only allowlisted functions, methods and module
+    classes, its ``get_attr``/``call_module`` targets are paths through the modules it
+    stores, modules are built on the meta device and must match the stored tensors, and
+    reading stops at ``limits``. SECURITY.md states the promise and what it leaves out.
+
+    Args:
+        path: the file.
+        limits: bounds on size, nesting, nodes, values and time (default: :class:`Limits`).
+
     Raises:
-        SerializationError: the file is truncated, damaged or edited, or names a target
-            outside the allowlist (register trusted functions with :func:`register`).
+        FileNotFoundError, IsADirectoryError, PermissionError: ``path`` is not a readable file.
+        SerializationError: the file is truncated, damaged, edited or over a limit, or names
+            a target outside the allowlist (register trusted functions with
+            :func:`register`); the message names the path, the node or module, and the field.
+
+    Example::
+
+        gm = fxlite.load("model.fxl", limits=fxlite.serialize.Limits(max_file_bytes=1 << 30))
     """
+    limits = limits or Limits()
+    budget = _Budget(limits)
+    where = f"fxlite.load({os.fspath(path)!r})"
+    try:  # OSError (missing, a folder, unreadable) is the path's, not the file's: it passes
+        text, tensors = serialize_tensors.read(path, limits, budget.deadline)
+    except SerializationError as e:
+        raise SerializationError(f"{where}: {e}") from None
     try:
-        text, tensors = serialize_tensors.read(path)
         with gc_paused():  # as in save
-            doc = json.loads(text)
+            doc = serialize_tensors.parse_json(text.encode(), limits.max_json_depth, "the graph")
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise _Bad("the graph is not an fxlite graph document")
         if doc.get("version") != _VERSION:
-            raise _Bad(f"format version {doc.get('version')!r} is not {_VERSION}")
+            raise _Bad(f"format version {_text(doc.get('version'))[:20]} is not {_VERSION}")
         with gc_paused():
-            gm = _Reader(tensors).module(doc.get("root"), "")
+            gm = _Reader(tensors, budget).module(doc.get("root"), "")
     except (SerializationError, _Bad) as e:
-        raise SerializationError(f"fxlite.load({os.fspath(path)!r}): {e}") from None
-    except json.JSONDecodeError as e:
-        raise SerializationError(f"fxlite.load({os.fspath(path)!r}): the graph is not valid JSON "
-                                 f"({e})") from None
+        raise SerializationError(f"{where}: {e}") from None
     except Exception as e:  # a structure no check above foresaw: still the file's fault
-        raise SerializationError(f"fxlite.load({os.fspath(path)!r}): the file is malformed "
-                                 f"({type(e).__name__}: {e})") from e
+        raise SerializationError(f"{where}: the file is malformed ({type(e).__name__}: "
+                                 f"{_text(e)[:200]})") from e
     if not isinstance(gm, GraphModule):
-        raise SerializationError(f"fxlite.load({os.fspath(path)!r}): the root is not a graph")
+        raise SerializationError(f"{where}: the root is not a graph")
     return gm
 
 
@@ -309,106 +334,186 @@ def _describe(fn: Any) -> str:
 
 
 # ---------------------------------------------------------------------- reading
+class _Budget:
+    """What is left of one load's :class:`Limits`: nodes, values and time."""
+
+    __slots__ = ("limits", "deadline", "nodes", "values")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.max_seconds
+        self.nodes = 0
+        self.values = 0
+
+    def spend_nodes(self, n: int, where: str) -> None:
+        self.nodes += n
+        if self.nodes > self.limits.max_nodes:
+            raise _Bad(f"{where}: the file holds more than {self.limits.max_nodes} nodes "
+                       "(Limits.max_nodes)")
+        self.clock(where)
+
+    def spend_value(self, where: str) -> None:
+        self.values += 1
+        if self.values > self.limits.max_values:
+            raise _Bad(f"{where}: the file holds more than {self.limits.max_values} values "
+                       "(Limits.max_values)")
+        if not self.values & 4095:
+            self.clock(where)
+
+    def clock(self, where: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise _Bad(f"{where}: loading took longer than {self.limits.max_seconds} s "
+                       "(Limits.max_seconds)")
+
+
 class _Reader:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], budget: _Budget) -> None:
         self.tensors = tensors
+        self.budget = budget
         self.params: dict[str, torch.nn.Parameter] = {}  # one Parameter per stored tensor
         self.values: list[Any] = []  # the current record's decoded too-deep parts
+        self.used: set[int] = set()  # which of them a value has taken
+        # The names a graph may read besides submodules, parameters and buffers: the
+        # constants and plain tensors each graph or container record stored.
+        self.data: dict[torch.nn.Module, frozenset[str]] = {}
 
     def module(self, rec: Any, where: str) -> torch.nn.Module:
         what = f"module {where!r}" if where else "the root module"
         if not isinstance(rec, dict):
             raise _Bad(f"{what}: expected an object, found {_text(rec)[:60]}")
+        self.budget.clock(what)
         kind = rec.get("kind")
         if kind == "module":
             return self.standard(rec, what)
         if kind == "container":
             cls = allow.resolve_module(rec.get("class"))
             if cls not in _CONTAINERS:
-                raise _Bad(f"{what}: {rec.get('class')!r} is not a container module")
+                raise _Bad(f"{what}: {_text(rec.get('class'))[:60]} is not a container module")
             m: torch.nn.Module = cls()
         elif kind == "graph":
             m = torch.nn.Module()
         else:
-            raise _Bad(f"{what}: unknown kind {kind!r}")
-        for name, child in _field(rec, "children", dict, what).items():
+            raise _Bad(f"{what}: unknown kind {_text(kind)[:40]}")
+        children = _field(rec, "children", dict, what)
+        stored = _field(rec, "tensors", dict, what)
+        constants = _field(rec, "constants", dict, what)
+        for a, b in ((children, stored), (children, constants), (stored, constants)):
+            twice = a.keys() & b.keys()
+            if twice:
+                raise _Bad(f"{what}: {min(twice)!r} names two things (a child, a tensor or a constant)")
+        for name, child in children.items():
             m.add_module(_attr_name(name, what), self.module(child, f"{where}.{name}" if where else name))
-        self.install(m, _field(rec, "tensors", dict, what), what)
+        for name, entry in stored.items():
+            self.put_tensor(m, _attr_name(name, what), entry, None, f"{what}, tensor {name!r}")
         self.decode_values(rec, what, None)
-        for name, v in _field(rec, "constants", dict, what).items():
+        for name, v in constants.items():
             setattr(m, _attr_name(name, what), self.value(v, f"{what}, constant {name!r}", None))
         m.training = _field(rec, "training", bool, what)  # not train(): children keep their own
+        data = frozenset(constants) | {k for k, e in stored.items() if e.get("plain")}
         if kind != "graph":
+            self.data[m] = data
             return m
         class_name = _field(rec, "class_name", str, what)
-        graph = self.graph(_field(rec, "nodes", list, what), what)
+        if not class_name.isprintable() or len(class_name) > 200:
+            raise _Bad(f"{what}: bad class name {class_name[:60]!r}")
+        self.data[m] = data
+        graph = self.graph(_field(rec, "nodes", list, what), what, m)
         try:
             gm = GraphModule(m, graph, class_name=class_name)
             gm.graph.lint()
         except RuntimeError as e:
             raise _Bad(f"{what}: {e}") from None
+        self.data[gm] = frozenset(k for k in data if k in vars(gm))
         return gm
 
     def standard(self, rec: dict, what: str) -> torch.nn.Module:
+        """A standard module, built on the meta device (allocating nothing) from arguments
+        checked against its constructor, then given the stored tensors once their names,
+        shapes and kinds match what that constructor made."""
         cls = allow.resolve_module(rec.get("class"))
         if cls is None or cls in _CONTAINERS:
-            raise _Bad(f"{what}: module class {rec.get('class')!r} is not in the allowlist of "
-                       "modules load rebuilds (standard torch.nn modules, and registered classes)")
+            raise _Bad(f"{what}: module class {_text(rec.get('class'))[:60]} is not in the allowlist "
+                       "of modules load rebuilds (standard torch.nn modules, and registered classes)")
         raw_args = _field(rec, "args", dict, what)
-        self.decode_values(rec, what, None)
-        args = {_attr_name(k, what): self.value(v, f"{what}, argument {k!r}", None) for k, v in raw_args.items()}
-        m = allow.construct(cls, args, what)
         stored = _field(rec, "tensors", dict, what)
-        expected = {n for n, _ in m.named_parameters(remove_duplicate=False)} | \
-            {n for n, _ in m.named_buffers(remove_duplicate=False)}
-        if set(stored) != expected:
-            raise _Bad(f"{what}: the file stores tensors {sorted(stored)}, but {cls.__name__}"
-                       f"(**{args}) has {sorted(expected)}")
-        self.install(m, stored, what)
-        if any(isinstance(v, torch.Tensor) and v.is_meta for sub in m.modules() for v in vars(sub).values()):
-            m = allow.construct(cls, args, what, device=None)  # __init__ keeps a tensor of its own
-            self.install(m, stored, what)
+        accepted = allow.init_parameters(cls)
+        self.decode_values(rec, what, None)
+        args = {}
+        for k, v in raw_args.items():
+            if k not in accepted:
+                raise _Bad(f"{what}: {_text(k)[:40]} is not an argument {cls.__name__} accepts "
+                           f"from a file ({', '.join(sorted(accepted)) or 'none'})")
+            args[k] = self.value(v, f"{what}, argument {k!r}", None)
+        problem = allow.size_problem(args, len(stored))
+        if problem:
+            raise _Bad(f"{what}: {cls.__name__}: {problem}")
+        m = allow.construct(cls, args, what)
+        made = dict(m.named_parameters(remove_duplicate=False))
+        params = set(made)
+        made.update(m.named_buffers(remove_duplicate=False))
+        if set(stored) != set(made):
+            raise _Bad(f"{what}: the file stores tensors {sorted(stored)[:20]}, but {cls.__name__}"
+                       f"(**{_text(args)[:200]}) has {sorted(made)[:20]}")
+        problem = allow.unbuilt_problem(m)
+        if problem:
+            raise _Bad(f"{what}: {cls.__name__}: {problem}")
+        modules = dict(m.named_modules(remove_duplicate=False))
+        for path, entry in stored.items():
+            where = f"{what}, tensor {path!r}"
+            t = self.tensor(entry.get("key") if isinstance(entry, dict) else None, where)
+            shape, dtype = made[path].shape, made[path].dtype
+            if t.shape != shape:
+                raise _Bad(f"{where}: stored with shape {list(t.shape)}, but {cls.__name__}"
+                           f"(**{_text(args)[:200]}) makes it {list(shape)}")
+            if t.dtype != dtype and not (t.dtype.is_floating_point and dtype.is_floating_point):
+                raise _Bad(f"{where}: stored as {t.dtype}, but {cls.__name__} makes it {dtype}")
+            if bool(entry.get("param")) != (path in params) or entry.get("plain"):
+                raise _Bad(f"{where}: {cls.__name__} makes it a "
+                           f"{'parameter' if path in params else 'buffer'}, the file says otherwise")
+            owner_path, _, name = path.rpartition(".")
+            self.put_tensor(modules[owner_path], name, entry, t, where)
         training = _field(rec, "training", dict, what)
-        for path, sub in m.named_modules():
+        for path, sub in modules.items():
             sub.training = bool(training.get(path, True))
         return m
 
-    def install(self, m: torch.nn.Module, stored: dict, what: str) -> None:
-        for path, entry in stored.items():
-            if not isinstance(entry, dict):
-                raise _Bad(f"{what}: tensor entry {path!r} is not an object")
-            t = self.tensor(entry.get("key"), f"{what}, tensor {path!r}")
-            owner_path, _, name = str(path).rpartition(".")
-            owner = m.get_submodule(owner_path) if owner_path else m
-            _attr_name(name, what)
-            if entry.get("param"):
-                key = entry["key"]
-                if key not in self.params:
-                    self.params[key] = torch.nn.Parameter(t, requires_grad=bool(entry.get("requires_grad")))
-                owner._parameters[name] = self.params[key]
-                owner.__dict__.pop(name, None)
-            elif entry.get("plain"):
-                setattr(owner, name, t)
+    def put_tensor(self, owner: torch.nn.Module, name: str, entry: Any, t: torch.Tensor | None,
+                   where: str) -> None:
+        if not isinstance(entry, dict):
+            raise _Bad(f"{where}: the entry is not an object")
+        if t is None:
+            t = self.tensor(entry.get("key"), where)
+        if entry.get("param"):
+            key = entry["key"]
+            if key not in self.params:
+                self.params[key] = torch.nn.Parameter(t, requires_grad=bool(entry.get("requires_grad")))
+            owner._parameters[name] = self.params[key]
+            owner.__dict__.pop(name, None)
+        elif entry.get("plain"):
+            setattr(owner, name, t)
+        else:
+            owner._buffers[name] = t
+            owner.__dict__.pop(name, None)
+            if entry.get("persistent", True):
+                owner._non_persistent_buffers_set.discard(name)
             else:
-                owner._buffers[name] = t
-                owner.__dict__.pop(name, None)
-                if entry.get("persistent", True):
-                    owner._non_persistent_buffers_set.discard(name)
-                else:
-                    owner._non_persistent_buffers_set.add(name)
+                owner._non_persistent_buffers_set.add(name)
 
     def tensor(self, key: Any, what: str) -> torch.Tensor:
         t = self.tensors.get(key) if type(key) is str else None
         if t is None:
-            raise _Bad(f"{what}: the file has no tensor {key!r}")
+            raise _Bad(f"{what}: the file has no tensor {_text(key)[:60]}")
         return t
 
-    def graph(self, records: list, what: str) -> Graph:
+    def graph(self, records: list, what: str, root: torch.nn.Module) -> Graph:
+        self.budget.spend_nodes(len(records), what)  # refused before any is built
         graph = Graph()
         made: dict[str, Node] = {}
         for i, rec in enumerate(records):
             if not isinstance(rec, dict):
                 raise _Bad(f"{what}: node #{i} is not an object")
+            if not i & 255:
+                self.budget.clock(what)
             name = rec.get("name")
             where = f"{what}, node {name!r}"
             if type(name) is not str or not name or name in made:
@@ -416,7 +521,7 @@ class _Reader:
             op, target = rec.get("op"), rec.get("target")
             if op not in ("placeholder", "get_attr", "call_function", "call_method",
                           "call_module", "output"):
-                raise _Bad(f"{where}: unknown op {op!r}")
+                raise _Bad(f"{where}: unknown op {_text(op)[:40]}")
             if type(target) is not str:
                 raise _Bad(f"{where}: the target must be a string, not {_text(target)[:60]}")
             if op == "call_function":
@@ -424,10 +529,12 @@ class _Reader:
                 if fn is None:
                     hint = "register it with fxlite.serialize.register in the loading program" \
                         if rec.get("registered") else "it is not in the allowlist of functions"
-                    raise _Bad(f"{where}: unknown target {target!r}: {hint}")
+                    raise _Bad(f"{where}: unknown target {target[:80]!r}: {hint}")
                 target = fn
             elif op == "call_method" and not allow.tensor_method_ok(target):
-                raise _Bad(f"{where}: method {target!r} is not an allowed Tensor method")
+                raise _Bad(f"{where}: method {target[:80]!r} is not an allowed Tensor method")
+            elif op in ("get_attr", "call_module"):
+                self.check_target(root, target, op, where)
             self.decode_values(rec, where, made)
             args = self.value(rec.get("args", []), where, made)
             kwargs = self.value(rec.get("kwargs", {}), where, made)
@@ -445,12 +552,43 @@ class _Reader:
                 raise _Bad(f"{where}: {e}") from None
         return graph
 
+    def check_target(self, root: torch.nn.Module, target: str, op: str, where: str) -> None:
+        """Refuse a ``get_attr``/``call_module`` target unless it walks the module tree the file
+        built: submodules, then (for get_attr) a parameter, buffer or stored constant.
+
+        Why: GraphModule copies each target by attribute lookup, and the generated forward
+        reads it the same way; a path through anything else (``forward.__globals__``,
+        ``__class__.__init__``) reaches Python's object graph, and from there any code.
+        """
+        obj: Any = root
+        atoms = target.split(".")
+        for i, atom in enumerate(atoms):
+            last = i == len(atoms) - 1
+            found = None
+            if isinstance(obj, torch.nn.Module) and atom and not _is_dunder(atom):
+                d = obj.__dict__
+                found = d["_modules"].get(atom)
+                if found is None and last and op == "get_attr":
+                    found = d["_parameters"].get(atom)
+                    if found is None:
+                        found = d["_buffers"].get(atom)
+                    if found is None and atom in self.data.get(obj, ()):
+                        found = d.get(atom)
+            if found is None:
+                owner = ".".join(atoms[:i]) or "the root"
+                kinds = "submodule, parameter, buffer or constant" if last and op == "get_attr" \
+                    else "submodule"
+                raise _Bad(f"{where}: field 'target' {target[:120]!r} is not a path through the "
+                           f"stored modules: {owner} has no {kinds} {atom[:60]!r}")
+            obj = found
+
     def decode_values(self, rec: dict, where: str, nodes: dict[str, Node] | None) -> None:
         """Decode the record's too-deep parts, in order: each refers only to earlier ones."""
         raw = rec.get("values", [])
         if type(raw) is not list:
             raise _Bad(f"{where}: field 'values' must be a list")
         self.values = []
+        self.used = set()
         for enc in raw:
             self.values.append(self.value(enc, where, nodes))
 
@@ -465,9 +603,11 @@ class _Reader:
 
     def value(self, enc: Any, where: str, nodes: dict[str, Node] | None) -> Any:
         """Decode a stored value (iteratively: it may nest as deep as the values table)."""
+        spend = self.budget.spend_value
         flat = enc.get("tuple") if type(enc) is dict and len(enc) == 1 else None
         if type(flat) is list and not any(type(x) is list or (type(x) is dict and not x.keys().isdisjoint(
                 _CONTAINER_TAGS)) for x in flat):  # the common case: (x, 1.0)
+            spend(where)
             return tuple(self.leaf(x, where, nodes) for x in flat)
         stack: list[tuple[Any, Any, list]] = []
         cur: Any = enc
@@ -476,10 +616,12 @@ class _Reader:
             if kids is None:
                 result = self.leaf(cur, where, nodes)
             elif kids:
+                spend(where)
                 stack.append((cur, kids, []))
                 cur = kids[0]
                 continue
             else:
+                spend(where)
                 result = self._build(cur, [])
             while stack:
                 parent, kids, done = stack[-1]
@@ -514,6 +656,8 @@ class _Reader:
         if tag == "tuple":
             return tuple(parts)
         if tag == "size":
+            if not all(type(p) is int for p in parts):
+                raise _Bad("a torch.Size holds only ints")
             return torch.Size(parts)
         if tag == "slice":
             return slice(*parts)
@@ -523,6 +667,7 @@ class _Reader:
             raise _Bad("a dict key is unhashable") from None
 
     def leaf(self, enc: Any, where: str, nodes: dict[str, Node] | None) -> Any:
+        self.budget.spend_value(where)
         if enc is None or type(enc) in (bool, int, str, float):
             return enc
         if type(enc) is not dict or len(enc) != 1:
@@ -530,16 +675,22 @@ class _Reader:
         (tag, body), = enc.items()
         if tag == "node" and nodes is not None:
             if body not in nodes:
-                raise _Bad(f"{where}: reads node {body!r}, which is not defined before it")
+                raise _Bad(f"{where}: reads node {_text(body)[:60]}, which is not defined before it")
             return nodes[body]
         if tag == "ref" and type(body) is int and 0 <= body < len(self.values):
+            if body in self.used:  # save writes each once: shared parts could expand exponentially
+                raise _Bad(f"{where}: part #{body} of the 'values' table is used twice")
+            self.used.add(body)
             return self.values[body]
         if tag == "float" and body in ("inf", "-inf", "nan"):
             return float(body)
         if tag == "ellipsis":
             return ...
-        if tag == "complex" and type(body) is list and len(body) == 2:
-            return complex(*(self.leaf(b, where, nodes) for b in body))
+        if tag == "complex" and type(body) is list and len(body) == 2 \
+                and all(type(b) in (int, float) or type(b) is dict for b in body):
+            parts = [self.leaf(b, where, nodes) for b in body]
+            if all(type(p) in (int, float) for p in parts):
+                return complex(*parts)
         if tag in ("dtype", "memory_format", "layout") and type(body) is str:
             obj = getattr(torch, body, None) if body.isidentifier() else None
             kind = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
@@ -566,12 +717,19 @@ def _field(rec: dict, key: str, kind: type, what: str) -> Any:
     return value
 
 
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"forward", "training"}
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+# Names a file may not give an attribute: nn.Module's own, and anything GraphModule's class
+# or instances define (methods, ``meta``, ``graph``, ``code``): a stored name shadowing one
+# would change what those mean.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"forward", "training", "meta"}
 
 
 def _attr_name(name: Any, what: str) -> str:
     """A name the file may give an attribute: never one of nn.Module's own, nor a dunder."""
     if type(name) is not str or not name or "." in name or name in _MODULE_INTERNALS \
-            or (name.startswith("__") and name.endswith("__")):
+            or _is_dunder(name) or hasattr(GraphModule, name):
         raise _Bad(f"{what}: bad attribute name {_text(name)[:60]}")
     return name

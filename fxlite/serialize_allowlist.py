@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from .serialize_tensors import SerializationError
 
-__all__ = ["construct", "constructor_args", "function_name", "module_name", "rebuild_problem",
-           "register", "registered", "resolve_function", "resolve_module", "tensor_attribute_ok",
-           "tensor_method_ok"]
+__all__ = ["construct", "constructor_args", "function_name", "init_parameters", "module_name",
+           "rebuild_problem", "register", "registered", "resolve_function", "resolve_module",
+           "size_problem", "tensor_attribute_ok", "tensor_method_ok", "unbuilt_problem"]
 
 _ATEN_MODULES = ("torch", "torch._C._nn", "torch._C._special", "torch._C._linalg", "torch._C._fft",
                  "torch._C._VariableFunctions")
@@ -170,20 +170,68 @@ def constructor_args(m: torch.nn.Module, where: str) -> dict[str, Any]:
     return args
 
 
-def construct(cls: type, args: dict[str, Any], what: str, device: str | None = "meta") -> torch.nn.Module:
-    # On the meta device, construction allocates and initializes nothing; the stored
-    # tensors replace the parameters right after.
-    params = inspect.signature(cls.__init__).parameters
-    extra = {"device": device} if device and "device" in params else {}
+@functools.cache
+def init_parameters(cls: type) -> frozenset[str]:
+    """The constructor arguments a file may give ``cls``: its named, public ones, but not
+    ``device`` or ``dtype`` (load chooses them) and not ``*args``/``**kwargs``."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                     and p.name not in ("self", "device", "dtype") and not p.name.startswith("_"))
+
+
+# Constructor arguments that count layers: each layer stores at least one tensor, so a file
+# may ask for no more layers than it stores tensors (nn.LSTM's num_layers, nn.Transformer's).
+_LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+
+
+def size_problem(args: dict[str, Any], stored: int) -> str | None:
+    """Why ``args`` would build more than a module that stores ``stored`` tensors; None if
+    they would not. Checked before constructing: even on the meta device, a module of a
+    million layers takes minutes to build."""
+    for name in _LAYER_COUNTS:
+        n = args.get(name)
+        if type(n) is int and n > stored:
+            return f"{name}={n} asks for more layers than the {stored} tensors the file stores"
+    return None
+
+
+def construct(cls: type, args: dict[str, Any], what: str) -> torch.nn.Module:
+    """``cls(**args)`` on the meta device, where construction allocates and initializes
+    nothing; the stored tensors replace the parameters and buffers right after.
+
+    Why not ``with torch.device("meta")`` as well: it sets a process-wide default (other
+    threads' ``torch.get_default_device()`` would see it). Standard modules without a
+    ``device`` argument build no tensors, and :func:`unbuilt_problem` refuses one that did.
+    """
+    extra = {"device": "meta"} if "device" in inspect.signature(cls.__init__).parameters else {}
     try:
         return cls(**args, **extra)
     except Exception as e:
-        raise SerializationError(f"{what}: {cls.__name__}(**{args}) raised "
-                                 f"{type(e).__name__}: {e}") from None
+        raise SerializationError(f"{what}: {cls.__name__}(**{_short(args)[:200]}) raised "
+                                 f"{type(e).__name__}: {_short(e)[:200]}") from None
+
+
+def unbuilt_problem(m: torch.nn.Module) -> str | None:
+    """What a module built by :func:`construct` holds that stored tensors would not replace
+    (a tensor attribute that is no parameter or buffer, a tensor off the meta device); None
+    if nothing."""
+    for path, sub in m.named_modules(remove_duplicate=False):
+        where = f"{path}." if path else ""
+        for k, v in vars(sub).items():
+            if isinstance(v, torch.Tensor):
+                return (f"it keeps tensor {where}{k}, which is neither a parameter nor a buffer, so "
+                        "load would have to compute it")
+        for k, v in [*sub._parameters.items(), *sub._buffers.items()]:
+            if v is not None and not v.is_meta:
+                return f"its constructor allocated {where}{k} (it ignores device='meta')"
+    return None
 
 
 def rebuild_problem(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
     """What differs between two modules, besides tensor values and training flags; None if nothing."""
+    problem = unbuilt_problem(b)
+    if problem:
+        return problem
     mods_a, mods_b = dict(a.named_modules()), dict(b.named_modules())
     if mods_a.keys() != mods_b.keys():
         return f"its submodules are {sorted(mods_a)}, a rebuilt one has {sorted(mods_b)}"
