@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from fxlite.codegen.capture_kinds import autocast_state
 from fxlite.codegen.capture_rules import Diverged, rng_state_of
+from fxlite.codegen.capture_watch import Watch
 from fxlite.codegen.guards import _CODE
 from fxlite.codegen.recorder import Recorder
 from fxlite.codegen.recording import (
@@ -119,14 +120,22 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     before = [_object_state(x) for x in objects]
     reached = _reached_objects(roots, [*bound, *args, *kwargs.values()], objects)
     held = [_object_state(x, tensors_only=True) for x in reached]
+    watch = Watch(None if isinstance(fn, torch.nn.Module) else fn, recorder)
     try:
         with installed(), opaque_methods([*leaves, *bound]), recorder:
-            result = fn(*args, **kwargs)
+            with watch:
+                result = fn(*args, **kwargs)
             recorder.finish()
     except Diverged as e:
         raise RuntimeError(f"fxlite: {e}") from None
     finally:
         _LOCAL.recorder = outer
+    rec.globals_read = watch.names
+    effect = watch.effect or watch.changed()
+    if rec.unsupported is None and effect is not None:
+        rec.unsupported = effect
+    if rec.unsupported is None:
+        rec.unsupported = _unreplayable(result, rec)
     for x, state in zip(objects, before):
         if rec.unsupported is None and (state is None or _object_state(x) != state):
             # a replay runs the recorded tensor ops only: it would not set them again
@@ -142,6 +151,23 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
+
+
+def _unreplayable(result: Any, rec: Recording) -> str | None:
+    """Why ops or results make a recording unfit to replay: a random generator
+    of the user's (a replay would not draw from it), or an iterator returned (a replay
+    would return the recording call's, already used up)."""
+    for node in rec.graph.nodes:
+        if isinstance(node.kwargs.get("generator"), torch.Generator) or any(
+                isinstance(a, torch.Generator) for a in node.args):
+            return ("draws from a torch.Generator of its own, which a replay would not "
+                    f"advance\n  {node.meta.get('stack_trace', '')}")
+    out, _ = flatten(result)
+    for leaf in out:
+        if isinstance(leaf, Iterator) and not isinstance(leaf, torch.Tensor):
+            return (f"returns a {type(leaf).__name__} (an iterator), which a replay would "
+                    "return already used up")
+    return None
 
 
 def _plain_object(x: Any) -> bool:

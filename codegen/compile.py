@@ -43,7 +43,7 @@ from fxlite.codegen.segments import Segment, read_key, split
 from fxlite.codegen.structure import flatten_call
 from fxlite.codegen.trial import Trial, choose_runner
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import QUIET_CALLERS, GraphModule
 from fxlite.logs import log_break, log_graph
 from fxlite.proxy import TraceError
 
@@ -136,7 +136,10 @@ class CompiledFunction:
             found = fast.get(fkey)
             if found is not None and found[2]():
                 self._last = [found[1]]
-                return found[1].result(found[0](*args))
+                try:
+                    return found[1].result(found[0](*args))
+                except Exception:
+                    return self._replay_failed(found[1], args, kwargs)
         replay_key = None
         if graphs is not None and tensors_only:  # a CUDA graph captured for these inputs
             replay_key = graphs.key(args, (ambient_key(), self._state_key()))
@@ -162,13 +165,30 @@ class CompiledFunction:
                 fast is not None or graphs is not None) and tensors_only and _plain(root, leaves) \
                 and not isinstance(root.run, Trial):
             self._last = [root]
-            if graphs is not None:
-                run = getattr(root.run, "plain", root.run)  # not SegmentGraphs inside a graph
-                return root.result(graphs.run(replay_key, run, args, root))
-            out = self._straight_line(fkey, root, args)
+            try:
+                if graphs is not None:
+                    run = getattr(root.run, "plain", root.run)  # not SegmentGraphs in a graph
+                    return root.result(graphs.run(replay_key, run, args, root))
+                out = self._straight_line(fkey, root, args)
+            except Exception:
+                return self._replay_failed(root, args, kwargs)
             if out is not _NOT_RUN:
                 return root.result(out)
         return self._walk(root, leaves, args, kwargs)
+
+    def _replay_failed(self, seg: Segment, args: tuple, kwargs: dict,
+                       grad: bool | None = None) -> Any:
+        """Called in an ``except`` clause, where replaying ``seg``'s path raised: re-raise,
+        or, when its recording changes nothing (no write, no random draw, no effect), run
+        the function again from the start. Eager then raises its own exception, at the
+        user's line, where the user's ``except`` sees it (a shape that no longer
+        broadcasts, a Cholesky of a matrix that is not positive definite)."""
+        if grad is not None:  # eager's `with torch.no_grad():` restores it on the way out
+            torch._C._set_grad_enabled(grad)
+        if not _pure(seg.recording):
+            raise  # the exception being handled
+        self._last = []
+        return self._fn(*args, **kwargs)
 
     def _straight_line(self, fkey: tuple, seg: Segment, args: tuple) -> Any:
         """Run the segment through its straight-line runner and keep the forward it used
@@ -187,16 +207,17 @@ class CompiledFunction:
         return out
 
     def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
-        if seg.read is None and seg.direct:  # one segment taking the arguments as they are
-            self._last = [seg]
-            return seg.result(seg.run(*leaves))
         grad = torch.is_grad_enabled()
         try:
+            if seg.read is None and seg.direct:  # one segment taking the arguments as is
+                self._last = [seg]
+                return seg.result(seg.run(*leaves))
             return self._walk_path(seg, leaves, args, kwargs)
-        except BaseException:
-            # eager's `with torch.no_grad():` would have restored the mode on the way out
-            torch._C._set_grad_enabled(grad)
-            raise
+        except Exception as e:
+            if getattr(e, "_fxlite_user", False):  # the user's own code raised, recording
+                torch._C._set_grad_enabled(grad)
+                raise
+            return self._replay_failed(seg, args, kwargs, grad)
 
     def _walk_path(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
         rec = seg.recording
@@ -212,9 +233,13 @@ class CompiledFunction:
             child = seg.children.get(read_key(outs[0]))
             if child is None or child is _EAGER:
                 self._last = path
-                with self._lock:
-                    return self._miss(seg, outs[0], env, leaves, args, kwargs,
-                                      eager=child is _EAGER)
+                try:
+                    with self._lock:
+                        return self._miss(seg, outs[0], env, leaves, args, kwargs,
+                                          eager=child is _EAGER)
+                except Exception as e:  # the user's code, running for real
+                    e._fxlite_user = True  # type: ignore[attr-defined]
+                    raise
             seg = child
 
     # ------------------------------------------------------------------ recording
@@ -230,6 +255,7 @@ class CompiledFunction:
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects())
         if self._stays_eager(rec, base, arg_modules, key):
             return result
+        base = self._watch_globals(rec, base, arg_modules)
         segments = split(rec)
         failure = self._compile(segments, rec, 0, _sample_env(rec, leaves))
         if failure is not None:
@@ -285,6 +311,13 @@ class CompiledFunction:
         if any(n.meta.get("mutated") for n in rec.graph.nodes):
             self._alias = True
         return False
+
+    def _watch_globals(self, rec: Any, base: tuple, arg_modules: tuple) -> tuple:
+        """Guard the globals that the call's other functions read too; ``base`` with its
+        state key computed again when that added any."""
+        if not self._guard.watch_globals(rec.globals_read):
+            return base
+        return base[:3] + ((self._guard.key(arg_modules), base[3][1]),)
 
     def _eager(self, key: tuple, why: str) -> None:
         """Calls under ``key`` run in eager PyTorch, for ``why``; this one did too."""
@@ -375,8 +408,10 @@ class CompiledFunction:
                             value = private[n] = rec.pre_state[n].clone()
                             if _recorded_grad(seg, n) and value.is_floating_point():
                                 # not a leaf: the segment may write it in place, as the
-                                # program wrote the (non-leaf) value it stands for
+                                # program wrote the (non-leaf) value it stands for; it
+                                # keeps its gradient, which a step may read (clipping)
                                 value = private[n] = value.requires_grad_().clone()
+                                value.retain_grad()
                         sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
@@ -435,6 +470,9 @@ class CompiledFunction:
         return text
 
 
+QUIET_CALLERS.add(CompiledFunction.__call__.__code__)
+
+
 def _what_changed(keys: list[tuple], key: tuple, leaves: list[Any]) -> str:
     """Which guard a new key fails, against the nearest recorded key."""
     def differs(old: tuple) -> list[str]:
@@ -472,6 +510,16 @@ def _plain(seg: Segment, leaves: list[Any]) -> bool:
     """Whether ``seg`` takes exactly the call's arguments, all tensors, in order."""
     return not seg.seeds and len(seg.inputs) == len(leaves) and all(
         isinstance(x, torch.Tensor) for x in leaves) and seg.inputs == seg.recording.placeholders
+
+
+def _pure(rec: Any) -> bool:
+    """Whether a recording's ops change nothing outside their results (no write, no
+    random draw, no effect), so that running its function again is safe."""
+    pure = getattr(rec, "_fxlite_pure", None)
+    if pure is None:
+        pure = rec._fxlite_pure = not any(
+            n.meta.get("impure") and "read" not in n.meta for n in rec.graph.nodes)
+    return pure
 
 
 def _recorded_grad(seg: Segment, name: str) -> bool:

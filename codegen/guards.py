@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.capture_watch import contents_key, is_stateful
 from fxlite.codegen.segments import read_key
 
 __all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
@@ -133,7 +134,7 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
             value = glob.get(name, _EMPTY)
             if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)) or not (
                     value is _EMPTY or isinstance(value, _CODE)):  # a dict, a state object
-                out.append((f"{prefix}{name}", functools.partial(glob.get, name, _EMPTY)))
+                out.append((f"{prefix}{name}", functools.partial(dict.get, glob, name, _EMPTY)))
         if getattr(f, "__defaults__", None):
             out.append((f"{prefix}defaults", functools.partial(getattr, f, "__defaults__")))
     return out
@@ -175,6 +176,8 @@ class StateGuard:
         self._params: list[Any] = []
         self._sizes: list[int] = []
         self._roots: list[torch.nn.Module] = []
+        self._objects: list[Any] = []
+        self._classes: list[tuple[type, tuple[str, ...]]] = []
         self._epoch = -1
         self._modules_key: int = -1  # a token for the last walk (see _token)
 
@@ -206,6 +209,23 @@ class StateGuard:
         self._params = [p for m in self.modules for p in m._parameters.values() if p is not None]
         self._attrs = [_plain_attrs(m) for m in self.modules]
         self._sizes = [len(m.__dict__) for m in self.modules]
+        self._find_objects()
+
+    def _find_objects(self) -> None:
+        """The plain objects the modules hold (``self.config``) and the user's module
+        classes with plain class attributes: both change without a module setattr, so
+        ``key`` reads them on every call."""
+        objects: dict[int, Any] = {}
+        for m in self.modules:
+            for k, v in m.__dict__.items():
+                if not k.startswith("_") and is_stateful(v):
+                    objects.setdefault(id(v), v)
+        self._objects = list(objects.values())
+        classes = {id(type(m)): type(m) for m in self.modules}
+        self._classes = [(c, names) for c in classes.values()
+                         if not c.__module__.startswith("torch.") and (names := tuple(
+                             k for k, v in c.__dict__.items()
+                             if not k.startswith("_") and isinstance(v, _SCALARS)))]
 
     def key(self, arg_modules: tuple[torch.nn.Module, ...] = ()) -> tuple:
         """The current state, as a tuple equal to an earlier one iff nothing changed.
@@ -232,10 +252,31 @@ class StateGuard:
                 append(tuple(map(id, hooks.values())) if hooks else ())
         for v in bound:
             if isinstance(v, tuple):  # defaults
-                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else id(x) for x in v))
+                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else _content(x)
+                             for x in v))
             else:
-                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+                append(_scalar_key(v) if isinstance(v, _SCALARS) else _content(v))
+        if self._objects:  # plain objects modules hold (a config), read each call
+            append(tuple(map(_content, self._objects)))
+        for cls, names in self._classes:  # class attributes of the user's module classes
+            d = cls.__dict__
+            append(tuple(_scalar_key(d.get(n)) for n in names))
         return tuple(out)
+
+    def watch_globals(self, pairs: list[tuple[dict, str]]) -> bool:
+        """Also check the globals ``(globals dict, name)`` that other functions the call
+        entered read (a helper reading a global flag); returns whether any was new."""
+        known = {(id(g.args[0]), g.args[1]) for _, g in self._getters
+                 if isinstance(g, functools.partial) and g.func == dict.get}
+        added = False
+        for glob, name in pairs:
+            value = glob.get(name, _EMPTY)
+            if (id(glob), name) in known or value is _EMPTY or isinstance(value, _CODE):
+                continue
+            known.add((id(glob), name))
+            self._getters.append((name, functools.partial(dict.get, glob, name, _EMPTY)))
+            added = True
+        return added
 
     def _walk(self) -> tuple:
         """Every module's flags, parameters, buffers, children, hooks and attributes."""
@@ -261,6 +302,7 @@ class StateGuard:
             for name in attrs:
                 v = d.get(name, _EMPTY)
                 append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+        self._find_objects()
         return tuple(out)
 
 
@@ -280,6 +322,15 @@ def _token(walked: tuple) -> int:
             _TOKENS.clear()
         found = _TOKENS[walked] = next(_NEXT_TOKEN)
     return found
+
+
+def _content(v: Any) -> Any:
+    """A key for a bound value that is not a scalar: its identity, and for a small
+    container or plain object (a list a closure holds, a config) also its contents, which
+    can change while the identity stays."""
+    if not is_stateful(v):
+        return id(v)
+    return (id(v), contents_key(v))
 
 
 def _plain_attrs(m: torch.nn.Module) -> tuple[str, ...]:

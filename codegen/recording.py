@@ -100,6 +100,8 @@ class Recording:
     externals: dict[str, Any] = field(default_factory=dict)  # get_attr target -> object
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     dynamic: set[str] = field(default_factory=set)  # nodes whose sizes depend on values
+    # (globals dict, name) pairs that functions other than the compiled one named
+    globals_read: list[tuple[dict, str]] = field(default_factory=list)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:

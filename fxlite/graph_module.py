@@ -359,6 +359,11 @@ def _class_name(name: str) -> str:
     return cleaned if _is_ident(cleaned) else f"GraphModule_{cleaned}" if cleaned else "GraphModule"
 
 
+# Callers under which a failing generated line is not printed: registered from above
+# (fxlite.compile's call, whose replays rerun the user's function where eager would raise).
+QUIET_CALLERS: set[types.CodeType] = set()
+
+
 class _CompileOnFirstUse:
     """Stands in for ``forward`` until it is first looked up, then compiles it.
 
@@ -384,10 +389,17 @@ class _CompileOnFirstUse:
 
 def _report_generated_line(e: BaseException) -> None:
     """If ``e`` was raised by a line of generated code itself (not inside a function it
-    called), print that line in context to stderr, as torch.fx does."""
+    called), print that line in context to stderr, as torch.fx does; but not when a
+    compiled function replays its recording (``fxlite.compile``), whose users wrote no
+    generated code: their exception is eager's (``replay_failed``)."""
     tb = e.__traceback__
     if tb is None:
         return
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in QUIET_CALLERS:
+            return
+        f = f.f_back
     while tb.tb_next is not None:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename

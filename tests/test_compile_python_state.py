@@ -169,26 +169,46 @@ def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
     torch.testing.assert_close(h(mine), h(eager))
 
 
-def test_python_state_without_tensors_in_a_modules_objects_still_compiles():
-    # a logger's level cache, a config object: changed or not, no tensor is stored there
-    class Logged(nn.Module):
+def test_a_modules_config_object_is_guarded_and_still_compiles():
+    # a config object a module holds: read on every call, changed between calls
+    class Configured(nn.Module):
         def __init__(self):
             super().__init__()
-            self.calls = {"n": 0}
             self.config = types.SimpleNamespace(scale=2.0)
 
         def forward(self, x):
-            self.calls["n"] += 1  # a Python side effect, made on the recording call only
             return x * self.config.scale
 
-    m = Logged().to(DEVICE)
+    m = Configured().to(DEVICE)
     c = fxlite.compile(m)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(3):
+        for scale in (2.0, 2.0, 3.0, 3.0):
+            m.config.scale = scale
             x = rand(3)
-            torch.testing.assert_close(c(x), x * 2)
+            torch.testing.assert_close(c(x), x * scale)
     assert c.kernels
+
+
+def test_a_counter_in_a_modules_dict_counts_every_call():
+    # a Python side effect: a replay would make it on the recording call only
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = {"n": 0}
+
+        def forward(self, x):
+            self.calls["n"] += 1
+            return x * 2
+
+    m = Counted().to(DEVICE)
+    c = fxlite.compile(m)
+    with pytest.warns(UserWarning, match="Counted runs in eager PyTorch"):
+        c(rand(3))
+    for i in range(2, 5):
+        x = rand(3)
+        torch.testing.assert_close(c(x), x * 2)
+        assert m.calls["n"] == i
 
 
 class _Cache:

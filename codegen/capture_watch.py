@@ -1,0 +1,332 @@
+"""The recording watcher: proof that a recording may be replayed without its Python.
+
+A replay runs the recorded tensor ops and skips the Python between them. That is only
+faithful when the Python did nothing a later call would need done again: no side effect
+(appending to a list, printing, logging, warning, bumping a counter), no value that
+changes by itself between calls (``random.random()``, ``time.time()``, ``next(it)``), and
+no read of Python state the guards do not see. :class:`Watch` runs around the recording
+call with Python's profile hook (``sys.setprofile``), which sees every Python function
+entered and every C function called, and inspects the bytecode of each user function it
+enters. Frames of torch and of fxlite are trusted and not looked into.
+
+What it finds, with the user's line:
+
+- **effects** (``Watch.effect``): a call of ``print``, ``input``, ``open``, ``exec``,
+  ``eval``, a ``warnings.warn``, a write to a file or stream, a draw from Python's or
+  numpy's random generators, a read of the clock, ``next()`` of an iterator the call did
+  not just make, entering ``logging`` or ``random``, assigning a global or a ``nonlocal``,
+  resuming a generator made before the call; and, compared after the call, a change to
+  a container or object that existed before it and that the user's functions name
+  (their globals and closure cells, :meth:`Watch.changed`).
+- **reads** (``Watch.names``): the globals that the user's functions other than the
+  compiled one name (``(globals dict, name)`` pairs), so the guards check them too.
+
+The first effect is enough: such a recording runs in eager PyTorch on later calls, with
+one warning naming that line (``fxlite.compile``).
+
+Example::
+
+    with Watch() as watch:
+        fn(x)
+    watch.effect   # 'calls print()\\n  File "train.py", line 12, in step\\n    print(loss)'
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import linecache
+import os
+import random
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from fxlite.codegen.recording import _LIB_DIRS, format_site
+
+__all__ = ["Watch", "contents_key", "is_stateful"]
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+# torch's and fxlite's files, generated forward()s and Python's import machinery
+_TRUSTED = (*_LIB_DIRS, "<fxlite", "<frozen")
+# Standard-library modules whose functions act on the world or on hidden state.
+_EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random numbers",
+                   "secrets": "draws random numbers", "uuid": "makes a uuid",
+                   "tempfile": "makes a temporary file", "shutil": "changes files",
+                   "subprocess": "runs a process", "pprint": "prints"}
+# C functions, by module (or, for bound methods, their object's type's module).
+_EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
+                     "random": "draws Python random numbers", "_io": "reads or writes a file",
+                     "io": "reads or writes a file", "_warnings": "warns",
+                     "warnings": "warns", "posix": "calls the operating system", "nt": "calls the operating system"}
+_EFFECT_BUILTINS = {builtins.print: "calls print()", builtins.input: "calls input()",
+                    builtins.open: "opens a file", builtins.exec: "calls exec()",
+                    builtins.eval: "calls eval()", builtins.breakpoint: "calls breakpoint()"}
+_GENERATOR = 0x20 | 0x200 | 0x100 | 0x80  # CO_GENERATOR, CO_ASYNC_GENERATOR, coroutines
+_CALLS = {"CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW", "CALL_KW",
+          "CALL_FUNCTION_EX"}
+_SKIP = {"PRECALL", "CACHE", "KW_NAMES", "PUSH_NULL", "EXTENDED_ARG", "NOP"}
+
+
+class _Code:
+    """What one code object's bytecode shows, computed once per code object."""
+
+    __slots__ = ("stores", "instructions", "by_offset")
+
+    def __init__(self, code: types.CodeType) -> None:
+        self.instructions = list(dis.get_instructions(code))
+        self.by_offset = {ins.offset: i for i, ins in enumerate(self.instructions)}
+        self.stores: list[tuple[str, int | None]] = []  # (what, line)
+        line = None
+        for ins in self.instructions:
+            line = ins.starts_line if isinstance(ins.starts_line, int) and \
+                not isinstance(ins.starts_line, bool) else getattr(ins, "line_number", line)
+            if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                self.stores.append((f"assigns the global {ins.argval}", line))
+            elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars:
+                self.stores.append((f"assigns the nonlocal {ins.argval}", line))
+
+    def fresh_argument(self, lasti: int) -> bool:
+        """Whether the single argument of the call at ``lasti`` is the result of another
+        call (``next(iter(x))``, ``next(self.parameters())``): an iterator the caller
+        just made, not one that outlives the call."""
+        i = self.by_offset.get(lasti)
+        if i is None:
+            return False
+        i -= 1
+        while i >= 0 and self.instructions[i].opname in _SKIP:
+            i -= 1
+        return i >= 0 and self.instructions[i].opname in _CALLS
+
+
+class Watch:
+    """Watches one recording call (a context manager; see the module docstring).
+
+    Attributes:
+        effect: the first effect found, with the user's line, or None.
+        names: ``(globals, name)`` pairs the user's functions named, beyond the compiled
+            function's own, whose values the guards should check.
+    """
+
+    _codes: dict[types.CodeType, _Code] = {}
+
+    def __init__(self, own: Any = None, recorder: Any = None) -> None:
+        self.effect: str | None = None
+        # while ``recorder.off``, the recorder runs a call that every replay runs again
+        # whole (an optimizer's step with its hooks): its Python is not skipped
+        self._recorder = recorder
+        self.names: list[tuple[dict, str]] = []
+        self._own = getattr(own, "__code__", None)
+        self._seen: set[types.CodeType] = set()
+        self._frames: set[int] = set()  # generator frames started during the call
+        self._held: list[Any] = []  # frames kept alive so their ids stay unique
+        self._containers: list[tuple[Any, Any]] = []  # (object, its state when named)
+        self._named: set[int] = set()
+        self._old: Callable[..., Any] | None = None
+        self._first = True
+        self._random: tuple = ()
+
+    # ------------------------------------------------------------------ the hook
+    def __enter__(self) -> Watch:
+        self._random = _random_states()
+        self._old = sys.getprofile()
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._old)
+        self._held.clear()
+
+    def _event(self, frame: Any, event: str, arg: Any) -> None:
+        if self.effect is not None or self._recorder is not None and self._recorder.off:
+            return
+        if event == "call":
+            self._enter(frame)
+        elif event == "c_call":
+            self._c_call(frame, arg)
+
+    def _found(self, what: str, frame: Any, line: int | None = None) -> None:
+        code = frame.f_code
+        lineno = line or frame.f_lineno
+        source = linecache.getline(code.co_filename, lineno).strip()
+        self.effect = f"{what}\n  {format_site((code.co_filename, lineno, code.co_name, source))}"
+
+    def _enter(self, frame: Any) -> None:
+        code = frame.f_code
+        name = code.co_filename
+        if name.startswith(_TRUSTED):
+            return
+        if name.startswith(_STDLIB):
+            module = name[len(_STDLIB):].split(os.sep)[0].removesuffix(".py")
+            what = _EFFECT_MODULES.get(module)
+            caller = _user_frame(frame)
+            if what is not None and caller is not None and not \
+                    caller.f_code.co_filename.startswith(_TRUSTED) and not _importing(frame):
+                self._found(what, caller)  # the user's call, not torch's or an import's
+            return
+        if code.co_flags & _GENERATOR:
+            if id(frame) not in self._frames:
+                if frame.f_lasti > 8:  # resumed past a yield: it was made before the call
+                    self._found("resumes a generator made before the call, which a replay "
+                                "would not advance", frame.f_back or frame)
+                    return
+                self._frames.add(id(frame))
+                self._held.append(frame)
+        if code not in self._seen:
+            self._seen.add(code)
+            info = self._codes.get(code)
+            if info is None:
+                if len(self._codes) > 4096:
+                    self._codes.clear()
+                info = self._codes[code] = _Code(code)
+            if info.stores:
+                what, line = info.stores[0]
+                self._found(f"{what}, which a replay would not do again", frame, line)
+                return
+            self._name_globals(frame, code, code is self._own)
+            self._name_closure(frame, code)
+            if self._first:  # the compiled function's (or forward's): its arguments
+                self._first = False
+                for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+                    if name in frame.f_locals:
+                        self._hold(frame.f_locals[name], name, frame)
+
+    def _c_call(self, frame: Any, fn: Any) -> None:
+        caller = frame.f_code.co_filename
+        if caller.startswith(_TRUSTED) or caller.startswith(_STDLIB):
+            return  # trusted, or (the standard library) judged by the module entered
+        what = _EFFECT_BUILTINS.get(fn) if type(fn) is types.BuiltinFunctionType else None
+        if what is None:
+            if fn is builtins.next:
+                info = self._codes.get(frame.f_code)
+                if info is None or not info.fresh_argument(frame.f_lasti):
+                    what = "calls next() on an iterator made before the call"
+            else:
+                what = _effect_of(fn)
+        if what is not None:
+            self._found(f"{what}, which a replay would not do again", frame)
+
+    # ------------------------------------------------------------------ Python state
+    def _name_globals(self, frame: Any, code: types.CodeType, own: bool) -> None:
+        glob = frame.f_globals
+        for name in code.co_names:
+            if name in glob:
+                if not own:
+                    self.names.append((glob, name))
+                self._hold(glob[name], name, frame)
+
+    def _name_closure(self, frame: Any, code: types.CodeType) -> None:
+        if not code.co_freevars:
+            return
+        local = frame.f_locals
+        for name in code.co_freevars:
+            if name in local:
+                self._hold(local[name], name, frame)
+
+    def _hold(self, value: Any, name: str, frame: Any) -> None:
+        """Remember the state of a container or object the user's code names."""
+        if id(value) in self._named or not is_stateful(value):
+            return
+        self._named.add(id(value))
+        code = frame.f_code
+        site = (code.co_filename, code.co_firstlineno, code.co_name,
+                linecache.getline(code.co_filename, code.co_firstlineno).strip())
+        self._containers.append((value, contents_key(value), name, site))
+
+    def changed(self) -> str | None:
+        """After the call: the first container or object named by the user's code whose
+        contents changed during it, as a phrase; None if none did."""
+        for value, before, name, site in self._containers:
+            if contents_key(value) != before:
+                return (f"changes the {type(value).__name__} {name} that outlives the call, "
+                        f"which a replay would not do again\n  {format_site(site)}")
+        if _random_states() != self._random:  # numpy's are Cython: no profile events
+            return "draws numpy or Python random numbers, which a replay would not do again"
+        return None
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` runs inside an import (which happens once, as in eager)."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        f = f.f_back
+    return False
+
+
+def _random_states() -> tuple:
+    """Python's and (when imported) numpy's global random states, to compare."""
+    np = sys.modules.get("numpy")
+    state = random.getstate()
+    if np is None:
+        return (state,)
+    kind, keys, pos, *rest = np.random.get_state()
+    return state, pos, keys.tobytes()
+
+
+def _user_frame(frame: Any) -> Any:
+    """The nearest frame outside the standard library (the user's call of it)."""
+    f = frame
+    while f is not None and f.f_code.co_filename.startswith((_STDLIB, "<frozen")):
+        f = f.f_back
+    return f
+
+
+def _effect_of(fn: Any) -> str | None:
+    """What calling the C function ``fn`` does to the world, or None if nothing known."""
+    owner = getattr(fn, "__self__", None)
+    module = getattr(fn, "__module__", None)
+    if module is None and owner is not None:
+        module = owner.__name__ if isinstance(owner, types.ModuleType) \
+            else type(owner).__module__
+    if not module:
+        return None
+    if module.startswith("numpy.random"):
+        return "draws numpy random numbers"
+    found = _EFFECT_C_MODULES.get(module)
+    if found is None or module in ("_io", "io") and fn.__name__ not in (
+            "write", "writelines", "read", "readline", "readlines", "flush", "truncate"):
+        return None
+    return found
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def is_stateful(value: Any) -> bool:
+    """A mutable container or plain object whose contents a call might change."""
+    if isinstance(value, (list, dict, set, bytearray)):
+        return True
+    if isinstance(value, (*_PLAIN, tuple, frozenset, type, types.ModuleType,
+                          types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return False
+    if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        return False  # tensors are recorded; modules are guarded
+    return isinstance(getattr(value, "__dict__", None), dict) and \
+        not type(value).__module__.startswith(("torch", "fxlite"))
+
+
+def contents_key(value: Any, depth: int = 0) -> Any:
+    """A comparable picture of ``value``'s contents: scalars by value, the rest by
+    identity, containers one level down."""
+    if isinstance(value, dict):
+        items = list(value.items())[:256]
+        return tuple((k if isinstance(k, _PLAIN) else id(k), _leaf(v, depth)) for k, v in items)
+    if isinstance(value, (list, bytearray)):
+        return (len(value), tuple(_leaf(v, depth) for v in value[:256]))
+    if isinstance(value, set):
+        return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v)
+                                      for v in list(value)[:256]))
+    fields = getattr(value, "__dict__", None)
+    return contents_key(fields, depth) if isinstance(fields, dict) else id(value)
+
+
+def _leaf(v: Any, depth: int) -> Any:
+    if isinstance(v, _PLAIN):
+        return "nan" if v != v else v  # NaN != NaN: it would never match itself
+    if depth < 1 and isinstance(v, (list, dict, set)):
+        return (id(v), contents_key(v, depth + 1))
+    return id(v)

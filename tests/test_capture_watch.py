@@ -1,0 +1,273 @@
+"""The recording watcher (codegen/capture_watch.py): a recording whose Python did more than
+compute tensors is not replayed, so every later call does what eager Python does.
+
+Each test runs the compiled function and a plain copy side by side, several calls with
+fresh inputs and Python state changed between calls, and compares results and side
+effects on every call. Programs the watcher clears must still run kernels.
+"""
+
+from __future__ import annotations
+
+from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
+
+import contextlib
+import io
+import itertools
+import logging
+import random
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fxlite.codegen.capture_watch import Watch, contents_key, is_stateful
+
+import fxlite
+
+CALLS = 4
+
+
+def side_by_side(make, change=None, inputs=lambda i: (torch.randn(4, 4),)):
+    """Run ``make()``'s function eagerly and compiled, from equal fresh state, ``CALLS``
+    times each; returns (eager results, compiled results, compiled function, warnings)."""
+    runs = []
+    for compiled in (False, True):
+        random.seed(0)
+        torch.manual_seed(0)
+        fn, state = make()
+        f = fxlite.compile(fn) if compiled else fn
+        out = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(CALLS):
+                if change is not None:
+                    change(state, i)
+                torch.manual_seed(100 + i)
+                out.append((f(*inputs(i)), state.get("log") and list(state["log"])))
+        runs.append((out, f, [str(w.message) for w in caught
+                              if str(w.message).startswith("fxlite")]))
+    (eager, _, _), (mine, f, said) = runs
+    for (a, log_a), (b, log_b) in zip(eager, mine):
+        torch.testing.assert_close(b, a)
+        assert log_a == log_b
+    return f, said
+
+
+def test_a_list_append_happens_on_every_call():
+    def make():
+        log = []
+
+        def fn(x):
+            log.append(float(x.shape[0]))
+            return torch.relu(x) * 2
+
+        return fn, {"log": log}
+
+    f, said = side_by_side(make)
+    assert len(said) == 1 and "changes the list log that outlives the call" in said[0]
+    assert "def fn(x):" in said[0]  # the user's function
+    assert f.fallbacks and not f.kernels
+
+
+def test_a_counter_bumped_by_a_helper_counts_every_call():
+    def make():
+        counts = {"n": 0}
+
+        def bump():
+            counts["n"] += 1
+
+        def fn(x):
+            bump()
+            return x + 1
+
+        return fn, {"log": counts.values()}
+
+    side_by_side(make)
+
+
+@pytest.mark.parametrize("source", ["random", "time", "itertools", "numpy"])
+def test_a_python_value_that_changes_by_itself_is_read_every_call(source):
+    np = pytest.importorskip("numpy")
+
+    def make():
+        clock = itertools.count(1.0)
+        counter = itertools.count()
+        np.random.seed(0)
+        read = {"random": random.random, "itertools": lambda: next(counter),
+                "numpy": lambda: float(np.random.rand()),
+                "time": lambda: time.time() * 0 + next(clock)}[source]
+
+        def fn(x):
+            return x * read()
+
+        return fn, {}
+
+    f, said = side_by_side(make)
+    assert any("runs in eager PyTorch" in s for s in said)
+
+
+def test_print_logging_and_warnings_happen_on_every_call():
+    out = io.StringIO()
+    records = []
+    logger = logging.getLogger("fxlite-test-watch")
+    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r)})())
+    logger.setLevel(logging.INFO)
+
+    for body in (lambda: print("step"), lambda: logger.info("step"),
+                 lambda: warnings.warn("user warning", stacklevel=1)):
+        def make(body=body):
+            def fn(x):
+                body()
+                return x + 1
+
+            return fn, {}
+
+        with contextlib.redirect_stdout(out):
+            side_by_side(make)
+    assert out.getvalue().count("step") == 2 * CALLS
+    assert len(records) == 2 * CALLS
+
+
+def test_a_helpers_global_and_a_config_object_are_guarded_and_still_compile():
+    cfg = types.SimpleNamespace(scale=1.0)
+    flags = {"shift": 0.0}
+    glob = globals()
+    glob["_WATCH_SCALE"] = 1.0
+
+    def helper():
+        return _WATCH_SCALE  # noqa: F821  (set above)
+
+    def make():
+        def fn(x):
+            return x * helper() * cfg.scale + flags["shift"]
+
+        return fn, {}
+
+    def change(state, i):
+        glob["_WATCH_SCALE"] = float(1 + i // 2)
+        cfg.scale = float(1 + i % 2)
+        flags["shift"] = float(i)
+
+    f, said = side_by_side(make, change)
+    assert f.kernels and not said
+
+
+def test_a_mutable_default_that_grows_runs_every_call():
+    def make():
+        def fn(x, acc=[]):  # noqa: B006  (the point of the test)
+            acc.append(1)
+            return x * len(acc)
+
+        return fn, {}
+
+    side_by_side(make)
+
+
+def test_a_returned_generator_is_fresh_on_every_call():
+    def make():
+        def fn(x):
+            return (t for t in (x + 1, x * 2))
+
+        return fn, {}
+
+    runs = []
+    for compiled in (False, True):
+        fn, _ = make()
+        f = fxlite.compile(fn) if compiled else fn
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs.append([list(f(torch.full((2,), float(i)))) for i in range(CALLS)])
+    for a, b in zip(*runs):
+        assert len(a) == len(b) == 2
+        torch.testing.assert_close(b, a)
+
+
+def test_a_generator_argument_is_drawn_from_as_eager_does():
+    def make():
+        g = torch.Generator().manual_seed(3)
+
+        def fn(x):
+            return x + torch.rand(x.shape, generator=g)
+
+        return fn, {}
+
+    side_by_side(make)
+
+
+def test_an_exception_reaches_the_users_except_on_a_later_call():
+    def make():
+        def fn(x, y):
+            try:
+                return x + y
+            except RuntimeError:
+                return x * 0
+
+        return fn, {}
+
+    sizes = [4, 4, 3, 4]
+    f, said = side_by_side(
+        make, inputs=lambda i: (torch.ones(4), torch.ones(sizes[i])))
+    assert not said
+
+
+def test_a_shape_error_propagates_as_eagers():
+    f = fxlite.compile(lambda x, y: x + y)
+    f(torch.ones(4), torch.ones(4))
+    f(torch.ones(4), torch.ones(4))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        f(torch.ones(4), torch.ones(3))
+
+
+def test_a_training_step_that_clips_gradients_compiles_with_kernels():
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, {"log": [m, opt]}
+
+    runs = []
+    for compiled in (False, True):
+        step, state = make()
+        f = fxlite.compile(step) if compiled else step
+        losses = [f(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+                  for i in range(5)]
+        m, opt = state["log"]
+        runs.append((losses, [p.detach().clone() for p in m.parameters()],
+                     [p.grad for p in m.parameters()], f))
+    (l0, p0, g0, _), (l1, p1, g1, f) = runs
+    torch.testing.assert_close(l1, l0)
+    torch.testing.assert_close(p1, p0)
+    assert g0 == g1 == [None] * 4
+    assert f.kernels and not f.fallbacks
+
+
+def test_python_between_tensor_ops_in_torch_itself_is_trusted():
+    # nn.Module's own bookkeeping, contextlib, torch's logging checks: not the user's
+    with Watch() as watch:
+        m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        with torch.no_grad():
+            m(torch.ones(1, 2))
+    assert watch.effect is None
+
+
+def test_contents_keys_see_changes_inside_containers_and_objects():
+    cfg = types.SimpleNamespace(a=1, b=[1, 2])
+    before = contents_key(cfg)
+    cfg.b.append(3)
+    assert contents_key(cfg) != before
+    assert contents_key({"x": float("nan")}) == contents_key({"x": float("nan")})
+    assert is_stateful([]) and is_stateful(cfg)
+    assert not is_stateful(torch.ones(1)) and not is_stateful(torch.nn.Linear(1, 1))
