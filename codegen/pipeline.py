@@ -400,8 +400,22 @@ def set_ambient(state: tuple) -> None:
 class _Replay(Interpreter):
     """Runs a graph on sample inputs, skipping effects on state outside it."""
 
+    _private: list[torch.Tensor] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        # the segment's private copies of the tensors it writes (compile._compile_path)
+        self._private = [a for a in args if isinstance(a, torch.Tensor) and a.retains_grad]
+        return super().run(*args, **kwargs)
+
     def run_node(self, n: Node) -> Any:
         if n.meta.get("external"):
+            if n.op == "call_method" and n.target == "backward" and self._private \
+                    and n.kwargs.get("inputs") is None:
+                # A step reads the gradients after backward (clipping, scaling): run it,
+                # accumulating into the private copies only, never the user's tensors.
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                kwargs = {k: v for k, v in kwargs.items() if k != "inputs"}
+                args[0].backward(*args[1:], **kwargs, inputs=self._private)
             return None
         if n.target is getattr and n.args[1:] == ("grad",):
             # The sample stands in for a parameter with a non-leaf copy (the segment may
