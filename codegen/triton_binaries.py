@@ -8,7 +8,7 @@ fxlite keeps a copy of the binary and loads it from there directly.
 
 Under ``$FXLITE_CACHE_DIR/triton/binaries`` (see ``cache``), each entry ``<key>.json``
 names its files by sha256; the files themselves (Triton's metadata JSON and the binary,
-copied out of Triton's cache) are stored as ``<sha256><suffix>`` beside the entries. The
+copied out of Triton's cache) are stored as ``files/<sha256><suffix>`` below it. The
 index holds no paths: every file it names lies in that folder by construction, and is
 read (never through a link) and hashed before it is used. The entry also records whether
 the binary's output has matched eager PyTorch, so that a new process need not run the
@@ -75,7 +75,7 @@ def _blob(cache_dir: Path, name: str, digest: str) -> Path:
     suffix = Path(name).suffix
     if not (_NAME.fullmatch(name) and _SUFFIX.fullmatch(suffix) and _DIGEST.fullmatch(digest)):
         raise ValueError(f"not a binary file of the index: {name!r} {digest!r}")
-    return cache_dir / "binaries" / f"{digest}{suffix}"
+    return cache_dir / "binaries" / "files" / f"{digest}{suffix}"
 
 
 def has_binary(cache_dir: Path | None, key: str) -> bool:
@@ -111,7 +111,7 @@ def save_binary(cache_dir: Path | None, key: str, compiled: Any, checked: bool =
     except Exception:  # an unexpected Triton version or value: just don't cache it
         return
     try:
-        private_dir(cache_dir / "binaries")
+        private_dir(private_dir(cache_dir / "binaries") / "files")
         for path, data in blobs.items():
             if read_file(path) != data:  # missing or damaged
                 write_atomic(path, data)

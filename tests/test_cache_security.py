@@ -27,11 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from fxlite.codegen import cache, triton_binaries
-from fxlite.codegen.triton import generate_kernel
+from fxlite.codegen.triton import generate_kernel, interpreting
 from fxlite.passes.shape_prop import ShapeProp
 
 import fxlite as fx
 
+DEVICE = "cpu" if interpreting() else "cuda"
 ROOT = Path(__file__).resolve().parent.parent
 _IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 posix_only = pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners and modes")
@@ -50,7 +51,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _kernel(c: float = 1.0, n: int = 16):
     """A kernel for ``relu(x + c) * 2``, checked against eager; the constant picks the source."""
     gm = fx.symbolic_trace(lambda x: torch.relu(x + c) * 2)
-    x = torch.randn(n)
+    x = torch.randn(n, device=DEVICE)
     ShapeProp(gm).propagate(x)
     kernel = generate_kernel(gm, [x], name="triton_cache_test")
     assert kernel is not None
@@ -68,18 +69,19 @@ def _cache_warnings(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if "kernel cache folder" in str(w.message)]
 
 
-def _run(script: str, env_cache: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run ``script`` in a new process with the cache at ``env_cache``."""
-    env = dict(os.environ, FXLITE_CACHE_DIR=str(env_cache), TRITON_INTERPRET="1",
+def _run(script: str, env_cache: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``script`` in a new process (on this process's device) with the cache at
+    ``env_cache``; ``kernel(c)`` there makes and checks the kernel ``_kernel(c)`` makes."""
+    env = dict(os.environ, FXLITE_CACHE_DIR=str(env_cache),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    prelude = textwrap.dedent("""
+    prelude = textwrap.dedent(f"""
         import torch, fxlite as fx
         from fxlite.codegen.triton import generate_kernel
         from fxlite.passes.shape_prop import ShapeProp
 
         def kernel(c):
             gm = fx.symbolic_trace(lambda x: torch.relu(x + c) * 2)
-            x = torch.randn(16)
+            x = torch.randn(16, device={DEVICE!r})
             ShapeProp(gm).propagate(x)
             k = generate_kernel(gm, [x], name="triton_cache_test")
             torch.testing.assert_close(k(x), gm(x))
@@ -494,7 +496,8 @@ def test_a_saved_binary_loads_from_copies_inside_the_cache(binaries):
     assert checked is True
     assert set(loaded.metadata_group) == {"k.json", "k.cubin"}  # not the IR files
     for name, path in loaded.metadata_group.items():
-        assert Path(path).parent == kdir / "binaries" and loaded.files[name] == files[name]
+        assert Path(path).parent == kdir / "binaries" / "files"
+        assert loaded.files[name] == files[name]
     assert loaded.src.signature == {"x": "*fp32", "n": "i32"}
     assert loaded.src.constants == {(1,): 16}
     assert "metadata_group" not in _index(kdir, "k1")  # the index holds no paths
@@ -508,8 +511,9 @@ def test_binary_files_are_private(binaries):
         triton_binaries.save_binary(kdir, "k1", compiled)
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(kdir / "binaries").st_mode) == 0o700
-    for p in (kdir / "binaries").iterdir():
+    for p in (kdir / "binaries", kdir / "binaries" / "files"):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+    for p in [*(kdir / "binaries").glob("*.json"), *(kdir / "binaries" / "files").iterdir()]:
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
 
 
@@ -517,7 +521,7 @@ def test_a_binary_whose_hash_does_not_match_is_refused_and_rebuilt(binaries):
     kdir, compiled, files = binaries
     triton_binaries.save_binary(kdir, "k1", compiled, checked=True)
     digest = _index(kdir, "k1")["files"]["k.cubin"]
-    blob = kdir / "binaries" / f"{digest}.cubin"
+    blob = kdir / "binaries" / "files" / f"{digest}.cubin"
     blob.write_bytes(b"\x7fELF tampered")
     assert triton_binaries.load_binary(kdir, "k1", fn=None) is None  # checked or not
     triton_binaries.save_binary(kdir, "k1", compiled)  # what the next compile does
@@ -575,7 +579,7 @@ def test_a_binary_linked_to_a_file_outside_is_refused(binaries, tmp_path):
     kdir, compiled, files = binaries
     triton_binaries.save_binary(kdir, "k1", compiled)
     digest = _index(kdir, "k1")["files"]["k.cubin"]
-    blob = kdir / "binaries" / f"{digest}.cubin"
+    blob = kdir / "binaries" / "files" / f"{digest}.cubin"
     outside = tmp_path / "outside.cubin"
     outside.write_bytes(files["k.cubin"])  # even with the right content
     blob.unlink()
@@ -662,38 +666,23 @@ def test_concurrent_writes_of_one_file_never_mix(tmp_path):
 # ------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 def test_a_real_binary_is_indexed_inside_the_cache_and_loads_in_the_next_process(folder):
-    gm = fx.symbolic_trace(lambda x: torch.relu(x + 40.0) * 2)
-    x = torch.randn(1000, device="cuda")
-    ShapeProp(gm).propagate(x)
-    kernel = generate_kernel(gm, [x], name="triton_cache_gpu")
-    torch.testing.assert_close(kernel(x), gm(x))
+    kernel = _kernel(40.0, n=1000)
     kdir = cache.kernel_dir()
-    entries = list((kdir / "binaries").glob("*.json"))
-    entries = [e for e in entries if "files" in json.loads(e.read_text() or "{}")]
-    assert entries
+    entries = sorted((kdir / "binaries").glob("*.json"))
+    assert len(entries) == 1
     record = json.loads(entries[0].read_text())
+    assert {Path(n).suffix for n in record["files"]} == {".json", ".cubin"}
     for name, digest in record["files"].items():
-        blob = kdir / "binaries" / f"{digest}{Path(name).suffix}"
+        blob = kdir / "binaries" / "files" / f"{digest}{Path(name).suffix}"
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest
-    script = f"""
-        import json, pathlib
+    done = _run(f"""
         from fxlite.codegen import cache, triton_binaries
-        gm = fx.symbolic_trace(lambda x: torch.relu(x + 40.0) * 2)
-        x = torch.randn(1000, device="cuda")
-        ShapeProp(gm).propagate(x)
-        k = generate_kernel(gm, [x], name="triton_cache_gpu")
+        k = kernel(40.0)
         fn = next(iter(k._current.fns.values()))
         found = triton_binaries.load_binary(cache.kernel_dir(), {entries[0].stem!r}, fn)
         assert found is not None
-        torch.testing.assert_close(k(x), gm(x))
+        assert all(str(cache.kernel_dir()) in p for p in found[0].metadata_group.values())
         print("ok")
-    """
-    env = dict(os.environ, FXLITE_CACHE_DIR=str(folder))
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import torch, fxlite as fx
-        from fxlite.codegen.triton import generate_kernel
-        from fxlite.passes.shape_prop import ShapeProp
-    """) + textwrap.dedent(script)], env=env, cwd=str(ROOT), capture_output=True, text=True,
-        timeout=300)
+    """, folder)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    assert kernel is not None
