@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from fxlite.codegen.recording import _LIB_DIRS, format_site
 
-__all__ = ["Watch", "contents_key", "is_stateful"]
+__all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key"]
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
@@ -324,9 +324,18 @@ def contents_key(value: Any, depth: int = 0) -> Any:
     return contents_key(fields, depth) if isinstance(fields, dict) else id(value)
 
 
+def optimizer_key(opt: torch.optim.Optimizer) -> tuple:
+    """Which parameters each of an optimizer's groups holds: ``add_param_group`` changes
+    what its step and ``zero_grad`` touch (hyperparameters are read by the step itself,
+    which every replay runs)."""
+    return tuple(tuple(map(id, g["params"])) for g in opt.param_groups)
+
+
 def _leaf(v: Any, depth: int) -> Any:
     if isinstance(v, _PLAIN):
         return "nan" if v != v else v  # NaN != NaN: it would never match itself
+    if isinstance(v, torch.optim.Optimizer):
+        return (id(v), optimizer_key(v))
     if depth < 1 and isinstance(v, (list, dict, set)):
         return (id(v), contents_key(v, depth + 1))
     return id(v)

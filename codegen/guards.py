@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_watch import contents_key, is_stateful
+from fxlite.codegen.capture_watch import contents_key, is_stateful, optimizer_key
 from fxlite.codegen.segments import read_key
 
 __all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
@@ -328,6 +328,8 @@ def _content(v: Any) -> Any:
     """A key for a bound value that is not a scalar: its identity, and for a small
     container or plain object (a list a closure holds, a config) also its contents, which
     can change while the identity stays."""
+    if isinstance(v, torch.optim.Optimizer):
+        return (id(v), optimizer_key(v))
     if not is_stateful(v):
         return id(v)
     return (id(v), contents_key(v))

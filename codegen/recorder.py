@@ -250,7 +250,7 @@ class Recorder(TorchFunctionMode):
             self.rec.sizes_read = True
         if state_name(func) == "grad" and args:  # whether it is None steers Python (zero_grad)
             self.rec.grad_reads.append((args[0], out is None))
-        if func in DYNAMIC_SHAPE or self._dynamic.intersection(
+        if state_name(func) in DYNAMIC_SHAPE or self._dynamic.intersection(
                 n.name for n in node.all_input_nodes) or bool_index(func, args):
             self._dynamic.add(node.name)
         if args and out is args[0] and not mutated and isinstance(out, torch.Tensor):
