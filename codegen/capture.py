@@ -131,11 +131,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     finally:
         _LOCAL.recorder = outer
     rec.globals_read = watch.names
-    effect = watch.effect or watch.changed()
-    if rec.unsupported is None and effect is not None:
-        rec.unsupported = effect
-    if rec.unsupported is None:
-        rec.unsupported = _unreplayable(result, rec)
+    rec.effect = watch.effect or watch.changed() or _unreplayable(result, rec)
     for x, state in zip(objects, before):
         if rec.unsupported is None and (state is None or _object_state(x) != state):
             # a replay runs the recorded tensor ops only: it would not set them again

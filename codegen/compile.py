@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from fxlite.codegen.capture import format_site, record, recording_thread
 from fxlite.codegen.cudagraphs import side_stream
+from fxlite.codegen.follow import Follow
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.pipeline import (
     ambient_restored,
@@ -88,6 +89,9 @@ class CompiledFunction:
         self._fn, self._backend, self._fullgraph, self._mode = fn, backend, fullgraph, mode
         self._guard = StateGuard(fn)
         self._trees: dict[tuple, Any] = {}  # key -> root Segment, or _EAGER
+        # (structure, ambient state, input layouts) -> the Follow of a recording whose
+        # Python must run on every call (no Python state in its key: the Python runs)
+        self._followed: dict[tuple, Any] = {}
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
         self._all_eager: str | None = None
@@ -153,6 +157,13 @@ class CompiledFunction:
                 self._state_key(arg_modules))
         key = base + (input_key(leaves, True),) if base in self._sized else base
         root = self._trees.get(key)
+        if root is None and self._followed:
+            plan = self._followed.get(base[:3])
+            if plan is _EAGER:
+                self._last, self._last_eager = [], self._eager_why.get(base[:3])
+                return self._fn(*args, **kwargs)
+            if plan is not None:
+                return self._follow(plan, base[:3], args, kwargs)
         if root is None:
             with self._lock:
                 root = self._trees.get(key)
@@ -255,6 +266,12 @@ class CompiledFunction:
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects())
         if self._stays_eager(rec, base, arg_modules, key):
             return result
+        if rec.effect is not None:  # its Python runs on every call, served by kernels:
+            # Python state needs no guard then, and calls that leave the recording run on
+            # eagerly (follow.py)
+            self._followed[base[:3]] = Follow(rec, self._fn, self._compile_piece, rec.effect)
+            self._last = []
+            return result
         base = self._watch_globals(rec, base, arg_modules)
         segments = split(rec)
         failure = self._compile(segments, rec, 0, _sample_env(rec, leaves))
@@ -282,6 +299,27 @@ class CompiledFunction:
         self._last = segments
         return result
 
+    def _compile_piece(self, gm: GraphModule, sample: list[Any]) -> Any:
+        """Compile one piece of a followed recording on this call's values (follow.py)."""
+        name = _name(self._fn)
+        warn = lambda reason: warn_user(f"fxlite.compile: in {name}, {reason}")
+        log_graph(gm, f"{name}, a piece of a followed call")
+        with ambient_restored():
+            return compile_segment(gm, sample, backend=self._backend, mode=self._mode,
+                                   warn=warn)
+
+    def _follow(self, plan: Follow, key: tuple, args: tuple, kwargs: dict) -> Any:
+        """Run the function's Python, its torch calls served by the plan's kernels; after
+        three calls in a row that leave the recording, run it in eager PyTorch."""
+        self._last = plan.pieces
+        out = plan(args, kwargs, list(self._guard.bound_objects()))
+        if plan.diverged >= 3:
+            why = (f"its torch calls differ from its recorded ones on every call (it "
+                   f"{plan.why.splitlines()[0]})")
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
+            self._followed[key], self._eager_why[key] = _EAGER, why
+        return out
+
     def _graphs_wanted(self) -> bool:
         """Whether segments may be captured in CUDA graphs (``mode="reduce-overhead"``)."""
         return self._mode == "reduce-overhead" and torch.cuda.is_available() and \
@@ -302,7 +340,7 @@ class CompiledFunction:
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             self._eager(key, why)
             return True
-        if self._guard.key(arg_modules) != base[3][0]:
+        if rec.effect is None and self._guard.key(arg_modules) != base[3][0]:
             self._all_eager = ("it changes Python state that it reads (a module attribute, "
                                "flag or parameter)")
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: "
@@ -340,9 +378,9 @@ class CompiledFunction:
             return result
         self._recordings += 1
         key = read_key(value)
-        if rec.unsupported is not None:
+        if rec.unsupported is not None or rec.effect is not None:
             warn_user(f"fxlite.compile: a path of {_name(self._fn)} runs in eager PyTorch: "
-                      f"it {rec.unsupported}")
+                      f"it {rec.unsupported or rec.effect}")
             seg.children[key] = _EAGER
             return result
         segments = split(rec)

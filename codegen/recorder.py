@@ -295,6 +295,8 @@ class Recorder(TorchFunctionMode):
         if isinstance(out, torch.Tensor):
             node.meta["requires_grad"] = out.requires_grad
             node.meta["tensor_meta_rec"] = tensor_meta(out)
+            if out._is_view():  # shares memory with another value: followed calls
+                node.meta["view"] = True  # run it for real (codegen/follow.py)
             self._bind(out, node.name)
             self.rec.expected[node.name] = (weakref.ref(out), out._version)
             return

@@ -91,7 +91,8 @@ class Recording:
     reads: list[Read] = field(default_factory=list)
     sizes_read: bool = False
     grad_reads: list[Any] = field(default_factory=list)  # (tensor, .grad was None) Python read
-    unsupported: str | None = None
+    unsupported: str | None = None  # why it stopped: the call ran on in eager PyTorch
+    effect: str | None = None  # why its Python must run on every call (codegen/follow.py)
     rng_state: Any = None
     ambient: Any = None  # grad mode and autocast where the recording (or its new part) began
     pre_state: dict[str, torch.Tensor] = field(default_factory=dict)  # externals before writes

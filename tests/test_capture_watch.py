@@ -68,9 +68,23 @@ def test_a_list_append_happens_on_every_call():
         return fn, {"log": log}
 
     f, said = side_by_side(make)
-    assert len(said) == 1 and "changes the list log that outlives the call" in said[0]
-    assert "def fn(x):" in said[0]  # the user's function
-    assert f.fallbacks and not f.kernels
+    assert not said and f.kernels  # its Python runs every call, its ops as kernels
+    with Watch(make()[0]) as watch:
+        make()[0](torch.ones(2))
+    assert watch.effect is None  # the list is not named before the call: seen after it
+
+    def make_named():
+        fn, state = make()
+        log = state["log"]
+        watch = Watch(fn)
+        with watch:
+            fn(torch.ones(2))
+        return watch, log
+
+    watch, log = make_named()
+    what = watch.changed()
+    assert "changes the list log that outlives the call" in what
+    assert "def fn(x):" in what  # the user's function
 
 
 def test_a_counter_bumped_by_a_helper_counts_every_call():
