@@ -1,15 +1,16 @@
 """``fxlite.explain`` and ``fxlite.export``: what the capture sees in a function.
 
-``explain(fn, *args, **kwargs)`` runs ``fn`` once under the recorder and reports the
+``explain(fn)(*args, **kwargs)`` (or ``explain(fn, *args, **kwargs)``, as
+``torch._dynamo.explain`` takes both) runs ``fn`` once under the recorder and reports the
 graphs it splits into, where and why it splits (each break with the user's file, line and
 source), the ops of each graph and what later calls are guarded on::
 
-    report = fxlite.explain(bar, a, b)
+    report = fxlite.explain(bar)(a, b)
     print(report)              # graphs: 2, graph breaks: 1 ... at line 14: if b.sum() < 0:
     report.graphs[0].code      # each graph is a GraphModule
 
 ``export(fn, *args, **kwargs)`` returns the captured program as one GraphModule, and
-raises :class:`fxlite.TraceError` where ``fullgraph=True`` would.
+raises :class:`fxlite.TraceError`, naming the line, where it cannot be one graph.
 """
 
 from __future__ import annotations
@@ -128,22 +129,35 @@ def _unwrap(fn: Any) -> Any:
     return fn
 
 
-def explain(fn: Any, *args: Any, **kwargs: Any) -> Explanation:
+def explain(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` once, recording it, and report how it would compile.
+
+    Both of ``torch._dynamo.explain``'s forms work: ``explain(fn)(*args, **kwargs)``, and
+    ``explain(fn, *args, **kwargs)``. Given ``fn`` alone it returns the function that
+    takes the arguments (so a function of no arguments is ``explain(fn)()``).
 
     Args:
         fn: a function, a module, or what ``fxlite.compile`` returned.
         *args, **kwargs: the call's arguments (the function really runs once).
 
     Returns:
-        An :class:`Explanation`.
+        An :class:`Explanation`; given ``fn`` alone, a function that returns one.
 
     Example::
 
-        report = fxlite.explain(bar, torch.randn(10), torch.randn(10))
+        report = fxlite.explain(bar)(torch.randn(10), torch.randn(10))
         assert report.graph_break_count == 1
         print(report.break_reasons[0].source)     # if b.sum() < 0:
     """
+    if not args and not kwargs:
+        def explain_call(*args: Any, **kwargs: Any) -> Explanation:
+            return _explain(fn, args, kwargs)
+
+        return explain_call
+    return _explain(fn, args, kwargs)
+
+
+def _explain(fn: Any, args: tuple, kwargs: dict) -> Explanation:
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
     guard = StateGuard(fn)
@@ -210,8 +224,11 @@ def export(fn: Any, *args: Any, **kwargs: Any) -> GraphModule:
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
     guard = StateGuard(fn)
-    _, rec = record(fn, args, kwargs, roots=guard.roots(leaves), fullgraph=True,
-                    bound=guard.bound_objects())
+    try:
+        _, rec = record(fn, args, kwargs, roots=guard.roots(leaves), fullgraph=True,
+                        bound=guard.bound_objects())
+    except TraceError as e:
+        raise _export_error(e) from None
     if rec.unsupported:
         raise TraceError(f"export: the function cannot be captured: it {rec.unsupported}")
     graph = rec.graph
@@ -223,6 +240,18 @@ def export(fn: Any, *args: Any, **kwargs: Any) -> GraphModule:
     gm = GraphModule(rec.holder, graph, _export_name(fn))
     gm.meta["out_spec"] = rec.out_spec
     return gm
+
+
+_FULLGRAPH = "fullgraph=True, but "
+
+
+def _export_error(e: TraceError) -> TraceError:
+    """The recorder's one-graph error, worded for export: export takes no ``fullgraph``
+    argument (it always wants one graph), so the message must not blame one."""
+    text = str(e)
+    if not text.startswith(_FULLGRAPH):
+        return e
+    return TraceError("export: " + text[len(_FULLGRAPH):])
 
 
 def _graph_literal(value: Any) -> bool:

@@ -133,6 +133,25 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
     return _compile_layout(work, sample, backend, mode, expected, warn)
 
 
+def kernel_prefix(gm: GraphModule) -> str:
+    """The start of the names of ``gm``'s kernels: ``triton_``, then where the graph sits,
+    so that no two kernels of a compiled function share a name (they are shown by name in
+    reports and logs). A segment after the first read adds ``seg<k>_``, a torch.cond
+    branch ``cond<i>_``::
+
+        segment_0             triton_fused_0
+        segment_2             triton_seg2_fused_0
+        segment_0__cond1      triton_cond1_fused_0
+    """
+    prefix = "triton_"
+    for part in type(gm).__name__.split("__"):
+        if part.startswith("segment_") and part[8:].isdigit() and part[8:] != "0":
+            prefix += f"seg{part[8:]}_"
+        elif part.startswith("cond") and part[4:].isdigit():
+            prefix += f"{part}_"
+    return prefix
+
+
 def channels_last_wanted(sample: list[Any]) -> bool:
     """Whether a segment run on ``sample`` gets channels-last convolutions (CUDA only:
     cuDNN's kernels there are NHWC; see ``passes/channels_last.py``)."""
@@ -213,7 +232,9 @@ def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
     made: list[CompiledSegment] = []
 
     def branch(g: GraphModule, example: list[Any]) -> Callable[..., Any]:
-        made.append(compile_segment(g, example, backend=backend, mode=mode, warn=warn))
+        # named after its segment and its place, so its kernels' names are its own
+        named = GraphModule(g, g.graph, f"{type(gm).__name__}__cond{len(made)}")
+        made.append(compile_segment(named, example, backend=backend, mode=mode, warn=warn))
         return made[-1].run
 
     changed = False
@@ -265,7 +286,7 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
         precompile(fused, cuda[0])
     if any(n.meta.get("autocast") for n in gm.graph.nodes):
         _groups_without_autocast(fused)
-    check = _KernelCheck(fused, mode)
+    check = _KernelCheck(fused, mode, kernel_prefix(gm))
     outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)
     # a straight-line forward per layout spares kernels their launch lookups on a GPU
@@ -434,12 +455,13 @@ def _run_checked(gm: GraphModule, sample: list[Any]) -> Any:
 class _KernelCheck(_Replay):
     """Runs the fused module once, building and checking a kernel for each fused group."""
 
-    def __init__(self, gm: GraphModule, mode: str | None) -> None:
+    def __init__(self, gm: GraphModule, mode: str | None, prefix: str = "triton_") -> None:
         super().__init__(gm)
         self.kernels: dict[str, Any] = {}
         self.records: list[KernelRecord] = []
         self.fallbacks: list[str] = []
         self._mode = mode
+        self._prefix = prefix
 
     def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
         sub = self.fetch_attr(target)
@@ -452,7 +474,7 @@ class _KernelCheck(_Replay):
 
         try:
             kernel = generate_kernel(getattr(sub, "inner", sub), list(args),
-                                     name=f"triton_{target}")
+                                     name=f"{self._prefix}{target}")
         except Exception as e:  # the generator must never break a model: fall back
             kernel, reason = None, f"{type(e).__name__}: {e}"
         else:
@@ -460,7 +482,7 @@ class _KernelCheck(_Replay):
         got = expected = None
         if kernel is not None:
             try:
-                if self._mode == "max-autotune":
+                if self._mode in ("max-autotune", "max-autotune-no-cudagraphs"):
                     kernel.autotune(*args)  # time candidate block sizes and warps, keep the best
                 before = versions(args)
                 got = kernel(*args)
@@ -488,7 +510,7 @@ class _KernelCheck(_Replay):
         backward (``codegen/autograd.py``), each checked against eager on first use."""
         from fxlite.codegen.autograd import make_autograd_group
 
-        group = make_autograd_group(sub, args, name=f"triton_{target}")
+        group = make_autograd_group(sub, args, name=f"{self._prefix}{target}")
         before = versions(args)
         got = group(*args)
         expected = sub(*args)

@@ -183,7 +183,9 @@ class Recorder(TorchFunctionMode):
         except Exception as e:  # a failure of the recorder must never break user code
             if getattr(e, "_fxlite_user", False):
                 raise
-            self.stop(f"fxlite could not record {func_name(func)}: {type(e).__name__}: {e}")
+            # reads as the rest of "f runs in eager PyTorch: it ..."
+            self.stop(f"calls {func_name(func)}, which fxlite could not record "
+                      f"({type(e).__name__}: {e})")
             return func(*args, **kwargs)
 
     def stop(self, reason: str, site: Any = None) -> None:
@@ -509,7 +511,7 @@ class Recorder(TorchFunctionMode):
             for _, sub in branches:
                 if sub.unsupported or sub.reads:
                     why = sub.unsupported or "it reads a tensor's value"
-                    self.stop(f"a torch.cond branch cannot be recorded: {why}")
+                    self.stop(f"calls torch.cond with a branch fxlite cannot record ({why})")
                     return branches[0 if taken else 1][0]
             op = CondOp(branches[0][1], branches[1][1], [o.detach().clone() for o in operands])
             node = self._node(op, (pred, *operands), {})

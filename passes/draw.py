@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -237,14 +238,16 @@ def draw(graph_or_gm: Graph | GraphModule, path: str | os.PathLike) -> str:
         graph_or_gm: a GraphModule or Graph.
         path: the file to write.
 
+    Without Graphviz's ``dot`` on PATH, a rendered format writes the DOT text next to
+    ``path`` (same name, ``.dot`` suffix), says so in one warning, and returns that path.
+
     Returns:
-        The path written, as a string.
+        The path written, as a string (the ``.dot`` file's without Graphviz).
 
     Raises:
         ValueError: for an unsupported suffix.
-        RuntimeError: when a rendered format is asked for and ``dot`` is not on PATH, or
-            fails. The DOT text is then written next to ``path`` (same name, ``.dot``
-            suffix) and the message names that file.
+        RuntimeError: when ``dot`` fails. The DOT text is then written next to ``path``
+            (same name, ``.dot`` suffix) and the message names that file.
 
     Example::
 
@@ -265,9 +268,10 @@ def draw(graph_or_gm: Graph | GraphModule, path: str | os.PathLike) -> str:
     if dot is None:
         fallback = path.with_suffix(".dot")
         fallback.write_text(text, encoding="utf-8")
-        raise RuntimeError(f"draw: the Graphviz 'dot' binary was not found on PATH, so "
-                           f"{path.name} could not be rendered; the DOT source was written to "
-                           f"{fallback} (install graphviz, e.g. `apt-get install graphviz`)")
+        warnings.warn(f"draw: the Graphviz 'dot' binary was not found on PATH, so {path.name} "
+                      f"was not rendered; the DOT source was written to {fallback} (install "
+                      "graphviz, e.g. `apt-get install graphviz`)", stacklevel=2)
+        return str(fallback)
     proc = subprocess.run([dot, f"-T{_RENDERED[suffix]}", "-o", str(path)],
                           input=text.encode("utf-8"), capture_output=True, timeout=120)
     if proc.returncode != 0:
