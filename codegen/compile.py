@@ -54,7 +54,7 @@ Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
 _warned: set[str] = set()
 _EAGER = object()  # a key or read value whose path runs in eager PyTorch
 _NOT_RUN = object()  # what _straight_line returns when it ran nothing
-_MODES = (None, "default", "reduce-overhead", "max-autotune")
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def warn_user(message: str) -> None:
@@ -604,11 +604,12 @@ def _check_options(fn: Any, backend: Any, fullgraph: Any, mode: Any) -> None:
         raise TypeError(f"fxlite.compile expects a function or an nn.Module, got "
                         f"{type(fn).__name__}")
     if mode not in _MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected None, 'default', "
-                         "'reduce-overhead' or 'max-autotune'")
+        raise ValueError(f"unknown mode {mode!r}; expected one of "
+                         f"{', '.join(repr(m) for m in _MODES)}")
     if not (callable(backend) or backend in ("triton", "python")):
         raise ValueError(f"unknown backend {backend!r}; expected 'triton', 'python' or a "
-                         "callable backend(gm, example_inputs)")
+                         "callable backend(gm, example_inputs) (fxlite.compile also takes "
+                         "'eager' and Dynamo's backend names)")
     if not isinstance(fullgraph, bool):
         raise TypeError(f"fullgraph must be True or False, not {fullgraph!r}")
 
@@ -635,9 +636,11 @@ class CompiledModule(torch.nn.Module):
 
 
 def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
-            backend: Backend = "triton", fullgraph: bool = False,
-            mode: str | None = None) -> Any:
-    """Compile a function or module, as ``torch.compile`` does.
+            fullgraph: bool = False, dynamic: bool | None = None, backend: Backend = "triton",
+            mode: str | None = None, options: dict[str, Any] | None = None,
+            name: str | None = None, disable: bool = False, recompile_limit: int | None = None,
+            isolate_recompiles: bool = False, shapes_spec: Any = None) -> Any:
+    """Compile a function or module, as ``torch.compile`` does (the same arguments).
 
     The first call with new inputs runs ``fn`` eagerly while recording its torch calls;
     later calls replay them as fused Triton kernels (the ``"triton"`` backend) and
@@ -653,22 +656,44 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
 
     What falls back to eager PyTorch, with one warning naming the line: formatting a
     tensor as text, reading its address, reseeding, changing Python state the function
-    reads; more than ``CompiledFunction.recompile_limit`` recordings; and any segment
-    whose passes or kernels fail or disagree with eager on the recording's inputs.
-    Groups under autograd run a Triton forward and a generated Triton backward.
+    reads, calling a function marked with ``fxlite.compiler.disable``; more than
+    ``recompile_limit`` recordings; and any segment whose passes or kernels fail or
+    disagree with eager on the recording's inputs. Groups under autograd run a Triton
+    forward and a generated Triton backward.
 
     Args:
         fn: a function or ``nn.Module``; omit it to use ``@fxlite.compile(...)``.
-        backend: ``"triton"`` (fused kernels), ``"python"`` (the recorded ops as Python),
-            or a callable ``backend(gm, example_inputs) -> callable`` given each segment.
         fullgraph: raise :class:`fxlite.TraceError` (naming the line) instead of splitting
             the function where it reads a tensor's value, or falling back to eager.
-        mode: None, ``"reduce-overhead"`` (replay segments from CUDA graphs, training
-            steps included; see ``fxlite.codegen.segment_graphs``) or ``"max-autotune"``
-            (try several block sizes per kernel).
+        dynamic: None, True or False. fxlite's keys hold no sizes unless the recorded code
+            reads one, whatever the value; a recording that reads sizes is specialized to
+            them. ``torch._dynamo.mark_dynamic`` is accepted and changes nothing.
+        backend: ``"triton"`` (or ``"fxlite"``: fused kernels), ``"python"`` (the recorded
+            ops as Python), ``"eager"`` (``fn`` itself, not compiled), a name that
+            ``torch._dynamo.list_backends()`` knows (``"inductor"``, ``"aot_eager"``: each
+            of fxlite's segment graphs goes to it), or a callable
+            ``backend(gm, example_inputs) -> callable`` given each segment.
+        mode: None, ``"default"``, ``"reduce-overhead"`` (replay segments from CUDA graphs,
+            training steps included; see ``fxlite.codegen.segment_graphs``),
+            ``"max-autotune"`` or ``"max-autotune-no-cudagraphs"`` (both: try several block
+            sizes per kernel; fxlite adds no CUDA graphs to max-autotune).
+        options: a dict; with fxlite's backends the keys of
+            ``fxlite.codegen.options.OPTIONS`` (``"triton.cudagraphs"``, ``"max_autotune"``,
+            ``"max_autotune_pointwise"``); with a Dynamo backend, its own. Not with ``mode``.
+        name: accepted (a str), shown nowhere yet.
+        disable: True returns ``fn`` itself.
+        recompile_limit: how many recordings (keys and paths) before new ones run in eager
+            PyTorch, with one warning; default ``CompiledFunction.recompile_limit`` (8).
+        isolate_recompiles: accepted: every ``fxlite.compile`` call has its own entries.
+        shapes_spec: accepted, no effect (as ``dynamic``).
 
     Returns:
-        A callable with the original's signature (a module for a module).
+        A callable with the original's signature (a module for a module); ``fn`` itself
+        for ``disable=True`` and ``backend="eager"``.
+
+    Raises:
+        TypeError, ValueError: a bad argument, with one line naming it (an unknown option
+            key lists the known ones).
 
     Example::
 
@@ -679,11 +704,20 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         f(torch.randn(8192, 8192, device="cuda"))
         print(f.kernels[0].source)
     """
+    from fxlite.codegen.options import resolve
+
+    given = dict(fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                 options=options, name=name, disable=disable, recompile_limit=recompile_limit,
+                 isolate_recompiles=isolate_recompiles, shapes_spec=shapes_spec)
     if fn is None:
-        _check_options(lambda: None, backend, fullgraph, mode)
-        return functools.partial(compile, backend=backend, fullgraph=fullgraph, mode=mode)
-    compiled = CompiledFunction(fn, backend, fullgraph, mode)
+        resolve(None, **given)  # a bad argument fails here, not at the decorated def
+        return functools.partial(compile, **given)
+    settings = resolve(fn, **given)
+    if settings.as_is:
+        _check_options(fn, "triton", fullgraph, None)
+        return fn
+    compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
+    settings.apply(compiled, fn, fullgraph)
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, compiled)
     return compiled
-

@@ -21,16 +21,25 @@ if os.path.isfile(os.path.join(_checkout, "codegen", "python.py")) and os.path.i
         os.path.join(_checkout, "passes", "__init__.py")):
     __path__.append(_checkout)  # type: ignore[name-defined]
 
-from .graph import Graph  # noqa: E402  (after the checkout path above)
-from .graph_module import GraphModule  # noqa: E402
-from .node import Node, map_arg  # noqa: E402
-from .proxy import Proxy, ProxyableClassMeta, TraceError  # noqa: E402
-from .tracer import PH, PHBase, PHWithMeta, Tracer, symbolic_trace, wrap  # noqa: E402
-
 __version__ = "0.1.0"
 
-# Heavier parts load on first use, so `import fxlite` stays fast and never imports Triton.
+# Everything loads on first use, so `import fxlite` imports neither torch nor Triton: the
+# `fxlite` command answers --help and --version without them (`from fxlite import Graph`
+# and `fxlite.Graph` load fxlite.graph, and torch with it, then).
 _LAZY = {
+    "Graph": "fxlite.graph",
+    "GraphModule": "fxlite.graph_module",
+    "Node": "fxlite.node",
+    "map_arg": "fxlite.node",
+    "Proxy": "fxlite.proxy",
+    "ProxyableClassMeta": "fxlite.proxy",
+    "TraceError": "fxlite.proxy",
+    "PH": "fxlite.tracer",
+    "PHBase": "fxlite.tracer",
+    "PHWithMeta": "fxlite.tracer",
+    "Tracer": "fxlite.tracer",
+    "symbolic_trace": "fxlite.tracer",
+    "wrap": "fxlite.tracer",
     "Interpreter": "fxlite.interpreter",
     "Transformer": "fxlite.interpreter",
     "replace_pattern": "fxlite.rewrite",
@@ -46,21 +55,33 @@ _LAZY = {
     "CodeGen": "fxlite.codegen.python_hooks",
     "save": "fxlite.serialize",
     "load": "fxlite.serialize",
+    "reset": "fxlite.codegen.compiler",
 }
 
-__all__ = ["PH", "Graph", "GraphModule", "Node", "PHBase", "PHWithMeta", "Proxy",
-           "ProxyableClassMeta", "TraceError", "Tracer", "map_arg", "symbolic_trace", "wrap", *_LAZY]
+__all__ = [*_LAZY, "compiler"]
 
 
 # Submodules reachable as attributes without an import of their own (`fx.passes.diff`),
 # as torch.fx.passes and torch.fx.subgraph_rewriter are.
+# Any other module of the package (`fxlite.graph`) is one too.
 _SUBMODULES = ("passes", "subgraph_rewriter", "interpreter", "rewrite", "codegen", "ops",
                "logs", "examples")
+# fxlite.compiler is torch.compiler's counterpart: disable, is_compiling, reset.
+_ALIASES = {"compiler": "fxlite.codegen.compiler"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _SUBMODULES:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    if name in _ALIASES:
+        return importlib.import_module(_ALIASES[name])
+    if name in _SUBMODULES or (not name.startswith("_") and any(
+            os.path.isfile(os.path.join(d, name + ".py")) for d in __path__[:1])):
         return importlib.import_module(f"fxlite.{name}")
     raise AttributeError(f"module 'fxlite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES) | set(_ALIASES))
