@@ -58,6 +58,7 @@ from fxlite.codegen.recording import (
     tensor_meta,
     user_site,
 )
+from fxlite.codegen.segments import read_key
 from fxlite.codegen.structure import flatten
 
 from fxlite.graph import Graph
@@ -131,7 +132,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     finally:
         _LOCAL.recorder = outer
     rec.globals_read = watch.names
-    rec.effect = watch.effect or watch.changed() or _unreplayable(result, rec)
+    rec.effect = rec.effect or watch.effect or watch.changed() or _unreplayable(result, rec)
     for x, state in zip(objects, before):
         if rec.unsupported is None and (state is None or _object_state(x) != state):
             # a replay runs the recorded tensor ops only: it would not set them again
@@ -159,10 +160,19 @@ def _unreplayable(result: Any, rec: Recording) -> str | None:
             return ("draws from a torch.Generator of its own, which a replay would not "
                     f"advance\n  {node.meta.get('stack_trace', '')}")
     out, _ = flatten(result)
+    reads = {read_key(r.value) for r in rec.reads}
     for leaf in out:
         if isinstance(leaf, Iterator) and not isinstance(leaf, torch.Tensor):
             return (f"returns a {type(leaf).__name__} (an iterator), which a replay would "
                     "return already used up")
+        if type(leaf) is float and read_key(leaf) not in reads:
+            return ("returns a Python float that is not a tensor's value (a learning rate, "
+                    "a time), which a replay would return unchanged")
+    for _, root in rec.modules:
+        for m in root.modules():
+            if m._backward_hooks or m._backward_pre_hooks:
+                return (f"has a backward hook on its {type(m).__name__}, which runs inside "
+                        "backward")
     return None
 
 

@@ -46,16 +46,18 @@ from typing import Any
 import torch
 from fxlite.codegen.recording import _LIB_DIRS, format_site
 
-__all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key"]
+__all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "user_class"]
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
-_TRUSTED = (*_LIB_DIRS, "<fxlite", "<frozen")
+_TRUSTED = (*_LIB_DIRS, "<fxlite", "<frozen importlib")
+_FROZEN = "<frozen "  # a frozen standard-library module: "<frozen os>"
 # Standard-library modules whose functions act on the world or on hidden state.
 _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random numbers",
                    "secrets": "draws random numbers", "uuid": "makes a uuid",
                    "tempfile": "makes a temporary file", "shutil": "changes files",
-                   "subprocess": "runs a process", "pprint": "prints"}
+                   "subprocess": "runs a process", "pprint": "prints",
+                   "os": "reads the environment or the file system"}
 # C functions, by module (or, for bound methods, their object's type's module).
 _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
                      "random": "draws Python random numbers", "_io": "reads or writes a file",
@@ -158,8 +160,9 @@ class Watch:
         name = code.co_filename
         if name.startswith(_TRUSTED):
             return
-        if name.startswith(_STDLIB):
-            module = name[len(_STDLIB):].split(os.sep)[0].removesuffix(".py")
+        if name.startswith((_STDLIB, _FROZEN)):
+            module = name[len(_FROZEN):-1] if name.startswith(_FROZEN) else \
+                name[len(_STDLIB):].split(os.sep)[0].removesuffix(".py")
             what = _EFFECT_MODULES.get(module)
             caller = _user_frame(frame)
             if what is not None and caller is not None and not \
@@ -195,7 +198,7 @@ class Watch:
 
     def _c_call(self, frame: Any, fn: Any) -> None:
         caller = frame.f_code.co_filename
-        if caller.startswith(_TRUSTED) or caller.startswith(_STDLIB):
+        if caller.startswith((*_TRUSTED, _STDLIB, _FROZEN)):
             return  # trusted, or (the standard library) judged by the module entered
         what = _EFFECT_BUILTINS.get(fn) if type(fn) is types.BuiltinFunctionType else None
         if what is None:
@@ -270,7 +273,7 @@ def _random_states() -> tuple:
 def _user_frame(frame: Any) -> Any:
     """The nearest frame outside the standard library (the user's call of it)."""
     f = frame
-    while f is not None and f.f_code.co_filename.startswith((_STDLIB, "<frozen")):
+    while f is not None and f.f_code.co_filename.startswith((_STDLIB, _FROZEN)):
         f = f.f_back
     return f
 
@@ -297,9 +300,12 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
 def is_stateful(value: Any) -> bool:
-    """A mutable container or plain object whose contents a call might change."""
+    """A mutable container, plain object or user class whose contents (attributes) a
+    call might read or change."""
     if isinstance(value, (list, dict, set, bytearray)):
         return True
+    if isinstance(value, type):
+        return user_class(value)
     if isinstance(value, (*_PLAIN, tuple, frozenset, type, types.ModuleType,
                           types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         return False
@@ -309,9 +315,21 @@ def is_stateful(value: Any) -> bool:
         not type(value).__module__.startswith(("torch", "fxlite"))
 
 
+def user_class(cls: type) -> bool:
+    """A class of the user's (not torch's, fxlite's or the standard library's), whose
+    plain class attributes (``Defaults.eps``) a call may read."""
+    module = getattr(cls, "__module__", "") or ""
+    return not module.startswith(("torch", "fxlite", "builtins", "typing", "collections",
+                                  "enum", "abc", "numpy", "transformers", "timm")) \
+        and not issubclass(cls, (torch.nn.Module, BaseException))
+
+
 def contents_key(value: Any, depth: int = 0) -> Any:
     """A comparable picture of ``value``'s contents: scalars by value, the rest by
     identity, containers one level down."""
+    if isinstance(value, type):
+        return tuple((k, _leaf(v, 1)) for k, v in value.__dict__.items()
+                     if not k.startswith("__") and isinstance(v, _PLAIN))
     if isinstance(value, dict):
         items = list(value.items())[:256]
         return tuple((k if isinstance(k, _PLAIN) else id(k), _leaf(v, depth)) for k, v in items)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_watch import contents_key, is_stateful, optimizer_key
+from fxlite.codegen.capture_watch import contents_key, is_stateful, optimizer_key, user_class
 from fxlite.codegen.segments import read_key
 
 __all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
@@ -124,8 +124,13 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
         code = getattr(f, "__code__", None)
         if code is None:
             wrapped = getattr(f, "__wrapped__", None)
+            call = type(f).__dict__.get("__call__")  # its own (not a builtin's)
             if wrapped is not None:
                 stack.append((prefix, wrapped))
+            elif isinstance(call, types.FunctionType) and is_stateful(f):
+                # a callable object: its attributes, and what its __call__ names
+                out.append((f"{prefix}self", const(f)))
+                stack.append((prefix, call))
             continue
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             out.append((f"{prefix}{name}", functools.partial(_cell_value, cell)))
@@ -133,7 +138,8 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
         for name in code.co_names:
             value = glob.get(name, _EMPTY)
             if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)) or not (
-                    value is _EMPTY or isinstance(value, _CODE)):  # a dict, a state object
+                    value is _EMPTY or isinstance(value, _CODE)) or isinstance(
+                    value, type) and user_class(value):  # a dict, a state object, a class
                 out.append((f"{prefix}{name}", functools.partial(dict.get, glob, name, _EMPTY)))
         if getattr(f, "__defaults__", None):
             out.append((f"{prefix}defaults", functools.partial(getattr, f, "__defaults__")))
@@ -271,7 +277,8 @@ class StateGuard:
         added = False
         for glob, name in pairs:
             value = glob.get(name, _EMPTY)
-            if (id(glob), name) in known or value is _EMPTY or isinstance(value, _CODE):
+            if (id(glob), name) in known or value is _EMPTY or isinstance(value, _CODE) \
+                    and not (isinstance(value, type) and user_class(value)):
                 continue
             known.add((id(glob), name))
             self._getters.append((name, functools.partial(dict.get, glob, name, _EMPTY)))
@@ -330,6 +337,8 @@ def _content(v: Any) -> Any:
     can change while the identity stays."""
     if isinstance(v, torch.optim.Optimizer):
         return (id(v), optimizer_key(v))
+    if isinstance(v, type):
+        return (id(v), contents_key(v)) if user_class(v) else id(v)
     if not is_stateful(v):
         return id(v)
     return (id(v), contents_key(v))

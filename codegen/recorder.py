@@ -63,6 +63,7 @@ class Recorder(TorchFunctionMode):
         self._known: dict[int, str] = {}  # id(parameter/buffer) -> readable path
         self._externals: dict[int, str] = {}  # id(tensor) -> get_attr node name
         self._keep: list[Any] = []  # external objects (ids must stay unique)
+        self._grads: set[str] = set()  # nodes that are gradients (p.grad, or views of one)
         self._dynamic = recording.dynamic
         self._attr_tail: Node | None = None  # get_attr nodes go after the inputs, in order
         self._grad = torch.is_grad_enabled()
@@ -252,6 +253,12 @@ class Recorder(TorchFunctionMode):
             self.rec.sizes_read = True
         if state_name(func) == "grad" and args:  # whether it is None steers Python (zero_grad)
             self.rec.grad_reads.append((args[0], out is None))
+            self._grads.add(node.name)
+        elif isinstance(out, torch.Tensor) and out._is_view() and self._grads.intersection(
+                n.name for n in node.all_input_nodes):
+            self._grads.add(node.name)  # a view of a gradient is one too
+        if mutated and self.rec.effect is None:
+            self._written_state(meta.get("mutated", ()))
         if state_name(func) in DYNAMIC_SHAPE or self._dynamic.intersection(
                 n.name for n in node.all_input_nodes) or bool_index(func, args):
             self._dynamic.add(node.name)
@@ -349,6 +356,20 @@ class Recorder(TorchFunctionMode):
                 node.meta["same_object"] = name  # a later version of the same tensor
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased
+
+    def _written_state(self, names: list[str]) -> None:
+        """A parameter or a gradient written in place by the program itself (an EMA,
+        manual SGD, clipping or unscaling ``p.grad``), not by an optimizer's step: its
+        Python must run on every call (``Recording.effect``), where these writes run
+        for real."""
+        for name in names:
+            node = self._nodes[name]
+            if name in self._grads or node.op == "get_attr" and getattr(
+                    self.rec.externals.get(node.target), "requires_grad", False):
+                what = "a gradient" if name in self._grads else "a parameter"
+                self.rec.effect = (f"writes {what} in place outside an optimizer's step"
+                                   f"\n  {format_site(user_site())}")
+                return
 
     def _snapshot(self, tensors: list[torch.Tensor]) -> None:
         """Keep the value of each external tensor (input, parameter, buffer, constant)
