@@ -9,22 +9,33 @@ Subcommands::
     fxlite --version
 
 ``OBJ`` is an ``nn.Module`` class (built with no arguments), a factory function that
-takes none, or a function. A bad argument (an unknown module, a bad shape, an object
-that is not a module or function, ``--device cuda`` without a GPU) prints one line and
-exits with status 2; everything printed fits in 100 columns.
+takes none, or a function. A bad argument (an unknown module, a bad shape, an input
+bigger than the machine's memory, an object that is not a module or function,
+``--device cuda`` without a GPU) prints one line and exits with status 2; everything
+printed fits in 100 columns (warnings too). Long steps show their progress on stderr: a
+bar on a terminal, plain lines in a pipe or a log (``fxlite.progress``).
+
+``--help`` and ``--version`` import neither torch nor Triton, so they answer at once;
+the subcommands import torch when they run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+import textwrap
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import NoReturn, TextIO
 
-from .cli_load import UsageError
+# Nothing here imports torch: `fxlite --help` and `fxlite --version` answer without it
+# (the subcommands import it when they run).
 
 __all__ = ["build_parser", "main"]
+
+_WIDTH = 100  # the most columns a line of the command's output takes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,20 +50,21 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def _version() -> str:
+    """fxlite's version and those of torch, Triton and Python, read from the installed
+    packages' metadata (importing torch would take seconds)."""
     import platform
-
-    import torch
+    from importlib import metadata
 
     import fxlite
 
-    try:
-        import triton
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return (f"fxlite {fxlite.__version__} (torch {torch.__version__}, triton {triton_version}, "
-            f"Python {platform.python_version()})")
+    return (f"fxlite {fxlite.__version__} (torch {installed('torch')}, triton "
+            f"{installed('triton')}, Python {platform.python_version()})")
 
 
 def _add_target(p: argparse.ArgumentParser, inputs_required: bool) -> None:
@@ -155,15 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .cli_load import UsageError  # imports torch
+
     try:
-        if args.command == "demo":
-            from .demo import run_demo
-
-            return run_demo(seed=args.seed, compile=not args.no_compile)
-        from .cli_commands import run_compile, run_explain, run_show
-
-        run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
-        return run(args)
+        with _fitted_warnings():
+            return _run(args)
     except UsageError as e:
         print(f"fxlite {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -187,6 +195,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fxlite {args.command}: {type(e).__name__}: {first}\n(add --traceback to "
                   f"see where)", file=sys.stderr)
         return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the subcommand ``args.command``."""
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(seed=args.seed, compile=not args.no_compile)
+    from .cli_commands import run_compile, run_explain, run_show
+
+    run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
+    return run(args)
+
+
+@contextlib.contextmanager
+def _fitted_warnings() -> Iterator[None]:
+    """Print warnings as ``warning: ...`` lines on stderr, wrapped to 100 columns (Python's
+    own format starts with the file path and runs on), while a subcommand runs."""
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        stream = file if file is not None else sys.stderr
+        kind = "warning" if category is UserWarning else category.__name__
+        for part in f"{kind}: {message}".splitlines():
+            stream.write(textwrap.fill(part, _WIDTH, subsequent_indent="  ",
+                                       break_long_words=False, break_on_hyphens=False) + "\n")
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

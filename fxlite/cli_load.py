@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Target", "UsageError", "check_device", "load_target", "make_inputs",
+__all__ = ["Target", "UsageError", "check_device", "check_size", "load_target", "make_inputs",
            "parse_input"]
 
 
@@ -214,6 +214,8 @@ def make_inputs(specs: Sequence[str], device: str, seed: int = 0) -> list[torch.
         The tensors, in order.
     """
     parsed = [parse_input(s) for s in specs]
+    for text, (shape, dtype) in zip(specs, parsed):
+        check_size(text, shape, dtype, device)
     gen = torch.Generator().manual_seed(seed)
     tensors = []
     for shape, dtype in parsed:
@@ -225,6 +227,36 @@ def make_inputs(specs: Sequence[str], device: str, seed: int = 0) -> list[torch.
             t = torch.randint(0, 10, shape, generator=gen).to(dtype)
         tensors.append(t.to(device))
     return tensors
+
+
+def _memory(device: str) -> int | None:
+    """Bytes of memory on ``device`` (None where unknown)."""
+    try:
+        if device == "cuda":
+            return int(torch.cuda.mem_get_info()[1])
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+
+
+def check_size(text: str, shape: Sequence[int], dtype: torch.dtype, device: str) -> None:
+    """Raise :class:`UsageError` for an ``--input`` too big for ``device``'s memory,
+    before anything is allocated.
+
+    Example::
+
+        check_size("99999999999x99999999999", (99999999999, 99999999999), torch.float32,
+                   "cpu")   # UsageError: --input 99999999999x99999999999 needs 4e+13 GB, more ...
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    need = numel * dtype.itemsize
+    have = _memory(device)
+    if numel >= 2**63 or (have is not None and need > have):
+        where = f"the {have / 1e9:.0f} GB here" if have is not None else "any memory"
+        shown = text if len(text) <= 24 else text[:21] + "..."
+        raise UsageError(f"--input {shown} needs {need / 1e9:.2g} GB, more than {where}")
 
 
 def check_device(device: str | None) -> str:

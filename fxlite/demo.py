@@ -137,7 +137,7 @@ def run_demo(seed: int = 0, out: TextIO | None = None, compile: bool = True) -> 
 def _compile_step(model: torch.nn.Module, x: torch.Tensor) -> bool:
     import fxlite as fx
 
-    from .cli_commands import say, use_interpreter
+    from .cli_commands import KernelCount, say, use_interpreter
     from .logs import kernel_listener
     from .progress import Progress
 
@@ -154,12 +154,13 @@ def _compile_step(model: torch.nn.Module, x: torch.Tensor) -> bool:
         say("no GPU: the kernels run through Triton's interpreter (TRITON_INTERPRET=1), on "
             "the tiny input")
     compiled = fx.compile(model)
-    made: list[object] = []
-    with Progress(1, "compile") as bar, kernel_listener(made.append), torch.no_grad():
-        with bar.step("first call", lambda: f"{len(made)} kernel(s)"):
+    count = KernelCount(compiled)
+    with Progress(1, "compile") as bar, kernel_listener(count.add), torch.no_grad():
+        with bar.step("first call", count):
             start = time.perf_counter()
             got = compiled(x)
             seconds = time.perf_counter() - start
+            count.finished = True
         want = model(x)
     with contextlib.redirect_stdout(io.StringIO()):
         report = compiled.report()

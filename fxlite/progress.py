@@ -1,11 +1,20 @@
-"""A one-line progress bar on stderr, for the ``fxlite`` command's long steps.
+"""Progress on stderr for the ``fxlite`` command's long steps.
 
-It draws only on a terminal (or when ``FXLITE_PROGRESS=1``), so pipes and logs stay clean::
+On a terminal (or with ``FXLITE_PROGRESS=1``) it is a one-line bar, redrawn in place::
 
     compile  [##########----------]  1/2  fxlite: 3 kernels, 4.2 s
 
-A step of unknown length (a first call that compiles many kernels, autotuning) shows
-its elapsed time and what it has done so far, redrawn twice a second.
+Anywhere else (a pipe, a CI log) it prints plain lines instead, which a log keeps
+readable: one as a step starts, one every :data:`LINE_EVERY` seconds while it runs, and
+one as it ends::
+
+    compile: first call ...
+    compile: first call: 2 kernel(s) made so far, 10 s
+    compile: first call done (1/1): 5 kernel(s), 12.3 s
+
+``FXLITE_PROGRESS=0`` turns both off. A step of unknown length (a first call that
+compiles many kernels, autotuning) shows its elapsed time and what it has done so far.
+Every line fits ``width`` (100) columns.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from typing import TextIO
 __all__ = ["Progress"]
 
 _BAR = 20
+LINE_EVERY = 10.0
+"""Seconds between the progress lines of a running step, away from a terminal."""
 
 
 class Progress:
@@ -30,9 +41,10 @@ class Progress:
         total: the number of steps.
         title: the word in front of the bar.
         stream: where to draw (``sys.stderr`` when None).
-        enabled: draw or not; None draws when the stream is a terminal or when the
-            environment has ``FXLITE_PROGRESS=1``.
-        width: the most columns the line may take.
+        enabled: draw the bar (True), nothing (False), or, with None: the bar on a
+            terminal or with ``FXLITE_PROGRESS=1``, nothing with ``FXLITE_PROGRESS=0``,
+            else plain progress lines.
+        width: the most columns a line may take.
 
     Example::
 
@@ -46,9 +58,11 @@ class Progress:
                  enabled: bool | None = None, width: int = 100) -> None:
         self.total, self.title, self.width = total, title, width
         self.stream = stream if stream is not None else sys.stderr
+        self.lines = False  # plain lines instead of the bar
         if enabled is None:
             forced = os.environ.get("FXLITE_PROGRESS", "")
             enabled = forced == "1" or (forced != "0" and _isatty(self.stream))
+            self.lines = not enabled and forced != "0"
         self.enabled = enabled
         self.done = 0
         self._label = ""
@@ -64,17 +78,28 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _fit(self, text: str) -> str:
+        return text if len(text) <= self.width else text[: self.width - 3] + "..."
+
+    def _say(self, text: str) -> None:
+        """Print one progress line (line mode)."""
+        with self._lock:
+            self.stream.write(self._fit(text) + "\n")
+            self.stream.flush()
+
+    def _status_text(self) -> str:
+        status = self._status() if self._status is not None else ""
+        elapsed = time.perf_counter() - self._start
+        return f"{status + ', ' if status else ''}{elapsed:.1f} s"
+
     def line(self) -> str:
         """The text of the bar as it stands, cut to ``width`` columns."""
         filled = _BAR * self.done // max(self.total, 1)
         text = (f"{self.title}  [{'#' * filled}{'-' * (_BAR - filled)}]  "
                 f"{self.done}/{self.total}")
         if self._label:
-            text += f"  {self._label}"
-            status = self._status() if self._status is not None else ""
-            elapsed = time.perf_counter() - self._start
-            text += f": {status + ', ' if status else ''}{elapsed:.1f} s"
-        return text if len(text) <= self.width else text[: self.width - 3] + "..."
+            text += f"  {self._label}: {self._status_text()}"
+        return self._fit(text)
 
     def draw(self) -> None:
         """Redraw the line (nothing when disabled)."""
@@ -96,7 +121,9 @@ class Progress:
         self._label, self._status, self._start = label, status, time.perf_counter()
         stop = threading.Event()
         ticker = None
-        if self.enabled:
+        if self.lines:
+            self._say(f"{self.title}: {label} ...")
+        if self.enabled or self.lines:
             ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True)
             ticker.start()
         try:
@@ -107,8 +134,15 @@ class Progress:
                 ticker.join()
             self.done += 1
             self.draw()
+            if self.lines:
+                self._say(f"{self.title}: {label} done ({self.done}/{self.total}): "
+                          f"{self._status_text()}")
 
     def _tick(self, stop: threading.Event) -> None:
+        if self.lines:
+            while not stop.wait(LINE_EVERY):
+                self._say(f"{self.title}: {self._label}: {self._status_text()}")
+            return None
         while not stop.wait(0.5):
             self.draw()
         return None

@@ -66,7 +66,12 @@ def test_demo_every_line_fits_in_100_columns_and_no_object_reprs():
     _assert_fits(proc.stdout)
     assert " at 0x" not in proc.stdout and "<built-in" not in proc.stdout
     assert "torch.softmax" in proc.stdout and "torch.relu" in proc.stdout
-    assert proc.stderr == ""  # no warnings, no progress bar in a pipe
+    # no warnings and no redrawn bar in a pipe: progress lines only, which fit too
+    _assert_fits(proc.stderr)
+    assert "\r" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(line.startswith("compile: first call") for line in lines), lines
+    assert re.fullmatch(r"compile: first call done \(1/1\): 5 kernel\(s\), [\d.]+ s", lines[-1])
 
 
 def test_demo_table_lists_every_node():
