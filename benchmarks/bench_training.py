@@ -11,7 +11,7 @@ Each compiler compiles the whole step, as the compile tutorial does::
     def train(model, opt, x, y):
         opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
 
-Cases: the tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
+Cases (``--cases``; ``gpt2_lm_step`` on request): the tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
 GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
 float32 and under bfloat16 autocast. Contenders: eager, eager with the optimizer's own
 ``fused=True`` kernels (which needs no compiler), torch.compile and fxlite.compile.
@@ -19,7 +19,10 @@ Reported per case: the median step time of each contender (CUDA events around ea
 after warm-up), speedups over eager and against inductor, cold compile (the first step,
 fresh caches), the kernels fxlite ran (forward/backward), and the largest relative
 difference of the first steps' losses from eager's (same data and initial weights; every
-contender starts from a copy of one model).
+contender starts from a copy of one model), over the first 20 steps, whose total time is
+reported too, with each contender's peak memory. ``gpt2_lm_step`` is transformers'
+GPT2LMHeadModel (6 layers, width 512, batch 8 x 512) with ``labels=``, bfloat16 autocast,
+gradient clipping, AdamW and ``zero_grad(set_to_none=True)``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,31 @@ def gpt2_block_case(dtype):
             dtype)
 
 
+def gpt2_lm_step_case():
+    """The faithful-Python issue's nanoGPT-style step: transformers' GPT2LMHeadModel (6
+    layers, width 512) called with ``labels=``, bfloat16 autocast, ``clip_grad_norm_``,
+    AdamW and ``zero_grad(set_to_none=True)``; batch 8 x 512 tokens, dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=512, resid_pdrop=0.0,
+                     attn_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).cuda()
+    data = [(torch.randint(0, cfg.vocab_size, (8, 512), device="cuda"), None)
+            for _ in range(4)]
+
+    def step(model, opt, ids, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=1e-4, **kw), data,
+            step, torch.bfloat16)
+
+
 # Steps before timing, for every contender alike: fxlite's trial takes 10 calls, and 16
 # under reduce-overhead for a training step (each side is observed 3 times and captured
 # before it is timed: codegen/trial.py).
@@ -122,27 +150,41 @@ def run_case(name, case, steps, mode=None):
         if label == "fxlite":
             fx_step = fn
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         first = fn(model, opt, *data[0])
         torch.cuda.synchronize()
         cold = time.perf_counter() - start
+        # the first 20 steps' losses (the rest of the warm-up: new layouts, the trial,
+        # graph captures), and their total time
         losses[label] = [float(first)] + [float(fn(model, opt, *data[i % len(data)]))
-                                          for i in range(1, 4)]
-        for i in range(WARMUP):  # warm-up: new layouts, the trial, graph captures
+                                          for i in range(1, 20)]
+        torch.cuda.synchronize()
+        first20 = time.perf_counter() - start
+        for i in range(WARMUP - 16):
             fn(model, opt, *data[i % len(data)])
-        results[label] = {"ms": time_steps(fn, model, opt, data, steps), "cold_s": cold}
+        results[label] = {"ms": time_steps(fn, model, opt, data, steps), "cold_s": cold,
+                          "first20_s": first20,
+                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del model, opt
+        torch.cuda.empty_cache()
     eager_ms, ind_ms, fx_ms = (results[k]["ms"] for k in ("eager", "torch.compile", "fxlite"))
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["fxlite"], losses["eager"]))
+    followed = bool(getattr(fx_step, "_followed", None))
     kernels = fx_step.kernels if fx_step is not None else []
     directions = [getattr(k, "direction", "forward") for k in kernels]
     return {"case": name, "mode": mode or "default", **{f"{k}_ms": v["ms"] for k, v in results.items()},
             **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
+            **{f"{k}_first20_s": v["first20_s"] for k, v in results.items()},
+            **{f"{k}_peak_gib": v["peak_gib"] for k, v in results.items()},
+            "losses": losses,
             "fxlite_vs_eager": eager_ms / fx_ms, "fxlite_vs_inductor": ind_ms / fx_ms,
             "inductor_vs_eager": eager_ms / ind_ms, "loss_max_rel_diff": rel,
             "fxlite_vs_eager_fused": results["eager_fused"]["ms"] / fx_ms,
             "kernels_forward": directions.count("forward"),
             "kernels_backward": directions.count("backward"),
-            "fallbacks": list(fx_step.fallbacks) if fx_step is not None else []}
+            "fallbacks": list(fx_step.fallbacks) if fx_step is not None else [],
+            "fxlite_tier": "followed" if followed else "replayed"}
 
 
 def main() -> None:
@@ -159,14 +201,19 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
     makers = {"resnet18": resnet18_case,
               "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
-              "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16)}
+              "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
+              "gpt2_lm_step": gpt2_lm_step_case}
     steps = 10 if args.quick else 30
     rows = []
     for name in args.cases.split(","):
         rows.append(run_case(name, makers[name](), steps, args.mode))
         r = rows[-1]
         print(f"{name}: eager {r['eager_ms']:.2f} ms, inductor {r['torch.compile_ms']:.2f}, "
-              f"fxlite {r['fxlite_ms']:.2f}; fallbacks: {r['fallbacks'][:3]}", flush=True)
+              f"fxlite {r['fxlite_ms']:.2f} ({r['fxlite_tier']}); peak GiB eager "
+              f"{r['eager_peak_gib']:.2f}, inductor {r['torch.compile_peak_gib']:.2f}, fxlite "
+              f"{r['fxlite_peak_gib']:.2f}; first 20 steps s: eager {r['eager_first20_s']:.1f}, "
+              f"inductor {r['torch.compile_first20_s']:.1f}, fxlite {r['fxlite_first20_s']:.1f}"
+              f"; fallbacks: {r['fallbacks'][:3]}", flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
           f"{steps} steps; TF32 on; mode {args.mode or 'default'}")
     print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",

@@ -8,6 +8,7 @@ effects on every call. Programs the watcher clears must still run kernels.
 
 from __future__ import annotations
 
+from test_compile_contract import DEVICE  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
 import contextlib
@@ -31,7 +32,7 @@ import fxlite
 CALLS = 4
 
 
-def side_by_side(make, change=None, inputs=lambda i: (torch.randn(4, 4),)):
+def side_by_side(make, change=None, inputs=lambda i: (torch.randn(4, 4, device=DEVICE),)):
     """Run ``make()``'s function eagerly and compiled, from equal fresh state, ``CALLS``
     times each; returns (eager results, compiled results, compiled function, warnings)."""
     runs = []
@@ -202,7 +203,7 @@ def test_a_returned_generator_is_fresh_on_every_call():
 
 def test_a_generator_argument_is_drawn_from_as_eager_does():
     def make():
-        g = torch.Generator().manual_seed(3)
+        g = torch.Generator(DEVICE).manual_seed(3)
 
         def fn(x):
             return x + torch.rand(x.shape, generator=g)
@@ -224,7 +225,8 @@ def test_an_exception_reaches_the_users_except_on_a_later_call():
 
     sizes = [4, 4, 3, 4]
     f, said = side_by_side(
-        make, inputs=lambda i: (torch.ones(4), torch.ones(sizes[i])))
+        make, inputs=lambda i: (torch.ones(4, device=DEVICE),
+                                torch.ones(sizes[i], device=DEVICE)))
     assert not said
 
 
@@ -239,7 +241,8 @@ def test_a_shape_error_propagates_as_eagers():
 def test_a_training_step_that_clips_gradients_compiles_with_kernels():
     def make():
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1)).to(DEVICE)
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
         def step(x):
@@ -256,7 +259,7 @@ def test_a_training_step_that_clips_gradients_compiles_with_kernels():
     for compiled in (False, True):
         step, state = make()
         f = fxlite.compile(step) if compiled else step
-        losses = [f(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+        losses = [f(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)).to(DEVICE))
                   for i in range(5)]
         m, opt = state["log"]
         runs.append((losses, [p.detach().clone() for p in m.parameters()],

@@ -8,6 +8,7 @@ with fresh inputs, and compares results, parameters and gradients (None included
 
 from __future__ import annotations
 
+from test_compile_contract import DEVICE  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
 import warnings
@@ -47,7 +48,7 @@ def side_by_side(make, calls, change=None):
 
 def test_a_param_group_added_between_steps_is_stepped_and_zeroed():
     def make():
-        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).to(DEVICE)
         opt = torch.optim.SGD(m[1].parameters(), lr=0.1)
 
         def step(x):
@@ -63,7 +64,7 @@ def test_a_param_group_added_between_steps_is_stepped_and_zeroed():
         if i == 2:
             opt.add_param_group({"params": m[0].parameters()})
 
-    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)),)
+    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).to(DEVICE),)
              for i in range(5)]
     f = side_by_side(make, calls, change)
     assert f.kernels
@@ -73,7 +74,7 @@ def test_an_expert_without_tokens_keeps_a_none_gradient_and_routing_follows_the_
     routes = [[0, 1, 0], [0, 0, 0], [1, 1, 0], [2, 2, 2], [0, 1, 2]]
 
     def make():
-        experts = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        experts = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)]).to(DEVICE)
 
         def fn(x, route):
             out = torch.zeros_like(x)
@@ -85,8 +86,8 @@ def test_an_expert_without_tokens_keeps_a_none_gradient_and_routing_follows_the_
 
         return fn, experts, None
 
-    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)), torch.tensor(r))
-             for i, r in enumerate(routes)]
+    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).to(DEVICE),
+              torch.tensor(r, device=DEVICE)) for i, r in enumerate(routes)]
     side_by_side(make, calls)
 
     def training():
@@ -108,7 +109,8 @@ def test_a_backward_hook_added_after_the_first_call_runs():
     seen = {}
 
     def make():
-        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                                torch.nn.Linear(4, 1)).to(DEVICE)
 
         def step(x):
             loss = m(x).sum()
@@ -122,7 +124,8 @@ def test_a_backward_hook_added_after_the_first_call_runs():
             m[0].register_full_backward_hook(lambda mod, gi, go: log.append(go[0].sum()))
         seen.setdefault(id(log), log)
 
-    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)),) for i in range(5)]
+    calls = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).to(DEVICE),)
+             for i in range(5)]
     side_by_side(make, calls, change)
     eager_log, compiled_log = seen.values()
     assert len(eager_log) == len(compiled_log) == 3

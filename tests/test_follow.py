@@ -7,6 +7,7 @@ calls with fresh inputs, and compares results and Python side effects on every c
 
 from __future__ import annotations
 
+from test_compile_contract import DEVICE  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
 import contextlib
@@ -49,11 +50,11 @@ def twice(make, inputs, calls=CALLS):
 
 def block():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8),
-                               torch.nn.Linear(8, 4))
+                               torch.nn.Linear(8, 4)).to(DEVICE)
 
 
 def fresh(i):
-    return (torch.randn(3, 4, generator=torch.Generator().manual_seed(i)),)
+    return (torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).to(DEVICE),)
 
 
 def test_prints_and_appends_happen_every_call_and_kernels_run():
@@ -131,12 +132,13 @@ def test_an_exception_inside_a_followed_function_reaches_its_except():
         return fn, log
 
     sizes = [4, 4, 3, 4]
-    f, said = twice(make, lambda i: (torch.ones(4), torch.ones(sizes[i])))
+    f, said = twice(make, lambda i: (torch.ones(4, device=DEVICE),
+                                     torch.ones(sizes[i], device=DEVICE)))
 
 
 def test_a_generator_argument_and_a_returned_iterator_follow_eager():
     def make():
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator(DEVICE).manual_seed(1)
         log = []
 
         def fn(x):
