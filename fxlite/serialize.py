@@ -444,6 +444,9 @@ class _Reader:
                 raise _Bad(f"{what}: {_text(k)[:40]} is not an argument {cls.__name__} accepts "
                            f"from a file ({', '.join(sorted(accepted)) or 'none'})")
             args[k] = self.value(v, f"{what}, argument {k!r}", None)
+            if any(isinstance(x, torch.Tensor) for x in _leaves(args[k])):
+                raise _Bad(f"{what}: argument {k!r} holds a tensor; save writes constructor "
+                           "arguments as plain values")
         problem = allow.size_problem(args, len(stored))
         if problem:
             raise _Bad(f"{what}: {cls.__name__}: {problem}")
@@ -542,6 +545,11 @@ class _Reader:
                 args = tuple(args)
             if type(args) is not tuple or type(kwargs) is not dict:
                 raise _Bad(f"{where}: args must be a list and kwargs an object")
+            if not _ARITY[op](len(args), len(kwargs)):
+                raise _Bad(f"{where}: a node of op {op!r} cannot take {len(args)} args and "
+                           f"{len(kwargs)} kwargs")
+            if op == "placeholder" and any(isinstance(x, Node) for x in _leaves(args)):
+                raise _Bad(f"{where}: a placeholder's default cannot read another node")
             if target is getattr and not (len(args) == 2 and allow.tensor_attribute_ok(args[1])):
                 raise _Bad(f"{where}: getattr may only read a public Tensor attribute, not "
                            f"{_text(args[1:2])[:60]}")
@@ -622,7 +630,7 @@ class _Reader:
                 continue
             else:
                 spend(where)
-                result = self._build(cur, [])
+                result = self._build(cur, [], where)
             while stack:
                 parent, kids, done = stack[-1]
                 done.append(result)
@@ -630,7 +638,7 @@ class _Reader:
                     cur = kids[len(done)]
                     break
                 stack.pop()
-                result = self._build(parent, done)
+                result = self._build(parent, done, where)
             else:
                 return result
 
@@ -649,7 +657,7 @@ class _Reader:
                 return [x for kv in body for x in kv]
         return None
 
-    def _build(self, enc: Any, parts: list) -> Any:
+    def _build(self, enc: Any, parts: list, where: str) -> Any:
         if type(enc) is list:
             return parts
         tag = next(iter(enc))
@@ -657,14 +665,14 @@ class _Reader:
             return tuple(parts)
         if tag == "size":
             if not all(type(p) is int for p in parts):
-                raise _Bad("a torch.Size holds only ints")
+                raise _Bad(f"{where}: a torch.Size holds only ints")
             return torch.Size(parts)
         if tag == "slice":
             return slice(*parts)
         try:
             return dict(zip(parts[::2], parts[1::2]))
         except TypeError:
-            raise _Bad("a dict key is unhashable") from None
+            raise _Bad(f"{where}: a dict key is unhashable") from None
 
     def leaf(self, enc: Any, where: str, nodes: dict[str, Node] | None) -> Any:
         self.budget.spend_value(where)
@@ -674,7 +682,7 @@ class _Reader:
             raise _Bad(f"{where}: cannot read the value {_text(enc)[:60]}")
         (tag, body), = enc.items()
         if tag == "node" and nodes is not None:
-            if body not in nodes:
+            if type(body) is not str or body not in nodes:
                 raise _Bad(f"{where}: reads node {_text(body)[:60]}, which is not defined before it")
             return nodes[body]
         if tag == "ref" and type(body) is int and 0 <= body < len(self.values):
@@ -708,6 +716,34 @@ class _Reader:
             if fn is not None:
                 return fn
         raise _Bad(f"{where}: cannot read the value {_text(enc)[:80]}")
+
+
+# How many args and kwargs each op takes (what the code generator assumes of them).
+_ARITY = {
+    "placeholder": lambda n, k: n <= 1 and not k,  # (default,)
+    "get_attr": lambda n, k: not n and not k,
+    "call_function": lambda n, k: True,
+    "call_method": lambda n, k: n >= 1,  # (self, ...)
+    "call_module": lambda n, k: True,
+    "output": lambda n, k: n == 1 and not k,
+}
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The non-container parts of a decoded value, found without recursion."""
+    out, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if type(v) in (list, tuple):
+            stack.extend(v)
+        elif type(v) is dict:
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif type(v) is slice:
+            stack.extend((v.start, v.stop, v.step))
+        else:
+            out.append(v)
+    return out
 
 
 def _field(rec: dict, key: str, kind: type, what: str) -> Any:
