@@ -297,6 +297,9 @@ def _effect_of(fn: Any) -> str | None:
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
+# Containers longer than this are keyed by length and identity alone (a guard reads
+# them on every call; a config's attribute dict is below it)
+_LARGE = 256
 
 
 def is_stateful(value: Any) -> bool:
@@ -330,14 +333,15 @@ def contents_key(value: Any, depth: int = 0) -> Any:
     if isinstance(value, type):
         return tuple((k, _leaf(v, 1)) for k, v in value.__dict__.items()
                      if not k.startswith("__") and isinstance(v, _PLAIN))
+    if isinstance(value, (dict, list, bytearray, set)) and len(value) > _LARGE:
+        return (len(value), id(value))  # a log that grows: its length, not each item
     if isinstance(value, dict):
-        items = list(value.items())[:256]
-        return tuple((k if isinstance(k, _PLAIN) else id(k), _leaf(v, depth)) for k, v in items)
+        return tuple((k if isinstance(k, _PLAIN) else id(k), _leaf(v, depth))
+                     for k, v in value.items())
     if isinstance(value, (list, bytearray)):
-        return (len(value), tuple(_leaf(v, depth) for v in value[:256]))
+        return (len(value), tuple(_leaf(v, depth) for v in value))
     if isinstance(value, set):
-        return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v)
-                                      for v in list(value)[:256]))
+        return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v) for v in value))
     fields = getattr(value, "__dict__", None)
     return contents_key(fields, depth) if isinstance(fields, dict) else id(value)
 

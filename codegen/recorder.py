@@ -257,7 +257,8 @@ class Recorder(TorchFunctionMode):
         elif isinstance(out, torch.Tensor) and out._is_view() and self._grads.intersection(
                 n.name for n in node.all_input_nodes):
             self._grads.add(node.name)  # a view of a gradient is one too
-        if mutated and self.rec.effect is None:
+        if mutated and self.rec.effect is None and not state_name(func).startswith("_foreach_"):
+            # (torch's multi-tensor writes, clip_grad_norm_'s default, replay as recorded)
             self._written_state(meta.get("mutated", ()))
         if state_name(func) in DYNAMIC_SHAPE or self._dynamic.intersection(
                 n.name for n in node.all_input_nodes) or bool_index(func, args):

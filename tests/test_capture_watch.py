@@ -206,7 +206,7 @@ def test_a_generator_argument_is_drawn_from_as_eager_does():
         g = torch.Generator(DEVICE).manual_seed(3)
 
         def fn(x):
-            return x + torch.rand(x.shape, generator=g)
+            return x + torch.rand(x.shape, generator=g, device=x.device)
 
         return fn, {}
 

@@ -143,7 +143,7 @@ def test_a_generator_argument_and_a_returned_iterator_follow_eager():
 
         def fn(x):
             log.append(1)
-            return x + torch.rand(x.shape, generator=g)
+            return x + torch.rand(x.shape, generator=g, device=x.device)
 
         return fn, log
 
