@@ -7,9 +7,15 @@
            segment (pipeline.py: functionalize, decompose, fuse, Triton, checks)
 
 The first call with a new key runs the user's function itself under the recorder, so its
-result is eager PyTorch's own. Later calls with that key replay the compiled segments;
-where Python read a tensor's value (``if x.sum() > 0``), the call reads it too and follows
-the path recorded for that value, or records the new path from that point on.
+result is eager PyTorch's own. Later calls with that key take one of three tiers:
+
+1. replay the compiled segments, when the recording watcher (capture_watch.py) saw the
+   Python do nothing but compute tensors; where Python read a tensor's value
+   (``if x.sum() > 0``), the call reads it too and follows the path recorded for that
+   value, or records the new path from that point on;
+2. follow (follow.py), when the Python did more (printed, appended, drew random numbers):
+   the Python runs on every call and its torch calls are served by compiled pieces;
+3. eager, with one warning, where neither holds (below).
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function
 formats tensors as text, reads their addresses, reseeds the generator, enters inference
@@ -647,12 +653,17 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     regenerated Python. Python control flow on tensor values splits the recording into
     segments, each compiled; a value not seen before records the rest of that path.
 
-    What is guarded (checked on every call): argument structure, tensor dtypes, devices,
-    ranks, layouts and ``requires_grad`` (and sizes, once the code reads one); other
-    arguments by value or identity; the state of reachable modules (training flag,
-    parameters, buffers, hooks, plain attributes); closure cells, defaults and the
-    globals the function's own code names; grad mode, autocast and the default dtype.
-    Not guarded: globals read by other functions, attributes of non-module objects.
+    A function whose Python does more than compute tensors (prints, appends to a list,
+    logs, draws ``random.random()``) is *followed*: its Python runs on every call, its
+    torch calls served by the compiled kernels (``fxlite.codegen.follow``).
+
+    What is guarded before a replay (checked on every call): argument structure, tensor
+    dtypes, devices, ranks, layouts and ``requires_grad`` (and sizes, once the code reads
+    one); other arguments by value or identity; the state of reachable modules (training
+    flag, parameters, buffers, hooks, plain attributes, the objects they hold); closure
+    cells, defaults and the globals the function and its helpers name, with the contents
+    of small containers and plain objects; optimizers' param groups; grad mode, autocast
+    and the default dtype.
 
     What falls back to eager PyTorch, with one warning naming the line: formatting a
     tensor as text, reading its address, reseeding, changing Python state the function
