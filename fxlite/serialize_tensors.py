@@ -25,7 +25,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import secrets
 import stat
 import struct
@@ -33,6 +32,7 @@ import sys
 import time
 from typing import IO, Any, NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = ["Limits", "SerializationError", "parse_json", "read", "write"]
@@ -262,8 +262,8 @@ def _read_exactly(f: IO[bytes], n: int) -> bytes:
     return raw
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b"\"[]{}")
+_CHUNK = 1 << 24
 
 
 def parse_json(raw: bytes, max_depth: int, what: str) -> Any:
@@ -283,11 +283,17 @@ def parse_json(raw: bytes, max_depth: int, what: str) -> Any:
 
 
 def _json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in a JSON text, strings left out, without
-    a Python loop over its characters."""
-    skeleton = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if not skeleton:
-        return 0
-    codes = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
-    closing = (codes == ord("]")) | (codes == ord("}"))
-    return int((1 - 2 * closing.to(torch.int64)).cumsum(0).max())
+    """The deepest nesting of arrays and objects in a JSON text, brackets inside strings left
+    out, at C speed: once escaped backslashes and quotes are gone, every '"' opens or closes
+    a string, so a running count of quotes says which brackets are structure."""
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    codes = np.frombuffer(plain, dtype=np.uint8)
+    depth = deepest = quotes = 0
+    for start in range(0, len(codes), _CHUNK):  # bounded temporaries, whatever the size
+        c = codes[start:start + _CHUNK]
+        in_string = (np.cumsum(c == ord('"'), dtype=np.int64) + quotes) & 1
+        step = (c == ord("[")).astype(np.int64) + (c == ord("{")) - (c == ord("]")) - (c == ord("}"))
+        level = np.cumsum(np.where(in_string == 1, 0, step)) + depth
+        deepest, depth = max(deepest, int(level.max())), int(level[-1])
+        quotes = int(in_string[-1])
+    return deepest
