@@ -54,7 +54,8 @@ def fxlite_warnings(record) -> list[str]:
 def test_signature_is_torch_compiles():
     ours = inspect.signature(fxlite.compile).parameters
     theirs = inspect.signature(torch.compile).parameters
-    assert list(ours)[1:] == list(theirs)[1:]  # the first is fn / model
+    names = list(theirs)[1:]  # the first is fn / model; an older torch has fewer
+    assert [n for n in ours if n in names] == names
     for name, p in list(theirs.items())[1:]:
         assert ours[name].kind == p.kind, name
         if name != "backend":  # fxlite's default backend is its own
