@@ -179,9 +179,10 @@ def init_parameters(cls: type) -> frozenset[str]:
                      and p.name not in ("self", "device", "dtype") and not p.name.startswith("_"))
 
 
-# Constructor arguments that count layers: each layer stores at least one tensor, so a file
-# may ask for no more layers than it stores tensors (nn.LSTM's num_layers, nn.Transformer's).
-_LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+# Constructor arguments that count layers (an int), or list one entry per layer: each layer
+# stores at least one tensor, so a file may ask for no more layers than it stores tensors
+# (nn.RNNBase's num_layers, nn.Transformer's, nn.AdaptiveLogSoftmaxWithLoss's cutoffs).
+_LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers", "cutoffs")
 
 
 def size_problem(args: dict[str, Any], stored: int) -> str | None:
@@ -190,8 +191,10 @@ def size_problem(args: dict[str, Any], stored: int) -> str | None:
     million layers takes minutes to build."""
     for name in _LAYER_COUNTS:
         n = args.get(name)
-        if type(n) is int and n > stored:
-            return f"{name}={n} asks for more layers than the {stored} tensors the file stores"
+        count = len(n) if type(n) in (list, tuple) else n
+        if type(count) is int and count > stored:
+            return (f"{name}={_short(n)[:40]} asks for {count} layers, more than the {stored} "
+                    "tensors the file stores")
     return None
 
 

@@ -352,8 +352,19 @@ def test_a_transformer_of_a_million_layers_is_refused_before_it_is_built(saved):
                       "args": {"d_model": 8, "nhead": 2, "num_encoder_layers": 10**6}})
     _rewrite(path, doc, tensors)
     start = time.perf_counter()
-    _refused(path, r"num_encoder_layers=1000000 asks for more layers than the 2 tensors")
+    _refused(path, r"num_encoder_layers=1000000 asks for 1000000 layers, more than the 2 tensors")
     assert time.perf_counter() - start < 5
+
+
+def test_a_million_cutoffs_are_refused_before_they_are_built(saved):
+    path, doc, tensors = saved
+    _lin(doc).update({"class": "torch.nn.AdaptiveLogSoftmaxWithLoss",
+                      "args": {"in_features": 4, "n_classes": 10**6 + 2,
+                               "cutoffs": list(range(1, 10**6 + 1))}})
+    _rewrite(path, doc, tensors)
+    start = time.perf_counter()
+    _refused(path, r"cutoffs=.* asks for 1000000 layers, more than the 2 tensors")
+    assert time.perf_counter() - start < 10
 
 
 @pytest.mark.parametrize("arg", ["device", "dtype", "_weight", "not_an_argument", "self"])
