@@ -137,7 +137,8 @@ class CompiledFunction:
         fast, graphs = self._fast, self._graphs
         # Both shortcuts serve calls whose arguments are all tensors (so the state key has
         # no module arguments, as below): check that before computing any key.
-        tensors_only = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        tensors_only = not kwargs and all(isinstance(a, torch.Tensor) and a.layout is _STRIDED
+                                          and not a.is_nested for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
             from fxlite.codegen.straight_line import fast_key
@@ -158,6 +159,12 @@ class CompiledFunction:
                 self._last = [found[1]]
                 return found[1].result(found[0])
         leaves, spec = flatten_call(args, kwargs)
+        odd = _unusual(leaves)
+        if odd is not None:  # sparse or nested tensors: eager, with one warning
+            why = f"it is given a {odd} tensor, which fxlite does not compile"
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
+            self._last, self._last_eager = [], why
+            return self._fn(*args, **kwargs)
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         base = (spec, ambient_key(), input_key(leaves, False, self._alias),
                 self._state_key(arg_modules))
@@ -554,6 +561,17 @@ def _plain(seg: Segment, leaves: list[Any]) -> bool:
     """Whether ``seg`` takes exactly the call's arguments, all tensors, in order."""
     return not seg.seeds and len(seg.inputs) == len(leaves) and all(
         isinstance(x, torch.Tensor) for x in leaves) and seg.inputs == seg.recording.placeholders
+
+
+_STRIDED = torch.strided
+
+
+def _unusual(leaves: list[Any]) -> str | None:
+    """The kind of the first argument tensor fxlite does not compile (sparse, nested)."""
+    for a in leaves:
+        if isinstance(a, torch.Tensor) and (a.layout is not _STRIDED or a.is_nested):
+            return "nested" if a.is_nested else str(a.layout).removeprefix("torch.")
+    return None
 
 
 def _pure(rec: Any) -> bool:

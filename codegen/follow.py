@@ -77,6 +77,7 @@ class Follow:
             for n in piece.nodes:
                 self.piece_of[n.name] = piece
         self.diverged = 0  # calls whose torch calls left the recording, in a row
+        self.keys: dict[int, tuple] = {}  # step number -> the key of a call that matched
 
     def __call__(self, args: tuple, kwargs: dict, bound: list[Any]) -> Any:
         from fxlite.codegen.capture_hooks import installed, opaque_methods
@@ -178,18 +179,59 @@ class Follower(TorchFunctionMode):
         if not (same_func(step.func, func) or isinstance(step.func, type) and func is step.func):
             return None
         if step.node:
-            node = self.follow.nodes[step.node]
-            target, opcode, spelled = spelling(func, args)
             try:
-                same = (opcode == node.op and same_func(target, node.target)
-                        and _same(self._arg(spelled), node.args)
-                        and _same(self._arg(kwargs) if kwargs else {}, node.kwargs))
+                key = self._key(args, kwargs)
             except _Unknown:
                 return None
-            if not same:
-                return None
+            known = self.follow.keys.get(self.at)
+            try:
+                hit = known is not None and known == key
+            except Exception:  # values without a plain equality: the full comparison
+                hit = False
+            if not hit:
+                node = self.follow.nodes[step.node]
+                target, opcode, spelled = spelling(func, args)
+                if not (opcode == node.op and same_func(target, node.target)
+                        and _same(self._arg(spelled), node.args)
+                        and _same(self._arg(kwargs) if kwargs else {}, node.kwargs)):
+                    return None
+                self.follow.keys[self.at] = key  # later calls compare this key alone
         self.at += 1
         return step
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's arguments as a comparable tuple: tensors by the name this call gave
+        them, other values with their type (``1`` is not ``1.0``, nor ``True``). Equal
+        to a key that matched the recording: the same call (the comparison that made that
+        key knew the spelling, which depends on nothing else)."""
+        out: list[Any] = []
+        add = out.append
+        ids, env = self.ids, self.env
+
+        def walk(a: Any) -> None:
+            t = type(a)
+            if t is tuple or t is list:
+                add(len(a))
+                for x in a:
+                    walk(x)
+            elif isinstance(a, torch.Tensor):
+                name = ids.get(id(a))
+                if name is None or env.get(name) is not a:
+                    raise _Unknown
+                add(_TENSOR)
+                add(name)
+            elif t is dict:
+                add(tuple(a))
+                for x in a.values():
+                    walk(x)
+            else:
+                add(t)
+                add(a if t is not float or a == a else _NAN)
+
+        walk(args)
+        if kwargs:
+            walk(kwargs)
+        return tuple(out)
 
     def _arg(self, a: Any) -> Any:
         """``a`` with each tensor swapped for its recorded node (as the recorder wrote it)."""
@@ -291,6 +333,10 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # numpy arrays, objects without a plain equality
         return a is b
+
+
+_TENSOR = object()  # marks a tensor's name in a call's key
+_NAN = object()  # stands for NaN in a key (NaN is not equal to itself)
 
 
 class _Unknown(Exception):

@@ -288,3 +288,26 @@ def test_contents_keys_see_changes_inside_containers_and_objects():
     assert contents_key({"x": float("nan")}) == contents_key({"x": float("nan")})
     assert is_stateful([]) and is_stateful(cfg)
     assert not is_stateful(torch.ones(1)) and not is_stateful(torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("make", [lambda: torch.eye(3).to_sparse(),
+                                  lambda: torch.eye(3).to_sparse_csr(),
+                                  lambda: torch.nested.nested_tensor([torch.ones(2),
+                                                                      torch.ones(3)])],
+                         ids=["sparse_coo", "sparse_csr", "nested"])
+def test_sparse_and_nested_inputs_run_eagerly_with_one_warning(make):
+    def fn(x):
+        return x * 2
+
+    f = fxlite.compile(fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [f(make()) for _ in range(3)]
+    said = [str(w.message) for w in caught if str(w.message).startswith("fxlite")]
+    assert len(said) == 1 and "which fxlite does not compile" in said[0]
+    for out in outs:
+        expected = fn(make())
+        if out.is_nested:
+            torch.testing.assert_close(list(out.unbind()), list(expected.unbind()))
+        else:
+            torch.testing.assert_close(out.to_dense(), expected.to_dense())
