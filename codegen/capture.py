@@ -29,8 +29,10 @@ their version counters) and ``aliased`` (a mutated tensor shared its storage wit
 recorded tensor, so the write cannot be made functional).
 
 What cannot be replayed stops the recording (the call still finishes in eager PyTorch):
-formatting a tensor as text, reading its address, reseeding the generator, or entering
-inference mode. See ``Recording.unsupported``.
+reading a tensor's address, reseeding the generator, or entering inference mode. See
+``Recording.unsupported``. What a replay would skip but a followed call runs for real
+(printing a tensor, and the Python effects that ``capture_watch`` sees) is
+``Recording.effect``.
 """
 
 from __future__ import annotations

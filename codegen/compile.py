@@ -18,7 +18,7 @@ result is eager PyTorch's own. Later calls with that key take one of three tiers
 3. eager, with one warning, where neither holds (below).
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function
-formats tensors as text, reads their addresses, reseeds the generator, enters inference
+reads tensors' addresses, reseeds the generator, enters inference
 mode, or changes Python state it reads (a module attribute such as a step counter); a
 function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
 and, per segment, when a pass or kernel fails or its results disagree with eager.
@@ -503,6 +503,17 @@ class CompiledFunction:
             f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
 
     @property
+    def tier(self) -> str:
+        """How the latest call ran, and why: ``"replayed"``, ``"followed: it ..."`` (its
+        Python ran, its torch calls served by kernels) or ``"eager: it ..."``."""
+        plan = next((p for p in self._followed.values() if p is not _EAGER
+                     and p.pieces is self._last), None)
+        if plan is not None:
+            return f"followed: it {plan.why}"
+        whole = self._all_eager or (None if self._last else self._last_eager)
+        return f"eager: {whole}" if whole else "replayed"
+
+    @property
     def code(self) -> str:
         """The generated Python of the segments the latest call ran."""
         parts = [seg.compiled.gm.code for seg in self._last if seg.compiled is not None]
@@ -516,7 +527,7 @@ class CompiledFunction:
         """
         records = [r for seg in self._last for r in (seg.compiled.records if seg.compiled else [])]
         records += [r for k in self._kernel_groups() for r in k.records]
-        text = kernel_report(records, benchmark=benchmark)
+        text = f"{_name(self._fn)}: {self.tier}\n" + kernel_report(records, benchmark=benchmark)
         print(text)
         return text
 
@@ -683,8 +694,8 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     of small containers and plain objects; optimizers' param groups; grad mode, autocast
     and the default dtype.
 
-    What falls back to eager PyTorch, with one warning naming the line: formatting a
-    tensor as text, reading its address, reseeding, changing Python state the function
+    What falls back to eager PyTorch, with one warning naming the line: reading a
+    tensor's address, reseeding, changing Python state the function
     reads, calling a function marked with ``fxlite.compiler.disable``; more than
     ``recompile_limit`` recordings; and any segment whose passes or kernels fail or
     disagree with eager on the recording's inputs. Groups under autograd run a Triton

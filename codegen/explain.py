@@ -58,14 +58,21 @@ class Explanation:
         ops_per_graph: per graph, the ops it calls (qualified names).
         guards: what later calls are checked against, one description per line.
         unsupported: why the function cannot be compiled at all, or None.
+        effect: why its Python must run on every call (it is *followed*), or None.
+        tier: how later calls run: ``"replayed"`` (the compiled graphs alone),
+            ``"followed"`` (its Python runs, its torch calls served by kernels) or
+            ``"eager"``.
     """
 
     def __init__(self, graphs: list[GraphModule], break_reasons: list[BreakReason],
-                 guards: list[str], unsupported: str | None) -> None:
+                 guards: list[str], unsupported: str | None,
+                 effect: str | None = None) -> None:
         self.graphs = graphs
         self.break_reasons = break_reasons
         self.guards = guards
         self.unsupported = unsupported
+        self.effect = effect
+        self.tier = "eager" if unsupported else "followed" if effect else "replayed"
         self.ops_per_graph = [[_op_name(n) for n in g.graph.nodes
                                if n.op in ("call_function", "call_method", "call_module")]
                               for g in graphs]
@@ -82,6 +89,11 @@ class Explanation:
         lines = [f"graphs: {self.graph_count}, graph breaks: {self.graph_break_count}"]
         if self.unsupported:
             lines.append(f"runs in eager PyTorch: it {self.unsupported}")
+        elif self.effect:
+            lines.append(f"followed (its Python runs on every call, its torch calls served "
+                         f"by kernels): it {self.effect}")
+        else:
+            lines.append("replayed (its Python computes tensors and nothing else)")
         for i, ops in enumerate(self.ops_per_graph):
             lines.append(f"graph {i}: {len(ops)} ops: {', '.join(ops[:12])}"
                          + (", ..." if len(ops) > 12 else ""))
@@ -102,7 +114,9 @@ class Explanation:
             f"<td><code>{esc(b.source)}</code></td></tr>"
             for i, b in enumerate(self.break_reasons))
         guards = "".join(f"<li>{esc(g)}</li>" for g in self.guards)
-        warn = f"<p><b>Runs in eager:</b> {esc(self.unsupported)}</p>" if self.unsupported else ""
+        warn = (f"<p><b>Runs in eager:</b> {esc(self.unsupported)}</p>" if self.unsupported
+                else f"<p><b>Followed:</b> {esc(self.effect)}</p>" if self.effect
+                else "<p>Replayed</p>")
         return (f"<div class='fxlite-explain'><p>{self.graph_count} graphs, "
                 f"{self.graph_break_count} graph breaks</p>{warn}"
                 "<table><thead><tr><th>graph</th><th>ops</th><th>calls</th></tr></thead>"
@@ -167,7 +181,7 @@ def _explain(fn: Any, args: tuple, kwargs: dict) -> Explanation:
                            *(r.site or ("?", 0, "?", "?")))
                for r in rec.reads] if not rec.unsupported else []
     return Explanation(graphs, reasons, describe_guards(fn, leaves, rec, guard),
-                       rec.unsupported)
+                       rec.unsupported, rec.effect)
 
 
 def _read_kind(rec: Any, name: str) -> str:

@@ -46,6 +46,10 @@ from fxlite.proxy import TraceError
 
 __all__ = ["Recorder"]
 
+# Formatting a tensor as text reads its values, which a followed call (codegen/follow.py)
+# does for real: such a recording is followed, not stopped.
+_FORMATS = frozenset({"__repr__", "__str__", "__format__"})
+
 
 class Recorder(TorchFunctionMode):
     """Appends every torch call made while it is active to ``recording.graph``."""
@@ -198,6 +202,11 @@ class Recorder(TorchFunctionMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         kind = classify(func)
+        if kind in _FORMATS:  # printing a tensor: its Python must run on every call
+            if self.rec.effect is None:
+                self.rec.effect = (f"{UNSUPPORTED[kind]}, which a replay would not do again"
+                                   f"\n  {format_site(user_site())}")
+            return func(*args, **kwargs)
         if kind in UNSUPPORTED:
             self.stop(UNSUPPORTED[kind])
             return func(*args, **kwargs)

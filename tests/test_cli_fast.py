@@ -185,8 +185,8 @@ def test_check_size_before_any_allocation():
 # ---------------------------------------------------------------------- warnings
 def test_warnings_are_fitted_lines_on_stderr(tmp_path):
     (tmp_path / "printing.py").write_text(
-        "import torch\n\n\ndef f(x):\n    print(x.shape)\n    print(x)  # eager from here: "
-        "a tensor formatted as text, which the warning names with this long line\n"
+        "import torch\n\n\ndef f(x):\n    print(x.shape)\n    x.data_ptr()  # eager from here: "
+        "a tensor's address read, which the warning names with this long line\n"
         "    return torch.relu(x) * 2\n")
     proc = subprocess.run([sys.executable, "-m", "fxlite", "compile", "printing:f", "--input",
                            "4x4"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
@@ -194,5 +194,6 @@ def test_warnings_are_fitted_lines_on_stderr(tmp_path):
     assert proc.returncode == 0, proc.stderr
     _fits(proc.stdout)
     _fits(proc.stderr)
-    assert "warning: fxlite.compile: f runs in eager PyTorch: it formats a tensor" in proc.stderr
+    assert "warning: fxlite.compile: f runs in eager PyTorch: it reads a tensor's memory" \
+        in proc.stderr
     assert "UserWarning" not in proc.stderr and "check against eager: same" in proc.stdout

@@ -162,3 +162,39 @@ def test_a_generator_argument_and_a_returned_iterator_follow_eager():
         runs.append([list(f(*fresh(i))) for i in range(CALLS)])
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a)
+
+
+def test_printing_a_tensor_is_followed_and_prints_every_calls_values():
+    def make():
+        m = block()
+
+        def fn(x):
+            h = torch.tanh(m(x))
+            print("h:", h.detach().sum())  # formats a tensor: its values, each call
+            return h * 2
+
+        return fn, []
+
+    f, said = twice(make, fresh)
+    assert f.tier.startswith("followed: it formats a tensor as text") and not said
+
+
+def test_the_tier_of_a_call_and_explain_say_which_way_it_runs_and_why():
+    log = []
+
+    def replayed(x):
+        return torch.relu(x) * 2
+
+    def followed(x):
+        log.append(1)
+        return torch.relu(x) * 2
+
+    x = fresh(0)[0]
+    for fn, tier in ((replayed, "replayed"), (followed, "followed")):
+        f = fxlite.compile(fn)
+        for _ in range(3):
+            f(x)
+        assert f.tier.split(":")[0] == tier
+        report = fxlite.explain(fn)(x)
+        assert report.tier == tier and tier in str(report)
+    assert "changes the list log" in f.tier and "changes the list log" in report.effect
