@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Union
 if TYPE_CHECKING:
     from .graph import Graph
 
-__all__ = ["Argument", "Node", "Opcode", "Target", "map_aggregate", "map_arg"]
+__all__ = ["Argument", "Node", "Opcode", "Target", "describe_value", "map_aggregate", "map_arg",
+           "safe_repr", "unprintable"]
 
 
 class Opcode(str, enum.Enum):
@@ -174,7 +175,7 @@ class Node:
 
     @args.setter
     def args(self, a: tuple) -> None:
-        self._update_args_kwargs(tuple(a), self._kwargs)
+        self._update_args_kwargs(_as_args(a, f"node {self.name!r}: args"), self._kwargs)
 
     @property
     def kwargs(self) -> dict:
@@ -183,7 +184,7 @@ class Node:
 
     @kwargs.setter
     def kwargs(self, k: dict) -> None:
-        self._update_args_kwargs(self._args, dict(k))
+        self._update_args_kwargs(self._args, _as_kwargs(k, f"node {self.name!r}: kwargs"))
 
     @property
     def all_input_nodes(self) -> list[Node]:
@@ -191,9 +192,6 @@ class Node:
         return list(self._input_nodes)
 
     def _update_args_kwargs(self, args: tuple, kwargs: dict) -> None:
-        for old in self._input_nodes:
-            old.users.pop(self, None)
-        self._args, self._kwargs = args, kwargs
         new: dict[Node, None] = {}
         for a in args:  # the common flat case without the general walk: tracing speed
             t = type(a)
@@ -203,9 +201,15 @@ class Node:
                 _collect_nodes(a, new)
         if kwargs:
             _collect_nodes(kwargs, new)
-        for n in new:
+        for n in new:  # checked before anything changes: a refused assignment keeps the old one
             if n._erased:
-                raise RuntimeError(f"node {self.name!r} would read erased node {n.name!r}")
+                raise RuntimeError(f"node {self.name!r}: its args or kwargs would read erased node "
+                                   f"{n.name!r}; an erased node cannot be used again, read a "
+                                   "live node instead")
+        for old in self._input_nodes:
+            old.users.pop(self, None)
+        self._args, self._kwargs = args, kwargs
+        for n in new:
             n.users[self] = None
         self._input_nodes = new
 
@@ -354,7 +358,7 @@ def _format_target(target: Target) -> str:
     name = getattr(target, "__name__", None)
     if name and getattr(sys.modules.get(mod), name, None) is target:
         return f"{mod}.{name}"
-    qual = getattr(target, "__qualname__", None) or name or repr(target)
+    qual = getattr(target, "__qualname__", None) or name or safe_repr(target)
     return f"{mod}.{qual}" if mod else qual
 
 
@@ -365,7 +369,7 @@ def _format_type(t: Any) -> str:
     """``torch.Tensor``, ``list[float]``, ``typing.List[float]``, ``float | None``."""
     if isinstance(t, type) and not getattr(t, "__args__", None):
         return _format_target(t)
-    return repr(t)
+    return safe_repr(t)
 
 
 def _format_arg(a: Argument, prefix: str = "%") -> str:
@@ -373,8 +377,12 @@ def _format_arg(a: Argument, prefix: str = "%") -> str:
         if isinstance(x, Node):
             return f"{prefix}{x.name}"
         if getattr(type(x), "_custom_fx_repr_fn", None) is not None:
-            return x._custom_fx_repr_fn()  # an argument type that says how it prints (torch.fx)
-        return repr(x)
+            try:  # an argument type that says how it prints (torch.fx)
+                text = x._custom_fx_repr_fn()
+            except Exception:
+                return unprintable(x)
+            return text if isinstance(text, str) else unprintable(x)
+        return safe_repr(x)
 
     if not isinstance(a, (tuple, list, dict, slice)) or hasattr(type(a), "_custom_fx_repr_fn"):
         return leaf(a)
@@ -391,7 +399,7 @@ def _format_arg(a: Argument, prefix: str = "%") -> str:
         else:
             stack.pop()
             if isinstance(value, dict):
-                text = "{" + ", ".join(f"{k}: {v}" for k, v in zip(value, done)) + "}"
+                text = "{" + ", ".join(f"{_safe_str(k)}: {v}" for k, v in zip(value, done)) + "}"
             elif isinstance(value, list):
                 text = "[" + ", ".join(done) + "]"
             elif isinstance(value, slice):
@@ -401,3 +409,78 @@ def _format_arg(a: Argument, prefix: str = "%") -> str:
             if not stack:
                 return text
             stack[-1][2].append(text)
+
+
+# ---------------------------------------------------------------------- printing user values
+def unprintable(value: Any) -> str:
+    """The text shown for a value that cannot print itself: ``<unprintable Foo>``."""
+    return f"<unprintable {type(value).__name__}>"
+
+
+def safe_repr(value: Any) -> str:
+    """``repr(value)``, or ``<unprintable Foo>`` when its ``__repr__`` raises.
+
+    Why: a graph holds the user's constants as they are, and ``str(graph)``,
+    ``print_tabular``, the HTML view and error messages all print them; one constant with a
+    broken ``__repr__`` must not make the whole graph unprintable.
+
+    Example::
+
+        >>> class Foo:
+        ...     def __repr__(self): raise RuntimeError
+        >>> safe_repr([1]), safe_repr(Foo())
+        ('[1]', '<unprintable Foo>')
+    """
+    try:
+        return repr(value)
+    except Exception:
+        return unprintable(value)
+
+
+def _safe_str(value: Any) -> str:
+    try:
+        return str(value)
+    except Exception:
+        return unprintable(value)
+
+
+def describe_value(value: Any, limit: int = 40) -> str:
+    """A short description of a value for an error message: ``None``, ``int (3)``,
+    ``str ('x')``, ``Linear (Linear(in_features=2, ...)``; never raises.
+
+    Args:
+        value: the value the user passed.
+        limit: the longest repr shown; longer ones (and multi-line ones) are cut with ``...``.
+    """
+    if value is None:
+        return "None"
+    text = safe_repr(value)
+    first = text.split("\n", 1)[0]
+    if len(first) > limit or first != text:
+        first = first[: limit - 3] + "..."
+    return f"{type(value).__name__} ({first})"
+
+
+def _as_args(a: Any, what: str) -> tuple:
+    """``tuple(a)`` for a node's new ``args``; a TypeError naming ``what`` otherwise."""
+    if isinstance(a, tuple):
+        return a
+    if not isinstance(a, (str, bytes)):
+        try:
+            return tuple(a)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be a tuple (or list) of arguments, not {describe_value(a)}; "
+                    "wrap a single argument in a tuple: (value,)")
+
+
+def _as_kwargs(k: Any, what: str) -> dict:
+    """``dict(k)`` for a node's new ``kwargs``; a TypeError naming ``what`` otherwise."""
+    if isinstance(k, dict):
+        return dict(k)
+    try:
+        out = dict(k)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a dict of keyword arguments, not "
+                        f"{describe_value(k)}; e.g. {{'dim': 1}}, or {{}} for none") from None
+    return out

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
+
+from .node import map_aggregate, unprintable
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -97,12 +99,45 @@ def graph_rows(graph: Graph, qualified: bool = False) -> tuple[list[str], list[l
     show = qualified_name if qualified else str
     rows = []
     for n in graph.nodes:
-        row = [str(n.op), n.name, show(n.target), str(n.args), str(n.kwargs)]
+        row = [str(n.op), n.name, _cell(n.target, show), _cell(n.args), _cell(n.kwargs)]
         if with_meta:
             tm = n.meta.get("tensor_meta")
             row += [_meta_cell(tm, "shape"), _meta_cell(tm, "dtype")]
         rows.append(row)
     return _HEADERS + (["shape", "dtype"] if with_meta else []), rows
+
+
+class _Shown:
+    """Stands in for a value whose ``repr`` raises, and prints as ``<unprintable Foo>``."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _printable(value: Any) -> Any:
+    try:
+        repr(value)
+    except Exception:
+        return _Shown(unprintable(value))
+    return value
+
+
+def _cell(value: Any, show: Callable[[Any], str] = str) -> str:
+    """``show(value)``; where a constant in it cannot print itself, the same text with that
+    constant shown as ``<unprintable Foo>`` (a table of a graph never fails on one value)."""
+    try:
+        return show(value)
+    except Exception:
+        pass
+    try:
+        return str(map_aggregate(value, _printable))  # only leaves: tuples, lists, dicts are walked
+    except Exception:
+        return unprintable(value)
 
 
 def tabular(graph: Graph, tablefmt: str = "simple", width: int | None = None) -> str:
