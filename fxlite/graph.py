@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .graph_pickle import _NodeRef, _shallow, _TorchOp
-from .node import Argument, Node, Target, map_arg
+from .node import _OPCODES, Argument, Node, Target, _as_args, _as_kwargs, describe_value, map_arg
 
 __all__ = ["Graph", "map_arg"]
 
@@ -201,6 +201,8 @@ class Graph:
             with graph.inserting_before(node):
                 new = graph.call_function(torch.neg, (x,))
         """
+        if n is not None:
+            self._check_own_node(n, "inserting_before", "n")
         anchor = n if n is not None else self._root._next
         saved, self._insert_before = self._insert_before, anchor
         try:
@@ -218,8 +220,20 @@ class Graph:
                 new = graph.call_function(torch.relu, (node,))
             node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
         """
+        if n is not None:
+            self._check_own_node(n, "inserting_after", "n")
         with self.inserting_before(n._next if n is not None else self._root):
             yield
+
+    def _check_own_node(self, n: Any, where: str, argument: str) -> None:
+        """A TypeError or ValueError naming ``argument`` unless ``n`` is a Node of this graph."""
+        if not isinstance(n, Node):
+            raise TypeError(f"Graph.{where}: {argument} must be a Node of this graph (or None), "
+                            f"not {describe_value(n)}")
+        if n.graph is not self:
+            raise ValueError(f"Graph.{where}: {argument} is node {n.name!r} of another graph; "
+                             "pass a node of this graph (nodes cannot be shared between graphs: "
+                             "copy them with graph.node_copy)")
 
     # ------------------------------------------------------------------ node creation
     def create_node(self, op: str, target: Target, args: tuple | None = None,
@@ -236,10 +250,12 @@ class Graph:
             name: a name hint; the node gets it or a unique variant of it.
             type_expr: an optional type annotation, kept in generated code.
         """
-        args = () if args is None else tuple(args)
-        kwargs = {} if kwargs is None else dict(kwargs)
-        unique = self._namespace.create_name(name or _name_hint(op, target))
-        n = Node(self, unique, op, target, args, kwargs, type_expr)
+        _check_fields(op, target, name, "create_node", "target")
+        args = () if args is None else _as_args(args, "Graph.create_node: args")
+        kwargs = {} if kwargs is None else _as_kwargs(kwargs, "Graph.create_node: kwargs")
+        # Named only once built: a refused node (one reading an erased node) takes no name.
+        n = Node(self, name or _name_hint(op, target), op, target, args, kwargs, type_expr)
+        n.name = self._namespace.create_name(n.name)
         self._insert_before.prepend(n)
         self._len += 1
         return n
@@ -247,6 +263,7 @@ class Graph:
     def placeholder(self, name: str, type_expr: Any = None,
                     default_value: Any = inspect.Signature.empty) -> Node:
         """An input of the function; ``default_value`` makes it optional."""
+        _check_fields("placeholder", name, None, "placeholder", "name")
         args = () if default_value is inspect.Signature.empty else (default_value,)
         return self.create_node("placeholder", name, args, type_expr=type_expr)
 
@@ -255,6 +272,7 @@ class Graph:
 
         Warns if the owning module has no such attribute (yet).
         """
+        _check_fields("get_attr", qualified_name, None, "get_attr", "qualified_name")
         self._warn_if_missing(qualified_name, "get_attr", "add_submodule / register_parameter "
                               "/ register_buffer")
         return self.create_node("get_attr", qualified_name, type_expr=type_expr)
@@ -265,6 +283,7 @@ class Graph:
 
         Warns if the owning module has no such submodule (yet).
         """
+        _check_fields("call_module", module_name, None, "call_module", "module_name")
         self._warn_if_missing(module_name, "call_module", "add_submodule")
         return self.create_node("call_module", module_name, args, kwargs, type_expr=type_expr)
 
@@ -278,11 +297,13 @@ class Graph:
     def call_method(self, method_name: str, args: tuple | None = None,
                     kwargs: dict | None = None, type_expr: Any = None) -> Node:
         """Call ``args[0].method_name(*args[1:], **kwargs)``."""
+        _check_fields("call_method", method_name, None, "call_method", "method_name")
         return self.create_node("call_method", method_name, args, kwargs, type_expr=type_expr)
 
     def call_function(self, the_function: Callable[..., Any], args: tuple | None = None,
                       kwargs: dict | None = None, type_expr: Any = None) -> Node:
         """Call a free function such as ``torch.relu`` or ``operator.add``."""
+        _check_fields("call_function", the_function, None, "call_function", "the_function")
         return self.create_node("call_function", the_function, args, kwargs, type_expr=type_expr)
 
     def output(self, result: Argument, type_expr: Any = None) -> Node:
@@ -291,6 +312,11 @@ class Graph:
 
     def node_copy(self, node: Node, arg_transform: Callable[[Node], Argument] = lambda x: x) -> Node:
         """Copy ``node`` (from any graph) into this one, mapping its inputs with ``arg_transform``."""
+        if not isinstance(node, Node):
+            raise TypeError(f"Graph.node_copy: node must be a Node, not {describe_value(node)}")
+        if not callable(arg_transform):
+            raise TypeError(f"Graph.node_copy: arg_transform must be a function from a Node of "
+                            f"the copied graph to its value here, not {describe_value(arg_transform)}")
         args = map_arg(node.args, arg_transform)
         kwargs = map_arg(node.kwargs, arg_transform)
         new = self.create_node(node.op, node.target, args, kwargs, node.name, node.type)
@@ -305,6 +331,12 @@ class Graph:
         copied; prefill it to substitute inputs. Returns the copied output value (or the
         output node itself with ``return_output_node=True``).
         """
+        if not isinstance(g, Graph):
+            raise TypeError(f"Graph.graph_copy: g must be a fxlite Graph, not {describe_value(g)}"
+                            + ("; pass gm.graph" if isinstance(getattr(g, "graph", None), Graph) else ""))
+        if not isinstance(val_map, dict):
+            raise TypeError(f"Graph.graph_copy: val_map must be a dict (it is filled with the "
+                            f"copies), not {describe_value(val_map)}; pass {{}} to start empty")
         for node in g.nodes:
             if node in val_map:
                 continue
@@ -316,15 +348,28 @@ class Graph:
         return None
 
     def erase_node(self, to_erase: Node) -> None:
-        """Remove a node that nobody uses. Raises RuntimeError naming its users otherwise."""
+        """Remove a node that nobody uses. Raises RuntimeError naming its users otherwise.
+
+        Raises:
+            TypeError: ``to_erase`` is not a Node.
+            RuntimeError: it belongs to another graph, was already erased, or still has
+                users (as torch.fx). Nothing is changed then.
+        """
+        if not isinstance(to_erase, Node):
+            raise TypeError(f"Graph.erase_node: to_erase must be a Node of this graph, not "
+                            f"{describe_value(to_erase)}")
         if to_erase.graph is not self:
-            raise RuntimeError(f"node {to_erase.name!r} does not belong to this graph")
+            raise RuntimeError(f"Graph.erase_node: to_erase, node {to_erase.name!r}, does not "
+                               "belong to this graph; erase it from its own graph: "
+                               f"{to_erase.name}.graph.erase_node({to_erase.name})")
         if to_erase._erased:
-            raise RuntimeError(f"node {to_erase.name!r} was already erased")
+            raise RuntimeError(f"Graph.erase_node: to_erase, node {to_erase.name!r}, was already "
+                               "erased")
         if to_erase.users:
             users = ", ".join(u.name for u in to_erase.users)
             raise RuntimeError(
-                f"tried to erase node {to_erase.name!r} but it still had {len(to_erase.users)} "
+                f"Graph.erase_node: tried to erase node {to_erase.name!r} (to_erase) but it "
+                f"still had {len(to_erase.users)} "
                 f"users in the graph: {users}. Make them read another value first, e.g. "
                 f"{to_erase.name}.replace_all_uses_with(new_node)")
         to_erase._remove_from_list()
@@ -341,6 +386,9 @@ class Graph:
         Example: in ``y = x + 1; z = x * 2; return z`` the ``add`` is erased; in
         ``x.add_(1); return x`` nothing is.
         """
+        if is_impure_node is not None and not callable(is_impure_node):
+            raise TypeError(f"Graph.eliminate_dead_code: is_impure_node must be a function "
+                            f"Node -> bool (or None), not {describe_value(is_impure_node)}")
         from .ops import is_impure
 
         impure = is_impure_node or (lambda n: is_impure(n, self.owning_module))
@@ -519,6 +567,35 @@ class Graph:
                                      map_aggregate(kwargs, unref), name, type_expr)
                 n.meta = meta
                 made.append(n)
+
+
+_TARGET_KINDS = {
+    "placeholder": "the argument's name",
+    "get_attr": "a dotted attribute path such as 'linear.weight'",
+    "call_module": "a dotted submodule path such as 'layer1.0'",
+    "call_method": "a method name such as 'relu'",
+}
+
+
+def _check_fields(op: Any, target: Any, name: Any, where: str, target_arg: str) -> None:
+    """Raise a TypeError or ValueError naming the argument of ``Graph.<where>`` that cannot
+    make a node: checked before the node is named or linked, so nothing changes."""
+    if not isinstance(op, str):
+        raise TypeError(f"Graph.{where}: op must be an opcode string, not {describe_value(op)}; "
+                        f"expected one of {sorted(_OPCODES)}")
+    if op not in _OPCODES:
+        raise ValueError(f"Graph.{where}: op {op!r} is not an opcode; expected one of "
+                         f"{sorted(_OPCODES)}")
+    kind = _TARGET_KINDS.get(op)
+    if kind is not None and not isinstance(target, str):
+        raise TypeError(f"Graph.{where}: {target_arg} of a {op} node must be a str ({kind}), "
+                        f"not {describe_value(target)}")
+    if op == "call_function" and not callable(target):
+        raise TypeError(f"Graph.{where}: {target_arg} of a call_function node must be callable "
+                        f"(such as torch.relu or operator.add), not {describe_value(target)}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"Graph.{where}: name must be a str (a name hint) or None, not "
+                        f"{describe_value(name)}")
 
 
 def check_order(graph: Graph, what: str) -> None:
