@@ -21,8 +21,9 @@ import torch
 from fxlite.codegen.python import PythonCode, _is_ident, generate, import_spelling
 
 from .graph import Graph, gc_paused
+from .node import describe_value
 
-__all__ = ["GraphModule"]
+__all__ = ["GraphModule", "expect_graph_module", "expect_graph_or_module"]
 
 _counter = itertools.count()
 
@@ -111,6 +112,11 @@ class GraphModule(torch.nn.Module):
         graph: the graph to run.
         class_name: the name shown for this module's class.
 
+    Raises:
+        TypeError: an argument of the wrong type, named in the message, before anything is
+            built (for ``root``, a :class:`RootTypeError`, which is also the RuntimeError
+            torch.fx raises there).
+
     Example::
 
         graph = fxlite.Tracer().trace(model)
@@ -132,6 +138,15 @@ class GraphModule(torch.nn.Module):
 
     def __init__(self, root: torch.nn.Module | dict[str, Any], graph: Graph,
                  class_name: str = "GraphModule") -> None:
+        if not isinstance(root, (torch.nn.Module, dict)):
+            raise RootTypeError(f"GraphModule: root must be an nn.Module or a dict, not "
+                                f"{describe_value(root)}; pass the module the graph was traced "
+                                "from (tracer.root), or {} for a graph without attributes")
+        if not isinstance(graph, Graph):
+            raise TypeError(f"GraphModule: graph must be a fxlite.Graph, not {describe_value(graph)}"
+                            + _graph_hint(graph))
+        if not isinstance(class_name, str):
+            raise TypeError(f"GraphModule: class_name must be a str, not {describe_value(class_name)}")
         super().__init__()
         # Free-form, as torch.fx's GraphModule.meta. Not annotated: torch.jit.script reads
         # annotations in __init__ and rejects this one.
@@ -143,7 +158,7 @@ class GraphModule(torch.nn.Module):
             self.training = root.training
             for target in targets:
                 _copy_attr(root, self, target, f"the graph refers to {target!r}")
-        elif isinstance(root, dict):
+        else:  # a dict {path: value}
             for target in targets:
                 if target not in root:
                     raise RuntimeError(f"the graph refers to {target!r}, which the dict root lacks")
@@ -156,8 +171,6 @@ class GraphModule(torch.nn.Module):
                         parent.add_module(atom, torch.nn.Module())
                     parent = getattr(parent, atom)
                 _copy_attr(holder, parent, name, f"the graph refers to {target!r}")
-        else:
-            raise TypeError(f"root must be an nn.Module or a dict, not {type(root).__name__}")
         self.graph = graph
 
     # ------------------------------------------------------------------ graph and code
@@ -169,7 +182,8 @@ class GraphModule(torch.nn.Module):
     @graph.setter
     def graph(self, g: Graph) -> None:
         if not isinstance(g, Graph):
-            raise TypeError(f"graph must be a fxlite.Graph, not {type(g).__name__}")
+            raise TypeError(f"GraphModule.graph must be a fxlite.Graph, not {describe_value(g)}"
+                            + _graph_hint(g))
         self.__dict__["_graph"] = g
         g.owning_module = self
         self.recompile()
@@ -224,6 +238,10 @@ class GraphModule(torch.nn.Module):
     # ------------------------------------------------------------------ submodules
     def add_submodule(self, target: str, m: torch.nn.Module) -> bool:
         """Install ``m`` at the dotted path ``target``, creating parents. False if blocked."""
+        _check_path(target, "add_submodule")
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"GraphModule.add_submodule: m must be an nn.Module, not "
+                            f"{describe_value(m)}; store other values with setattr(gm, name, value)")
         prefix, name = _split(target)
         mod: Any = self
         for atom in prefix.split(".") if prefix else []:
@@ -237,6 +255,7 @@ class GraphModule(torch.nn.Module):
 
     def delete_submodule(self, target: str) -> bool:
         """Remove the submodule at ``target``. False if there is none."""
+        _check_path(target, "delete_submodule")
         prefix, name = _split(target)
         try:
             parent = self.get_submodule(prefix) if prefix else self
@@ -296,6 +315,9 @@ class GraphModule(torch.nn.Module):
             ValueError: ``module_name`` is not a Python identifier.
             RuntimeError: the code needs an object that cannot be imported by name.
         """
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"to_folder: folder must be a path (a str or os.PathLike), not "
+                            f"{describe_value(folder)}")
         if not _is_ident(module_name):
             raise ValueError(f"to_folder: module_name must be a Python identifier, not {module_name!r}")
         os.makedirs(folder, exist_ok=True)
@@ -329,6 +351,79 @@ class GraphModule(torch.nn.Module):
             f.write(src)
         with open(os.path.join(folder, "__init__.py"), "w") as f:
             f.write(f"from .module import {module_name}\n")
+
+
+class RootTypeError(TypeError, RuntimeError):
+    """A root that is neither a module nor a dict: a TypeError, and also the RuntimeError that
+    torch.fx raises there, so code written against either keeps catching it."""
+
+
+def _graph_hint(value: Any) -> str:
+    """How to get a fxlite Graph from ``value``, when it is something that has one."""
+    if isinstance(getattr(value, "graph", None), Graph):
+        return "; pass its .graph"
+    if type(value).__module__.startswith("torch.fx"):
+        return "; it is a torch.fx object: trace the module with fxlite.symbolic_trace instead"
+    return ""
+
+
+def _check_path(target: Any, where: str) -> None:
+    if not isinstance(target, str):
+        raise TypeError(f"GraphModule.{where}: target must be a dotted path str such as "
+                        f"'layer1.conv', not {describe_value(target)}")
+
+
+def expect_graph_module(value: Any, where: str, argument: str = "gm") -> GraphModule:
+    """Return ``value`` if it is a GraphModule, else raise a TypeError naming ``argument``.
+
+    The public entry of each pass calls it first, so a wrong argument fails at the user's
+    call with what was expected and how to get it, before anything is changed.
+
+    Args:
+        value: what the user passed.
+        where: the function, as the message names it (``"cse"``).
+        argument: the parameter's name.
+
+    Example::
+
+        def my_pass(gm):
+            gm = expect_graph_module(gm, "my_pass")
+    """
+    if isinstance(value, GraphModule):
+        return value
+    if isinstance(value, Graph):
+        fix = ("; wrap the graph in a module first: GraphModule(root, graph)"
+               if value.owning_module is None else "; pass the module that owns it: graph.owning_module")
+    else:
+        fix = _trace_hint(value, argument) or \
+            "; trace a module or function first: fxlite.symbolic_trace(model)"
+    raise TypeError(f"{where}: {argument} must be a fxlite.GraphModule, not "
+                    f"{describe_value(value)}{fix}")
+
+
+def expect_graph_or_module(value: Any, where: str, argument: str = "graph_or_gm"
+                           ) -> tuple[Graph, torch.nn.Module | None]:
+    """``(graph, module)`` for a Graph (its ``owning_module``) or a GraphModule; a TypeError
+    naming ``argument`` of ``where`` for anything else.
+
+    Example::
+
+        graph, module = expect_graph_or_module(graph_or_gm, "to_dot")
+    """
+    if isinstance(value, GraphModule):
+        return value.graph, value
+    if isinstance(value, Graph):
+        return value, value.owning_module
+    raise TypeError(f"{where}: {argument} must be a fxlite Graph or GraphModule, not "
+                    f"{describe_value(value)}{_trace_hint(value, argument)}")
+
+
+def _trace_hint(value: Any, argument: str) -> str:
+    if type(value).__module__.startswith("torch.fx"):
+        return "; this is torch.fx's: trace the original module with fxlite.symbolic_trace"
+    if isinstance(value, torch.nn.Module) or callable(value):
+        return f"; trace it first: fxlite.symbolic_trace({argument})"
+    return ""
 
 
 def _import_lines(code: PythonCode) -> list[str]:

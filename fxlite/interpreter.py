@@ -17,7 +17,7 @@ import torch
 
 from .graph import Graph
 from .graph_module import GraphModule
-from .node import Argument, Node, Target, map_aggregate, map_arg
+from .node import Argument, Node, Target, describe_value, map_aggregate, map_arg
 from .proxy import GraphAppendingTracer, Proxy
 
 __all__ = ["Interpreter", "Transformer"]
@@ -79,9 +79,10 @@ class Interpreter:
 
     def __init__(self, module: torch.nn.Module, garbage_collect_values: bool = True,
                  graph: Graph | None = None) -> None:
+        graph = _check_module_and_graph(type(self).__name__, module, graph)
         self.module = module
         self.submodules = dict(module.named_modules())
-        self.graph: Graph = graph if graph is not None else module.graph
+        self.graph: Graph = graph
         self.garbage_collect_values = garbage_collect_values
         self.env: dict[Node, Any] = {}
         self.name = type(self).__name__
@@ -110,6 +111,9 @@ class Interpreter:
             x_node = next(iter(gm.graph.nodes))
             out2 = interp.run(initial_env={x_node: torch.randn(3)})  # x given, no args
         """
+        if initial_env is not None and not isinstance(initial_env, dict):
+            raise TypeError(f"{self.name}.run: initial_env must be a dict {{Node: value}} or "
+                            f"None, not {describe_value(initial_env)}")
         self.env = dict(initial_env) if initial_env is not None else {}
         if enable_io_processing:
             args = self._process_inputs(args)
@@ -138,6 +142,10 @@ class Interpreter:
         Raises RuntimeError, leaving ``args_list`` untouched, if it holds more or fewer
         values than the graph has placeholders.
         """
+        if not isinstance(args_list, list):
+            raise TypeError(f"{self.name}.boxed_run: args_list must be a list (it is emptied once "
+                            f"the inputs are taken), not {describe_value(args_list)}; "
+                            "pass list(args), or call run(*args)")
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if len(args_list) > len(placeholders):
             raise RuntimeError(f"{self.name}.boxed_run got {len(args_list)} inputs for "
@@ -273,6 +281,9 @@ class Interpreter:
 
             w = Interpreter(gm).fetch_attr("linear.weight")
         """
+        if not isinstance(target, str):
+            raise TypeError(f"{self.name}.fetch_attr: target must be a dotted path str such as "
+                            f"'linear.weight', not {describe_value(target)}")
         obj: Any = self.module
         atoms = target.split(".")
         for i, atom in enumerate(atoms):
@@ -319,6 +330,27 @@ class Interpreter:
                     f"graphs)") from None
 
         return map_arg(args, load)
+
+
+def _check_module_and_graph(who: str, module: Any, graph: Any) -> Graph:
+    """The graph an Interpreter runs; a TypeError naming ``module`` or ``graph`` when the
+    arguments cannot give one (checked before anything is read from them)."""
+    if not isinstance(module, torch.nn.Module):
+        fix = "; trace it first: fxlite.symbolic_trace(fn)" if callable(module) else \
+            "; pass a fxlite.GraphModule, e.g. fxlite.symbolic_trace(model)"
+        raise TypeError(f"{who}: module must be an nn.Module (a fxlite.GraphModule), not "
+                        f"{describe_value(module)}{fix}")
+    if graph is not None:
+        if not isinstance(graph, Graph):
+            raise TypeError(f"{who}: graph must be a fxlite.Graph or None, not "
+                            f"{describe_value(graph)}")
+        return graph
+    own = getattr(module, "graph", None)
+    if not isinstance(own, Graph):
+        raise TypeError(f"{who}: module is a {type(module).__name__} without a fxlite graph; "
+                        f"trace it first: {who}(fxlite.symbolic_trace(module)), or pass the graph "
+                        f"to run: {who}(module, graph=graph)")
+    return own
 
 
 class Transformer(Interpreter):
