@@ -31,7 +31,7 @@ import operator
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 
 from . import patching
 from .graph import Graph, gc_paused
-from .node import Argument
+from .node import Argument, describe_value, safe_repr
 from .proxy import (
     _DEFAULT_CREATE_ARG,
     GraphAppendingTracer,
@@ -89,7 +89,8 @@ def wrap(fn_or_name: str | Callable[..., Any]) -> Any:
             _WRAPPED_NAMES.append((globals_, fn.__name__))
         return fn
     if not isinstance(fn_or_name, str):
-        raise TypeError(f"wrap() takes a function or a function name, not {fn_or_name!r}")
+        raise TypeError(f"wrap: fn_or_name must be a function or a function's name (a str), "
+                        f"not {describe_value(fn_or_name)}")
     frame = sys._getframe(1)
     if frame.f_code.co_name != "<module>":
         raise NotImplementedError("wrap('name') must be called at module scope")
@@ -208,6 +209,10 @@ class Tracer(TracerBase):
     def __init__(self, autowrap_modules: tuple[ModuleType, ...] = (math,),
                  autowrap_functions: tuple[Callable[..., Any], ...] = (),
                  param_shapes_constant: bool = False) -> None:
+        autowrap_modules = _check_items(autowrap_modules, "autowrap_modules", "a module",
+                                        lambda m: isinstance(m, ModuleType), "(math,)")
+        autowrap_functions = _check_items(autowrap_functions, "autowrap_functions", "a function",
+                                          callable, "(my_fn,)")
         self._autowrap_modules = tuple(autowrap_modules)
         self._autowrap_ids = {
             id(v) for m in autowrap_modules for k, v in vars(m).items()
@@ -315,6 +320,7 @@ class Tracer(TracerBase):
                 fixed structure keeps that leaf symbolic.
         """
         _check_traceable(root)
+        _check_concrete_args(concrete_args)
         if isinstance(root, torch.nn.Module):
             fn = getattr(type(root), self.traced_func_name, None)
             if fn is None:
@@ -551,8 +557,38 @@ def _check_traceable(root: Any) -> None:
                         f"{type(root).__name__} ({_short_repr(root)})")
 
 
+def _check_concrete_args(concrete_args: Any) -> None:
+    """A TypeError naming ``concrete_args`` unless it is None, a dict or a tuple (before the
+    trace starts, so nothing of the tracer changes)."""
+    if concrete_args is None or isinstance(concrete_args, (Mapping, tuple)):
+        return
+    fix = "tuple(values)" if isinstance(concrete_args, list) else "{'x': value}"
+    raise TypeError(f"symbolic_trace: concrete_args must be a dict {{argument name: value}} or a "
+                    f"tuple of values by position, not {describe_value(concrete_args)}; "
+                    f"e.g. concrete_args={fix}")
+
+
+def _check_items(values: Any, argument: str, what: str, ok: Callable[[Any], bool],
+                 example: str) -> tuple:
+    """``tuple(values)`` if every item is ``what``; a TypeError naming ``argument`` otherwise."""
+    items = None
+    if not isinstance(values, (str, bytes, ModuleType)):
+        try:
+            items = tuple(values)
+        except TypeError:
+            pass
+    if items is None:
+        raise TypeError(f"Tracer: {argument} must be a tuple of items, each {what}, not "
+                        f"{describe_value(values)}; e.g. {argument}={example}")
+    for item in items:
+        if not ok(item):
+            raise TypeError(f"Tracer: each item of {argument} must be {what}, not "
+                            f"{describe_value(item)}; e.g. {argument}={example}")
+    return items
+
+
 def _short_repr(value: Any) -> str:
-    text = repr(value)
+    text = safe_repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
