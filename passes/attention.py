@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from fxlite.passes.shape_prop import node_layout
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node
 
 __all__ = ["unpack_attention"]
@@ -131,7 +131,7 @@ def _layouts(made: list[Node]) -> bool:
 def unpack_attention(gm: GraphModule) -> bool:
     """Rewrite each unpackable ``F.multi_head_attention_forward`` call into its fast
     path's calls (see the module docstring). Returns whether ``gm`` changed."""
-    graph = gm.graph
+    graph = expect_graph_module(gm, "unpack_attention").graph
     changed = False
     for node in list(graph.nodes):
         plan = _plan(node)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node
 from fxlite.ops import is_impure, resolve
 
@@ -46,6 +46,7 @@ def cse(gm: GraphModule) -> GraphModule:
             mul = add * add_1                          return mul
             return mul
     """
+    expect_graph_module(gm, "cse")
     merge_duplicates(gm.graph, gm)
     gm.graph.lint()
     gm.recompile()

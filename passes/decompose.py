@@ -44,8 +44,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fxlite.graph import check_order
-from fxlite.graph_module import GraphModule
-from fxlite.node import Node, map_arg
+from fxlite.graph_module import GraphModule, expect_graph_module
+from fxlite.node import Node, describe_value, map_arg
 from fxlite.ops import call_args, is_impure, lookup_target, resolve
 from fxlite.proxy import GraphAppendingTracer, Proxy
 
@@ -80,7 +80,20 @@ def register_decomposition(target: Callable[..., Any],
         def relu(x):
             return torch.where(x > 0, x, 0.0)
     """
+    if not callable(target):
+        raise TypeError(f"register_decomposition: target must be the op to decompose (a function "
+                        f"such as torch.relu), not {describe_value(target)}")
+    if table is not None and not isinstance(table, dict):
+        raise TypeError(f"register_decomposition: table must be a dict or None (the default "
+                        f"DECOMPOSITIONS), not {describe_value(table)}")
+    if when is not None and not callable(when):
+        raise TypeError(f"register_decomposition: when must be a function (node, gm) -> bool or "
+                        f"None, not {describe_value(when)}")
+
     def decorator(rule: Rule) -> Rule:
+        if not callable(rule):
+            raise TypeError(f"register_decomposition: the decorated rule must be a function, not "
+                            f"{describe_value(rule)}")
         if when is not None:
             rule.when = when  # type: ignore[attr-defined]
         (DECOMPOSITIONS if table is None else table)[_canonical(target)] = rule
@@ -113,6 +126,10 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
                                                        truediv = torch.div(exp, sum_1)
                                                        return truediv
     """
+    expect_graph_module(gm, "decompose")
+    if rules is not None and not isinstance(rules, dict):
+        raise TypeError(f"decompose: rules must be a dict {{op: rule}} or None (the default "
+                        f"DECOMPOSITIONS), not {describe_value(rules)}")
     table = DECOMPOSITIONS if rules is None else {_canonical(k): v for k, v in rules.items()}
     check_order(gm.graph, "decompose")
     graph = _copy_graph(gm)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxlite.graph import Graph
-from fxlite.node import Node, _format_arg
+from fxlite.node import Node, _format_arg, describe_value
 from fxlite.tabular import qualified_name
 
 __all__ = ["GraphDiff", "diff", "describe_node"]
@@ -95,10 +95,11 @@ class GraphDiff:
     __repr__ = __str__  # a notebook cell ending in diff(...) shows the text
 
 
-def _graph(obj: Any) -> Graph:
+def _graph(obj: Any, argument: str) -> Graph:
     graph = getattr(obj, "graph", obj)
     if not isinstance(graph, Graph):
-        raise TypeError(f"diff expects fxlite Graphs or GraphModules, not {type(obj).__name__}")
+        raise TypeError(f"diff expects fxlite Graphs or GraphModules, not {type(obj).__name__}: "
+                        f"{argument} is {describe_value(obj)}")
     return graph
 
 
@@ -119,8 +120,9 @@ def diff(before: Any, after: Any, print_output: bool = True) -> GraphDiff:
         fxlite.replace_pattern(gm, pattern, replacement)
         fxlite.passes.diff(before, gm)
     """
-    old = {n.name: describe_node(n) for n in _graph(before).nodes}
-    new = {n.name: describe_node(n) for n in _graph(after).nodes}
+    old_graph, new_graph = _graph(before, "before"), _graph(after, "after")
+    old = {n.name: describe_node(n) for n in old_graph.nodes}
+    new = {n.name: describe_node(n) for n in new_graph.nodes}
     result = GraphDiff(
         added=[(name, text) for name, text in new.items() if name not in old],
         removed=[(name, text) for name, text in old.items() if name not in new],

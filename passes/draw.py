@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule
-from fxlite.node import Node, _format_target
+from fxlite.graph_module import GraphModule, expect_graph_or_module
+from fxlite.node import Node, _format_target, describe_value
 from fxlite.ops import lookup
 
 from .networkx import node_input_counts, node_shape_dtype, sub_graphmodule
@@ -209,13 +209,10 @@ def to_dot(graph_or_gm: Graph | GraphModule, name: str | None = None) -> str:
         #           "x" -> "add"; "add" -> "relu"; "relu" -> "output";
         #         }
     """
-    if isinstance(graph_or_gm, GraphModule):
-        graph, module = graph_or_gm.graph, graph_or_gm
-        default = type(graph_or_gm).__name__
-    elif isinstance(graph_or_gm, Graph):
-        graph, module, default = graph_or_gm, graph_or_gm.owning_module, "graph"
-    else:
-        raise TypeError(f"expected a fxlite Graph or GraphModule, not {type(graph_or_gm).__name__}")
+    graph, module = expect_graph_or_module(graph_or_gm, "to_dot")
+    default = type(graph_or_gm).__name__ if isinstance(graph_or_gm, GraphModule) else "graph"
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"to_dot: name must be a str or None, not {describe_value(name)}")
     w = _DotWriter()
     w.graph(graph, module, "", "  ", 0)
     head = [
@@ -255,6 +252,10 @@ def draw(graph_or_gm: Graph | GraphModule, path: str | os.PathLike) -> str:
         draw(gm, "mlp.svg")               # fused groups appear as clusters
         draw(gm, "mlp.dot")               # the DOT source only
     """
+    expect_graph_or_module(graph_or_gm, "draw")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"draw: path must be a file path (a str or os.PathLike) such as "
+                        f"'graph.svg', not {describe_value(path)}")
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".dot", ".gv") and suffix not in _RENDERED:

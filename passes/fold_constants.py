@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure
 
@@ -48,7 +48,7 @@ def fold_constants(gm: GraphModule) -> GraphModule:
             mm = torch.mm(x, mul)
             return mm
     """
-    graph = gm.graph
+    graph = expect_graph_module(gm, "fold_constants").graph
     values = _constant_values(gm)
     # Each constant read by a non-constant node is materialized; the rest become dead.
     boundary = [n for n in values if n.op in _CALLS and any(u not in values for u in n.users)]

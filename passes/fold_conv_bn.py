@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node
 from fxlite.ops import call_args, resolve
 
@@ -63,6 +63,7 @@ def fold_conv_bn(gm: GraphModule) -> GraphModule:
             relu = torch.relu(bn)                      return relu
             return relu
     """
+    expect_graph_module(gm, "fold_conv_bn")
     folds = [f for f in (_plan(node, gm) for node in gm.graph.nodes) if f is not None]
     if not folds:
         return gm

@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule, _copy_attr
-from fxlite.node import Node
+from fxlite.graph_module import GraphModule, _copy_attr, expect_graph_module
+from fxlite.node import Node, describe_value
 from fxlite.ops import is_impure, lookup
 
 from .fuse_classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
@@ -356,6 +356,14 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None, recompute: bool 
         print(fused.code)            # fused_0 = self.fused_0(x);  ...  return fused_0
         fused.fused_0.meta["nodes"]  # ['add', 'relu', 'mul']
     """
+    expect_graph_module(gm, "fuse")
+    if max_group_size is not None:
+        if not isinstance(max_group_size, int) or isinstance(max_group_size, bool):
+            raise TypeError(f"fuse: max_group_size must be an int or None (no limit), not "
+                            f"{describe_value(max_group_size)}")
+        if max_group_size < 1:
+            raise ValueError(f"fuse: max_group_size must be at least 1 (or None: no limit), not "
+                             f"{max_group_size}")
     for n in gm.graph.nodes:
         if n.op != "output" and "tensor_meta" not in n.meta and "type" not in n.meta:
             raise ValueError(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_or_module
 from fxlite.node import Node, _format_target, map_arg
 from fxlite.ops import lookup
 
@@ -70,12 +70,9 @@ def node_input_counts(arg: Any) -> dict[Node, int]:
     return counts
 
 
-def _owner(graph_or_gm: Graph | GraphModule) -> tuple[Graph, torch.nn.Module | None]:
-    if isinstance(graph_or_gm, GraphModule):
-        return graph_or_gm.graph, graph_or_gm
-    if isinstance(graph_or_gm, Graph):
-        return graph_or_gm, graph_or_gm.owning_module
-    raise TypeError(f"expected a fxlite Graph or GraphModule, not {type(graph_or_gm).__name__}")
+def _owner(graph_or_gm: Graph | GraphModule, where: str = "to_networkx"
+           ) -> tuple[Graph, torch.nn.Module | None]:
+    return expect_graph_or_module(graph_or_gm, where)
 
 
 def sub_graphmodule(node: Node, module: torch.nn.Module | None) -> GraphModule | None:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule
-from fxlite.node import Node, Opcode, map_aggregate, map_arg
+from fxlite.graph_module import GraphModule, expect_graph_module
+from fxlite.node import Node, Opcode, describe_value, map_aggregate, map_arg
 from fxlite.ops import (
     OPS,
     OpInfo,
@@ -76,6 +76,7 @@ def normalize(gm: GraphModule) -> GraphModule:
             return lin                                 lin = torch._C._nn.linear(sum_1, lin_weight, lin_bias)
                                                        return lin
     """
+    expect_graph_module(gm, "normalize")
     try:  # check first: a malformed graph must fail before any node is rewritten
         gm.graph.lint()
     except RuntimeError as e:
@@ -103,6 +104,13 @@ def normalize_graph(graph: Graph, module: torch.nn.Module | None = None,
 
         normalize_graph(gm.graph, gm); gm.recompile()
     """
+    if not isinstance(graph, Graph):
+        raise TypeError(f"normalize_graph: graph must be a fxlite Graph, not {describe_value(graph)}"
+                        + ("; pass gm.graph, or call normalize(gm)" if isinstance(graph, GraphModule)
+                           else ""))
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise TypeError(f"normalize_graph: module must be an nn.Module or None (the graph's "
+                        f"owning_module), not {describe_value(module)}")
     module = module if module is not None else graph.owning_module
     only = None if nodes is None else set(nodes)
     tensor: dict[Node, bool] = {}
@@ -148,6 +156,8 @@ def produces_tensor(node: Node, module: torch.nn.Module | None = None,
 
         produces_tensor(size_node)   # False: x.size(0) * 2 stays Python arithmetic
     """
+    if not isinstance(node, Node):
+        raise TypeError(f"produces_tensor: node must be a fxlite Node, not {describe_value(node)}")
     known = known if known is not None else {}
     typ = node.meta.get("type")
     if isinstance(typ, type):

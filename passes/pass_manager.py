@@ -19,7 +19,8 @@ from typing import Any, Union
 import torch
 from tabulate import tabulate
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
+from fxlite.node import describe_value
 
 __all__ = ["NumericsError", "PassError", "PassManager", "PassRecord"]
 
@@ -195,6 +196,12 @@ class PassManager:
                  example_inputs: Sequence[Any] | torch.Tensor | None = None,
                  rtol: float | None = None, atol: float | None = None, lint: bool = True,
                  verbose: bool = False, show_diff: bool = False) -> None:
+        if passes is not None and (callable(passes) or isinstance(passes, (str, bytes))
+                                   or not isinstance(passes, Iterable)):
+            fix = f"; wrap one pass in a list: PassManager([{getattr(passes, '__name__', 'p')}])" \
+                if callable(passes) else ""
+            raise TypeError(f"PassManager: passes must be a list of passes, not "
+                            f"{describe_value(passes)}{fix}")
         self.passes: list[Pass] = list(passes or [])
         for p in self.passes:
             self._check_callable(p)
@@ -218,7 +225,7 @@ class PassManager:
     @staticmethod
     def _check_callable(p: Any) -> None:
         if not callable(p):
-            raise TypeError(f"PassManager: a pass must be callable, not {type(p).__name__}")
+            raise TypeError(f"PassManager: a pass must be callable, not {describe_value(p)}")
 
     def add_pass(self, p: Pass) -> None:
         """Append ``p`` to the list of passes.
@@ -253,8 +260,7 @@ class PassManager:
                 that fails lint.
             NumericsError: with ``check_numerics``, a pass changed the outputs.
         """
-        if not isinstance(gm, GraphModule):
-            raise TypeError(f"PassManager expects a fxlite GraphModule, not {type(gm).__name__}")
+        expect_graph_module(gm, "PassManager")
         self.records = []
         if self.lint:
             try:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxlite.interpreter import Interpreter
-from fxlite.node import Node, map_aggregate
+from fxlite.node import Node, describe_value, map_aggregate
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
            "extract_tensor_metadata", "fill_missing_meta"]
@@ -102,6 +102,8 @@ def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
         >>> extract_tensor_metadata(torch.zeros(2, 3)).stride
         (3, 1)
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"extract_tensor_metadata: t must be a torch.Tensor, not {describe_value(t)}")
     strided = t.layout == torch.strided
     memory_format = None
     if strided:

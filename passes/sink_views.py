@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, lookup
 
@@ -55,6 +55,7 @@ def sink_views(gm: GraphModule) -> GraphModule:
         ``gm`` itself when nothing moves; otherwise a new GraphModule (``gm`` unchanged)
         whose new nodes carry ``tensor_meta`` computed on the ``meta`` device.
     """
+    expect_graph_module(gm, "sink_views")
     if not any(_sinkable(n, gm) for n in gm.graph.nodes):
         return gm
     graph = _copy_graph(gm)

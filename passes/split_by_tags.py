@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import operator
 
-from fxlite.graph_module import GraphModule
-from fxlite.node import Node
+from fxlite.graph_module import GraphModule, expect_graph_module
+from fxlite.node import Node, describe_value
 
 from .split_module import split_module
 
@@ -48,6 +48,10 @@ def split_by_tags(gm: GraphModule, tags: list[str], return_fqn_mapping: bool = F
         split = split_by_tags(gm, ["pre", "post"])
         print(split.code)   # pre = self.pre(x);  post = self.post(pre) ...
     """
+    expect_graph_module(gm, "split_by_tags")
+    if isinstance(tags, (str, bytes)) or not isinstance(tags, (list, tuple)):
+        raise TypeError(f"split_by_tags: tags must be a list of tag names, not "
+                        f"{describe_value(tags)}; e.g. tags=['pre', 'post']")
     order = {t: i for i, t in enumerate(tags)}
     if len(order) != len(tags):
         raise ValueError(f"tags must be distinct, got {tags}")

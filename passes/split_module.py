@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from fxlite.graph import Graph, check_order
-from fxlite.graph_module import GraphModule, _copy_attr
-from fxlite.node import Argument, Node
+from fxlite.graph_module import GraphModule, _copy_attr, expect_graph_module
+from fxlite.node import Argument, Node, describe_value
 
 __all__ = ["extract_subgraph", "split_module"]
 
@@ -143,7 +143,16 @@ def split_module(gm: GraphModule, root_m: torch.nn.Module, split_callback: Calla
         split = split_module(gm, gm, lambda n: 0 if n.name == "add" else 1)
         print(split.code)   # submod_0 = self.submod_0(x); submod_1 = self.submod_1(submod_0) ...
     """
-    graph = gm.graph
+    graph = expect_graph_module(gm, "split_module").graph
+    if not isinstance(root_m, torch.nn.Module):
+        raise TypeError(f"split_module: root_m must be the nn.Module that get_attr and call_module "
+                        f"targets are read from (usually gm itself), not {describe_value(root_m)}")
+    if not callable(split_callback):
+        raise TypeError(f"split_module: split_callback must be a function node -> partition id, "
+                        f"not {describe_value(split_callback)}; e.g. lambda n: 0")
+    if qualname_map is not None and not isinstance(qualname_map, dict):
+        raise TypeError(f"split_module: qualname_map must be a dict to fill, or None, not "
+                        f"{describe_value(qualname_map)}")
     check_order(graph, "split_module")
     index = {n: i for i, n in enumerate(graph.nodes)}
     part_of: dict[Node, Hashable] = {}
