@@ -527,7 +527,7 @@ class CompiledFunction:
         """
         records = [r for seg in self._last for r in (seg.compiled.records if seg.compiled else [])]
         records += [r for k in self._kernel_groups() for r in k.records]
-        text = f"{_name(self._fn)}: {self.tier}\n" + kernel_report(records, benchmark=benchmark)
+        text = kernel_report(records, benchmark=benchmark) + f"\n{_name(self._fn)}: {self.tier}"
         print(text)
         return text
 

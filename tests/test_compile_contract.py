@@ -156,8 +156,9 @@ def test_missing_argument_raises_pythons_type_error():
         fxlite.compile(lambda x, y: x + y)(rand(2))
 
 
-@pytest.mark.parametrize("kwargs", [{"backend": None}, {"fullgraph": "yes"},
-                                    {"mode": "fast"}], ids=["backend", "fullgraph", "mode"])
+@pytest.mark.parametrize("kwargs", [{"backend": 42}, {"backend": "no-such-backend"},
+                                    {"fullgraph": "yes"}, {"mode": "fast"}],
+                         ids=["backend", "backend_name", "fullgraph", "mode"])
 def test_bad_options_are_refused(kwargs):
     with pytest.raises((TypeError, ValueError)):
         fxlite.compile(lambda x: x, **kwargs)
