@@ -172,6 +172,9 @@ def explain(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _explain(fn: Any, args: tuple, kwargs: dict) -> Explanation:
+    if not callable(fn):
+        raise TypeError(f"fxlite.explain: fn must be a function or an nn.Module, not "
+                        f"{type(fn).__name__}")
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
     guard = StateGuard(fn)
@@ -235,6 +238,9 @@ def export(fn: Any, *args: Any, **kwargs: Any) -> GraphModule:
         print(gm.code)
         gm(torch.randn(2, 8))
     """
+    if not callable(fn):
+        raise TypeError(f"fxlite.export: fn must be a function or an nn.Module, not "
+                        f"{type(fn).__name__}")
     fn = _unwrap(fn)
     leaves, _ = flatten((args, kwargs))
     guard = StateGuard(fn)

@@ -169,6 +169,9 @@ class SubgraphMatcher:
     def __init__(self, pattern: Graph, match_output: bool = False, match_placeholder: bool = False,
                  remove_overlapping_matches: bool = True, ignore_literals: bool = False, *,
                  match_spellings: bool = True, pattern_module: torch.nn.Module | None = None) -> None:
+        if not isinstance(pattern, Graph):
+            raise TypeError(f"SubgraphMatcher: pattern must be a Graph (a traced pattern's "
+                            f".graph), not {type(pattern).__name__}")
         self.pattern = pattern
         self.match_output = match_output
         self.match_placeholder = match_placeholder

@@ -102,9 +102,17 @@ def replace_pattern(gm: GraphModule, pattern: Pattern, replacement: Pattern, *,
 
         matches = fxlite.replace_pattern(gm, pattern, replacement)
     """
+    _expect_target(gm, "replace_pattern")
     done = replace_pattern_with_filters(gm, pattern, replacement, match_spellings=match_spellings,
                                         explain=explain)
     return [Match(r.anchor, r.nodes_map) for r in done]
+
+
+def _expect_target(gm: Any, where: str) -> None:
+    """A TypeError naming ``gm`` unless it is a GraphModule or a Graph to rewrite."""
+    if not isinstance(gm, GraphModule | Graph):
+        raise TypeError(f"{where}: gm must be a GraphModule or Graph to rewrite, not "
+                        f"{type(gm).__name__}; trace it first: fxlite.symbolic_trace(module)")
 
 
 def replace_pattern_with_filters(
@@ -131,6 +139,7 @@ def replace_pattern_with_filters(
         only_small = lambda m, g, p: m.placeholder_nodes[0].name.startswith("x")
         replace_pattern_with_filters(gm, pattern, replacement, [only_small])
     """
+    _expect_target(gm, "replace_pattern_with_filters")
     graph, module = _target(gm)
     pgraph, pmod = _as_graph(pattern, "pattern")
     matcher = SubgraphMatcher(pgraph, ignore_literals=ignore_literals,

@@ -83,6 +83,9 @@ def save(gm: GraphModule, path: str | os.PathLike) -> None:
     """
     if not isinstance(gm, GraphModule):
         raise TypeError(f"fxlite.save expects a GraphModule, not {type(gm).__name__}")
+    if not isinstance(path, str | bytes | os.PathLike):
+        raise TypeError(f"fxlite.save: path must be a file path (str or os.PathLike), not "
+                        f"{type(path).__name__}")
     writer = _Writer()
     with gc_paused():  # a record per node: collections would rescan them all, again and again
         doc = {"format": _FORMAT, "version": _VERSION, "root": writer.module(gm, "")}
@@ -112,6 +115,9 @@ def load(path: str | os.PathLike, *, limits: Limits | None = None) -> GraphModul
 
         gm = fxlite.load("model.fxl", limits=fxlite.serialize.Limits(max_file_bytes=1 << 30))
     """
+    if not isinstance(path, str | bytes | os.PathLike):
+        raise TypeError(f"fxlite.load: path must be a file path (str or os.PathLike), not "
+                        f"{type(path).__name__}")
     limits = limits or Limits()
     budget = _Budget(limits)
     where = f"fxlite.load({os.fspath(path)!r})"

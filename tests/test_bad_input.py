@@ -46,6 +46,7 @@ from fxlite.passes import (
 )
 from torch import nn
 
+import fxlite
 import fxlite as fx
 from fxlite.tabular import tabular
 
@@ -446,3 +447,22 @@ def test_describe_value_never_raises() -> None:
     assert describe_value("a" * 80).endswith("...)")
     with pytest.raises(TypeError, match="not Foo"):
         fx.symbolic_trace(Foo())
+
+
+# ---------------------------------------------------------------------- rewriting, files
+@pytest.mark.parametrize("call, argument", [
+    (lambda gm: fxlite.replace_pattern(None, torch.relu, torch.relu), "gm"),
+    (lambda gm: fxlite.replace_pattern_with_filters(3, torch.relu, torch.relu), "gm"),
+    (lambda gm: fxlite.SubgraphMatcher(None), "pattern"),
+    (lambda gm: fxlite.save(gm, None), "path"),
+    (lambda gm: fxlite.load(None), "path"),
+    (lambda gm: fxlite.export(None), "fn"),
+    (lambda gm: fxlite.explain(None)(), "fn"),
+], ids=["replace_pattern", "replace_pattern_with_filters", "SubgraphMatcher", "save", "load",
+        "export", "explain"])
+def test_rewrites_files_and_capture_name_their_bad_argument(call, argument):
+    gm = fxlite.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    code = gm.code
+    with pytest.raises(TypeError, match=argument):
+        call(gm)
+    assert gm.code == code
