@@ -19,7 +19,9 @@ Groups (the test id's prefix):
 - ``stale``: results that are iterators, generators, maps, zips, Python values;
 - ``state``: module and optimizer state (hooks, train/eval, param groups, MoE, BatchNorm);
 - ``train``: training steps (clipping, manual updates, loss scaling, autocast, optimizers);
-- ``pure``: pure tensor programs that should run kernels, as controls.
+- ``pure``: pure tensor programs that should run kernels, as controls;
+- ``model``: tiny Hugging Face models (GPT-2, BERT, Llama with grouped-query attention, a T5
+  encoder, ViT) from configs with random weights, for inference and fine-tuning steps.
 
 The session ends with a table per group and the line ``faithful programs: N ran, K ran
 kernels, F fell back to eager`` (K: the compiled run's last call ran Triton kernels; F: it
@@ -31,13 +33,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
+import copy
 import dataclasses
+import enum
 import functools
 import itertools
 import logging
 import math
 import os
 import random
+import types
 import warnings
 from typing import NamedTuple
 
@@ -503,6 +509,287 @@ def make_set_of_seen_batch_sizes():
         return x.softmax(0)
 
     return Program(fn, lambda i: (randn(2 + i % 2, 8),), {"seen": seen})
+
+
+class MetricTracker:
+    """A library-like metrics object: ``.item()`` values accumulated per key."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def update(self, n: int = 1, **values: float) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v * n
+            self.counts[k] = self.counts.get(k, 0) + n
+
+    def compute(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
+@program("side")
+def make_metric_tracker_accumulates_items():
+    model, tracker = mlp(), MetricTracker()
+
+    def fn(x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        acc = (logits.argmax(-1) == y).float().mean()
+        tracker.update(n=x.shape[0], loss=loss.item(), acc=acc.item())
+        return tracker.compute()
+
+    return Program(fn, xcls, {"tracker": tracker})
+
+
+@program("side")
+def make_progress_bar_counter_and_postfix():
+    class Progress:
+        def __init__(self, total):
+            self.total, self.n, self.postfix = total, 0, {}
+
+        def update(self, k=1):
+            self.n += k
+            print(f"\r{self.n}/{self.total} {self.postfix}", end="")
+
+        def set_postfix(self, **kw):
+            self.postfix = {k: f"{v:.3f}" for k, v in kw.items()}
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bar = Progress(total=4)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        bar.set_postfix(loss=loss.item())
+        bar.update()
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "bar": bar}, **TRAIN_TOL)
+
+
+@program("side")
+def make_losses_list_and_running_average():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, running = [], {"avg": None}
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        running["avg"] = loss.item() if running["avg"] is None else 0.9 * running["avg"] + 0.1 * loss.item()
+        return loss.detach()
+
+    return Program(step, xy, {"model": model, "opt": opt, "losses": losses, "running": running},
+                   calls=5, **TRAIN_TOL)
+
+
+@program("side")
+def make_logging_every_three_calls():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"step": 0}
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        state["step"] += 1
+        if state["step"] % 3 == 0:
+            LOGGER.info("step %d: loss %.4f", state["step"], loss.item())
+        return loss.detach()
+
+    return Program(step, xy, {"model": model, "opt": opt, "state": state}, calls=7, **TRAIN_TOL)
+
+
+@program("side")
+def make_print_lr_every_other_call():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    n = [0]
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        sched.step()
+        n[0] += 1
+        if n[0] % 2:
+            print(f"step {n[0]} lr {sched.get_last_lr()[0]:.4f} loss {loss.item():.4f}")
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "sched": sched, "n": n}, calls=5, **TRAIN_TOL)
+
+
+@program("side")
+def make_checkpoint_dict_state_dict_copies():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = {"step": 0}
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        ckpt["step"] += 1
+        if ckpt["step"] % 2 == 0:
+            ckpt["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            ckpt["opt"] = copy.deepcopy(opt.state_dict())
+            ckpt["loss"] = loss.item()
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "ckpt": ckpt}, calls=5, **TRAIN_TOL)
+
+
+@program("side")
+def make_best_checkpoint_kept_on_improvement():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    best = {"loss": math.inf, "state": None, "improved": []}
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        if loss < best["loss"]:
+            best["loss"] = loss.item()
+            best["state"] = copy.deepcopy(model.state_dict())
+            best["improved"].append(True)
+        else:
+            best["improved"].append(False)
+        return loss
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (1 + (i % 2))),
+                   {"model": model, "opt": opt, "best": best}, calls=5, **TRAIN_TOL)
+
+
+@program("side")
+def make_print_tensor_value():
+    def fn(x):
+        y = x.softmax(-1)
+        print("row sums:", y.sum(-1).round(decimals=3))
+        print(y[0, :3])
+        return y
+
+    return Program(fn, x48)
+
+
+@program("side")
+def make_logging_tensor_argument_formatted_later():
+    def fn(x):
+        y = torch.tanh(x) * 2
+        LOGGER.info("mean %s max %s", y.mean().round(decimals=4), y.amax().round(decimals=4))
+        return y
+
+    return Program(fn, x48)
+
+
+@program("side")
+def make_callbacks_list_on_step_end():
+    class History:
+        def __init__(self):
+            self.rows = []
+
+        def on_step_end(self, step, logs):
+            self.rows.append((step, round(logs["loss"], 4)))
+
+    class Printer:
+        def on_step_end(self, step, logs):
+            if step % 2 == 0:
+                print(f"[{step}] loss={logs['loss']:.3f} gnorm={logs['gnorm']:.3f}")
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    callbacks = [History(), Printer()]
+    state = {"step": 0}
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        state["step"] += 1
+        logs = {"loss": loss.item(), "gnorm": gnorm.item()}
+        for cb in callbacks:
+            cb.on_step_end(state["step"], logs)
+        return loss.detach()
+
+    return Program(step, xy, {"model": model, "opt": opt, "callbacks": callbacks, "state": state},
+                   calls=5, **TRAIN_TOL)
+
+
+@program("side")
+def make_history_defaultdict_per_key():
+    history = collections.defaultdict(list)
+    model = mlp()
+
+    def fn(x, y):
+        out = model(x)
+        history["loss"].append(round(F.mse_loss(out, y).item(), 4))
+        history["out_std"].append(round(out.std().item(), 4))
+        if x.abs().max() > 2.5:
+            history["outliers"].append(int((x.abs() > 2.5).sum()))
+        return out
+
+    return Program(fn, xy, {"history": history})
+
+
+@program("side")
+def make_experiment_run_log_rows():
+    class Run:
+        def __init__(self):
+            self.rows, self.summary = [], {}
+
+        def log(self, row, step=None):
+            self.rows.append({"_step": len(self.rows) if step is None else step, **row})
+            self.summary.update(row)
+
+    run = Run()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        run.log({"loss": loss.item(), "lr": opt.param_groups[0]["lr"],
+                 "w_norm": model[0].weight.norm().item()})
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "run": run}, **TRAIN_TOL)
+
+
+@program("side")
+def make_library_helper_warns_on_large_grad_norm():
+    def check_grads(params, limit):
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        if norm > limit:
+            warnings.warn(f"gradient norm {norm.item():.2f} exceeds {limit}", RuntimeWarning)
+        return norm
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        norm = check_grads(list(model.parameters()), 2.0)
+        opt.step()
+        return norm
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (5 if i % 2 else 0.1)),
+                   {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("side")
+def make_stdout_write_and_flush():
+    import sys
+
+    def fn(x):
+        y = x.relu().sum(-1)
+        sys.stdout.write(f"batch of {x.shape[0]}: max {y.max().item():.3f}\n")
+        sys.stdout.flush()
+        return y
+
+    return Program(fn, x48)
 
 
 # ============================================================================ 2. changing values
@@ -1141,6 +1428,533 @@ def make_default_dtype_changed_between_calls():
     return Program(fn, x48, before=before)
 
 
+# A module-like namespace, as a library would be: its functions read its own globals.
+_fakelib = types.ModuleType("fakelib")
+exec(  # the library's source, defined here to keep the corpus one file
+    """
+import torch
+
+SETTINGS = {"scale": 1.0, "act": "relu"}
+ACTIVATIONS = ["relu"]
+EPS = 1e-5
+
+
+def scale():
+    return SETTINGS["scale"]
+
+
+def activation(x):
+    return {"relu": torch.relu, "tanh": torch.tanh, "gelu": torch.nn.functional.gelu}[SETTINGS["act"]](x)
+
+
+def stack_activations(x):
+    for name in ACTIVATIONS:
+        x = getattr(torch, name)(x)
+    return x
+
+
+def normalize(x):
+    return x / (x.norm(dim=-1, keepdim=True) + EPS)
+""",
+    _fakelib.__dict__,
+)
+
+
+@program("values")
+def make_library_global_dict_read_by_helpers():
+    _fakelib.SETTINGS.update(scale=1.0, act="relu")
+
+    def fn(x):
+        return _fakelib.activation(x - 0.5) * _fakelib.scale()
+
+    def before(i):
+        _fakelib.SETTINGS["scale"] = [1.0, 1.0, 2.0, 0.5][i]
+        _fakelib.SETTINGS["act"] = ["relu", "gelu", "gelu", "tanh"][i]
+
+    return Program(fn, x48, before=before)
+
+
+@program("values")
+def make_library_global_list_grows():
+    _fakelib.ACTIVATIONS[:] = ["relu"]
+
+    def fn(x):
+        return _fakelib.stack_activations(x * 3)
+
+    def before(i):
+        if i in (1, 3):
+            _fakelib.ACTIVATIONS.append(["tanh", "sigmoid", "tanh", "exp"][i])
+
+    return Program(fn, x48, {"acts": _fakelib.ACTIVATIONS}, before=before)
+
+
+@program("values")
+def make_library_global_rebound():
+    _fakelib.EPS = 1e-5
+
+    def fn(x):
+        return _fakelib.normalize(x) * 2
+
+    def before(i):
+        _fakelib.EPS = [1e-5, 1e-5, 10.0, 1.0][i]
+
+    return Program(fn, x48, before=before)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenConfig:
+    temperature: float = 1.0
+    top_k: int = 4
+    normalize: bool = False
+
+
+@program("values")
+def make_frozen_dataclass_replaced_between_calls():
+    holder = Config(cfg=FrozenConfig())
+
+    def fn(logits):
+        cfg = holder.cfg
+        if cfg.normalize:
+            logits = logits - logits.mean(-1, keepdim=True)
+        vals, idx = (logits / cfg.temperature).topk(cfg.top_k, dim=-1)
+        return vals.softmax(-1), idx
+
+    def before(i):
+        holder.cfg = dataclasses.replace(holder.cfg, temperature=[1.0, 1.0, 0.5, 2.0][i],
+                                         top_k=[4, 4, 2, 3][i], normalize=i == 3)
+
+    return Program(fn, x48, before=before)
+
+
+@program("values")
+def make_frozen_dataclass_argument():
+    def fn(x, cfg: FrozenConfig):
+        return (x / cfg.temperature).softmax(-1).topk(cfg.top_k, -1).values
+
+    return Program(fn, lambda i: (randn(4, 8), FrozenConfig(temperature=[1.0, 1.0, 3.0, 0.25][i],
+                                                            top_k=[4, 4, 4, 2][i])))
+
+
+@program("values")
+def make_mutable_dataclass_config_in_module():
+    @dataclasses.dataclass
+    class BlockConfig:
+        residual: bool = True
+        act: str = "gelu"
+        scale: float = 1.0
+
+    class Block(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.cfg, self.fc = cfg, nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = getattr(F, self.cfg.act)(self.fc(x)) * self.cfg.scale
+            return x + h if self.cfg.residual else h
+
+    cfg = BlockConfig()
+    model = Block(cfg)
+
+    def before(i):
+        cfg.residual = i != 1
+        cfg.act = "silu" if i >= 2 else "gelu"
+        cfg.scale = 1.0 + (i == 3)
+
+    return Program(model, x48, {"model": model}, before=before)
+
+
+class Pooling(enum.Enum):
+    MEAN = "mean"
+    MAX = "max"
+    FIRST = "first"
+
+
+def _pool(x, how: Pooling):
+    if how is Pooling.MEAN:
+        return x.mean(1)
+    if how is Pooling.MAX:
+        return x.amax(1)
+    return x[:, 0]
+
+
+@program("values")
+def make_enum_argument_selects_pooling():
+    def fn(x, how):
+        return _pool(torch.tanh(x), how)
+
+    return Program(fn, lambda i: (randn(2, 3, 8), [Pooling.MEAN, Pooling.MEAN, Pooling.MAX, Pooling.FIRST][i]))
+
+
+@program("values")
+def make_enum_attribute_on_config_changed():
+    cfg = Config(pool=Pooling.MEAN)
+    model = nn.Linear(8, 4)
+
+    def fn(x):
+        return model(_pool(x, cfg.pool))
+
+    def before(i):
+        cfg.pool = [Pooling.MEAN, Pooling.MAX, Pooling.MAX, Pooling.FIRST][i]
+
+    return Program(fn, lambda i: (randn(2, 3, 8),), {"model": model}, before=before)
+
+
+@program("values")
+def make_int_enum_dim_and_multiplier():
+    class Axis(enum.IntEnum):
+        ROWS = 0
+        COLS = 1
+
+    cfg = Config(axis=Axis.ROWS)
+
+    def fn(x):
+        return x.softmax(cfg.axis) * (cfg.axis + 1)
+
+    def before(i):
+        cfg.axis = Axis.COLS if i % 2 else Axis.ROWS
+
+    return Program(fn, x48, before=before)
+
+
+@program("values")
+def make_partial_argument_rebuilt_each_call():
+    def fn(x, act):
+        return act(x) * 2
+
+    return Program(fn, lambda i: (randn(4, 8), functools.partial(F.leaky_relu,
+                                                                 negative_slope=[0.1, 0.1, 0.3, 0.01][i])))
+
+
+@program("values")
+def make_partial_compiled_reads_config():
+    cfg = Config(shift=0.0)
+
+    def fn(x, scale, bias=0.0):
+        return (x + cfg.shift).tanh() * scale + bias
+
+    def before(i):
+        cfg.shift = [0.0, 0.0, 1.0, -1.0][i]
+
+    return Program(functools.partial(fn, scale=3.0, bias=0.5), x48, before=before)
+
+
+@program("values")
+def make_callable_object_compiled():
+    class Normalizer:
+        def __init__(self):
+            self.eps, self.calls = 1e-5, 0
+
+        def __call__(self, x):
+            self.calls += 1
+            return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps)
+
+    norm = Normalizer()
+
+    def before(i):
+        norm.eps = [1e-5, 1e-5, 1.0, 10.0][i]
+
+    return Program(norm, x48, {"norm": norm}, before=before)
+
+
+@program("values")
+def make_callable_loss_object_argument():
+    class WeightedMSE:
+        def __init__(self, weight):
+            self.weight = weight
+
+        def __call__(self, a, b):
+            return (self.weight * (a - b) ** 2).mean()
+
+    model = mlp()
+    loss_fn = WeightedMSE(1.0)
+
+    def fn(x, y, loss):
+        return loss(model(x), y)
+
+    def before(i):
+        loss_fn.weight = [1.0, 1.0, 2.0, 0.1][i]
+
+    return Program(fn, lambda i: (*xy(i), loss_fn), {"model": model}, before=before)
+
+
+@program("values")
+def make_closure_factory_new_closure_each_call():
+    def make_act(k):
+        return lambda t: torch.sigmoid(k * t) * t
+
+    def fn(x, act):
+        return act(x) + 1
+
+    return Program(fn, lambda i: (randn(4, 8), make_act([1.0, 1.0, 1.702, 4.0][i])))
+
+
+@program("values")
+def make_classmethod_reads_class_attribute():
+    class Registry:
+        default = "relu"
+        table = {"relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
+
+        @classmethod
+        def get(cls):
+            return cls.table[cls.default]
+
+    def fn(x):
+        return Registry.get()(x * 2)
+
+    def before(i):
+        Registry.default = ["relu", "relu", "silu", "tanh"][i]
+
+    return Program(fn, x48, before=before)
+
+
+@program("values")
+def make_property_on_config_derived_value():
+    class Schedule:
+        def __init__(self):
+            self.base, self.step = 1.0, 0
+
+        @property
+        def temperature(self):
+            return self.base / (1 + self.step)
+
+    sched = Schedule()
+
+    def fn(x):
+        return (x / sched.temperature).softmax(-1)
+
+    def before(i):
+        sched.step = i // 2
+
+    return Program(fn, x48, {"sched": sched}, before=before)
+
+
+@program("values")
+def make_attrdict_config_getattr():
+    class AttrDict(dict):
+        def __getattr__(self, k):
+            try:
+                return self[k]
+            except KeyError:
+                raise AttributeError(k) from None
+
+    cfg = AttrDict(dropout_free=True, scale=1.0, clip=None)
+
+    def fn(x):
+        y = x * cfg.scale
+        if cfg.clip is not None:
+            y = y.clamp(-cfg.clip, cfg.clip)
+        return y.exp()
+
+    def before(i):
+        cfg["scale"] = [1.0, 1.0, 0.5, 2.0][i]
+        cfg["clip"] = [None, None, None, 0.5][i]
+
+    return Program(fn, x48, {"cfg": cfg}, before=before)
+
+
+@program("values")
+def make_nested_config_dict_changed():
+    cfg = {"model": {"act": "relu", "norm": {"eps": 1e-5, "affine": False}}, "train": {"lr": 0.1}}
+    ln = nn.LayerNorm(8, elementwise_affine=False)
+
+    def fn(x):
+        mc = cfg["model"]
+        h = F.layer_norm(x, (8,), eps=mc["norm"]["eps"]) if not mc["norm"]["affine"] else ln(x)
+        return getattr(F, mc["act"])(h)
+
+    def before(i):
+        cfg["model"]["norm"]["eps"] = [1e-5, 1e-5, 1.0, 1.0][i]
+        cfg["model"]["act"] = ["relu", "relu", "relu", "gelu"][i]
+
+    return Program(fn, x48, before=before)
+
+
+@program("values")
+def make_namedtuple_hparams_argument():
+    class HParams(NamedTuple):
+        alpha: float
+        power: int
+
+    def fn(x, hp):
+        return x.abs().pow(hp.power) * hp.alpha
+
+    return Program(fn, lambda i: (randn(4, 8), HParams([0.5, 0.5, 2.0, 2.0][i], [2, 2, 2, 3][i])))
+
+
+_ACTIVE_TAGS: list = []
+
+
+class _Augment:
+    @staticmethod
+    def apply(x):
+        for tag in _ACTIVE_TAGS:
+            x = x.flip(-1) if tag == "flip" else x * 0.5
+        return x
+
+
+@program("values")
+def make_staticmethod_reads_module_global_list():
+    _ACTIVE_TAGS.clear()
+
+    def fn(x):
+        return _Augment.apply(x).cumsum(-1)
+
+    def before(i):
+        if i == 1:
+            _ACTIVE_TAGS.append("flip")
+        if i == 3:
+            _ACTIVE_TAGS.append("halve")
+
+    return Program(fn, x48, {"tags": _ACTIVE_TAGS}, before=before)
+
+
+_PRECISION = contextvars.ContextVar("precision", default="high")
+
+
+def _matmul_scaled(a, b):
+    out = a @ b
+    return out.round(decimals=2) if _PRECISION.get() == "low" else out
+
+
+@program("values")
+def make_contextvar_read_by_helper():
+    _PRECISION.set("high")
+
+    def fn(x, w):
+        return _matmul_scaled(x, w).relu()
+
+    def before(i):
+        _PRECISION.set("low" if i == 2 else "high")
+
+    return Program(fn, lambda i: (randn(4, 8), randn(8, 4)), before=before)
+
+
+@program("values")
+def make_no_grad_block_branch_on_tensor_value():
+    model = nn.Linear(8, 8)
+
+    def fn(x, mask):
+        with torch.no_grad():
+            y = model(x)
+            if not mask.all():  # padding present: mask it out
+                y = y.masked_fill(mask == 0, 0.0)
+            return y.softmax(-1)
+
+    def args(i):
+        mask = torch.ones(4, 8)
+        if i in (1, 2):
+            mask[0, 0] = 0
+        return randn(4, 8), mask
+
+    return Program(fn, args, {"model": model})
+
+
+@program("values")
+def make_dataloader_iterator_next_inside_step():
+    data = torch.utils.data.TensorDataset(torch.randn(24, 8), torch.randint(0, 4, (24,)))
+    loader = iter(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        x, y = next(loader)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (), {"model": model, "opt": opt}, calls=5, **TRAIN_TOL)
+
+
+@program("values")
+def make_data_iterator_argument_batches():
+    batches = [(randn(4, 8), randint(4, 4)) for _ in range(6)]
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(it):
+        x, y = next(it)
+        return sgd_step(model, opt, F.cross_entropy)(x, y)
+
+    data = iter(batches)
+    return Program(step, lambda i: (data,), {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("values")
+def make_generator_yielding_tensors_two_per_call():
+    base = randn(8, 8)
+
+    def stream():
+        k = 0
+        while True:
+            k += 1
+            yield torch.tanh(base * k / 4)
+
+    gen = stream()
+
+    def fn(x, g):
+        a, b = next(g), next(g)
+        return x @ a - x @ b
+
+    return Program(fn, lambda i: (randn(4, 8), gen))
+
+
+@program("values")
+def make_zip_iterator_argument():
+    xs = [randn(4, 8) for _ in range(5)]
+    ws = [0.5, 1.0, 1.5, 2.0, 2.5]
+    pairs = zip(xs, ws)
+
+    def fn(bias, it):
+        x, w = next(it)
+        return (x * w + bias).relu()
+
+    return Program(fn, lambda i: (randn(8), pairs))
+
+
+@program("values")
+def make_map_iterator_argument_lazy_transform():
+    raw = [randn(4, 8) for _ in range(5)]
+    augmented = map(lambda t: t.flip(0) * 2, raw)
+
+    def fn(w, it):
+        return next(it) @ w
+
+    return Program(fn, lambda i: (randn(8, 3), augmented))
+
+
+@program("values")
+def make_islice_of_generator_argument():
+    def noise_levels():
+        s = 1.0
+        while True:
+            yield s
+            s *= 0.5
+
+    gen = noise_levels()
+
+    def fn(x, g):
+        levels = list(itertools.islice(g, 2))
+        return x * levels[0] + x.sin() * levels[1]
+
+    return Program(fn, lambda i: (randn(4, 8), gen))
+
+
+@program("values")
+def make_enumerate_iterator_loop_with_break():
+    chunks = iter([randn(2, 8) * k for k in (0.1, 0.2, 3.0, 0.1, 4.0, 0.1, 0.2, 5.0, 0.3, 0.1)])
+
+    def fn(acc, it):
+        for n, chunk in enumerate(it):
+            acc = acc + chunk.sum(0)
+            if chunk.abs().max() > 2:  # a big chunk ends this call's pass over the stream
+                return acc, n
+        return acc, -1
+
+    return Program(fn, lambda i: (torch.zeros(8), chunks))
+
+
 # ============================================================================ 3. torch.Generator
 @program("generator")
 def make_generator_argument_reseeded():
@@ -1554,6 +2368,250 @@ def make_caught_message_recorded():
     return Program(fn, lambda i: (randn(4, 6 if i % 2 == 0 else 8),), {"msgs": msgs})
 
 
+@program("exc")
+def make_loss_above_threshold_raises_to_caller():
+    class DivergenceError(RuntimeError):
+        pass
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        seen.append(round(loss.item(), 4))
+        if loss > 5.0:
+            raise DivergenceError(f"loss {loss.item():.2f}")
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (10 if i == 2 else 0.5)),
+                   {"model": model, "opt": opt, "seen": seen}, calls=5, **TRAIN_TOL)
+
+
+@program("exc")
+def make_torch_assert_shape_in_module():
+    class Checked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            torch._assert(x.dim() == 2 and x.shape[-1] == 8, "expected (batch, 8) inputs")
+            return self.fc(x).relu()
+
+    model = Checked()
+    return Program(model, lambda i: (randn(4, 8) if i != 2 else randn(2, 4, 8),), {"model": model})
+
+
+@program("exc")
+def make_torch_assert_on_tensor_condition():
+    def fn(x):
+        torch._assert((x >= 0).all(), "inputs must be non-negative")
+        return x.sqrt() + 1
+
+    return Program(fn, lambda i: (rand(4, 8) - (0.5 if i == 2 else 0.0),))
+
+
+@program("exc")
+def make_early_exit_skips_backward_on_large_loss():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    skipped = []
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if loss.item() > 3.0:
+            skipped.append(len(skipped))
+            return None
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (4 if i in (1, 3) else 0.5)),
+                   {"model": model, "opt": opt, "skipped": skipped}, calls=5, **TRAIN_TOL)
+
+
+@program("exc")
+def make_while_loop_newton_sqrt_until_converged():
+    def fn(a):
+        x, n = a.clone(), 0
+        while True:
+            nxt = 0.5 * (x + a / x)
+            n += 1
+            if (nxt - x).abs().max().item() < 1e-4 or n >= 30:
+                return nxt, n
+            x = nxt
+
+    return Program(fn, lambda i: (rand(4, 8) * 10 ** i + 0.5,))
+
+
+@program("exc")
+def make_while_loop_power_iteration():
+    def fn(a, v):
+        m = a @ a.T
+        lam, prev, steps = 0.0, -1.0, 0
+        while abs(lam - prev) > 1e-3 and steps < 50:
+            v = m @ v
+            v = v / v.norm()
+            prev, lam = lam, float(v @ m @ v)
+            steps += 1
+        return lam, steps, v
+
+    return Program(fn, lambda i: (randn(6, 6), randn(6)), rtol=1e-4, atol=1e-4)
+
+
+@program("exc")
+def make_early_stopping_raises_to_caller():
+    class StopTraining(Exception):
+        pass
+
+    class EarlyStopping:
+        def __init__(self, patience):
+            self.patience, self.best, self.bad = patience, math.inf, 0
+
+        def __call__(self, loss):
+            if loss < self.best:
+                self.best, self.bad = loss, 0
+            else:
+                self.bad += 1
+                if self.bad > self.patience:
+                    raise StopTraining(self.bad)
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stopper = EarlyStopping(patience=1)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        stopper(loss.item())
+        return loss
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * [0.5, 1.0, 2.0, 3.0, 0.1][i]),
+                   {"model": model, "opt": opt, "stopper": stopper}, calls=5, **TRAIN_TOL)
+
+
+@program("exc")
+def make_exception_after_side_effects():
+    log, totals = [], {"rows": 0}
+
+    def fn(x):
+        log.append(("start", x.shape[0]))
+        totals["rows"] += x.shape[0]
+        y = x.cumsum(0)
+        if y[-1].sum() > 0:
+            raise ValueError("positive running total")
+        log.append(("end", round(y.sum().item(), 3)))
+        return y
+
+    return Program(fn, lambda i: (randn(4, 8) - (1.0 if i % 2 else -1.0),), {"log": log, "totals": totals})
+
+
+@program("exc")
+def make_exception_inside_no_grad_block():
+    model = mlp()
+
+    def fn(x):
+        with torch.no_grad():
+            h = model(x)
+            if h.isnan().any():
+                raise FloatingPointError("NaN activations")
+        return h.softmax(-1)
+
+    def args(i):
+        x = randn(4, 8)
+        if i == 1:
+            x[2, 3] = float("nan")
+        return (x,)
+
+    return Program(fn, args, {"model": model})
+
+
+@program("exc")
+def make_exception_inside_autocast_block_caught():
+    model = mlp()
+    caught = []
+
+    def fn(x):
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+                if out.float().abs().max() > 1.5:
+                    raise OverflowError("activation too large for bf16 path")
+        except OverflowError:
+            caught.append(x.shape[0])
+            out = model(x)
+        return out.float()
+
+    return Program(fn, lambda i: (randn(4, 8) * (5 if i % 2 else 0.1),), {"model": model, "caught": caught},
+                   **BF16_TOL)
+
+
+@program("exc")
+def make_exception_in_forward_hook_caught():
+    model = mlp()
+    caught = []
+
+    def strict(m, inp, out):
+        if out.abs().max() > 2:
+            raise RuntimeError("activation out of range")
+
+    model[0].register_forward_hook(strict)
+
+    def fn(x):
+        try:
+            return model(x)
+        except RuntimeError:
+            caught.append(x.shape[0])
+            return model[2](model[1](model[0].weight.new_zeros(x.shape[0], 16)))
+
+    return Program(fn, lambda i: (randn(4, 8) * (6 if i in (1, 2) else 0.1),), {"model": model, "caught": caught})
+
+
+@program("exc")
+def make_assert_statement_on_tensor_value():
+    def fn(x):
+        assert torch.isfinite(x).all(), "non-finite input"
+        return x.log_softmax(-1)
+
+    def args(i):
+        x = randn(4, 8)
+        if i == 2:
+            x[1, 1] = float("inf")
+        return (x,)
+
+    return Program(fn, args)
+
+
+@program("exc")
+def make_retry_loop_halves_lr_until_finite():
+    model = mlp()
+    retries = []
+
+    def step(x, y, lr):
+        loss = F.mse_loss(model(x), y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        while True:
+            try:
+                with torch.no_grad():
+                    new = [p - lr * g for p, g in zip(model.parameters(), grads)]
+                    if any(n.abs().max() > 1.0 for n in new):
+                        raise ArithmeticError(lr)
+                    for p, n in zip(model.parameters(), new):
+                        p.copy_(n)
+                break
+            except ArithmeticError:
+                retries.append(lr)
+                lr /= 2
+        return loss.detach(), lr
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * 3, [0.1, 5.0, 0.1, 20.0][i]),
+                   {"model": model, "retries": retries}, **TRAIN_TOL)
+
+
 # ============================================================================ 5. stale results
 @program("stale")
 def make_return_generator_expression():
@@ -1703,6 +2761,59 @@ def make_return_lazy_generator_reads_tensor_later():
         return gen
 
     return Program(fn, x48)
+
+
+@program("stale")
+def make_return_generator_of_layer_outputs():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU())
+
+    def fn(x):
+        def activations():
+            h = x
+            for layer in model:
+                h = layer(h)
+                yield h.mean(-1)
+
+        return activations()
+
+    def before(i):
+        if i == 2:
+            with torch.no_grad():
+                model[0].weight.mul_(2)
+
+    return Program(fn, x48, {"model": model}, before=before)
+
+
+@program("stale")
+def make_return_zip_of_names_and_norms():
+    model = mlp()
+
+    def fn(x):
+        out = model(x)
+        out.pow(2).mean().backward()
+        names = [n for n, _ in model.named_parameters()]
+        return zip(names, (p.grad.norm() for p in model.parameters()))
+
+    def before(i):
+        model.zero_grad(set_to_none=True)
+
+    return Program(fn, x48, {"model": model}, before=before, **TRAIN_TOL)
+
+
+@program("stale")
+def make_return_map_of_items():
+    def fn(x):
+        return map(lambda t: round(t.item(), 4), x.softmax(-1).amax(-1))
+
+    return Program(fn, x48)
+
+
+@program("stale")
+def make_return_itertools_chain_of_splits():
+    def fn(a, b):
+        return itertools.chain(a.relu().split(2), (b * 3).split(3))
+
+    return Program(fn, lambda i: (randn(4, 8), randn(6, 8)))
 
 
 # ============================================================================ 6. module/optimizer state
@@ -2249,6 +3360,347 @@ def make_backward_hook_raises_propagates():
         return x, y
 
     return Program(step, args, {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("state")
+def make_dropout_p0_in_train_mode():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.0), nn.ReLU(), nn.Linear(16, 4))  # a config's dropout=0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("state")
+def make_step_reads_training_flag():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        if model.training:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        with torch.no_grad():
+            return F.mse_loss(model(x), y)
+
+    def before(i):
+        model.train(i % 3 != 2)
+
+    return Program(step, xy, {"model": model, "opt": opt}, before=before, calls=6, **TRAIN_TOL)
+
+
+@program("state")
+def make_batchnorm1d_train_20_sgd_steps():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, calls=20, **TRAIN_TOL)
+
+
+@program("state")
+def make_batchnorm2d_train_then_eval_over_20_calls():
+    model = conv_bn_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = sgd_step(model, opt, F.cross_entropy)
+
+    def fn(x, y):
+        if model.training:
+            return step(x, y)
+        with torch.no_grad():
+            return model(x).argmax(-1)
+
+    def before(i):
+        model.train(i < 14)
+
+    return Program(fn, lambda i: (randn(4, 3, 4, 4), randint(3, 4)), {"model": model, "opt": opt},
+                   before=before, calls=20, **TRAIN_TOL)
+
+
+@program("state")
+def make_batchnorm_forward_only_eval_every_fourth_call():
+    model = nn.Sequential(nn.BatchNorm1d(8, momentum=0.3), nn.Tanh())
+
+    def before(i):
+        model.train(i % 4 != 3)
+
+    return Program(model, lambda i: (randn(4, 8) * (1 + i % 3),), {"model": model}, before=before, calls=9)
+
+
+@program("state")
+def make_forward_pre_hook_removed_later():
+    model = mlp()
+    seen = []
+
+    def pre(m, args):
+        seen.append(tuple(args[0].shape))
+        return (args[0] * 2,)
+
+    handle = model[2].register_forward_pre_hook(pre)
+
+    def before(i):
+        if i == 2:
+            handle.remove()
+
+    return Program(model, x48, {"model": model, "seen": seen}, before=before)
+
+
+@program("state")
+def make_full_backward_hook_removed_later():
+    model, norms = mlp(), []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = model[0].register_full_backward_hook(
+        lambda m, gin, gout: norms.append(round(gout[0].norm().item(), 4)))
+
+    def before(i):
+        if i == 2:
+            handle.remove()
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt, "norms": norms}, before=before,
+                   **TRAIN_TOL)
+
+
+@program("state")
+def make_full_backward_pre_hook_added_later():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def before(i):
+        if i == 1:
+            model[2].register_full_backward_pre_hook(lambda m, gout: (gout[0].clamp(-0.01, 0.01),))
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, before=before, **TRAIN_TOL)
+
+
+@program("state")
+def make_forward_hook_with_kwargs_added_later():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, scale=1.0):
+            return self.fc(x) * scale
+
+    model = Gate()
+
+    def hook(m, args, kwargs, out):
+        return out + kwargs.get("scale", 1.0)
+
+    def before(i):
+        if i == 2:
+            model.register_forward_hook(hook, with_kwargs=True)
+
+    return Program(model, x48, {"model": model}, before=before, kwargs=lambda i: {"scale": 0.5 * (i + 1)})
+
+
+@program("state")
+def make_hook_registered_and_removed_inside_call():
+    model = mlp()
+
+    def features(x):
+        grabbed = {}
+        handle = model[1].register_forward_hook(lambda m, inp, out: grabbed.setdefault("h", out.detach()))
+        try:
+            logits = model(x)
+        finally:
+            handle.remove()
+        return logits, grabbed["h"].mean(0)
+
+    return Program(features, x48, {"model": model})
+
+
+@program("state")
+def make_global_module_forward_hook_added_and_removed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = []
+    holder = {}
+
+    def before(i):
+        if i == 1:
+            holder["h"] = nn.modules.module.register_module_forward_hook(
+                lambda m, inp, out: names.append((type(m).__name__, round(out.float().mean().item(), 4))))
+        if i == 3:
+            holder.pop("h").remove()
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt, "names": names}, before=before,
+                   **TRAIN_TOL)
+
+
+@program("state")
+def make_freeze_layer_between_calls_adam():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def before(i):
+        model[2].requires_grad_(i not in (1, 2, 3))  # frozen for three calls, then fine-tuned again
+
+    return Program(step, xy, {"model": model, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("state")
+def make_unfreeze_schedule_inside_step():
+    body, head = nn.Linear(8, 8), nn.Linear(8, 4)
+    body.requires_grad_(False)
+    opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+    steps = [0]
+
+    def step(x, y):
+        steps[0] += 1
+        if steps[0] == 3:
+            body.requires_grad_(True)
+        opt.zero_grad()
+        loss = F.mse_loss(head(body(x).relu()), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, xy, {"body": body, "head": head, "opt": opt, "steps": steps}, calls=5, **TRAIN_TOL)
+
+
+@program("state")
+def make_parameter_replaced_between_training_calls():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def before(i):
+        if i == 2:  # re-initialise the head's bias, and let the optimizer train the new one
+            old = model[2].bias
+            model[2].bias = nn.Parameter(torch.zeros_like(old))
+            group = opt.param_groups[0]
+            group["params"] = [model[2].bias if p is old else p for p in group["params"]]
+            opt.state.pop(old, None)
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, before=before, **TRAIN_TOL)
+
+
+@program("state")
+def make_buffer_running_mean_updated_in_train_used_in_eval():
+    class Standardize(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(8))
+            self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.mean.mul_(0.8).add_(x.mean(0), alpha=0.2)
+                    self.seen += x.shape[0]
+            return self.fc(x - self.mean)
+
+    model = Standardize()
+
+    def before(i):
+        model.train(i != 2)
+
+    return Program(model, x48, {"model": model}, before=before, calls=5)
+
+
+@program("state")
+def make_buffer_rebound_in_forward():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.calls = self.calls + 1  # a new tensor bound to the buffer's name
+            return self.fc(x) / self.calls
+
+    model = Counting()
+    return Program(model, x48, {"model": model})
+
+
+@program("state")
+def make_distillation_teacher_in_eval_student_in_train():
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    student = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def step(x):
+        teacher.eval()
+        student.train()
+        with torch.no_grad():
+            soft = teacher(x).softmax(-1)
+        opt.zero_grad()
+        loss = F.kl_div(student(x).log_softmax(-1), soft, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, x48, {"teacher": teacher, "student": student, "opt": opt}, **TRAIN_TOL)
+
+
+@program("state")
+def make_apply_reinit_between_calls():
+    model = mlp()
+
+    def reinit(m):
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def before(i):
+        if i == 2:
+            model.apply(reinit)  # draws from torch's global generator
+
+    return Program(model, x48, {"model": model}, before=before)
+
+
+@program("state")
+def make_weight_norm_parametrization_train():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("state")
+def make_spectral_norm_power_iteration_buffer():
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def before(i):
+        model.train(i != 2)  # in eval, the stored singular vectors are used as they are
+
+    def step(x, y):
+        if not model.training:
+            with torch.no_grad():
+                return model(x)
+        return sgd_step(model, opt)(x, y)
+
+    return Program(step, xy, {"model": model, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("state")
+def make_validation_every_third_call_inside_step():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, vals = [0], []
+
+    def step(x, y):
+        calls[0] += 1
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if calls[0] % 3 == 0:
+            model.eval()
+            with torch.no_grad():
+                vals.append(round(F.cross_entropy(model(x), y).item(), 4))
+            model.train()
+        return loss.detach()
+
+    return Program(step, xcls, {"model": model, "opt": opt, "vals": vals}, calls=7, **TRAIN_TOL)
 
 
 # ============================================================================ 7. training steps
@@ -2836,6 +4288,403 @@ def make_weight_tying_step():
     return Program(step, x48, {"model": model, "opt": opt}, **TRAIN_TOL)
 
 
+@program("train")
+def make_sgd_momentum_dampening_lr_changed_between_calls():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)
+
+    def before(i):
+        opt.param_groups[0]["lr"] = [0.1, 0.1, 0.02, 0.2, 0.05][i]
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_sgd_nesterov_momentum_cross_entropy():
+    return _optim_program(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True),
+                          loss_fn=F.cross_entropy, args=xcls)
+
+
+@program("train")
+def make_adam_amsgrad_weight_decay():
+    return _optim_program(lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-2))
+
+
+@program("train")
+def make_adam_maximize():
+    return _optim_program(lambda p: torch.optim.Adam(p, lr=1e-2, maximize=True))
+
+
+@program("train")
+def make_nadam():
+    return _optim_program(lambda p: torch.optim.NAdam(p, lr=1e-2))
+
+
+@program("train")
+def make_radam():
+    return _optim_program(lambda p: torch.optim.RAdam(p, lr=1e-2))
+
+
+@program("train")
+def make_rmsprop_momentum_centered():
+    return _optim_program(lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.9, centered=True))
+
+
+def no_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The fine-tuning scripts' grouping: no weight decay on biases and norm weights."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith("bias") or "norm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@program("train")
+def make_adamw_weight_decay_groups_no_decay():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.norm(self.fc1(x))))
+
+    model = Net()
+    opt = torch.optim.AdamW(no_decay_groups(model, 0.1), lr=1e-2)
+    return Program(sgd_step(model, opt, F.cross_entropy), xcls, {"model": model, "opt": opt}, calls=5,
+                   **TRAIN_TOL)
+
+
+@program("train")
+def make_param_group_lrs_changed_per_group_between_calls():
+    body, head = nn.Linear(8, 16), nn.Linear(16, 4)
+    opt = torch.optim.SGD([{"params": body.parameters(), "lr": 0.01}, {"params": head.parameters()}],
+                          lr=0.1, momentum=0.5)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(head(body(x).relu()), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def before(i):
+        opt.param_groups[0]["lr"] = 0.01 * (i + 1)
+        opt.param_groups[1]["lr"] = 0.1 / (i + 1)
+
+    return Program(step, xy, {"body": body, "head": head, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_zero_grad_set_to_none_toggled_by_config():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = Config(set_to_none=True)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=cfg.set_to_none)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def before(i):
+        cfg.set_to_none = i % 2 == 0
+
+    return Program(step, xy, {"model": model, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_grads_accumulate_across_calls_without_zero_grad():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    n = [0]
+
+    def step(x, y):
+        F.mse_loss(model(x), y).backward()
+        n[0] += 1
+        if n[0] % 3 == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return [p.grad.norm() for p in model.parameters()]
+
+    return Program(step, xy, {"model": model, "opt": opt, "n": n}, calls=7, **TRAIN_TOL)
+
+
+@program("train")
+def make_manual_grad_scaler_foreach_unscale():
+    class ManualScaler:
+        """What GradScaler does, spelled out: scale, unscale with an inf check, skip, grow or back off."""
+
+        def __init__(self, scale=2.0 ** 12, growth_interval=2):
+            self.scale, self.growth_interval, self.good_steps, self.skipped = scale, growth_interval, 0, 0
+
+        def step(self, opt, params):
+            grads = [p.grad for p in params]
+            found_inf = torch.zeros(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / self.scale))
+            if found_inf.item():
+                self.scale *= 0.5
+                self.good_steps = 0
+                self.skipped += 1
+                return False
+            opt.step()
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+            return True
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ManualScaler()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        (loss * scaler.scale).backward()
+        stepped = scaler.step(opt, list(model.parameters()))
+        return loss.detach(), stepped
+
+    def args(i):
+        x, y = xy(i)
+        if i == 2:
+            y[0, 0] = float("inf")
+        return x, y
+
+    return Program(step, args, {"model": model, "opt": opt, "scaler": scaler}, calls=6, **TRAIN_TOL)
+
+
+@program("train")
+def make_grad_scaler_cpu_with_bf16_autocast_and_inf():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach(), scaler.get_scale()
+
+    def args(i):
+        x, y = xy(i)
+        if i == 1:
+            x[0, 0] = float("inf")
+        return x, y
+
+    return Program(step, args, {"model": model, "opt": opt, "scaler": Probe(scaler.state_dict)}, calls=5,
+                   **BF16_TOL)
+
+
+@program("train")
+def make_clip_grad_value_then_norm_logged():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        LOGGER.info("clipped grad norm %.4f", norm.item())
+        opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (1 + 2 * i)), {"model": model, "opt": opt},
+                   **TRAIN_TOL)
+
+
+@program("train")
+def make_clip_grad_value_foreach_false_sgd_momentum():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.02, foreach=False)
+        opt.step()
+        return loss.detach()
+
+    return Program(step, xcls, {"model": model, "opt": opt}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_reduce_lr_on_plateau_reads_loss():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        sched.step(loss)
+        return loss, opt.param_groups[0]["lr"]
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * [1, 2, 3, 0.1, 4][i]),
+                   {"model": model, "opt": opt, "sched": sched}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_cosine_annealing_scheduler():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=1e-4)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        sched.step()
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "sched": sched}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_onecycle_scheduler_momentum_cycled():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=6)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        sched.step()
+        return loss, opt.param_groups[0]["momentum"]
+
+    return Program(step, xy, {"model": model, "opt": opt, "sched": sched}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_lambda_lr_warmup_prints_lr():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        print(f"lr={sched.get_last_lr()[0]:.5f}")
+        sched.step()
+        return loss
+
+    return Program(step, xy, {"model": model, "opt": opt, "sched": sched}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_swa_averaged_model_ema():
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = mlp()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = sgd_step(model, opt)(x, y)
+        ema.update_parameters(model)
+        with torch.no_grad():
+            return loss, ema(x)
+
+    return Program(step, xy, {"model": model, "ema": ema, "opt": opt}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_gradient_accumulation_every_three_scaled():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accum = 3
+    micro = [0]
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        (loss / accum).backward()
+        micro[0] += 1
+        if micro[0] % accum == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Program(step, xy, {"model": model, "opt": opt, "micro": micro}, calls=7, **TRAIN_TOL)
+
+
+@program("train")
+def make_skip_step_when_loss_above_threshold():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = Config(max_loss=2.0)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if loss > cfg.max_loss:
+            loss = loss * 0  # returned as a zero, and no update
+        else:
+            opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (randn(4, 8), randn(4, 4) * (3 if i % 2 else 0.3)),
+                   {"model": model, "opt": opt}, calls=5, **TRAIN_TOL)
+
+
+@program("train")
+def make_inner_loop_over_minibatches():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def epoch(x, y):
+        losses = []
+        for xb, yb in zip(x.split(2), y.split(2)):
+            opt.zero_grad()
+            loss = F.mse_loss(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses) / len(losses)
+
+    return Program(epoch, lambda i: (randn(6, 8), randn(6, 4)), {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("train")
+def make_lbfgs_closure():
+    model = nn.Linear(8, 4)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    evals = [0]
+
+    def step(x, y):
+        def closure():
+            evals[0] += 1
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure).detach()
+
+    return Program(step, xy, {"model": model, "opt": opt, "evals": evals}, rtol=1e-3, atol=1e-4)
+
+
+@program("train")
+def make_optimizer_step_post_hook_counts_steps():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    counts = {"steps": 0, "lrs": []}
+
+    def hook(optimizer, args, kwargs):
+        counts["steps"] += 1
+        counts["lrs"].append(optimizer.param_groups[0]["lr"])
+
+    def before(i):
+        if i == 1:
+            opt.register_step_post_hook(hook)
+        opt.param_groups[0]["lr"] = 1e-2 / (i + 1)
+
+    return Program(sgd_step(model, opt), xy, {"model": model, "opt": opt, "counts": counts}, before=before,
+                   calls=5, **TRAIN_TOL)
+
+
 # ============================================================================ 8. pure controls
 @program("pure")
 def make_mlp_function():
@@ -3023,6 +4872,379 @@ def make_uniform_input_clamp():
     return Program(lambda x: (x * 4 - 2).clamp(-1, 1).pow(3).sum(-1), lambda i: (rand(4, 8),))
 
 
+# ============================================================================ 9. real model code
+# Tiny Hugging Face models built from configs with random weights (torch's global generator,
+# seeded by the harness), one layer each: inference, and training steps with ``labels=`` as
+# a fine-tuning script writes them. Dropout is set to 0 where the config has it: training-mode
+# dropout with p > 0 draws masks that are documented not to be eager's (README). Models whose
+# attention has a key bias (GPT-2, BERT, ViT) train with SGD: that bias's gradient is zero up
+# to rounding (softmax ignores a shift of every score), which Adam turns into full steps.
+def _transformers():
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    return tf
+
+
+def tiny_gpt2():
+    tf = _transformers()
+    cfg = tf.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def tiny_bert(num_labels: int = 3):
+    tf = _transformers()
+    cfg = tf.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=num_labels,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.BertForSequenceClassification(cfg)
+
+
+def tiny_llama():
+    tf = _transformers()
+    cfg = tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         use_cache=False)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def tiny_t5_encoder():
+    tf = _transformers()
+    cfg = tf.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+                      dropout_rate=0.0, use_cache=False)
+    return tf.T5EncoderModel(cfg)
+
+
+def tiny_vit(num_labels: int = 3):
+    tf = _transformers()
+    cfg = tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=32, num_labels=num_labels)
+    return tf.ViTForImageClassification(cfg)
+
+
+def tokens(i: int) -> tuple:
+    return (randint(32, 2, 4),)
+
+
+def tokens_labels(i: int) -> tuple:
+    return (randint(32, 2, 4), randint(3, 2))
+
+
+def pixels(i: int) -> tuple:
+    return (randn(2, 3, 8, 8), randint(3, 2))
+
+
+def lm_step(model, opt, autocast=False):
+    """A causal-LM fine-tuning step: the model computes its loss from ``labels=``."""
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+@program("model")
+def make_gpt2_lm_inference_no_grad():
+    model = tiny_gpt2().eval()
+
+    def fn(ids):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    return Program(fn, tokens, {"model": model})
+
+
+@program("model")
+def make_gpt2_train_step_labels_sgd_momentum():
+    model = tiny_gpt2().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return Program(lm_step(model, opt), tokens, {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("model")
+def make_gpt2_train_autocast_bf16_prints_loss():
+    model = tiny_gpt2().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = [0]
+
+    def fn(ids):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        step[0] += 1
+        print(f"step {step[0]} loss {loss.item():.2f}")
+        return loss.detach()
+
+    return Program(fn, tokens, {"model": model, "opt": opt, "step": step}, **BF16_TOL)
+
+
+@program("model")
+def make_bert_classifier_inference_attention_mask():
+    model = tiny_bert().eval()
+
+    def fn(ids, mask):
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).logits.softmax(-1)
+
+    def args(i):
+        mask = torch.ones(2, 4, dtype=torch.long)
+        mask[1, 4 - i:] = 0  # the second sequence is padded more on every call
+        return randint(32, 2, 4), mask
+
+    return Program(fn, args, {"model": model})
+
+
+@program("model")
+def make_bert_classifier_train_labels_callback():
+    class LossCallback:
+        def __init__(self):
+            self.losses, self.calls = [], 0
+
+        def on_step_end(self, step, loss):
+            self.calls += 1
+            self.losses.append((step, round(loss, 3)))
+
+    model = tiny_bert().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    cb = LossCallback()
+    state = {"step": 0}
+
+    def step(ids, labels):
+        opt.zero_grad()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        opt.step()
+        state["step"] += 1
+        cb.on_step_end(state["step"], out.loss.item())
+        return out.logits.detach()
+
+    return Program(step, tokens_labels, {"model": model, "opt": opt, "cb": cb, "state": state},
+                   **TRAIN_TOL)
+
+
+@program("model")
+def make_bert_eval_between_training_calls():
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(ids, labels):
+        if not model.training:
+            with torch.no_grad():
+                return model(input_ids=ids).logits
+        opt.zero_grad()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        opt.step()
+        return out.loss.detach()
+
+    def before(i):
+        model.train(i != 2)
+
+    return Program(step, tokens_labels, {"model": model, "opt": opt}, before=before, calls=5, **TRAIN_TOL)
+
+
+@program("model")
+def make_llama_gqa_inference_no_grad():
+    model = tiny_llama().eval()
+
+    def fn(ids):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    return Program(fn, tokens, {"model": model})
+
+
+@program("model")
+def make_llama_train_bf16_logs_every_two_steps():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    log = logging.getLogger("faithful.trainer")
+    counter = {"step": 0}
+
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        counter["step"] += 1
+        if counter["step"] % 2 == 0:
+            log.info("step %d loss %.2f lr %g", counter["step"], loss.item(), opt.param_groups[0]["lr"])
+        return loss.detach()
+
+    return Program(step, tokens, {"model": model, "opt": opt, "counter": counter}, **BF16_TOL)
+
+
+@program("model")
+def make_llama_train_gradient_accumulation():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accum = {"micro": 0, "updates": 0}
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss / 2
+        loss.backward()
+        accum["micro"] += 1
+        if accum["micro"] % 2 == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            accum["updates"] += 1
+        return loss.detach()
+
+    return Program(step, tokens, {"model": model, "opt": opt, "accum": accum}, **TRAIN_TOL)
+
+
+@program("model")
+def make_llama_train_linear_warmup_scheduler():
+    tf = _transformers()
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = tf.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
+
+    def step(ids):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.detach(), sched.get_last_lr()[0]
+
+    return Program(step, tokens, {"model": model, "opt": opt, "sched": sched}, **TRAIN_TOL)
+
+
+@program("model")
+def make_llama_train_ema_copy():
+    model = tiny_llama()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 0.1)
+        return loss.detach()
+
+    return Program(step, tokens, {"model": model, "ema": ema, "opt": opt}, **TRAIN_TOL)
+
+
+@program("model")
+def make_llama_train_callback_stops_training():
+    class EarlyStop:
+        def __init__(self, patience):
+            self.patience, self.best, self.bad, self.should_stop = patience, math.inf, 0, False
+
+        def on_step_end(self, loss):
+            if loss < self.best - 1e-3:
+                self.best, self.bad = loss, 0
+            else:
+                self.bad += 1
+            self.should_stop = self.bad >= self.patience
+
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cb = EarlyStop(patience=1)
+
+    def step(ids):
+        if cb.should_stop:
+            return None
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        cb.on_step_end(loss.item())
+        return loss.detach()
+
+    return Program(step, lambda i: (randint(32, 2, 4) if i % 2 else torch.ones(2, 4, dtype=torch.long),),
+                   {"model": model, "opt": opt, "cb": cb}, calls=5, **TRAIN_TOL)
+
+
+@program("model")
+def make_llama_greedy_decode_confidence_stop():
+    model = tiny_llama().eval()
+    cfg = Config(stop_prob=1.0, max_new=2)
+
+    def generate(ids):
+        with torch.no_grad():
+            new = 0
+            while new < cfg.max_new:
+                probs = model(input_ids=ids).logits[:, -1].softmax(-1)
+                ids = torch.cat([ids, probs.argmax(-1, keepdim=True)], dim=1)
+                new += 1
+                if probs.max().item() > cfg.stop_prob:
+                    break
+            return ids
+
+    def before(i):
+        cfg.stop_prob = [1.0, 0.0, 1.0, 0.0][i]
+
+    return Program(generate, lambda i: (randint(32, 1, 3),), {"cfg": cfg}, before=before)
+
+
+@program("model")
+def make_t5_encoder_inference():
+    model = tiny_t5_encoder().eval()
+
+    def fn(ids, mask):
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Program(fn, lambda i: (randint(32, 2, 5), torch.ones(2, 5, dtype=torch.long)), {"model": model})
+
+
+@program("model")
+def make_t5_encoder_train_mean_pooled_regression():
+    model = tiny_t5_encoder()
+    head = nn.Linear(16, 1)
+    opt = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=1e-2)
+
+    def step(ids, target):
+        opt.zero_grad()
+        h = model(input_ids=ids).last_hidden_state.mean(1)
+        loss = F.mse_loss(head(h).squeeze(-1), target)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Program(step, lambda i: (randint(32, 2, 5), randn(2)), {"model": model, "head": head, "opt": opt},
+                   **TRAIN_TOL)
+
+
+@program("model")
+def make_vit_classifier_train_labels_sgd_momentum():
+    model = tiny_vit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(px, labels):
+        opt.zero_grad()
+        out = model(pixel_values=px, labels=labels)
+        out.loss.backward()
+        opt.step()
+        return out.loss.detach(), out.logits.argmax(-1)
+
+    return Program(step, pixels, {"model": model, "opt": opt}, **TRAIN_TOL)
+
+
+@program("model")
+def make_vit_autocast_bf16_inference():
+    model = tiny_vit().eval()
+
+    def fn(px):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(pixel_values=px).logits.float().softmax(-1)
+
+    return Program(fn, lambda i: (randn(2, 3, 8, 8),), {"model": model}, **BF16_TOL)
+
+
 # ============================================================================ the tests
 class _SummaryPlugin:
     """Prints each program's tier and the summary line at the end of the session."""
@@ -3070,5 +5292,6 @@ def test_the_harness_catches_a_compiler_that_replays_stale_results(name):
 
 def test_the_corpus_covers_every_group():
     groups = collections.Counter(name.split("-")[0] for name in PROGRAMS)
-    assert set(groups) == {"side", "values", "generator", "exc", "stale", "state", "train", "pure"}
-    assert sum(groups.values()) >= 120 and min(groups.values()) >= 4, groups
+    assert set(groups) == {"side", "values", "generator", "exc", "stale", "state", "train", "pure",
+                           "model"}
+    assert sum(groups.values()) >= 300 and min(groups.values()) >= 4, groups
