@@ -16,6 +16,13 @@ inductor's generated kernel count, and the max relative error of each against ea
 (max |y - y_eager| / max |y_eager| over every output). ``--profile`` adds where
 fxlite's cold compile spends its time (cProfile, cumulative seconds per pipeline stage).
 
+``--dynamo-fxlite`` adds a column for ``torch.compile(model, backend="fxlite")``: Dynamo
+captures the graphs and fxlite compiles each one (``fxlite.codegen.dynamo_backend``), with
+the same measures (steady-state ms, speedup, ratio to inductor, cold first call, error
+against eager) plus the number of graphs Dynamo handed over and their kernels. It is off
+by default since it adds a third cold compile to every case (``--list-runs`` does not
+include it: add the flag to a model's command).
+
 ``--quick --device cpu`` is a smoke test of the script itself: scaled-down models, the
 Triton interpreter, no timing worth reporting.
 """
@@ -39,7 +46,9 @@ from collections.abc import Callable
 from typing import Any
 
 MODELS = ("resnet50", "vit_b_16", "convnext_tiny", "bert_layer", "gpt2_block", "gpt2_lm")
-COMPILERS = ("eager", "inductor", "fxlite")
+COMPILERS = ("eager", "inductor", "fxlite")  # the default columns
+# torch.compile(model, backend="fxlite"): with --dynamo-fxlite or --compilers
+EXTRA_COMPILERS = ("dynamo_fxlite",)
 DTYPES = ("f32", "bf16")
 BATCHES = (1, 32)
 SEQ = 128  # tokens per sequence for the transformers models
@@ -66,9 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--compilers", default=",".join(COMPILERS),
-                   help="comma-separated, from eager, inductor, fxlite (eager always runs)")
+                   help="comma-separated, from eager, inductor, fxlite, dynamo_fxlite "
+                        "(eager always runs)")
+    p.add_argument("--dynamo-fxlite", action="store_true",
+                   help='add torch.compile(model, backend="fxlite") as a column '
+                        "(compiler dynamo_fxlite)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: f32, bf16")
-    p.add_argument("--mode", default=None, help="compile mode of both compilers, such as "
+    p.add_argument("--mode", default=None, help="compile mode of every compiler, such as "
                    "reduce-overhead (CUDA graphs)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -90,9 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="print the tables of earlier --json files and exit")
     args = p.parse_args(argv)
     args.models = _choices(args.models, MODELS, "model")
-    args.compilers = _choices(args.compilers, COMPILERS, "compiler")
-    if "eager" not in args.compilers:
-        args.compilers = ["eager"] + args.compilers
+    chosen = set(_choices(args.compilers, COMPILERS + EXTRA_COMPILERS, "compiler"))
+    chosen |= {"eager"} | ({"dynamo_fxlite"} if args.dynamo_fxlite else set())
+    # always in this order: inductor's torch._dynamo.reset() comes before dynamo_fxlite
+    args.compilers = [c for c in COMPILERS + EXTRA_COMPILERS if c in chosen]
     args.dtypes = _choices(args.dtypes, DTYPES, "dtype")
     try:
         args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -276,6 +290,10 @@ def measure(compiler: str, model: Any, inputs: tuple, args: argparse.Namespace,
         if metrics is not None:
             metrics.reset()
         compiled = torch.compile(model, mode=args.mode)
+    elif compiler == "dynamo_fxlite":
+        if "inductor" not in args.compilers:  # else reset by inductor's turn, just before
+            torch._dynamo.reset()
+        compiled = DynamoFxlite(model, args.mode)
     else:
         compiled = fxlite.compile(model, mode=args.mode)
     call = functools.partial(compiled, *inputs)
@@ -289,6 +307,37 @@ def measure(compiler: str, model: Any, inputs: tuple, args: argparse.Namespace,
     if metrics is not None:
         row["inductor_kernels"] = metrics.generated_kernel_count
     return call, compiled
+
+
+class DynamoFxlite:
+    """``torch.compile(model, backend="fxlite")``, and the fxlite graphs it made: Dynamo
+    hands each graph it captures (one per piece between graph breaks) to
+    ``fxlite.compile``; ``kernels`` and ``fallbacks`` are theirs, as fxlite.compile's."""
+
+    def __init__(self, model: Any, mode: str | None) -> None:
+        import weakref
+
+        import torch
+        from fxlite.codegen import dynamo_backend
+
+        self._backend = dynamo_backend
+        self._known = weakref.WeakSet(dynamo_backend.compiled_graphs())  # earlier cases'
+        self.compiled = torch.compile(model, backend="fxlite", mode=mode)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*args)
+
+    @property
+    def graphs(self) -> list[Any]:
+        return [g for g in self._backend.compiled_graphs() if g not in self._known]
+
+    @property
+    def kernels(self) -> list[Any]:
+        return [k for g in self.graphs for k in g.kernels]
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return [f for g in self.graphs for f in g.fallbacks]
 
 
 def time_side_by_side(calls: dict[str, Callable[[], Any]], args: argparse.Namespace,
@@ -334,14 +383,17 @@ def run_case(name: str, dtype: str, batch: int, args: argparse.Namespace) -> dic
             # The error of a call made after the timing: fxlite's first call is the eager run
             # it records, and a GPU segment settles on kernels or recorded ops in its first calls.
             row[f"{compiler}_max_rel_err"] = max_rel_error(calls[compiler](), want)
-            if compiler == "fxlite":
-                row["fxlite_kernels"] = len(compiled[compiler].kernels)
-                row["fxlite_fallbacks"] = [str(f)[:200] for f in compiled[compiler].fallbacks]
-    for compiler in ("inductor", "fxlite"):
+            if compiler in ("fxlite", "dynamo_fxlite"):
+                row[f"{compiler}_kernels"] = len(compiled[compiler].kernels)
+                row[f"{compiler}_fallbacks"] = [str(f)[:200] for f in compiled[compiler].fallbacks]
+            if compiler == "dynamo_fxlite":
+                row["dynamo_fxlite_graphs"] = len(compiled[compiler].graphs)
+    for compiler in ("inductor", "fxlite", "dynamo_fxlite"):
         if f"{compiler}_ms" in row:
             row[f"{compiler}_speedup"] = row["eager_ms"] / row[f"{compiler}_ms"]
-    if "fxlite_ms" in row and "inductor_ms" in row:
-        row["fxlite_vs_inductor"] = row["inductor_ms"] / row["fxlite_ms"]
+    for compiler in ("fxlite", "dynamo_fxlite"):
+        if f"{compiler}_ms" in row and "inductor_ms" in row:
+            row[f"{compiler}_vs_inductor"] = row["inductor_ms"] / row[f"{compiler}_ms"]
     return row
 
 
@@ -363,6 +415,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("inductor cold s", "inductor_cold_s", ".1f"), ("fxlite cold s", "fxlite_cold_s", ".1f"),
             ("kernels (fx/ind)", None, ""), ("fallbacks", None, ""),
             ("max rel err (fx/ind)", None, "")]
+    if any(k.startswith("dynamo_fxlite_") for r in rows for k in r):  # --dynamo-fxlite
+        cols += [("dynamo+fxlite ms", "dynamo_fxlite_ms", ".3f"),
+                 ("dynamo+fxlite x", "dynamo_fxlite_speedup", ".2f"),
+                 ("dynamo+fxlite/inductor", "dynamo_fxlite_vs_inductor", ".2f"),
+                 ("dynamo+fxlite cold s", "dynamo_fxlite_cold_s", ".1f"),
+                 ("dynamo+fxlite graphs/kernels/fallbacks", None, ""),
+                 ("dynamo+fxlite max rel err", "dynamo_fxlite_max_rel_err", ".1e")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |",
              "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
@@ -375,6 +434,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             elif title == "fallbacks":
                 fb = r.get("fxlite_fallbacks")
                 cells.append("-" if fb is None else str(len(fb)))
+            elif title.startswith("dynamo+fxlite graphs"):
+                fb = r.get("dynamo_fxlite_fallbacks")
+                cells.append(f"{_fmt(r.get('dynamo_fxlite_graphs'), '')}/"
+                             f"{_fmt(r.get('dynamo_fxlite_kernels'), '')}/"
+                             f"{'-' if fb is None else len(fb)}")
             else:
                 cells.append(f"{_fmt(r.get('fxlite_max_rel_err'), '.1e')}/"
                              f"{_fmt(r.get('inductor_max_rel_err'), '.1e')}")
