@@ -134,7 +134,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     finally:
         _LOCAL.recorder = outer
     rec.globals_read = watch.names
-    rec.effect = rec.effect or watch.effect or watch.changed() or _unreplayable(result, rec)
+    rec.effect = rec.effect or watch.effect or watch.changed() or \
+        _unreplayable(leaves, result, rec)
     for x, state in zip(objects, before):
         if rec.unsupported is None and (state is None or _object_state(x) != state):
             # a replay runs the recorded tensor ops only: it would not set them again
@@ -152,7 +153,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     return result, rec
 
 
-def _unreplayable(result: Any, rec: Recording) -> str | None:
+def _unreplayable(leaves: list[Any], result: Any, rec: Recording) -> str | None:
     """Why ops or results make a recording unfit to replay: a random generator
     of the user's (a replay would not draw from it), or an iterator returned (a replay
     would return the recording call's, already used up)."""
@@ -161,6 +162,9 @@ def _unreplayable(result: Any, rec: Recording) -> str | None:
                 isinstance(a, torch.Generator) for a in node.args):
             return ("draws from a torch.Generator of its own, which a replay would not "
                     f"advance\n  {node.meta.get('stack_trace', '')}")
+    if any(isinstance(x, Iterator) and not isinstance(x, torch.Tensor) for x in leaves):
+        return ("takes an iterator, which a replay would not advance (it would use the "
+                "recording call's values)")
     out, _ = flatten(result)
     reads = {read_key(r.value) for r in rec.reads}
     for leaf in out:

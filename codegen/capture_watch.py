@@ -62,7 +62,8 @@ _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random n
 _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
                      "random": "draws Python random numbers", "_io": "reads or writes a file",
                      "io": "reads or writes a file", "_warnings": "warns",
-                     "warnings": "warns", "posix": "calls the operating system", "nt": "calls the operating system"}
+                     "warnings": "warns", "_contextvars": "reads a context variable",
+                     "posix": "calls the operating system", "nt": "calls the operating system"}
 _EFFECT_BUILTINS = {builtins.print: "calls print()", builtins.input: "calls input()",
                     builtins.open: "opens a file", builtins.exec: "calls exec()",
                     builtins.eval: "calls eval()", builtins.breakpoint: "calls breakpoint()"}
@@ -300,6 +301,7 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 # Containers longer than this are keyed by length and identity alone (a guard reads
 # them on every call; a config's attribute dict is below it)
 _LARGE = 256
+_DEPTH = 3  # levels of nested containers and objects looked into
 
 
 def is_stateful(value: Any) -> bool:
@@ -358,6 +360,6 @@ def _leaf(v: Any, depth: int) -> Any:
         return "nan" if v != v else v  # NaN != NaN: it would never match itself
     if isinstance(v, torch.optim.Optimizer):
         return (id(v), optimizer_key(v))
-    if depth < 1 and isinstance(v, (list, dict, set)):
-        return (id(v), contents_key(v, depth + 1))
+    if depth < _DEPTH and is_stateful(v) and not isinstance(v, type):
+        return (id(v), contents_key(v, depth + 1))  # cfg["model"]["norm"]["eps"]
     return id(v)

@@ -39,6 +39,7 @@ from fxlite.codegen.cudagraphs import side_stream
 from fxlite.codegen.follow import Follow
 from fxlite.codegen.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.pipeline import (
+    ambient,
     ambient_restored,
     compile_segment,
     expand_kernels,
@@ -201,14 +202,14 @@ class CompiledFunction:
         return self._walk(root, leaves, args, kwargs)
 
     def _replay_failed(self, seg: Segment, args: tuple, kwargs: dict,
-                       grad: bool | None = None) -> Any:
+                       grad: tuple | None = None) -> Any:
         """Called in an ``except`` clause, where replaying ``seg``'s path raised: re-raise,
         or, when its recording changes nothing (no write, no random draw, no effect), run
         the function again from the start. Eager then raises its own exception, at the
         user's line, where the user's ``except`` sees it (a shape that no longer
         broadcasts, a Cholesky of a matrix that is not positive definite)."""
-        if grad is not None:  # eager's `with torch.no_grad():` restores it on the way out
-            torch._C._set_grad_enabled(grad)
+        if grad is not None:  # eager's `with torch.no_grad():` (and autocast's `with`)
+            set_ambient(grad)  # restore them on the way out
         if not _pure(seg.recording):
             raise  # the exception being handled
         self._last = []
@@ -231,7 +232,7 @@ class CompiledFunction:
         return out
 
     def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
-        grad = torch.is_grad_enabled()
+        grad = ambient()  # grad mode and autocast as the call began
         try:
             if seg.read is None and seg.direct:  # one segment taking the arguments as is
                 self._last = [seg]
@@ -239,11 +240,12 @@ class CompiledFunction:
             return self._walk_path(seg, leaves, args, kwargs)
         except Exception as e:
             if getattr(e, "_fxlite_user", False):  # the user's own code raised, recording
-                torch._C._set_grad_enabled(grad)
+                set_ambient(grad)
                 raise
             return self._replay_failed(seg, args, kwargs, grad)
 
     def _walk_path(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
+        entry = ambient()
         rec = seg.recording
         env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
         path = []
@@ -259,6 +261,10 @@ class CompiledFunction:
                 self._last = path
                 try:
                     with self._lock:
+                        # the segments run so far may have left grad mode or autocast
+                        # changed (a read inside `with torch.no_grad():`); the Python runs
+                        # again from the start, as the call began
+                        set_ambient(entry)
                         return self._miss(seg, outs[0], env, leaves, args, kwargs,
                                           eager=child is _EAGER)
                 except Exception as e:  # the user's code, running for real

@@ -91,8 +91,8 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
             key.append(item)
         elif isinstance(a, _SCALARS):
             key.append(_scalar_key(a))
-        else:
-            key.append(("id", id(a)))
+        else:  # an object: itself, and what it holds (a loss object's weight)
+            key.append(("id", _content(a)))
     return tuple(key)
 
 

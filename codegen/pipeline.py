@@ -47,7 +47,7 @@ from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode, map_aggregate
 from fxlite.op_records import amax_or_empty
 
-__all__ = ["CompiledSegment", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
+__all__ = ["CompiledSegment", "ambient", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
            "expand_kernels", "interpreting", "set_ambient"]
 
 
@@ -109,7 +109,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
         The compiled segment; ``outputs`` holds what the check run computed.
     """
     work = GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
-    entry = _ambient()
+    entry = ambient()
     if callable(backend):
         return CompiledSegment(backend(work, list(sample)), work,
                                outputs=_run_checked(work, sample))
@@ -176,7 +176,7 @@ def _compile_layout(work: GraphModule, sample: list[Any], backend: Any, mode: st
 
 def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str | None,
                   expected: list[Any] | None, warn: Callable[[str], None]) -> CompiledSegment:
-    entry = _ambient()  # a failed attempt may stop inside a no_grad region: start again here
+    entry = ambient()  # a failed attempt may stop inside a no_grad region: start again here
     python = CompiledSegment(direct_forward(work), work)
     if backend == "triton" and not _wants_kernels(work, sample):
         warn("no GPU tensors and TRITON_INTERPRET is not set, so backend='triton' runs the "
@@ -398,14 +398,15 @@ def ambient_restored() -> Iterator[None]:
 
     Segments pass these on to each other (a read may happen inside ``torch.no_grad()``),
     so a whole path's check runs go inside one block, not one per segment."""
-    grad, state = _ambient()
+    grad, state = ambient()
     try:
         yield
     finally:
         set_ambient((grad, state))
 
 
-def _ambient() -> tuple:
+def ambient() -> tuple:
+    """Grad mode and autocast state now (restore them with :func:`set_ambient`)."""
     from fxlite.codegen.capture_kinds import autocast_state
 
     return torch.is_grad_enabled(), autocast_state()

@@ -114,9 +114,9 @@ def seed_dropouts(gm: Any) -> Any:
         args = found[1]
         p, x = args.get("p", 0.5), args.get("input")
         if args.get("training", True) is not True or args.get("inplace", False) is not False \
-                or type(p) not in (int, float) or not 0 <= p <= 1 or set(args) - {
+                or type(p) not in (int, float) or not 0 < p <= 1 or set(args) - {
                     "input", "p", "training", "inplace"}:
-            continue
+            continue  # (p == 0 draws nothing in eager: it stays a dropout, seedless)
         with graph.inserting_before(first):
             seed = graph.call_function(draw_seed, ())
         seed.meta["type"] = int

@@ -485,11 +485,18 @@ def _build(gm: GraphModule, groups: list[_Group], segment: dict[Node, int],
             sn.meta["fused_space"] = g.tags[orig]
         sub = GraphModule(gm, sub_graph, class_name=name)
         sub.meta = _group_meta(g, members)
+        type(sub).__call__ = _call_forward  # each GraphModule has a class of its own
         holder.add_module(name, sub)
         call = parent.call_module(name, tuple(env[i] for i in inputs))
         set_call_meta(call, outputs)
         unpack_outputs(parent, call, outputs, env)
     return GraphModule(holder, parent, class_name=type(gm).__name__)
+
+
+def _call_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A fused group's call: its ``forward`` alone. A group is fxlite's, not the user's: the
+    user's global module hooks (``register_module_forward_hook``) must not see it."""
+    return self.forward(*args, **kwargs)
 
 
 def _group_meta(g: _Group, members: list[Node]) -> dict[str, Any]:
