@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import builtins
 import dis
+import gc
 import linecache
 import os
 import random
@@ -130,10 +131,13 @@ class Watch:
         self._old: Callable[..., Any] | None = None
         self._first = True
         self._random: tuple = ()
+        self._ignored: set[Any] = set()
 
     # ------------------------------------------------------------------ the hook
     def __enter__(self) -> Watch:
         self._random = _random_states()
+        # garbage-collector callbacks run wherever a collection happens: not the call's
+        self._ignored = {getattr(cb, "__code__", None) for cb in gc.callbacks}
         self._old = sys.getprofile()
         sys.setprofile(self._event)
         return self
@@ -143,7 +147,8 @@ class Watch:
         self._held.clear()
 
     def _event(self, frame: Any, event: str, arg: Any) -> None:
-        if self.effect is not None or self._recorder is not None and self._recorder.off:
+        if self.effect is not None or self._recorder is not None and self._recorder.off \
+                or frame.f_code in self._ignored:
             return
         if event == "call":
             self._enter(frame)

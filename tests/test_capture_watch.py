@@ -311,3 +311,27 @@ def test_sparse_and_nested_inputs_run_eagerly_with_one_warning(make):
             torch.testing.assert_close(list(out.unbind()), list(expected.unbind()))
         else:
             torch.testing.assert_close(out.to_dense(), expected.to_dense())
+
+
+_COLLECTIONS = 0
+
+
+def _count_collections(phase, info):
+    global _COLLECTIONS
+    _COLLECTIONS += 1  # a global assigned by a GC callback (hypothesis installs one)
+
+
+def test_a_garbage_collector_callback_during_the_recording_is_not_the_functions():
+    import gc
+
+    def fn(x):
+        gc.collect()  # a collection runs the callback inside the recorded call
+        return torch.relu(x) * 2
+
+    gc.callbacks.append(_count_collections)
+    try:
+        with Watch(fn) as watch:
+            fn(torch.ones(2))
+    finally:
+        gc.callbacks.remove(_count_collections)
+    assert _COLLECTIONS and watch.effect is None
