@@ -321,6 +321,9 @@ class DynamoFxlite:
         from fxlite.codegen import dynamo_backend
 
         self._backend = dynamo_backend
+        if "fxlite" not in torch._dynamo.list_backends():  # fxlite on PYTHONPATH, not
+            torch._dynamo.register_backend(name="fxlite")(  # installed: no entry point
+                dynamo_backend.fxlite_backend)
         self._known = weakref.WeakSet(dynamo_backend.compiled_graphs())  # earlier cases'
         self.compiled = torch.compile(model, backend="fxlite", mode=mode)
 

@@ -262,8 +262,9 @@ class StateGuard:
                              for x in v))
             else:
                 append(_scalar_key(v) if isinstance(v, _SCALARS) else _content(v))
-        if self._objects:  # plain objects modules hold (a config), read each call
-            append(tuple(map(_content, self._objects)))
+        if self._objects:  # plain objects modules hold (a config), read each call: their
+            # own attributes only (a transformers config has dozens, some of them dicts)
+            append(tuple(map(_attributes_key, self._objects)))
         for cls, names in self._classes:  # class attributes of the user's module classes
             d = cls.__dict__
             append(tuple(_scalar_key(d.get(n)) for n in names))
@@ -329,6 +330,20 @@ def _token(walked: tuple) -> int:
             _TOKENS.clear()
         found = _TOKENS[walked] = next(_NEXT_TOKEN)
     return found
+
+
+_FLAT = frozenset({bool, int, float, str, type(None)})
+
+
+def _attributes_key(obj: Any) -> tuple:
+    """An object's own attributes, scalars by value and the rest by identity: cheap
+    enough for every call (a transformers config, read through ``object`` so its own
+    ``__getattribute__`` stays out of it)."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return (id(obj),)
+    return tuple([v if v.__class__ in _FLAT else id(v) for v in d.values()])
 
 
 def _content(v: Any) -> Any:
