@@ -124,6 +124,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     reached = _reached_objects(roots, [*bound, *args, *kwargs.values()], objects)
     held = [_object_state(x, tensors_only=True) for x in reached]
     watch = Watch(None if isinstance(fn, torch.nn.Module) else fn, recorder)
+    for x in reached:  # what the modules hold (self.calls = {...}) and the bound values
+        watch.hold(x, type(x).__name__)
     try:
         with installed(), opaque_methods([*leaves, *bound]), recorder:
             with watch:

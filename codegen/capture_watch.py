@@ -127,7 +127,7 @@ class Watch:
         self._frames: set[int] = set()  # generator frames started during the call
         self._held: list[Any] = []  # frames kept alive so their ids stay unique
         self._containers: list[tuple[Any, Any]] = []  # (object, its state when named)
-        self._named: set[int] = set()
+        self._named: dict[int, int] = {}  # id -> its place in _containers
         self._old: Callable[..., Any] | None = None
         self._first = True
         self._random: tuple = ()
@@ -200,7 +200,7 @@ class Watch:
                 self._first = False
                 for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                     if name in frame.f_locals:
-                        self._hold(frame.f_locals[name], name, frame)
+                        self.hold(frame.f_locals[name], name, frame)
 
     def _c_call(self, frame: Any, fn: Any) -> None:
         caller = frame.f_code.co_filename
@@ -224,7 +224,7 @@ class Watch:
             if name in glob:
                 if not own:
                     self.names.append((glob, name))
-                self._hold(glob[name], name, frame)
+                self.hold(glob[name], name, frame)
 
     def _name_closure(self, frame: Any, code: types.CodeType) -> None:
         if not code.co_freevars:
@@ -232,16 +232,24 @@ class Watch:
         local = frame.f_locals
         for name in code.co_freevars:
             if name in local:
-                self._hold(local[name], name, frame)
+                self.hold(local[name], name, frame)
 
-    def _hold(self, value: Any, name: str, frame: Any) -> None:
-        """Remember the state of a container or object the user's code names."""
-        if id(value) in self._named or not is_stateful(value):
+    def hold(self, value: Any, name: str, frame: Any = None) -> None:
+        """Remember the state of a container or object the user's code names (in
+        ``frame``, or, without one, that the call reaches: a module's ``self.calls``)."""
+        known = self._named.get(id(value))
+        if known is not None and (frame is None or self._containers[known][3] is not None) \
+                or not is_stateful(value):
             return
-        self._named.add(id(value))
-        code = frame.f_code
-        site = (code.co_filename, code.co_firstlineno, code.co_name,
-                linecache.getline(code.co_filename, code.co_firstlineno).strip())
+        site = None
+        if frame is not None:
+            code = frame.f_code
+            site = (code.co_filename, code.co_firstlineno, code.co_name,
+                    linecache.getline(code.co_filename, code.co_firstlineno).strip())
+        if known is not None:  # held as reached; now named by the user's code: say so
+            self._containers[known] = (value, self._containers[known][1], name, site)
+            return
+        self._named[id(value)] = len(self._containers)
         self._containers.append((value, contents_key(value), name, site))
 
     def changed(self) -> str | None:
@@ -249,8 +257,9 @@ class Watch:
         contents changed during it, as a phrase; None if none did."""
         for value, before, name, site in self._containers:
             if contents_key(value) != before:
+                where = f"\n  {format_site(site)}" if site is not None else ""
                 return (f"changes the {type(value).__name__} {name} that outlives the call, "
-                        f"which a replay would not do again\n  {format_site(site)}")
+                        f"which a replay would not do again{where}")
         if _random_states() != self._random:  # numpy's are Cython: no profile events
             return "draws numpy or Python random numbers, which a replay would not do again"
         return None

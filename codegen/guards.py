@@ -339,6 +339,8 @@ def _attributes_key(obj: Any) -> tuple:
     """An object's own attributes, scalars by value and the rest by identity: cheap
     enough for every call (a transformers config, read through ``object`` so its own
     ``__getattribute__`` stays out of it)."""
+    if isinstance(obj, (dict, list, set, bytearray)):
+        return contents_key(obj)  # a container the module holds: its items
     try:
         d = object.__getattribute__(obj, "__dict__")
     except AttributeError:
