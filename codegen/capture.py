@@ -136,6 +136,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     finally:
         _LOCAL.recorder = outer
     rec.globals_read = watch.names
+    rec.context_read = watch.context_vars
     rec.effect = rec.effect or watch.effect or watch.changed() or \
         _unreplayable(leaves, result, rec)
     for x, state in zip(objects, before):

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import builtins
+import contextvars
 import dis
 import gc
 import linecache
@@ -63,7 +64,7 @@ _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random n
 _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
                      "random": "draws Python random numbers", "_io": "reads or writes a file",
                      "io": "reads or writes a file", "_warnings": "warns",
-                     "warnings": "warns", "_contextvars": "reads a context variable",
+                     "warnings": "warns",
                      "posix": "calls the operating system", "nt": "calls the operating system"}
 _EFFECT_BUILTINS = {builtins.print: "calls print()", builtins.input: "calls input()",
                     builtins.open: "opens a file", builtins.exec: "calls exec()",
@@ -112,6 +113,7 @@ class Watch:
         effect: the first effect found, with the user's line, or None.
         names: ``(globals, name)`` pairs the user's functions named, beyond the compiled
             function's own, whose values the guards should check.
+        context_vars: the context variables the call read, which the guards check too.
     """
 
     _codes: dict[types.CodeType, _Code] = {}
@@ -122,6 +124,7 @@ class Watch:
         # whole (an optimizer's step with its hooks): its Python is not skipped
         self._recorder = recorder
         self.names: list[tuple[dict, str]] = []
+        self.context_vars: list[contextvars.ContextVar] = []  # read: to guard
         self._own = getattr(own, "__code__", None)
         self._seen: set[types.CodeType] = set()
         self._frames: set[int] = set()  # generator frames started during the call
@@ -136,6 +139,7 @@ class Watch:
     # ------------------------------------------------------------------ the hook
     def __enter__(self) -> Watch:
         self._random = _random_states()
+        self._context = _context_state()
         # garbage-collector callbacks run wherever a collection happens: not the call's
         self._ignored = {getattr(cb, "__code__", None) for cb in gc.callbacks}
         self._old = sys.getprofile()
@@ -207,6 +211,11 @@ class Watch:
         if caller.startswith((*_TRUSTED, _STDLIB, _FROZEN)):
             return  # trusted, or (the standard library) judged by the module entered
         what = _EFFECT_BUILTINS.get(fn) if type(fn) is types.BuiltinFunctionType else None
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, contextvars.ContextVar):
+            if fn.__name__ == "get" and all(owner is not v for v in self.context_vars):
+                self.context_vars.append(owner)  # read: guarded (its sets: seen after)
+            return
         if what is None:
             if fn is builtins.next:
                 info = self._codes.get(frame.f_code)
@@ -260,6 +269,8 @@ class Watch:
                 where = f"\n  {format_site(site)}" if site is not None else ""
                 return (f"changes the {type(value).__name__} {name} that outlives the call, "
                         f"which a replay would not do again{where}")
+        if _context_state() != self._context:  # set and not reset (transformers resets)
+            return "sets a context variable, which a replay would not do again"
         if _random_states() != self._random:  # numpy's are Cython: no profile events
             return "draws numpy or Python random numbers, which a replay would not do again"
         return None
@@ -273,6 +284,11 @@ def _importing(frame: Any) -> bool:
             return True
         f = f.f_back
     return False
+
+
+def _context_state() -> tuple:
+    """The current context's variables and their values, by identity."""
+    return tuple((id(k), id(v)) for k, v in contextvars.copy_context().items())
 
 
 def _random_states() -> tuple:

@@ -288,8 +288,9 @@ class CompiledFunction:
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
-            self._followed[base[:3]] = Follow(rec, self._fn, self._compile_piece, rec.effect)
-            self._last = []
+            plan = self._followed[base[:3]] = Follow(rec, self._fn, self._compile_piece,
+                                                     rec.effect)
+            self._last = plan.pieces  # (not compiled yet: this call ran eagerly)
             return result
         base = self._watch_globals(rec, base, arg_modules)
         segments = split(rec)
@@ -372,7 +373,8 @@ class CompiledFunction:
     def _watch_globals(self, rec: Any, base: tuple, arg_modules: tuple) -> tuple:
         """Guard the globals that the call's other functions read too; ``base`` with its
         state key computed again when that added any."""
-        if not self._guard.watch_globals(rec.globals_read):
+        added = self._guard.watch_globals(rec.globals_read)
+        if not (self._guard.watch_context(rec.context_read) or added):
             return base
         return base[:3] + ((self._guard.key(arg_modules), base[3][1]),)
 
@@ -533,7 +535,8 @@ class CompiledFunction:
         """
         records = [r for seg in self._last for r in (seg.compiled.records if seg.compiled else [])]
         records += [r for k in self._kernel_groups() for r in k.records]
-        text = kernel_report(records, benchmark=benchmark) + f"\n{_name(self._fn)}: {self.tier}"
+        text = kernel_report(records, benchmark=benchmark,
+                             note=f"{_name(self._fn)}: {self.tier}")
         print(text)
         return text
 

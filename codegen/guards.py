@@ -152,6 +152,10 @@ _CODE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.
          functools.partial, type)
 
 
+def _context_value(var: Any) -> Any:
+    return var.get(_EMPTY)
+
+
 def _cell_value(cell: Any) -> Any:
     try:
         return cell.cell_contents
@@ -269,6 +273,15 @@ class StateGuard:
             d = cls.__dict__
             append(tuple(_scalar_key(d.get(n)) for n in names))
         return tuple(out)
+
+    def watch_context(self, variables: list[Any]) -> bool:
+        """Also check the context variables a call read (``ContextVar.get``); returns
+        whether any was new."""
+        known = {id(g.args[0]) for _, g in self._getters
+                 if isinstance(g, functools.partial) and g.func is _context_value}
+        new = [v for v in variables if id(v) not in known]
+        self._getters += [(v.name, functools.partial(_context_value, v)) for v in new]
+        return bool(new)
 
     def watch_globals(self, pairs: list[tuple[dict, str]]) -> bool:
         """Also check the globals ``(globals dict, name)`` that other functions the call

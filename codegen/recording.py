@@ -103,6 +103,7 @@ class Recording:
     dynamic: set[str] = field(default_factory=set)  # nodes whose sizes depend on values
     # (globals dict, name) pairs that functions other than the compiled one named
     globals_read: list[tuple[dict, str]] = field(default_factory=list)
+    context_read: list[Any] = field(default_factory=list)  # context variables it read
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:

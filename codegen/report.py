@@ -85,14 +85,15 @@ class KernelReport(str):
     headers: list[str]
     rows: list[list[str]]
     sources: list[tuple[str, str]]
+    note: str  # a line under the table (how the calls run: replayed, followed or eager)
 
     def __new__(cls, headers: list[str], rows: list[list[str]],
-                sources: list[tuple[str, str]]) -> KernelReport:
+                sources: list[tuple[str, str]], note: str = "") -> KernelReport:
         text = fit_table(headers, rows, REPORT_WIDTH, wrap=_WRAPPED,
                                                  keep=_KEPT) if rows else \
             "no kernels (nothing was compiled, or everything runs in eager PyTorch)"
-        self = super().__new__(cls, text)
-        self.headers, self.rows, self.sources = headers, rows, sources
+        self = super().__new__(cls, f"{text}\n{note}" if note else text)
+        self.headers, self.rows, self.sources, self.note = headers, rows, sources, note
         return self
 
     def __repr__(self) -> str:  # the table, not a quoted string, at a prompt
@@ -102,15 +103,19 @@ class KernelReport(str):
         import html
 
         body = table_html(self.headers, self.rows, f"{len(self.rows)} kernel(s)")
+        if self.note:
+            body += f"<p>{html.escape(self.note)}</p>"
         for name, source in self.sources:
             body += (f"<details><summary>{html.escape(name)} source</summary>"
                      f"<pre>{html.escape(source)}</pre></details>")
         return wrap_html(body)
 
 
-def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> KernelReport:
+def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False,
+                  note: str = "") -> KernelReport:
     """A table: kernel, kind, fused ops, shapes and bytes moved; with ``benchmark``, also
-    the time per launch, GB/s and % of a device-to-device copy of as many bytes.
+    the time per launch, GB/s and % of a device-to-device copy of as many bytes; ``note``
+    is a line under it.
 
     The text fits :data:`REPORT_WIDTH` columns (long cells wrap); in Jupyter the result
     renders as an HTML table with each kernel's source folded below it."""
@@ -134,4 +139,4 @@ def kernel_report(records: Sequence[KernelRecord], benchmark: bool = False) -> K
             row += [f"{ms:.4f}", f"{gbs:.0f}", f"{100 * copy_ms / ms:.1f}%"]
         rows.append(row)
     sources = [(r.kernel.name, str(getattr(r.kernel, "source", ""))) for r in records]
-    return KernelReport(headers, rows, sources)
+    return KernelReport(headers, rows, sources, note)
