@@ -6,6 +6,7 @@ file reads top to bottom as the mode itself.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,24 @@ def has_tensor(x: Any) -> bool:
     if isinstance(x, (tuple, list)):
         return any(has_tensor(i) for i in x)
     return False
+
+
+def map_tensors(a: Any, node_of: Callable[[torch.Tensor], Any]) -> Any:
+    """A graph argument for a call argument ``a``: each tensor becomes ``node_of(tensor)``,
+    containers are rebuilt around them, a ``torch.Size`` becomes a tuple."""
+    if isinstance(a, torch.Tensor):
+        return node_of(a)
+    t = type(a)
+    if t is tuple or t is list:
+        return t(map_tensors(x, node_of) for x in a)
+    if t is dict:
+        return {k: map_tensors(v, node_of) for k, v in a.items()}
+    if t is slice:
+        return slice(map_tensors(a.start, node_of), map_tensors(a.stop, node_of),
+                     map_tensors(a.step, node_of))
+    if isinstance(a, torch.Size):
+        return tuple(a)
+    return a
 
 
 def structure(out: Any) -> Any:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.capture_kinds import UNSUPPORTED, classify
-from fxlite.codegen.capture_rules import same_func, spelling
+from fxlite.codegen.capture_rules import map_tensors, same_func, spelling
 from fxlite.codegen.recording import _LOCAL, Recording, Step
 from torch.overrides import TorchFunctionMode
 
@@ -235,21 +235,13 @@ class Follower(TorchFunctionMode):
 
     def _arg(self, a: Any) -> Any:
         """``a`` with each tensor swapped for its recorded node (as the recorder wrote it)."""
-        if isinstance(a, torch.Tensor):
-            name = self.ids.get(id(a))
-            if name is None or self.env.get(name) is not a:
-                raise _Unknown
-            return self.follow.nodes[name]
-        t = type(a)
-        if t is tuple or t is list:
-            return t(self._arg(x) for x in a)
-        if t is dict:
-            return {k: self._arg(v) for k, v in a.items()}
-        if t is slice:
-            return slice(self._arg(a.start), self._arg(a.stop), self._arg(a.step))
-        if isinstance(a, torch.Size):
-            return tuple(a)
-        return a
+        return map_tensors(a, self._tensor_node)
+
+    def _tensor_node(self, t: torch.Tensor) -> Node:
+        name = self.ids.get(id(t))
+        if name is None or self.env.get(name) is not t:
+            raise _Unknown
+        return self.follow.nodes[name]
 
     def _diverge(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The rest of this call runs eagerly (every value the Python holds is real)."""

@@ -32,6 +32,7 @@ from fxlite.codegen.capture_rules import (
     break_message,
     func_name,
     has_tensor,
+    map_tensors,
     rng_state_of,
     same_func,
     spelling,
@@ -113,18 +114,10 @@ class Recorder(TorchFunctionMode):
 
     def _arg(self, a: Any) -> Any:
         """A graph argument for a call argument: tensors become nodes."""
-        if isinstance(a, torch.Tensor):
-            return self._nodes[self._name_of(a) or self._external(a)]
-        t = type(a)
-        if t is tuple or t is list:
-            return t(self._arg(x) for x in a)
-        if t is dict:
-            return {k: self._arg(v) for k, v in a.items()}
-        if t is slice:
-            return slice(self._arg(a.start), self._arg(a.stop), self._arg(a.step))
-        if isinstance(a, torch.Size):
-            return tuple(a)
-        return a
+        return map_tensors(a, self._tensor_node)
+
+    def _tensor_node(self, t: torch.Tensor) -> Node:
+        return self._nodes[self._name_of(t) or self._external(t)]
 
     def _external(self, t: torch.Tensor) -> str:
         """A get_attr node for a tensor the recording did not make: a parameter, buffer or
