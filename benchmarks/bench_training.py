@@ -170,7 +170,6 @@ def run_case(name, case, steps, mode=None):
         torch.cuda.empty_cache()
     eager_ms, ind_ms, fx_ms = (results[k]["ms"] for k in ("eager", "torch.compile", "fxlite"))
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["fxlite"], losses["eager"]))
-    followed = bool(getattr(fx_step, "_followed", None))
     kernels = fx_step.kernels if fx_step is not None else []
     directions = [getattr(k, "direction", "forward") for k in kernels]
     return {"case": name, "mode": mode or "default", **{f"{k}_ms": v["ms"] for k, v in results.items()},
@@ -184,7 +183,7 @@ def run_case(name, case, steps, mode=None):
             "kernels_forward": directions.count("forward"),
             "kernels_backward": directions.count("backward"),
             "fallbacks": list(fx_step.fallbacks) if fx_step is not None else [],
-            "fxlite_tier": "followed" if followed else "replayed"}
+            "fxlite_tier": fx_step.tier.split(":")[0] if fx_step is not None else "-"}
 
 
 def main() -> None:
