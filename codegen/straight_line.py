@@ -34,9 +34,11 @@ convolution followed by BatchNorm and ReLU in one kernel::
 
 from __future__ import annotations
 
+import ast
 import keyword
 import math
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +51,7 @@ from .triton_launch import _fingerprint
 
 __all__ = ["AttrCheck", "StraightRunner", "attr_key", "fast_key", "straight_line"]
 
+_LOCAL = re.compile(r"v\d+")  # the names of a forward's values (arguments are the caller's)
 # Ops whose output shape depends on tensor values, not only on their inputs' layouts.
 _DATA_DEPENDENT = frozenset({
     "nonzero", "nonzero_static", "argwhere", "masked_select", "unique", "unique_consecutive",
@@ -392,9 +395,40 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
         w.names[node] = name
     if _escapes(w):
         return None, result, w.attrs, w.complete
-    source = f"def forward({', '.join(params)}):\n" + "\n".join(w.lines) + "\n"
+    source = f"def forward({', '.join(params)}):\n" + "\n".join(_release(w.lines)) + "\n"
     exec(compile(source, "<fxlite-straight-line>", "exec"), w.namespace)
     return w.namespace["forward"], result, w.attrs, w.complete
+
+
+def _release(lines: list[str]) -> list[str]:
+    """Drop each value after the last line that reads it, as eager Python's locals die:
+    without it a forward keeps every intermediate alive until it returns (a training
+    step's segment held all of its activations and gradients at once).
+
+    Before and after::
+
+        v1 = _K1((a0,))                      v1 = _K1((a0,))
+        v2 = _K2((v1,))                      v2 = _K2((v1,));  v1 = None
+        v3 = _f3(v2, dim=1)                  v3 = _f3(v2, dim=1);  v2 = None
+        return v3                            return v3
+    """
+    reads = [sorted({n.id for n in ast.walk(ast.parse(line.strip()))
+                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                     and _LOCAL.fullmatch(n.id)}) for line in lines]
+    last: dict[str, int] = {}
+    for i, names in enumerate(reads):
+        for n in names:
+            last[n] = i
+    for i, line in enumerate(lines):  # a value no line reads dies where it is made
+        target = line.strip().split(" = ", 1)[0]
+        if _LOCAL.fullmatch(target) and target not in last:
+            last[target] = i
+    dead: dict[int, list[str]] = {}
+    for n, i in last.items():
+        if not lines[i].lstrip().startswith("return"):
+            dead.setdefault(i, []).append(n)
+    return [line + (f";  {' = '.join(sorted(dead[i]))} = None" if i in dead else "")
+            for i, line in enumerate(lines)]
 
 
 def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
