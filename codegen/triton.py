@@ -74,7 +74,7 @@ from .triton_config import (
 )
 from .triton_emit import Unsupported
 from .triton_generate import _generate, _identifier, interpreting
-from .triton_launch import Binary, _DirectLaunch, _fingerprint
+from .triton_launch import SLOT, Binary, _DirectLaunch, _fingerprint
 from .triton_layout import dense_strides, inverse, memory_order, merges, permute_inputs
 from .triton_source import KernelSource, division_magic
 
@@ -137,7 +137,8 @@ class _Spec:
         self.pointwise = plan.kind == "pointwise"
         self.out_layout = [(tuple(v.dims), v.span, v.dtype, v.layout) for _, v in self.outs]
         self.tuned: dict[Any, dict[str, Any]] = {}
-        # (binary, grid, every argument value) of the latest GPU launch, for direct launches
+        # (binary, grid, every argument value, SLOT for each tensor) of the latest GPU
+        # launch, for direct launches
         self.last_launch: tuple[Binary, tuple[int, int, int], list[Any]] | None = None
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
@@ -298,8 +299,12 @@ class _Spec:
         device = next(a.device.index or 0 for a in args if isinstance(a, torch.Tensor))
         grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the launchers want all 3 dims
         binary.launch(grid3, values, device)
-        # Remember how to repeat this exact launch without Triton's dispatcher.
-        self.last_launch = (binary, grid3, values)
+        # Remember how to repeat this exact launch without Triton's dispatcher. Not its
+        # tensors: every tensor is a per-call slot of the direct launch, and keeping them
+        # kept each kernel's last inputs and outputs alive between calls (a GPT-2 training
+        # step held 8 GiB more than eager's between steps, its logits four times over).
+        self.last_launch = (binary, grid3, [SLOT if isinstance(v, torch.Tensor) else v
+                                            for v in values])
 
 
 _NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)

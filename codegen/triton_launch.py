@@ -25,7 +25,10 @@ import torch
 if TYPE_CHECKING:
     from .triton import _Spec
 
-__all__ = ["DIRECT_LAUNCH_PROBLEM", "Binary", "_DirectLaunch", "_fingerprint"]
+__all__ = ["DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "_DirectLaunch", "_fingerprint"]
+
+# A tensor's place in a remembered launch (_Spec.last_launch): the launch keeps no tensor.
+SLOT = object()
 
 # Why the last attempt at a direct launch fell back to Triton's dispatcher, if one did.
 DIRECT_LAUNCH_PROBLEM: str | None = None
@@ -191,6 +194,9 @@ class _DirectLaunch:
         self.tensor_slots = [(k, "in" if desc[0] in ("in", "scalar") else "out", desc[1])
                              for k, desc in enumerate(spec.src.args)
                              if desc[0] in ("in", "scalar", "out")]
+        slots = {k for k, _, _ in self.tensor_slots}
+        if any(v is SLOT for k, v in enumerate(values) if k not in slots):
+            return None  # a tensor the launch would have to keep: the general path
         # Outputs may be permuted views (a kernel run in its inputs' memory order): the
         # launch allocates them with those strides; only their addresses reach the binary.
         self.out_specs = [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outs]
