@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
-from fxlite.autodiff_meta import meta_tensor, propagate
+from fxlite.autodiff_meta import as_meta, meta_tensor, propagate
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, Opcode, map_arg
 from fxlite.ops import lookup
@@ -69,7 +69,11 @@ class _Variant:
         values = propagate(grad.forward, args)
         results = map_arg(grad.forward.graph.result, values.__getitem__)
         self.forward = CompiledGraph(grad.forward, args, "forward", name)
-        saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
+        # their layouts only: real values would keep the first call's activations (and
+        # through their autograd graphs, the compile check's private parameter copies)
+        # alive for as long as the kernels live
+        saved = [as_meta(args[i] if kind == "input" else results[i])
+                 for kind, i in grad.saved]
         outs = results[:grad.n_outputs]
         tangents = [meta_tensor(outs[i].shape, outs[i].dtype) for i in grad.tangents]
         self._examples, self._name = [*saved, *tangents], f"{name}_bwd"

@@ -93,6 +93,9 @@ class FusedStep:
             for group, group_plans in zip(self.opt.param_groups, plans):
                 for plan in group_plans:
                     plan.run(group, self._one)
+                    # Not kept to the next step: zero_grad(set_to_none=True) frees them
+                    # in eager, and a plan holding them kept a model's size of memory.
+                    plan.grads = None
         return None
 
     def _may_fuse(self) -> bool:
@@ -148,7 +151,7 @@ class _Plan:
         self.size = len(group["params"])
         self.index = index  # which of the group's parameters (the others: no gradient)
         self.params = params
-        self.grads = grads
+        self.grads: list[torch.Tensor] | None = grads  # this step's; None between steps
         self.state = state
         self.slots = [state.get(p) for p in params]  # (state[p] would add an entry)
         self.adam = "betas" in group
@@ -195,7 +198,7 @@ class _Plan:
         for p, q in zip(self.params, (params[i] for i in self.index)):
             if p is not q:
                 return False
-        if any(g is not h for g, h in zip(mine, self.grads)):
+        if self.grads is None or any(g is not h for g, h in zip(mine, self.grads)):
             if any(g is None or g.is_sparse or g.dtype is not p.dtype
                    or g.get_device() != p.get_device() for g, p in zip(mine, self.params)):
                 return False

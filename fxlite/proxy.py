@@ -22,6 +22,7 @@ import operator
 import os
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -353,6 +354,11 @@ def _is_tensor_method(fn: Any) -> bool:
     # Cached: torch's check wraps every call in warnings.catch_warnings, which cost about
     # a tenth of tracing time on big graphs, and its first call builds a table of every
     # overridable function (about 13 ms). The answer never changes for a given function.
+    # A method bound to an object is not cached: the key would keep the object (an
+    # optimizer, and through it a model's parameters and state) alive for good.
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, (type, types.ModuleType)):
+        return _tensor_method_uncached(fn)
     try:
         return _TENSOR_METHOD[fn]
     except KeyError:
