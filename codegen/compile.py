@@ -288,6 +288,7 @@ class CompiledFunction:
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
+            rec.pre_state.clear()  # snapshots for the checks of replayed segments only
             plan = self._followed[base[:3]] = Follow(rec, self._fn, self._compile_piece,
                                                      rec.effect)
             self._last = plan.pieces  # (not compiled yet: this call ran eagerly)
@@ -444,6 +445,8 @@ class CompiledFunction:
                    f"{str(e).splitlines()[0]})")
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             return why
+        finally:  # the snapshots served the checks only; the segments keep the recording
+            rec.pre_state.clear()
         return None
 
     def _compile_path(self, segments: list[Segment], rec: Any, start: int,
