@@ -163,9 +163,11 @@ def run_case(name, case, steps, mode=None):
         first20 = time.perf_counter() - start
         for i in range(WARMUP - 16):
             fn(model, opt, *data[i % len(data)])
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
         results[label] = {"ms": time_steps(fn, model, opt, data, steps), "cold_s": cold,
-                          "first20_s": first20,
-                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+                          "first20_s": first20, "peak_gib": peak,
+                          "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         del model, opt
         torch.cuda.empty_cache()
     eager_ms, ind_ms, fx_ms = (results[k]["ms"] for k in ("eager", "torch.compile", "fxlite"))
@@ -176,6 +178,7 @@ def run_case(name, case, steps, mode=None):
             **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
             **{f"{k}_first20_s": v["first20_s"] for k, v in results.items()},
             **{f"{k}_peak_gib": v["peak_gib"] for k, v in results.items()},
+            **{f"{k}_steady_peak_gib": v["steady_peak_gib"] for k, v in results.items()},
             "losses": losses,
             "fxlite_vs_eager": eager_ms / fx_ms, "fxlite_vs_inductor": ind_ms / fx_ms,
             "inductor_vs_eager": eager_ms / ind_ms, "loss_max_rel_diff": rel,
@@ -210,7 +213,9 @@ def main() -> None:
         print(f"{name}: eager {r['eager_ms']:.2f} ms, inductor {r['torch.compile_ms']:.2f}, "
               f"fxlite {r['fxlite_ms']:.2f} ({r['fxlite_tier']}); peak GiB eager "
               f"{r['eager_peak_gib']:.2f}, inductor {r['torch.compile_peak_gib']:.2f}, fxlite "
-              f"{r['fxlite_peak_gib']:.2f}; first 20 steps s: eager {r['eager_first20_s']:.1f}, "
+              f"{r['fxlite_peak_gib']:.2f} (steady state: {r['eager_steady_peak_gib']:.2f}, "
+              f"{r['torch.compile_steady_peak_gib']:.2f}, {r['fxlite_steady_peak_gib']:.2f})"
+              f"; first 20 steps s: eager {r['eager_first20_s']:.1f}, "
               f"inductor {r['torch.compile_first20_s']:.1f}, fxlite {r['fxlite_first20_s']:.1f}"
               f"; fallbacks: {r['fallbacks'][:3]}", flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "

@@ -9,7 +9,9 @@ Run on a CUDA machine::
 Uses the cases of ``bench_training.py``; prints each contender's median step time, then the
 functions with the most own time in fxlite's steps (after warm-up, so no compiling).
 With ``--gpu``, it prints instead how long the GPU was busy per step (torch.profiler over
-3 steps) and the kernels that kept it busy longest, for each contender.
+3 steps) and the kernels that kept it busy longest, for each contender. With ``--memory``,
+it prints each contender's peak memory step by step over the first steps (recording, the
+trial, captures) and at steady state, and the memory a step leaves allocated.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from bench_training import WARMUP, gpt2_block_case, resnet18_case, time_steps  # noqa: E402
+from bench_training import (  # noqa: E402
+    WARMUP,
+    gpt2_block_case,
+    gpt2_lm_step_case,
+    resnet18_case,
+    time_steps,
+)
 
 import fxlite  # noqa: E402
 
@@ -32,17 +40,20 @@ import fxlite  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="gpt2_block_f32",
-                        choices=["resnet18", "gpt2_block_f32", "gpt2_block_bf16"])
+                        choices=["resnet18", "gpt2_block_f32", "gpt2_block_bf16",
+                                 "gpt2_lm_step"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--gpu", action="store_true", help="profile device time instead")
     parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
+    parser.add_argument("--memory", action="store_true", help="peak memory step by step")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     make = {"resnet18": resnet18_case, "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
-            "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16)}[args.case]
+            "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
+            "gpt2_lm_step": gpt2_lm_step_case}[args.case]
     base, make_opt, data, step, _ = make()
     contenders = [("eager", step), ("fxlite", fxlite.compile(step, mode=args.mode))]
     if args.inductor:
@@ -50,6 +61,11 @@ def main() -> None:
     for label, fn in contenders:
         model = copy.deepcopy(base)
         opt = make_opt(model)
+        if args.memory:
+            memory_profile(label, fn, model, opt, data)
+            del model, opt
+            torch.cuda.empty_cache()
+            continue
         for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
         ms = time_steps(fn, model, opt, data, args.steps)
@@ -63,6 +79,29 @@ def main() -> None:
             time_steps(fn, model, opt, data, args.steps)
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+def memory_profile(label: str, fn, model, opt, data) -> None:
+    """Print the peak memory of each of the first steps and of steady-state steps, and
+    what a step leaves allocated (GiB)."""
+    gib = 2**30
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    peaks, kept = [], []
+    for i in range(WARMUP + 6):
+        torch.cuda.reset_peak_memory_stats()
+        fn(model, opt, *data[i % len(data)])
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() / gib)
+        kept.append((torch.cuda.memory_allocated() - start) / gib)
+    print(f"{label}: before the first step {start / gib:.2f} GiB allocated")
+    print(f"  peak per step:  {' '.join(f'{p:.2f}' for p in peaks)}")
+    print(f"  kept per step:  {' '.join(f'{k:.2f}' for k in kept)}")
+    print(f"  steady-state peak {max(peaks[-6:]):.2f} GiB, first steps' peak {max(peaks):.2f}",
+          flush=True)
+    if getattr(fn, "tier", None):
+        print(f"  tier: {fn.tier}; kernels {len(fn.kernels)}; fallbacks "
+              f"{[f[:160] for f in fn.fallbacks][:3]}")
 
 
 def gpu_profile(fn, model, opt, data, top: int) -> None:
