@@ -378,6 +378,45 @@ def contents_key(value: Any, depth: int = 0) -> Any:
     return contents_key(fields, depth) if isinstance(fields, dict) else id(value)
 
 
+def too_large(value: Any, depth: int = 0) -> Any:
+    """The first container in ``value`` that :func:`contents_key` keys by length alone
+    (more than 256 items, up to 3 levels down), or None: a replay could not see a change
+    to its items.
+
+    Example::
+
+        too_large({"vocab": list(range(1000))})   # the list
+        too_large([1, 2, 3])                       # None
+    """
+    if isinstance(value, (dict, list, bytearray, set)) and len(value) > _LARGE:
+        return value
+    if depth >= _DEPTH:
+        return None
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif is_stateful(value) and not isinstance(value, (type, set, bytearray)) \
+            and _users_object(value):
+        items = getattr(value, "__dict__", {}).values()
+    else:
+        return None
+    for v in items:
+        if isinstance(v, (dict, list, tuple, bytearray, set)) or is_stateful(v):
+            found = too_large(v, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _users_object(value: Any) -> bool:
+    """An instance of a class of the user's, not of a library's (a ``logging.Logger``
+    reaches its manager's dict of every logger)."""
+    cls = type(value)
+    top = (getattr(cls, "__module__", "") or "").split(".")[0]
+    return user_class(cls) and top not in sys.stdlib_module_names
+
+
 def optimizer_key(opt: torch.optim.Optimizer) -> tuple:
     """Which parameters each of an optimizer's groups holds: ``add_param_group`` changes
     what its step and ``zero_grad`` touch (hyperparameters are read by the step itself,

@@ -99,6 +99,7 @@ class CompiledFunction:
         # (structure, ambient state, input layouts) -> the Follow of a recording whose
         # Python must run on every call (no Python state in its key: the Python runs)
         self._followed: dict[tuple, Any] = {}
+        self._behind_back_warned = False
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
         self._all_eager: str | None = None
@@ -285,6 +286,8 @@ class CompiledFunction:
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects())
         if self._stays_eager(rec, base, arg_modules, key):
             return result
+        if rec.effect is None:
+            rec.effect = self._guard.unchecked(rec.globals_read)
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
@@ -349,7 +352,16 @@ class CompiledFunction:
     def _state_key(self, arg_modules: tuple = ()) -> tuple:
         """(module and closure state, which watched gradients are None)."""
         grads = tuple(t.grad is None for t in self._grad_watch) if self._grad_watch else ()
-        return self._guard.key(arg_modules), grads
+        key = self._guard.key(arg_modules), grads
+        if self._guard.behind_back and not self._behind_back_warned:
+            self._behind_back_warned = True
+            warn_user(
+                f"fxlite.compile: a module {_name(self._fn)} uses was changed behind "
+                "nn.Module's back (its __dict__, _parameters, _buffers or _modules written "
+                "directly), which fxlite checks only every 16 calls: up to 15 calls before "
+                "this one may have used the old state. It now checks on every call; assign "
+                "with setattr (or register_parameter / register_buffer) to keep it cheap")
+        return key
 
     def _stays_eager(self, rec: Any, base: tuple, arg_modules: tuple, key: tuple) -> bool:
         """Whether a recording cannot be replayed; if so, mark what runs eagerly instead."""

@@ -35,7 +35,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_watch import contents_key, is_stateful, optimizer_key, user_class
+from fxlite.codegen.capture_kinds import autocast_state
+from fxlite.codegen.capture_watch import (
+    contents_key,
+    is_stateful,
+    optimizer_key,
+    too_large,
+    user_class,
+)
 from fxlite.codegen.segments import read_key
 
 __all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
@@ -53,8 +60,6 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 def ambient_key() -> tuple:
     """Global state every recording depends on: grad mode, autocast, default dtype,
     inference mode."""
-    from fxlite.codegen.capture_kinds import autocast_state
-
     autocast = autocast_state() if _any_autocast is None or _any_autocast() else None
     return (torch.is_grad_enabled(), autocast, torch.get_default_dtype(),
             torch.is_inference_mode_enabled())
@@ -81,7 +86,7 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
             same = seen.setdefault(id(a), i)
             contiguous = a.is_contiguous()
             item: tuple = (a.dtype, a.device, a.dim(), a.requires_grad, contiguous,
-                           a.data_ptr() % 16 == 0 if a.device.type != "meta" else True,
+                           a.is_meta or a.data_ptr() % 16 == 0,
                            None if contiguous else tuple(s == 0 for s in a.stride()),
                            type(a), same)
             if sizes:
@@ -190,6 +195,10 @@ class StateGuard:
         self._classes: list[tuple[type, tuple[str, ...]]] = []
         self._epoch = -1
         self._modules_key: int = -1  # a token for the last walk (see _token)
+        self._calls = 0
+        # set when a periodic walk found a change made behind nn.Module's back: from then
+        # on every call walks (see key)
+        self.behind_back = False
 
     def bound_objects(self) -> tuple[Any, ...]:
         """What the function carries or names now (its self, closure cells, globals)."""
@@ -254,6 +263,15 @@ class StateGuard:
                 self._root_ids = ids
             self._modules_key = _token(self._walk())
             self._epoch = epoch
+        elif self.modules:
+            # A write behind nn.Module's back (m._parameters[k] = p, m.__dict__[k] = v)
+            # bumps no epoch: walk anyway every _RECHECK calls, and on every call once one
+            # was seen (the compiled function warns).
+            self._calls += 1
+            if self.behind_back or self._calls % _RECHECK == 0:
+                token = _token(self._walk())
+                if token != self._modules_key:
+                    self._modules_key, self.behind_back = token, True
         out: list[Any] = [ids, self._modules_key,
                           tuple(map(_REQUIRES_GRAD, self._params))]
         append = out.append
@@ -273,6 +291,21 @@ class StateGuard:
             d = cls.__dict__
             append(tuple(_scalar_key(d.get(n)) for n in names))
         return tuple(out)
+
+    def unchecked(self, pairs: list[tuple[dict, str]]) -> str | None:
+        """Why a replay could miss a change to what the function names, or None: a value
+        it (or a helper, ``pairs`` as for :meth:`watch_globals`) names holds a container
+        too large to key by its items on every call. Such a function is followed (its
+        Python runs on every call), which costs speed, never results."""
+        named = [(n, g()) for n, g in self._getters]
+        named += [(name, glob.get(name)) for glob, name in pairs]
+        for name, value in named:
+            if isinstance(value, (dict, list, tuple, bytearray, set)) or is_stateful(value):
+                found = too_large(value)
+                if found is not None:
+                    return (f"names `{name}`, which holds a {type(found).__name__} of "
+                            f"{len(found)} items: too many to check on every call")
+        return None
 
     def watch_context(self, variables: list[Any]) -> bool:
         """Also check the context variables a call read (``ContextVar.get``); returns
@@ -328,6 +361,7 @@ class StateGuard:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_RECHECK = 16  # calls between walks of an unchanged epoch (StateGuard.key)
 _TOKENS: dict[tuple, int] = {}
 _NEXT_TOKEN = itertools.count()
 
@@ -394,7 +428,8 @@ def _global_hooks() -> list[Any]:
 # (attribute assignment and deletion, registering parameters, buffers, submodules and
 # hooks, removing a hook), so a guard re-walks a model only after one of them. The
 # wrappers only count; each calls the original method. Changes made behind nn.Module's
-# back (writing m.__dict__ or m._parameters directly) are not seen: documented.
+# back (writing m.__dict__ or m._parameters directly) bump nothing: a guard walks every
+# _RECHECK calls anyway and, once it saw one, on every call (StateGuard.key).
 _EPOCH = [0]
 _COUNTED = ("__setattr__", "__delattr__", "register_parameter", "register_buffer",
             "register_module", "add_module", "register_forward_hook",
