@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["installed", "opaque_methods"]
-
-_lock = threading.Lock()
-_users = 0
-_undo: list[Any] = []
 
 
 def _active() -> Any:
@@ -66,43 +63,93 @@ def _cond_entry(*args: Any, **kwargs: Any) -> Any:
     return _fxlite_cond_dispatch(*args, **kwargs)  # noqa: F821  (in torch.cond's globals)
 
 
-def _install() -> None:
-    fn_cls = torch.autograd.Function
-    orig_apply = fn_cls.__dict__["apply"]
-    fn_cls.apply = _apply_hook(orig_apply)
-    _undo.append(lambda: setattr(fn_cls, "apply", orig_apply))
-    cond = getattr(torch, "cond", None)  # an older torch has none
-    if not isinstance(cond, types.FunctionType) or cond.__code__.co_freevars:
-        return
-    glob, code = cond.__globals__, cond.__code__
-    original = types.FunctionType(code, glob, cond.__name__, cond.__defaults__)
-    glob["_fxlite_cond_original"] = original
-    glob["_fxlite_cond_dispatch"] = _cond_dispatch
-    cond.__code__ = _cond_entry.__code__.replace(co_name=code.co_name)
+class _Patch(NamedTuple):
+    """What installing the hooks sets, and what uninstalling sets back: made once (a
+    followed function installs them on every call, so this is host time), and again
+    only when one of the originals is another object."""
 
-    def undo() -> None:
-        cond.__code__ = code
+    apply: Any  # torch.autograd.Function's own ``apply`` (a classmethod)
+    hook: Any  # what replaces it
+    cond: Any  # torch.cond, or None where it is not hooked (an older torch)
+    code: Any  # its code object
+    defaults: Any  # its defaults
+    entry: Any  # the code object that replaces its own
+    original: Any  # a function running its own code (its globals' _fxlite_cond_original)
+
+
+def _patch() -> _Patch:
+    global _made
+    apply = torch.autograd.Function.__dict__["apply"]
+    cond = getattr(torch, "cond", None)
+    if not isinstance(cond, types.FunctionType) or cond.__code__.co_freevars:
+        cond = None
+    made = _made
+    if made is not None and made.apply is apply and made.cond is cond and (
+            cond is None or cond.__code__ is made.code and cond.__defaults__ is made.defaults):
+        return made
+    if cond is None:
+        made = _Patch(apply, _apply_hook(apply), None, None, None, None, None)
+    else:
+        code = cond.__code__
+        made = _Patch(apply, _apply_hook(apply), cond, code, cond.__defaults__,
+                      _cond_entry.__code__.replace(co_name=code.co_name),
+                      types.FunctionType(code, cond.__globals__, cond.__name__,
+                                         cond.__defaults__))
+    _made = made
+    return made
+
+
+def _install() -> _Patch:
+    patch = _patch()
+    torch.autograd.Function.apply = patch.hook
+    if patch.cond is not None:
+        glob = patch.cond.__globals__
+        glob["_fxlite_cond_original"] = patch.original
+        glob["_fxlite_cond_dispatch"] = _cond_dispatch
+        patch.cond.__code__ = patch.entry
+    return patch
+
+
+def _uninstall(patch: _Patch) -> None:
+    torch.autograd.Function.apply = patch.apply
+    if patch.cond is not None:
+        patch.cond.__code__ = patch.code
+        glob = patch.cond.__globals__
         glob.pop("_fxlite_cond_original", None)
         glob.pop("_fxlite_cond_dispatch", None)
-    _undo.append(undo)
 
 
-@contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Keep the hooks installed while the block runs (reference-counted across threads)."""
-    global _users
-    with _lock:
-        if _users == 0:
-            _install()
-        _users += 1
-    try:
-        yield
-    finally:
+_lock = threading.Lock()
+_users = 0
+_installed: _Patch | None = None  # the patch installed, while some thread records
+_made: _Patch | None = None
+
+
+class _Installed:
+    """What ``installed()`` returns: one object for every block, counting its users."""
+
+    def __enter__(self) -> None:
+        global _users, _installed
+        with _lock:
+            if _users == 0:
+                _installed = _install()
+            _users += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        global _users, _installed
         with _lock:
             _users -= 1
-            if _users == 0:
-                while _undo:
-                    _undo.pop()()
+            if _users == 0 and _installed is not None:
+                _uninstall(_installed)
+                _installed = None
+
+
+_INSTALLED = _Installed()
+
+
+def installed() -> contextlib.AbstractContextManager[None]:
+    """Keep the hooks installed while the block runs (reference-counted across threads)."""
+    return _INSTALLED
 
 
 # Objects whose methods run as one recorded call each: an optimizer step reads every
@@ -132,28 +179,56 @@ def _state_tensors(obj: Any) -> list[torch.Tensor]:
 _NOTHING = object()
 
 
-def _opaque_names(obj: Any) -> tuple[str, ...]:
-    import sys
+_classes: list[tuple[type, tuple[str, ...]]] = []  # _OPAQUE's, once all are imported
+_every: list[tuple[type, ...]] = [()]  # the same classes, as one tuple for isinstance
 
-    for module, cls_name, names in _OPAQUE:
-        cls = getattr(sys.modules.get(module), cls_name, None)
-        if cls is not None and isinstance(obj, cls):
+
+def _opaque_classes() -> list[tuple[type, tuple[str, ...]]]:
+    """``_OPAQUE``'s classes, each with its method names (looked up again until every
+    one of their modules is imported)."""
+    if len(_classes) == len(_OPAQUE):
+        return _classes
+    found = [(cls, names) for module, cls_name, names in _OPAQUE
+             if isinstance(cls := getattr(sys.modules.get(module), cls_name, None), type)]
+    _every[0] = tuple(cls for cls, _ in found)
+    if len(found) == len(_OPAQUE):
+        _classes[:] = found
+    return found
+
+
+def _opaque_names(obj: Any, classes: list[tuple[type, tuple[str, ...]]] | None = None
+                  ) -> tuple[str, ...]:
+    for cls, names in _opaque_classes() if classes is None else classes:
+        if isinstance(obj, cls):
             return names
     return ()
 
 
-@contextlib.contextmanager
-def opaque_methods(objects: list[Any]) -> Iterator[None]:
+def opaque_methods(objects: list[Any]) -> contextlib.AbstractContextManager[None]:
     """While the block runs, record calls of the listed objects' optimizer, scheduler and
     grad-scaler methods as single calls (see ``_OPAQUE``). Other threads see the
     original methods' behaviour: the wrappers pass their calls straight through."""
+    classes = _opaque_classes()
+    every = _every[0]
+    for obj in objects:
+        if isinstance(obj, every):
+            return _opaque_methods(objects, classes)
+    return _NO_METHODS  # (the common case, on every call of a followed function)
+
+
+_NO_METHODS = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _opaque_methods(objects: list[Any],
+                    classes: list[tuple[type, tuple[str, ...]]]) -> Iterator[None]:
     undo: list[Any] = []
     seen: set[int] = set()
     for obj in objects:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        for name in _opaque_names(obj):
+        for name in _opaque_names(obj, classes):
             own = obj.__dict__.get(name, _NOTHING)
             if own is not _NOTHING and not getattr(own, "_wrapped_by_lr_sched", False):
                 continue  # an instance attribute someone else set: leave it alone
