@@ -136,6 +136,10 @@ class CompiledFunction:
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
+        if self._followed and not self._trees:  # followed only: no replay key to compute
+            out = self._follow_only(args, kwargs)
+            if out is not _NOT_RUN:
+                return out
         fast, graphs = self._fast, self._graphs
         # Both shortcuts serve calls whose arguments are all tensors (so the state key has
         # no module arguments, as below): check that before computing any key.
@@ -178,7 +182,7 @@ class CompiledFunction:
                 self._last, self._last_eager = [], self._eager_why.get(base[:3])
                 return self._fn(*args, **kwargs)
             if plan is not None:
-                return self._follow(plan, base[:3], args, kwargs)
+                return self._follow(plan, base[:3], args, kwargs, leaves)
         if root is None:
             with self._lock:
                 root = self._trees.get(key)
@@ -332,11 +336,29 @@ class CompiledFunction:
             return compile_segment(gm, sample, backend=self._backend, mode=self._mode,
                                    warn=warn)
 
-    def _follow(self, plan: Follow, key: tuple, args: tuple, kwargs: dict) -> Any:
+    def _follow_only(self, args: tuple, kwargs: dict) -> Any:
+        """A call of a function with no replayed recording: follow the plan of its
+        arguments' structure and layouts (or run it in eager PyTorch, where that plan says
+        so) without computing the state key, which only a replay needs (followed Python
+        runs); ``_NOT_RUN`` for a call that has no plan (a new key: ``__call__`` goes on)."""
+        leaves, spec = flatten_call(args, kwargs)
+        if _unusual(leaves) is not None:
+            return _NOT_RUN
+        key = (spec, ambient_key(), input_key(leaves, False, self._alias))
+        plan = self._followed.get(key)
+        if plan is None:
+            return _NOT_RUN
+        if plan is _EAGER:
+            self._last, self._last_eager = [], self._eager_why.get(key)
+            return self._fn(*args, **kwargs)
+        return self._follow(plan, key, args, kwargs, leaves)
+
+    def _follow(self, plan: Follow, key: tuple, args: tuple, kwargs: dict,
+                leaves: list[Any]) -> Any:
         """Run the function's Python, its torch calls served by the plan's kernels; after
         three calls in a row that leave the recording, run it in eager PyTorch."""
         self._last = plan.pieces
-        out = plan(args, kwargs, list(self._guard.bound_objects()))
+        out = plan(args, kwargs, self._guard.bound_objects(), leaves)
         if plan.diverged >= 3:
             why = (f"its torch calls differ from its recorded ones on every call (it "
                    f"{plan.why.splitlines()[0]})")

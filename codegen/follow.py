@@ -29,21 +29,23 @@ eagerly, on those real tensors.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from fxlite.codegen.capture_hooks import installed, opaque_methods
 from fxlite.codegen.capture_kinds import UNSUPPORTED, classify
 from fxlite.codegen.capture_rules import map_tensors, same_func, spelling
 from fxlite.codegen.recording import _LOCAL, Recording, Step
+from fxlite.codegen.structure import flatten
 from torch.overrides import TorchFunctionMode
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 
-__all__ = ["Follow", "Follower", "Piece"]
+__all__ = ["Expect", "Follow", "Follower", "Piece"]
 
 
 @dataclass(eq=False)
@@ -53,8 +55,22 @@ class Piece:
     nodes: list[Node]
     inputs: list[str]  # names of the values it reads, made before it
     outputs: list[str]  # names of its values, in the order the graph returns them
-    shapes: list[tuple] = field(default_factory=list)  # its inputs' sizes when compiled
+    index: int = 0  # its place in the recording's list of pieces
+    shapes: list[Any] = field(default_factory=list)  # its inputs' sizes when compiled
     compiled: Any = None  # the pipeline's CompiledSegment, after its first run
+
+
+class Expect(NamedTuple):
+    """What following needs of one recorded step, worked out once per recording (so
+    that a call matched on later calls costs a key and a few lookups)."""
+
+    func: Any  # the function called
+    node: str  # its node's name; "" for a call whose value the key fixes (no node)
+    piece: Piece | None  # the piece that computes its value; None: it runs for real
+    tensor: bool  # its value is the one tensor named ``node`` (no sequence, no constant)
+    keeps_name: bool  # it returns its input object, which keeps its own name
+    out: Any  # its result's structure, as recorded (``Step.out``)
+    passed: bool  # its function's calls run unmatched (a size read that was recorded)
 
 
 class Follow:
@@ -71,19 +87,20 @@ class Follow:
         self.attrs = {n.name: rec.externals[n.target] for n in rec.graph.nodes
                       if n.op == "get_attr"}
         self.externals = {id(v): name for name, v in self.attrs.items()}
-        self.piece_of: dict[str, Piece] = {}
         self.pieces = _pieces(rec, self.nodes)
-        for piece in self.pieces:
-            for n in piece.nodes:
-                self.piece_of[n.name] = piece
+        piece_of = {n.name: piece for piece in self.pieces for n in piece.nodes}
+        self.expects = [_expect(step, piece_of.get(step.node), self.nodes)
+                        for step in rec.steps]
         self.diverged = 0  # calls whose torch calls left the recording, in a row
-        self.keys: dict[int, tuple] = {}  # step number -> the key of a call that matched
+        # per step: the key of a call that matched it (later calls compare this key alone)
+        self.keys: list[tuple | None] = [None] * len(rec.steps)
 
-    def __call__(self, args: tuple, kwargs: dict, bound: list[Any]) -> Any:
-        from fxlite.codegen.capture_hooks import installed, opaque_methods
-        from fxlite.codegen.structure import flatten
-
-        leaves, _ = flatten((args, kwargs))
+    def __call__(self, args: tuple, kwargs: dict, bound: Sequence[Any],
+                 leaves: list[Any] | None = None) -> Any:
+        """Run the function on ``args`` and ``kwargs`` (whose leaves are ``leaves``,
+        flattened here when not given), ``bound`` being the objects it carries or names."""
+        if leaves is None:
+            leaves, _ = flatten((args, kwargs))
         follower = Follower(self)
         for leaf, name in zip(leaves, self.rec.placeholders):
             if name is not None:
@@ -101,8 +118,11 @@ class Follow:
     def run_piece(self, piece: Piece, env: dict[str, Any]) -> bool:
         """Run ``piece`` on this call's values, putting its results in ``env``; False
         (having run nothing) when its inputs' sizes differ from those it was made for."""
-        values = [env[n] for n in piece.inputs]
-        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
+        values, shapes = [], []
+        for name in piece.inputs:  # (a loop, not two comprehensions: host time)
+            v = env[name]
+            values.append(v)
+            shapes.append(v.shape if isinstance(v, torch.Tensor) else None)
         if piece.compiled is None:
             piece.shapes = shapes
             piece.compiled = self._compile(_piece_graph(piece, self.nodes), values)
@@ -124,11 +144,11 @@ class Follower(TorchFunctionMode):
     def __init__(self, follow: Follow) -> None:
         super().__init__()
         self.follow = follow
-        self.steps: list[Step] = follow.rec.steps
+        self.expects, self.keys = follow.expects, follow.keys
         self.at = 0
         self.env: dict[str, Any] = dict(follow.attrs)
         self.ids: dict[int, str] = dict(follow.externals)
-        self.ran: set[int] = set()  # ids of the pieces run in this call
+        self.ran = [False] * len(follow.pieces)  # per piece: run in this call
         self.off = False
         self.diverged = False
 
@@ -142,20 +162,23 @@ class Follower(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.off:
             return func(*args, **kwargs)
-        kind = classify(func)
-        if kind in ("meta", "grad_mode") or kind in UNSUPPORTED:
+        at, expects = self.at, self.expects
+        upcoming = expects[at] if at < len(expects) else None
+        # (a call of the next step's own function needs no classify: its kind is known)
+        if upcoming.passed if upcoming is not None and func is upcoming.func \
+                else classify(func) in _PASSED:
             return func(*args, **kwargs)
-        step = self._match(func, args, kwargs)
-        if step is None:
+        expect = self._match(func, args, kwargs)
+        if expect is None:
             return self._diverge(func, args, kwargs)
-        piece = self.follow.piece_of.get(step.node)
+        piece = expect.piece
         if piece is None:  # a write, a random draw, a read, a view, an effect: for real
             out = func(*args, **kwargs)
-            if not (step.node and self.follow.nodes[step.node].meta.get("returns_input")):
-                self._bind_out(out, step.node)  # (its input keeps its name, as recorded)
+            if not expect.keeps_name:  # (its input keeps its name, as recorded)
+                self._bind_out(out, expect.node)
             return out
-        if id(piece) not in self.ran:
-            self.ran.add(id(piece))
+        if not self.ran[piece.index]:  # its first call in this call: run it
+            self.ran[piece.index] = True
             self.off = True  # fxlite's call hooks see the piece's own calls as no one's
             try:
                 ok = self.follow.run_piece(piece, self.env)
@@ -165,73 +188,52 @@ class Follower(TorchFunctionMode):
                 self.off = False
             if not ok:
                 return self._diverge(func, args, kwargs)
-        out = self._value(step.out, step.node)
-        self._bind_out(out, step.node)
+        name = expect.node
+        if expect.tensor:
+            out = self.env[name]
+            self.ids[id(out)] = name
+            return out
+        out = self._value(expect.out, name)
+        self._bind_out(out, name)
         return out
 
     # ------------------------------------------------------------------ matching
-    def _match(self, func: Any, args: tuple, kwargs: dict) -> Step | None:
+    def _match(self, func: Any, args: tuple, kwargs: dict) -> Expect | None:
         """The next recorded step, if this call is the same call: same function, same
         tensors (by the names this call gave them), equal other arguments."""
-        if self.at >= len(self.steps):
+        at = self.at
+        if at >= len(self.expects):
             return None
-        step = self.steps[self.at]
-        if not (same_func(step.func, func) or isinstance(step.func, type) and func is step.func):
+        expect = self.expects[at]
+        if func is not expect.func and not same_func(expect.func, func):
             return None
-        if step.node:
+        if expect.node:
             try:
-                key = self._key(args, kwargs)
+                key = _call_key(args, kwargs, self.ids, self.env)
             except _Unknown:
                 return None
-            known = self.follow.keys.get(self.at)
+            known = self.keys[at]
             try:
                 hit = known is not None and known == key
             except Exception:  # values without a plain equality: the full comparison
                 hit = False
             if not hit:
-                node = self.follow.nodes[step.node]
-                target, opcode, spelled = spelling(func, args)
-                if not (opcode == node.op and same_func(target, node.target)
-                        and _same(self._arg(spelled), node.args)
-                        and _same(self._arg(kwargs) if kwargs else {}, node.kwargs)):
+                if not self._same_call(func, args, kwargs, self.follow.nodes[expect.node]):
                     return None
-                self.follow.keys[self.at] = key  # later calls compare this key alone
-        self.at += 1
-        return step
+                self.keys[at] = key  # later calls compare this key alone
+        self.at = at + 1
+        return expect
 
-    def _key(self, args: tuple, kwargs: dict) -> tuple:
-        """The call's arguments as a comparable tuple: tensors by the name this call gave
-        them, other values with their type (``1`` is not ``1.0``, nor ``True``). Equal
-        to a key that matched the recording: the same call (the comparison that made that
-        key knew the spelling, which depends on nothing else)."""
-        out: list[Any] = []
-        add = out.append
-        ids, env = self.ids, self.env
-
-        def walk(a: Any) -> None:
-            t = type(a)
-            if t is tuple or t is list:
-                add(len(a))
-                for x in a:
-                    walk(x)
-            elif isinstance(a, torch.Tensor):
-                name = ids.get(id(a))
-                if name is None or env.get(name) is not a:
-                    raise _Unknown
-                add(_TENSOR)
-                add(name)
-            elif t is dict:
-                add(tuple(a))
-                for x in a.values():
-                    walk(x)
-            else:
-                add(t)
-                add(a if t is not float or a == a else _NAN)
-
-        walk(args)
-        if kwargs:
-            walk(kwargs)
-        return tuple(out)
+    def _same_call(self, func: Any, args: tuple, kwargs: dict, node: Node) -> bool:
+        """Whether the call is ``node``'s, compared as the recorder wrote it (spelling,
+        tensors as nodes, other values by ``_same``)."""
+        target, opcode, spelled = spelling(func, args)
+        try:
+            return opcode == node.op and same_func(target, node.target) \
+                and _same(self._arg(spelled), node.args) \
+                and _same(self._arg(kwargs) if kwargs else {}, node.kwargs)
+        except _Unknown:
+            return False
 
     def _arg(self, a: Any) -> Any:
         """``a`` with each tensor swapped for its recorded node (as the recorder wrote it)."""
@@ -283,22 +285,78 @@ class Follower(TorchFunctionMode):
     def call_opaque(self, target: Any, runner: Callable[..., Any], args: tuple,
                     kwargs: dict, touches: list[torch.Tensor] | None = None) -> Any:
         """A call recorded whole (an optimizer's step): matched, then run for real."""
-        step = self._match(target, args, kwargs)
+        expect = self._match(target, args, kwargs)
         self.off = True  # its own torch calls are its business
         try:
             out = runner(*args, **kwargs)
         finally:
             self.off = self.diverged
-        if step is None:
+        if expect is None:
             self.off = self.diverged = True
         else:
-            self._bind_out(out, step.node)
+            self._bind_out(out, expect.node)
         return out
 
     def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
         """``torch.cond``: runs the branch the predicate picks, eagerly, and ends the match."""
         self.off = self.diverged = True
         return (true_fn if bool(pred) else false_fn)(*operands)
+
+
+# kinds of calls that run as called, unmatched: sizes, grad mode, printing...
+_PASSED = frozenset({"meta", "grad_mode", *UNSUPPORTED})
+
+
+def _expect(step: Step, piece: Piece | None, nodes: dict[str, Node]) -> Expect:
+    """``step``'s record for following it: what the follower would otherwise look up on
+    every call (its piece, its node's meta, its function's kind)."""
+    node = nodes.get(step.node) if step.node else None
+    return Expect(step.func, step.node, piece, step.out[0] == "t",
+                  node is not None and bool(node.meta.get("returns_input")), step.out,
+                  classify(step.func) in _PASSED)
+
+
+def _call_key(args: tuple, kwargs: dict, ids: dict[int, str], env: dict[str, Any]) -> tuple:
+    """A call's arguments as a comparable tuple: a tensor as the name this call gave it
+    (``_Unknown`` for one it gave none), a container as its length (a dict: its keys)
+    then its items, any other value with its type (``1`` is not ``1.0``, nor ``True``).
+    Equal to a key that matched the recording: the same call (the comparison that made
+    that key knew the spelling, which depends on nothing else). ``x + 1`` with ``x``
+    named ``t``::
+
+        (args, kwargs) = ((x, 1), {})   ->   (2, "t", (int, 1))
+    """
+    out: list[Any] = [len(args)]
+    for a in args:  # (as _add_key does, tensors inline: a call per argument is host time)
+        if isinstance(a, torch.Tensor):
+            name = ids.get(id(a))
+            if name is None or env.get(name) is not a:
+                raise _Unknown
+            out.append(name)
+        else:
+            _add_key(a, out, ids, env)
+    if kwargs:
+        _add_key(kwargs, out, ids, env)
+    return tuple(out)
+
+
+def _add_key(a: Any, out: list[Any], ids: dict[int, str], env: dict[str, Any]) -> None:
+    t = type(a)
+    if t is tuple or t is list:
+        out.append(len(a))
+        for x in a:
+            _add_key(x, out, ids, env)
+    elif isinstance(a, torch.Tensor):
+        name = ids.get(id(a))
+        if name is None or env.get(name) is not a:
+            raise _Unknown
+        out.append(name)
+    elif t is dict:
+        out.append((_DICT, tuple(a)))
+        for x in a.values():
+            _add_key(x, out, ids, env)
+    else:
+        out.append((t, a if t is not float or a == a else _NAN))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -327,7 +385,7 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-_TENSOR = object()  # marks a tensor's name in a call's key
+_DICT = object()  # marks a dict's keys in a call's key
 _NAN = object()  # stands for NaN in a key (NaN is not equal to itself)
 
 
@@ -384,7 +442,10 @@ def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
         pure.add(node.name)
         run.append(node)
     close()
-    return [p for p in pieces if p.outputs]
+    pieces = [p for p in pieces if p.outputs]
+    for i, piece in enumerate(pieces):
+        piece.index = i
+    return pieces
 
 
 def _piece_graph(piece: Piece, nodes: dict[str, Node]) -> GraphModule:

@@ -198,3 +198,152 @@ def test_the_tier_of_a_call_and_explain_say_which_way_it_runs_and_why():
         report = fxlite.explain(fn)(x)
         assert report.tier == tier and tier in str(report)
     assert "changes the list log" in f.tier and "changes the list log" in report.effect
+
+
+# ---------------------------------------------------------------- the cheap followed path
+# A function with no replayed recording is followed without computing its state key; the
+# hooks install from one prepared patch; the follower compares each call with a per-step
+# key; a piece reads the parameters it uses itself. Each must follow eager as before.
+
+def side_by_side(make, inputs, between=lambda i, state: None, calls=CALLS, grads=False):
+    """Like ``twice``, with ``between(i, state)`` run before call ``i`` (``make`` returns
+    ``(fn, log, state)``): state changed from outside between calls. With ``grads``, each
+    result's gradient with respect to the input is compared too."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        fn, log, state = make()
+        f = fxlite.compile(fn) if compiled else fn
+        results = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(calls):
+                between(i, state)
+                args = inputs(i)
+                if grads:
+                    args = tuple(a.clone().requires_grad_() for a in args)
+                out = f(*args)
+                results.append(out.detach() if isinstance(out, torch.Tensor) else out)
+                if grads:
+                    out.sum().backward()
+                    results += [a.grad for a in args]
+        runs.append((results, list(log), f))
+    (r0, log0, _), (r1, log1, f) = runs
+    torch.testing.assert_close(r1, r0)
+    assert log1 == log0
+    return f
+
+
+def test_module_state_changed_between_followed_calls_is_seen():
+    def make():
+        m, log = block(), []
+
+        def fn(x):
+            log.append(1)
+            return torch.relu(m(x)) * 2
+
+        return fn, log, m
+
+    def between(i, m):  # (pieces compile on call 1, the first followed call)
+        with torch.no_grad():
+            if i == 2:
+                m[0].weight.mul_(0.5)  # in place: the piece reads the parameter itself
+            if i == 3:
+                m[3].bias.data = torch.randn(4, device=DEVICE)  # the same object, new data
+            if i == 4:
+                m.eval()
+            if i == 5:
+                m[3].weight = torch.nn.Parameter(torch.randn(4, 8, device=DEVICE))
+
+    side_by_side(make, fresh, between, calls=7)
+
+
+def test_a_parameter_given_another_shape_between_followed_calls():
+    def make():
+        m, log = torch.nn.Linear(4, 3).to(DEVICE), []
+
+        def fn(x):
+            log.append(1)
+            return torch.tanh(m(x)) + 1
+
+        return fn, log, m
+
+    def between(i, m):
+        if i == 2:
+            m.weight.data = torch.randn(5, 4, device=DEVICE)
+            m.bias.data = torch.randn(5, device=DEVICE)
+
+    side_by_side(make, fresh, between)
+
+
+class _Triple(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2  # its backward is not the derivative: which one ran shows
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_an_autograd_function_or_cond_a_recording_did_not_call_still_follows_eager():
+    def make(kind):
+        def make_():
+            log, calls = [], [0]
+
+            def fn(x):
+                log.append(1)
+                calls[0] += 1
+                if calls[0] >= 3 and kind == "function":
+                    h = _Triple.apply(x)
+                elif calls[0] >= 3:
+                    h = torch.cond(x.sum() > 0, lambda a: a * 2, lambda a: a - 1, (x,))
+                else:
+                    h = x * 2
+                return torch.sin(h) * 2
+
+            return fn, log, None
+        return make_
+
+    side_by_side(make("function"), fresh, calls=5, grads=True)
+    side_by_side(make("cond"), fresh, calls=5)
+
+
+def test_numbers_and_keywords_that_change_between_followed_calls():
+    def make(scalars, modes):
+        def make_():
+            log, i = [], [-1]
+
+            def fn(x):
+                log.append(1)
+                i[0] += 1
+                whole = (x * 10).long() * scalars[i[0]]  # 1 keeps it an integer, 1.0 not
+                whole = torch.nan_to_num(whole, nan=0.5)
+                h = torch.nn.functional.gelu(x, approximate=modes[i[0]])
+                return whole, torch.nan_to_num(h * scalars[i[0]], nan=0.5)
+
+            return fn, log, None
+        return make_
+
+    # recorded with 1.0: 1 and True are other calls (each ends its call's match), and a
+    # matching call between them resets the count of calls that left the recording
+    side_by_side(make([1.0, 1.0, 1, 1.0, True, 1.0, 2.0],
+                      ["tanh", "tanh", "tanh", "none", "tanh", "tanh", "tanh"]), fresh, calls=7)
+    side_by_side(make([float("nan")] * 4, ["none"] * 4), fresh)  # NaN matches NaN
+
+
+def test_a_data_dependent_size_and_a_branch_inside_a_piece_follow_eager():
+    def make():
+        log = []
+
+        def fn(x):
+            log.append(1)
+            h = torch.relu(x)
+            n = torch.nonzero(h).shape[0]  # a size read of a data-dependent shape
+            if len(log) % 2:  # Python state picks which ops follow, mid-piece
+                return (h * 2 + 1) * n
+            return (h - 3) * n
+
+        return fn, log, None
+
+    side_by_side(make, fresh, calls=6)
