@@ -53,8 +53,9 @@ class Piece:
     """A run of pure recorded nodes, compiled as one graph that returns all its values."""
 
     nodes: list[Node]
-    inputs: list[str]  # names of the values it reads, made before it
+    inputs: list[str]  # names of the values it is given, made before it
     outputs: list[str]  # names of its values, in the order the graph returns them
+    attrs: list[str] = field(default_factory=list)  # parameters, buffers it reads itself
     index: int = 0  # its place in the recording's list of pieces
     shapes: list[Any] = field(default_factory=list)  # its inputs' sizes when compiled
     compiled: Any = None  # the pipeline's CompiledSegment, after its first run
@@ -125,7 +126,7 @@ class Follow:
             shapes.append(v.shape if isinstance(v, torch.Tensor) else None)
         if piece.compiled is None:
             piece.shapes = shapes
-            piece.compiled = self._compile(_piece_graph(piece, self.nodes), values)
+            piece.compiled = self._compile(_piece_graph(piece, self.rec, self.nodes), values)
             outs = piece.compiled.outputs
             piece.compiled.outputs = None
         elif shapes != piece.shapes:
@@ -419,13 +420,21 @@ def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
         if run:
             made = {n.name for n in run}
             inputs: list[str] = []
+            attrs: list[str] = []
             for n in run:
                 for inp in n.all_input_nodes:
-                    if inp.name not in made and inp.name not in inputs:
-                        inputs.append(inp.name)
+                    if inp.name in made or inp.name in inputs or inp.name in attrs:
+                        continue
+                    fixed = inp.op == "get_attr" and inp.name not in written
+                    (attrs if fixed else inputs).append(inp.name)
             outputs = [n.name for n in run if n.meta.get("type") is torch.Tensor]
-            pieces.append(Piece(list(run), inputs, outputs))
+            pieces.append(Piece(list(run), inputs, outputs, attrs))
             run.clear()
+
+    # Parameters, buffers and constants no call writes are read by the piece itself, as
+    # a replayed segment reads them (segments.py): a call gives it the other values
+    # alone, and on a GPU its straight-line forward binds them once
+    written = {name for n in rec.graph.nodes for name in n.meta.get("mutated", ())}
 
     pure: set[str] = set()
     for node in rec.graph.nodes:
@@ -448,8 +457,17 @@ def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
     return pieces
 
 
-def _piece_graph(piece: Piece, nodes: dict[str, Node]) -> GraphModule:
-    """A module computing ``piece`` from its inputs, returning every one of its values."""
+def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node]) -> GraphModule:
+    """A module computing ``piece`` from its inputs and the attributes it reads (held by
+    the recording's holder), returning every one of its values::
+
+        recording                                     piece 0 (inputs: t)
+        %t = placeholder                              %t = placeholder
+        %w = get_attr[mlp.0.weight]                   %w = get_attr[mlp.0.weight]
+        %linear = linear(%t, %w)                      %linear = linear(%t, %w)
+        %gelu = gelu(%linear)                         %gelu = gelu(%linear)
+        %item = item(%gelu)       (a read: its own)   output((%linear, %gelu))
+    """
     graph = Graph()
     env: dict[Node, Node] = {}
     for name in piece.inputs:
@@ -457,7 +475,12 @@ def _piece_graph(piece: Piece, nodes: dict[str, Node]) -> GraphModule:
         new = graph.placeholder(name)
         new.meta = dict(old.meta)
         env[old] = new
+    for name in piece.attrs:
+        old = nodes[name]
+        new = graph.get_attr(old.target)
+        new.meta = dict(old.meta)
+        env[old] = new
     for node in piece.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[nodes[n]] for n in piece.outputs))
-    return GraphModule(torch.nn.Module(), graph)
+    return GraphModule(rec.holder, graph)
