@@ -1,13 +1,14 @@
 """Host cost per call: eager against fxlite's replay and its followed tier, side by side.
 
 A compiled call costs host time (Python) before and between its kernels. This script
-measures it on three programs, each in one process, the variants taking turns:
+measures it on four programs, each in one process, the variants taking turns:
 
 - ``tiny``: ``torch.relu(x + 1) * 2`` on a small tensor;
-- ``mlp20``: a 10-layer MLP (20 torch ops per call: linear and GELU);
-- ``mlp20_logged``: the same, appending to a Python list on every call, which makes
+- ``tiny_logged``: the same, appending to a Python list on every call, which makes
   fxlite *follow* it (codegen/follow.py: the user's Python runs on every call and its
-  torch calls are matched with the recording and served by compiled pieces).
+  torch calls are matched with the recording and served by compiled pieces);
+- ``mlp20``: a 10-layer MLP (20 torch ops per call: linear and GELU);
+- ``mlp20_logged``: the same, appending to a Python list on every call (followed).
 
 Variants: ``eager``, ``fxlite`` (the program compiled with ``fxlite.compile``; on a GPU
 with the Triton backend, on the CPU with ``backend="python"``, which runs the recorded
@@ -48,6 +49,10 @@ def programs(device: str) -> dict[str, tuple]:
     def tiny(t):
         return torch.relu(t + 1) * 2
 
+    def tiny_logged(t):
+        log.append(1)
+        return torch.relu(t + 1) * 2
+
     def mlp20(t):
         return mlp(t)
 
@@ -55,7 +60,8 @@ def programs(device: str) -> dict[str, tuple]:
         log.append(1)
         return mlp(t)
 
-    return {"tiny": (tiny, x), "mlp20": (mlp20, x), "mlp20_logged": (mlp20_logged, x)}
+    return {"tiny": (tiny, x), "tiny_logged": (tiny_logged, x), "mlp20": (mlp20, x),
+            "mlp20_logged": (mlp20_logged, x)}
 
 
 def per_call(fn, x, calls: int, rounds: int, sync) -> float:
