@@ -48,6 +48,9 @@ def main() -> None:
     parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
     parser.add_argument("--memory", action="store_true", help="peak memory step by step")
+    parser.add_argument("--memory-sites", type=int, default=0, metavar="STEPS",
+                        help="with --memory: the allocation sites live at the peak of the "
+                             "first STEPS steps (torch's memory history)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -62,7 +65,10 @@ def main() -> None:
         model = copy.deepcopy(base)
         opt = make_opt(model)
         if args.memory:
-            memory_profile(label, fn, model, opt, data)
+            if args.memory_sites:
+                peak_sites(label, fn, model, opt, data, args.memory_sites, args.top)
+            else:
+                memory_profile(label, fn, model, opt, data)
             del model, opt
             torch.cuda.empty_cache()
             continue
@@ -102,6 +108,41 @@ def memory_profile(label: str, fn, model, opt, data) -> None:
     if getattr(fn, "tier", None):
         print(f"  tier: {fn.tier}; kernels {len(fn.kernels)}; fallbacks "
               f"{[f[:160] for f in fn.fallbacks][:3]}")
+
+
+def peak_sites(label: str, fn, model, opt, data, steps: int, top: int) -> None:
+    """Run ``steps`` steps under torch's memory history; print the blocks live at the
+    highest point, grouped by the innermost frames of fxlite (or of the model) that
+    allocated them."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    for i in range(steps):
+        fn(model, opt, *data[i % len(data)])
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, list]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, list]] = {}
+    for e in snap["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] in ("free_requested", "free") and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+    sites: dict[str, int] = {}
+    for size, frames in at_peak.values():
+        names = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
+                 if "/fxlite/" in f["filename"] or "/codegen/" in f["filename"]
+                 or "/passes/" in f["filename"] or "transformers" in f["filename"]]
+        key = " <- ".join(names[:3]) or "(no fxlite or model frame)"
+        sites[key] = sites.get(key, 0) + size
+    print(f"{label}: {peak / 2**30:.2f} GiB allocated during the first {steps} steps' "
+          "highest point (beyond what was allocated before), by site:")
+    for key, size in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {size / 2**30:7.3f} GiB  {key}")
 
 
 def gpu_profile(fn, model, opt, data, top: int) -> None:

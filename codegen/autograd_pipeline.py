@@ -30,7 +30,7 @@ from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode
 from fxlite.ops import is_impure, lookup
 
-from .accuracy import HALF_TOLERANCE
+from .accuracy import HALF_TOLERANCE, allclose
 from .report import KernelRecord
 
 __all__ = ["CompiledGraph"]
@@ -179,7 +179,7 @@ def _assert_same(got: Any, expected: Any, inputs: torch.dtype | None = None) -> 
             raise AssertionError("values differ")
         return
     tol = max(_TOL.get(expected.dtype, 1e-5), _TOL.get(inputs, 0.0))
-    if not torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True):
+    if not allclose(got, expected, tol, tol):
         diff = (got.double() - expected.double()).abs().nan_to_num().max().item()
         raise AssertionError(f"values differ (max abs difference {diff:.3g})")
 

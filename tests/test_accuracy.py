@@ -168,3 +168,26 @@ def test_no_second_look_when_the_run_wrote_its_inputs():
     x.add_(0)  # a write between the runs: the float64 run would not see eager's inputs
     with pytest.raises(AssertionError, match="not close"):
         _assert_as_accurate(gm, (x,), good, twenty_steps(x), before)
+
+
+@pytest.mark.parametrize("shape", [(3,), (10, 20), (7, 9, 13), (1, 500), (2, 1, 300)])
+def test_allclose_compares_slice_by_slice_as_torch_allclose_does(shape, monkeypatch) -> None:
+    """The kernel checks compare in slices so that their temporaries stay small (a GPT-2
+    step's logits check took 3 GiB); every element is still compared, NaN equal to NaN."""
+    import fxlite.codegen.accuracy as accuracy
+
+    monkeypatch.setattr(accuracy, "_SLICE", 64)
+    a = torch.randn(shape)
+    assert accuracy.allclose(a, a.clone(), 1e-5, 1e-5)
+    for at in (0, a.numel() // 2, a.numel() - 1):
+        b = a.clone()
+        b.view(-1)[at] += 1
+        assert not accuracy.allclose(a, b, 1e-5, 1e-5)
+        assert accuracy.allclose(a, b, 0, 1.5)
+    a.view(-1)[-1] = float("nan")
+    b = a.clone()
+    assert accuracy.allclose(a, b, 0, 0)
+    t = a.view(-1)[: (a.numel() // 2) * 2].view(2, -1).t()  # not contiguous
+    u = t.clone()
+    u[0, -1] -= 1
+    assert accuracy.allclose(t, t.clone(), 0, 0) and not accuracy.allclose(t, u, 1e-5, 1e-5)
