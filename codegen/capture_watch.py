@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from fxlite.codegen.recording import _LIB_DIRS, format_site
 
-__all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "user_class"]
+__all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large", "user_class",
+           "users_object"]
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
@@ -356,6 +357,7 @@ def user_class(cls: type) -> bool:
     module = getattr(cls, "__module__", "") or ""
     return not module.startswith(("torch", "fxlite", "builtins", "typing", "collections",
                                   "enum", "abc", "numpy", "transformers", "timm")) \
+        and module.split(".")[0] not in sys.stdlib_module_names \
         and not issubclass(cls, (torch.nn.Module, BaseException))
 
 
@@ -397,7 +399,7 @@ def too_large(value: Any, depth: int = 0) -> Any:
     elif isinstance(value, (list, tuple)):
         items = value
     elif is_stateful(value) and not isinstance(value, (type, set, bytearray)) \
-            and _users_object(value):
+            and users_object(value):
         items = getattr(value, "__dict__", {}).values()
     else:
         return None
@@ -409,12 +411,10 @@ def too_large(value: Any, depth: int = 0) -> Any:
     return None
 
 
-def _users_object(value: Any) -> bool:
+def users_object(value: Any) -> bool:
     """An instance of a class of the user's, not of a library's (a ``logging.Logger``
     reaches its manager's dict of every logger)."""
-    cls = type(value)
-    top = (getattr(cls, "__module__", "") or "").split(".")[0]
-    return user_class(cls) and top not in sys.stdlib_module_names
+    return user_class(type(value))
 
 
 def optimizer_key(opt: torch.optim.Optimizer) -> tuple:

@@ -42,6 +42,7 @@ from fxlite.codegen.capture_watch import (
     optimizer_key,
     too_large,
     user_class,
+    users_object,
 )
 from fxlite.codegen.segments import read_key
 
@@ -405,7 +406,14 @@ def _content(v: Any) -> Any:
         return (id(v), contents_key(v)) if user_class(v) else id(v)
     if not is_stateful(v):
         return id(v)
-    return (id(v), contents_key(v))
+    if type(v) in (list, dict, set, bytearray) or users_object(v):
+        return (id(v), contents_key(v))
+    if isinstance(v, (list, dict, set, bytearray)):  # a library's registry
+        return (id(v), len(v))
+    # a library's object (a logging.Logger, a transformers registry): its own attributes
+    # only; walking on into a Logger's manager cost 0.1-0.4 ms a call, and a transformers
+    # model's helpers name five loggers
+    return (id(v), _attributes_key(v))
 
 
 def _plain_attrs(m: torch.nn.Module) -> tuple[str, ...]:
