@@ -72,6 +72,7 @@ class Expect(NamedTuple):
     keeps_name: bool  # it returns its input object, which keeps its own name
     out: Any  # its result's structure, as recorded (``Step.out``)
     passed: bool  # its function's calls run unmatched (a size read that was recorded)
+    grad: bool | None  # grad mode as recorded (a piece's values depend on it); None: any
 
 
 class Follow:
@@ -208,6 +209,8 @@ class Follower(TorchFunctionMode):
         expect = self.expects[at]
         if func is not expect.func and not same_func(expect.func, func):
             return None
+        if expect.grad is not None and expect.grad is not torch.is_grad_enabled():
+            return None  # Python chose another grad mode: a piece's values would differ
         if expect.node:
             try:
                 key = _call_key(args, kwargs, self.ids, self.env)
@@ -314,7 +317,8 @@ def _expect(step: Step, piece: Piece | None, nodes: dict[str, Node]) -> Expect:
     node = nodes.get(step.node) if step.node else None
     return Expect(step.func, step.node, piece, step.out[0] == "t",
                   node is not None and bool(node.meta.get("returns_input")), step.out,
-                  classify(step.func) in _PASSED)
+                  classify(step.func) in _PASSED,
+                  node.meta.get("grad_enabled") if node is not None else None)
 
 
 def _call_key(args: tuple, kwargs: dict, ids: dict[int, str], env: dict[str, Any]) -> tuple:

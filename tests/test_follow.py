@@ -347,3 +347,25 @@ def test_a_data_dependent_size_and_a_branch_inside_a_piece_follow_eager():
         return fn, log, None
 
     side_by_side(make, fresh, calls=6)
+
+
+def test_a_grad_mode_python_picks_at_call_time_is_followed():
+    """Python state turns gradients off mid-function on some calls: the pieces were
+    compiled where the recording had them on, so a step whose grad mode differs from its
+    recorded one ends the match (the follower ran a piece under the wrong mode before)."""
+    def make():
+        log = []
+        w = torch.randn(4, 4, device=DEVICE, requires_grad=True)
+
+        def fn(x):
+            log.append(1)
+            a = x @ w
+            if len(log) in (3, 4, 6):
+                torch.set_grad_enabled(False)
+            b = a.relu() * 2 + 1
+            torch.set_grad_enabled(True)
+            return b.requires_grad, b.sum()
+
+        return fn, log, None
+
+    side_by_side(make, fresh, calls=7)
