@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -130,6 +131,17 @@ class CompiledFunction:
                 pass
 
     # ------------------------------------------------------------------ calling
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """Bound to the instance when it is a method in a class body, as a function (and
+        torch.compile's result) is::
+
+            class Model:
+                @fxlite.compile
+                def run(self, x): ...
+            Model().run(x)          # run(self=that model, x)
+        """
+        return self if obj is None else types.MethodType(self, obj)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._all_eager is not None:
             return self._fn(*args, **kwargs)

@@ -284,7 +284,8 @@ class _Writer:
         if isinstance(a, Node):
             return self.env[a]
         if isinstance(a, (tuple, list)):
-            return type(a)(self.value(x) for x in a)
+            items = [self.value(x) for x in a]
+            return type(a)(*items) if hasattr(a, "_fields") else type(a)(items)  # namedtuples
         if isinstance(a, dict):
             return {k: self.value(v) for k, v in a.items()}
         if isinstance(a, slice):

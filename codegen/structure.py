@@ -1,6 +1,7 @@
 """Flatten call arguments and results into leaves, and rebuild them.
 
-``flatten(obj)`` walks tuples, lists, dicts, namedtuples, dataclass instances and types
+``flatten(obj)`` walks tuples, lists, dicts, namedtuples (with the instance attributes
+of a subclass's instance: ``t.c = x``), dataclass instances and types
 registered with ``torch.utils._pytree`` (HuggingFace's ``ModelOutput`` is one), and
 returns the leaves in order with a hashable ``spec``; ``unflatten(spec, leaves)``
 rebuilds an equal structure around new leaves::
@@ -18,6 +19,8 @@ import copy
 import dataclasses
 from collections import OrderedDict
 from typing import Any
+
+import torch
 
 __all__ = ["flatten", "flatten_call", "unflatten"]
 
@@ -76,13 +79,19 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Spec]:
 
 def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     t = type(obj)
-    if t is tuple or t is list:
-        return ("tuple" if t is tuple else "list", len(obj),
+    if t is tuple or t is list or t is torch.Size:  # (torch's pytree unflattens a Size
+        # into a plain tuple)
+        return ("tuple" if t is tuple else "list" if t is list else "Size", len(obj),
                 tuple(_flatten(x, leaves) for x in obj))
     if t is dict or t is OrderedDict:
         keys = tuple(obj)
         return (t.__name__, keys, tuple(_flatten(obj[k], leaves) for k in keys))
     if isinstance(obj, tuple) and hasattr(t, "_fields"):  # namedtuple
+        extra = getattr(obj, "__dict__", None)  # a subclass's instance attributes (t.c = 1)
+        if extra:
+            names = tuple(extra)
+            return ("namedtuple+", (t, names), tuple(_flatten(x, leaves) for x in
+                                                     (*obj, *(extra[n] for n in names))))
         return ("namedtuple", t, tuple(_flatten(x, leaves) for x in obj))
     node = _pytree_node(obj)
     if node is not None:
@@ -137,12 +146,19 @@ def _unflatten(spec: Spec, it: Any) -> Any:
         return tuple(items)
     if kind == "list":
         return items
+    if kind == "Size":
+        return torch.Size(items)
     if kind == "dict":
         return dict(zip(detail, items))
     if kind == "OrderedDict":
         return OrderedDict(zip(detail, items))
     if kind == "namedtuple":
         return detail(*items)
+    if kind == "namedtuple+":  # with instance attributes, after the fields
+        t, names = detail
+        out = t(*items[:len(items) - len(names)])
+        out.__dict__.update(zip(names, items[len(items) - len(names):]))
+        return out
     if kind == "pytree":
         t, _, context = detail
         return _pytree_node_of(t).unflatten_fn(items, context.value)

@@ -1,0 +1,63 @@
+"""Cases from PyTorch's Dynamo tests (``benchmarks/dynamo_parity.py``) that fxlite got
+wrong or crashed on, each compared with eager over several calls."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+import torch
+
+import fxlite
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def test_a_method_compiled_in_a_class_body_binds_its_instance() -> None:
+    """``@fxlite.compile`` on a method: ``obj.run(x)`` passes ``obj`` as ``self``, as a
+    function and torch.compile's result do (it raised a missing-argument TypeError)."""
+    class Model:
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+        @fxlite.compile
+        def run(self, x):
+            return torch.sin(x) * self.scale
+
+    a, b = Model(2.0), Model(3.0)
+    x = torch.randn(4)
+    for _ in range(3):
+        torch.testing.assert_close(a.run(x), torch.sin(x) * 2.0)
+        torch.testing.assert_close(b.run(x), torch.sin(x) * 3.0)
+    assert isinstance(Model.__dict__["run"], fxlite.codegen.compile.CompiledFunction)
+
+
+def test_a_size_built_from_sizes_stays_a_size() -> None:
+    """``x.size() + x.size()`` is a ``torch.Size`` in eager; replays returned a tuple."""
+    f = fxlite.compile(lambda x: x.size() + x.size())
+    for n in (10, 10, 10, 4, 4):
+        got = f(torch.ones(n, 3))
+        assert type(got) is torch.Size and got == torch.Size([n, 3, n, 3])
+
+
+def test_a_namedtuple_size_argument_replays() -> None:
+    """``torch.rand(Shape(2, 3))`` with a namedtuple size: replays rebuilt the namedtuple
+    from one generator and raised TypeError."""
+    Shape = collections.namedtuple("Shape", ["a", "b"])
+
+    def fn():
+        return torch.rand(Shape(2, 3), requires_grad=True) + 1
+
+    f = fxlite.compile(fn)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        got = f()
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, fn())
+        assert got.requires_grad
