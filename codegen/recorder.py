@@ -474,9 +474,9 @@ class Recorder(TorchFunctionMode):
             self._autocast = state
             node = self.graph.call_function(set_autocast, (state,))
             node.meta.update(impure=True, grad_enabled=grad)
-        if torch.is_inference_mode_enabled():
-            raise_unsupported = "enters inference mode inside the function"
-            self.stop(raise_unsupported)
+        if torch.is_inference_mode_enabled():  # the caller's or its own
+            self.stop("runs in inference mode, whose tensors have no version counter "
+                      "for fxlite to see in-place writes by")
 
     def finish(self) -> None:
         """Close the recording: restore ambient state at the end, check the generator."""

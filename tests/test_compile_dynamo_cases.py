@@ -61,3 +61,15 @@ def test_a_namedtuple_size_argument_replays() -> None:
         torch.manual_seed(seed)
         torch.testing.assert_close(got, fn())
         assert got.requires_grad
+
+
+def test_a_caller_in_inference_mode_gets_eager_with_a_reason() -> None:
+    """Inference tensors carry no version counter, so fxlite cannot see in-place writes:
+    the function runs in eager, and the warning says why (it said the function *entered*
+    inference mode, when the caller had)."""
+    f = fxlite.compile(lambda x: x * 2 + 1)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 3.0))
+    assert any("runs in inference mode" in str(w.message) for w in seen)
