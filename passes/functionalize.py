@@ -16,7 +16,7 @@ graph returns the input itself where it returned the written tensor::
                                                    return (mul, copy_)
 
 Writes through views, into memory another value shares, by ``out=`` arguments, by ops
-without a pure spelling, or (under grad mode) into an input that requires grad or with a
+without a pure spelling, into an input that requires grad, or (under grad mode) with a
 result that does, stay as they are: they are impure nodes, which the fusion
 partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
 without it (graphs from ``symbolic_trace``) are left alone.
@@ -74,8 +74,11 @@ def functionalize(gm: GraphModule) -> GraphModule:
             if root in seen:
                 break
             seen.add(root)
-        if root.op == "placeholder" and node.meta.get("grad_enabled") and (
-                _requires_grad(root) or _requires_grad(node)):
+        if root.op == "placeholder" and (_requires_grad(root) or (
+                node.meta.get("grad_enabled") and _requires_grad(node))):
+            # (under no_grad too: the write-back goes before the output, where the
+            # function may have turned gradients on again, and a leaf that requires grad
+            # refuses an in-place write there)
             # An input autograd tracks, or a write into one whose result autograd tracks
             # (``b.div_(x)``, x requiring grad): the write-back would change, after the
             # fact, a value the pure ops saved for their backward (silu saves its input;

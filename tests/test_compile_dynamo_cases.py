@@ -73,3 +73,26 @@ def test_a_caller_in_inference_mode_gets_eager_with_a_reason() -> None:
         for _ in range(2):
             torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 3.0))
     assert any("runs in inference mode" in str(w.message) for w in seen)
+
+
+def test_a_write_into_a_parameter_under_no_grad_set_inside_the_function() -> None:
+    """``set_grad_enabled(False); param.add_(y)``, then gradients back on: the write was
+    made a pure add plus a write-back before the output, after gradients were on again,
+    where a leaf that requires grad refuses an in-place write (replays raised)."""
+    def fn(param, y):
+        prev = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(False)
+            param.add_(y)
+        finally:
+            torch.set_grad_enabled(prev)
+        return param * 2
+
+    f = fxlite.compile(fn)
+    p = torch.nn.Parameter(torch.randn(4))
+    q = torch.nn.Parameter(p.detach().clone())
+    for i in range(4):
+        y = torch.full((4,), float(i))
+        torch.testing.assert_close(f(p, y), fn(q, y))
+        torch.testing.assert_close(p, q)
+    assert torch.is_grad_enabled()
