@@ -15,9 +15,13 @@ What it finds, with the user's line:
   ``eval``, a ``warnings.warn``, a write to a file or stream, a draw from Python's or
   numpy's random generators, a read of the clock, ``next()`` of an iterator the call did
   not just make, entering ``logging`` or ``random``, assigning a global or a ``nonlocal``,
-  resuming a generator made before the call; and, compared after the call, a change to
-  a container or object that existed before it and that the user's functions name
-  (their globals and closure cells, :meth:`Watch.changed`).
+  resuming a generator made before the call, setting a torch generator's state
+  (``torch.default_generator.set_state``, ``torch.set_rng_state``), assigning ``.real``
+  or ``.imag`` (a tensor write in C that the recorder's mode does not see); a result a
+  replay cannot rebuild (a closure made in the call, a tensor with Python attributes);
+  and, compared after the call, a change to a container (a deque too) or object that
+  existed before it and that the user's functions name (their globals and closure cells,
+  :meth:`Watch.changed`), or to the Python attributes of a tensor they name.
 - **reads** (``Watch.names``): the globals that the user's functions other than the
   compiled one name (``(globals dict, name)`` pairs), so the guards check them too.
 
@@ -34,8 +38,10 @@ Example::
 from __future__ import annotations
 
 import builtins
+import collections
 import contextvars
 import dis
+import functools
 import gc
 import linecache
 import os
@@ -47,6 +53,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.recording import _LIB_DIRS, format_site
+from fxlite.codegen.structure import flatten
 
 __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large", "user_class",
            "users_object"]
@@ -70,6 +77,12 @@ _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random 
 _EFFECT_BUILTINS = {builtins.print: "calls print()", builtins.input: "calls input()",
                     builtins.open: "opens a file", builtins.exec: "calls exec()",
                     builtins.eval: "calls eval()", builtins.breakpoint: "calls breakpoint()"}
+# torch.Generator methods that set its state, as torch.manual_seed does: a replay would
+# not set it again, and the draws after them would differ from eager's
+_GENERATOR_SETTERS = frozenset({"set_state", "manual_seed", "seed", "set_offset",
+                                "graphsafe_set_state"})
+# Tensor properties whose setters write the tensor's values without a torch function call
+_WRITING_SETTERS = frozenset({"real", "imag"})
 _GENERATOR = 0x20 | 0x200 | 0x100 | 0x80  # CO_GENERATOR, CO_ASYNC_GENERATOR, coroutines
 _CALLS = {"CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW", "CALL_KW",
           "CALL_FUNCTION_EX"}
@@ -93,6 +106,10 @@ class _Code:
                 self.stores.append((f"assigns the global {ins.argval}", line))
             elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars:
                 self.stores.append((f"assigns the nonlocal {ins.argval}", line))
+            elif ins.opname == "STORE_ATTR" and ins.argval in _WRITING_SETTERS:
+                # x.real = 10 writes a tensor's values in C, unseen by the recorder's mode
+                self.stores.append((f"assigns .{ins.argval} (of a tensor: writes its values)",
+                                    line))
 
     def fresh_argument(self, lasti: int) -> bool:
         """Whether the single argument of the call at ``lasti`` is the result of another
@@ -132,6 +149,8 @@ class Watch:
         self._held: list[Any] = []  # frames kept alive so their ids stay unique
         self._containers: list[tuple[Any, Any]] = []  # (object, its state when named)
         self._named: dict[int, int] = {}  # id -> its place in _containers
+        self._tensors: dict[int, tuple[torch.Tensor, tuple]] = {}  # id -> (it, attributes)
+        self._top: Any = None  # the compiled function's frame: its result is looked at
         self._old: Callable[..., Any] | None = None
         self._first = True
         self._random: tuple = ()
@@ -159,6 +178,11 @@ class Watch:
             self._enter(frame)
         elif event == "c_call":
             self._c_call(frame, arg)
+        elif event == "return" and frame is self._top:
+            self._top = None
+            what = _unreplayable_result(arg)
+            if what is not None:
+                self._found(what, frame)
 
     def _found(self, what: str, frame: Any, line: int | None = None) -> None:
         code = frame.f_code
@@ -170,6 +194,11 @@ class Watch:
         code = frame.f_code
         name = code.co_filename
         if name.startswith(_TRUSTED):
+            if code in _rng_setters():
+                caller = frame.f_back
+                if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
+                    self._found("sets a random generator's state, which a replay would not "
+                                "do again", caller)
             return
         if name.startswith((_STDLIB, _FROZEN)):
             module = name[len(_FROZEN):-1] if name.startswith(_FROZEN) else \
@@ -203,6 +232,8 @@ class Watch:
             self._name_closure(frame, code)
             if self._first:  # the compiled function's (or forward's): its arguments
                 self._first = False
+                if self._own is None or code is self._own:
+                    self._top = frame  # its result is looked at as it returns
                 for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                     if name in frame.f_locals:
                         self.hold(frame.f_locals[name], name, frame)
@@ -247,6 +278,8 @@ class Watch:
     def hold(self, value: Any, name: str, frame: Any = None) -> None:
         """Remember the state of a container or object the user's code names (in
         ``frame``, or, without one, that the call reaches: a module's ``self.calls``)."""
+        if isinstance(value, (torch.Tensor, list, tuple, dict)):
+            self._hold_tensors(value)
         known = self._named.get(id(value))
         if known is not None and (frame is None or self._containers[known][3] is not None) \
                 or not is_stateful(value):
@@ -262,6 +295,19 @@ class Watch:
         self._named[id(value)] = len(self._containers)
         self._containers.append((value, contents_key(value), name, site))
 
+    def _hold_tensors(self, value: Any) -> None:
+        """Remember the Python attributes of ``value``'s tensors (it, or its items one
+        level down): ``x.flag = True`` on a tensor that outlives the call is an effect."""
+        if isinstance(value, torch.Tensor):
+            items: Any = (value,)
+        elif len(value) > _LARGE:
+            return
+        else:
+            items = value.values() if isinstance(value, dict) else value
+        for t in items:
+            if isinstance(t, torch.Tensor) and id(t) not in self._tensors:
+                self._tensors[id(t)] = (t, _attributes(t))
+
     def changed(self) -> str | None:
         """After the call: the first container or object named by the user's code whose
         contents changed during it, as a phrase; None if none did."""
@@ -270,6 +316,10 @@ class Watch:
                 where = f"\n  {format_site(site)}" if site is not None else ""
                 return (f"changes the {type(value).__name__} {name} that outlives the call, "
                         f"which a replay would not do again{where}")
+        for t, before in self._tensors.values():
+            if _attributes(t) != before:
+                return ("sets a Python attribute of a tensor that outlives the call, which a "
+                        "replay would not do again")
         if _context_state() != self._context:  # set and not reset (transformers resets)
             return "sets a context variable, which a replay would not do again"
         if _random_states() != self._random:  # numpy's are Cython: no profile events
@@ -310,9 +360,55 @@ def _user_frame(frame: Any) -> Any:
     return f
 
 
+def _attributes(t: torch.Tensor) -> tuple:
+    """A tensor's Python attributes (``t.flag = 1``), by name and identity."""
+    return tuple((k, id(v)) for k, v in t.__dict__.items())
+
+
+def _unreplayable_result(result: Any) -> str | None:
+    """Why the compiled function's result cannot be rebuilt by a replay, or None: a
+    tensor carrying Python attributes (a replay returns new tensors without them), or a
+    function holding state (a closure, a partial, a bound method), which a replay would
+    return as the recording call's object.
+
+    Example::
+
+        _unreplayable_result(lambda: v + 1)   # 'returns a function, ...' (a closure)
+        _unreplayable_result((x, 3))          # None
+    """
+    leaves, _ = flatten(result)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.__dict__:
+            return ("returns a tensor with Python attributes, which a replay would not set "
+                    "again")
+        if isinstance(leaf, (functools.partial, types.MethodType)) or isinstance(
+                leaf, types.FunctionType) and leaf.__closure__:
+            return ("returns a function holding values of the call (a closure), which a "
+                    "replay would return as the first call's")
+    return None
+
+
+_RNG_SETTERS: set[types.CodeType] = set()
+
+
+def _rng_setters() -> set[types.CodeType]:
+    """The code of torch's Python functions that set a generator's state
+    (``torch.set_rng_state``), which the watcher does not otherwise look into."""
+    if not _RNG_SETTERS:
+        import torch.cuda.random as cuda_random
+        import torch.random as cpu_random
+
+        for fn in (cpu_random.set_rng_state, cuda_random.set_rng_state,
+                   cuda_random.set_rng_state_all):
+            _RNG_SETTERS.add(fn.__code__)
+    return _RNG_SETTERS
+
+
 def _effect_of(fn: Any) -> str | None:
     """What calling the C function ``fn`` does to the world, or None if nothing known."""
     owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.Generator) and fn.__name__ in _GENERATOR_SETTERS:
+        return "sets a random generator's state"
     module = getattr(fn, "__module__", None)
     if module is None and owner is not None:
         module = owner.__name__ if isinstance(owner, types.ModuleType) \
@@ -338,7 +434,7 @@ _DEPTH = 3  # levels of nested containers and objects looked into
 def is_stateful(value: Any) -> bool:
     """A mutable container, plain object or user class whose contents (attributes) a
     call might read or change."""
-    if isinstance(value, (list, dict, set, bytearray)):
+    if isinstance(value, (list, dict, set, bytearray, collections.deque)):
         return True
     if isinstance(value, type):
         return user_class(value)
@@ -372,7 +468,7 @@ def contents_key(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
         return tuple((k if isinstance(k, _PLAIN) else id(k), _leaf(v, depth))
                      for k, v in value.items())
-    if isinstance(value, (list, bytearray)):
+    if isinstance(value, (list, bytearray, collections.deque)):
         return (len(value), tuple(_leaf(v, depth) for v in value))
     if isinstance(value, set):
         return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v) for v in value))
