@@ -8,8 +8,11 @@ holds, flat in one tuple:
 - per tensor: dtype, device, rank, requires_grad, contiguity, 16-byte alignment, which
   dims broadcast (stride 0), and, once the Python code read a size, all sizes and strides;
   which arguments are the same tensor (and, for functions that write tensors, which share
-  memory);
-- per other argument: its value (numbers, strings, dtypes, enums), or its identity;
+  memory); its Python attributes, if any (``x.test = 1``);
+- per other argument: its value (numbers, strings, dtypes, enums, numpy arrays), a
+  ``functools.partial``'s function and bound values, or its class and identity (a serial
+  number no later object at the same address shares, :func:`identity`) with a plain
+  object's attribute names and values;
 - the state of every module the function can reach (the module itself, its arguments,
   closure cells, globals its code names): training flags, the identity and requires_grad
   of each parameter, buffers and submodules, hooks, and plain Python attributes (numbers,
@@ -28,9 +31,12 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import itertools
 import operator
+import sys
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +52,8 @@ from fxlite.codegen.capture_watch import (
 )
 from fxlite.codegen.segments import read_key
 
-__all__ = ["LayoutCheck", "StateGuard", "ambient_key", "input_key", "tensor_guard"]
+__all__ = ["LayoutCheck", "StateGuard", "ambient_key", "argument_key", "identity", "input_key",
+           "tensor_guard"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             torch.layout, torch.memory_format, torch.Size, enum.Enum, range, slice)
@@ -94,12 +101,125 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
                 item += (tuple(a.shape), a.stride(), a.storage_offset())
             if storage:
                 item += (storages.setdefault(a.untyped_storage()._cdata, i),)
+            attrs = a.__dict__  # Python attributes (x.test = 1): usually none
+            if attrs:
+                item += (_tensor_attributes(attrs),)
             key.append(item)
         elif isinstance(a, _SCALARS):
             key.append(_scalar_key(a))
         else:  # an object: itself, and what it holds (a loss object's weight)
-            key.append(("id", _content(a)))
+            key.append(argument_key(a))
     return tuple(key)
+
+
+def _tensor_attributes(attrs: dict) -> tuple:
+    """A tensor argument's Python attributes: names (``hasattr(x, "test")``), and values
+    where plain (numbers, strings, flags), else their class.
+
+    Example::
+
+        x.test = 1
+        _tensor_attributes(x.__dict__)   # (("test", 1),)
+    """
+    return tuple((k, v if v.__class__ in _FLAT and v == v else type(v))  # NaN: its class
+                 for k, v in attrs.items())
+
+
+def identity(obj: Any) -> Any:
+    """A key for ``obj``'s identity that no later object can share: a serial number,
+    given on first sight and kept while ``obj`` lives (a weak reference tells), where
+    ``id()`` is reused once ``obj`` is freed (a new object of another class, or a new
+    partial over other tensors, at the same address would pass a guard keyed on it). An
+    object that takes no weak reference is keyed by its class and ``id``.
+
+    Example::
+
+        a = Plain(); k = identity(a)
+        identity(a) == k          # True while a lives
+        del a; identity(Other())  # another serial, whatever its address
+    """
+    i = id(obj)
+    entry = _SERIALS.get(i)
+    if entry is not None and entry[0]() is obj:
+        return entry[1]
+    try:
+        ref = weakref.ref(obj, functools.partial(_forget, i))
+    except TypeError:  # no weak reference (a class with __slots__, an int subclass)
+        return (type(obj), i)
+    serial = next(_NEXT_SERIAL)
+    _SERIALS[i] = (ref, serial)
+    return serial
+
+
+_SERIALS: dict[int, tuple[Any, int]] = {}
+_NEXT_SERIAL = itertools.count()
+
+
+def _forget(i: int, ref: Any) -> None:
+    """Drop a freed object's serial (a weak reference's callback)."""
+    entry = _SERIALS.get(i)
+    if entry is not None and entry[0] is ref:
+        del _SERIALS[i]
+
+
+# Arrays up to this many elements are keyed by their bytes; larger ones by a digest
+_SMALL_ARRAY = 256
+
+
+def argument_key(a: Any) -> tuple:
+    """The key of an argument that is neither a tensor nor a scalar: its class and
+    identity (:func:`identity`), and what a recording may have read from it: a plain
+    object's attribute names and values (``hasattr(obj, "z")``, ``obj.scale``), a
+    ``functools.partial``'s function and bound values, a numpy array's values.
+
+    Example::
+
+        argument_key(functools.partial(mul, y=2))  # (partial, <mul>, (), (("y", (int, 2)),))
+        argument_key(np.ones(3))                   # (ndarray, "<f8", (3,), b"...")
+    """
+    t = type(a)
+    if t is functools.partial:  # by contents: a new partial of the same call replays
+        return (t, _bound_key(a.func), tuple(map(_bound_key, a.args)),
+                tuple([(k, _bound_key(v)) for k, v in (a.keywords or {}).items()]))
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(a, (np.ndarray, np.generic)):
+        return _array_key(a)
+    if isinstance(a, torch.nn.Module):  # its state is the state key's (StateGuard)
+        return (t, identity(a))
+    try:
+        d = object.__getattribute__(a, "__dict__")
+    except AttributeError:
+        d = None
+    names = tuple(d) if type(d) is dict else None  # attributes added or deleted
+    return (t, identity(a), names, _content(a))
+
+
+def _bound_key(v: Any) -> Any:
+    """A key for a value a ``functools.partial`` argument binds."""
+    if isinstance(v, _SCALARS):
+        return _scalar_key(v)
+    if isinstance(v, torch.Tensor):
+        return (torch.Tensor, identity(v))  # recorded as a constant: this very tensor
+    return argument_key(v)
+
+
+def _array_key(a: Any) -> tuple:
+    """A numpy array's (or numpy scalar's) key: its values, which change in place
+    under the same identity. Up to 256 elements it holds the bytes themselves, compared
+    exactly. A larger array is keyed by a 16-byte BLAKE2 digest of its bytes, not its
+    bytes (a key lives as long as its recording: a copy of every large array seen would
+    stay in memory) and not its identity or a sample (an in-place change would go
+    unseen): hashing reads every byte, at about 1 GB/s, which eager's use of the array
+    costs too; a collision is as unlikely as for any 128-bit cryptographic hash. An
+    array of Python objects is keyed by its elements' identities."""
+    t = type(a)
+    if a.dtype.hasobject:
+        return (t, a.shape, tuple(map(identity, a.flat)) if a.size <= _SMALL_ARRAY
+                else identity(a))
+    if a.size <= _SMALL_ARRAY:
+        return (t, a.dtype.str, a.shape, a.tobytes())
+    data = a.data if a.flags.c_contiguous else a.tobytes()
+    return (t, a.dtype.str, a.shape, hashlib.blake2b(data, digest_size=16).digest())
 
 
 def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
