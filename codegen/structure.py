@@ -106,6 +106,9 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
                 tuple(_flatten(x, leaves) for x in children))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
+        # and attributes set beyond its fields (``cfg.z = True``): an added one is another
+        # structure, and their values are leaves like the fields'
+        names += tuple(k for k in getattr(obj, "__dict__", ()) if k not in names)
         template = copy.copy(obj)  # keeps no field values alive
         for n in names:
             object.__setattr__(template, n, None)

@@ -96,3 +96,27 @@ def test_a_write_into_a_parameter_under_no_grad_set_inside_the_function() -> Non
         torch.testing.assert_close(f(p, y), fn(q, y))
         torch.testing.assert_close(p, q)
     assert torch.is_grad_enabled()
+
+
+def test_an_attribute_added_to_a_dataclass_argument_is_another_structure() -> None:
+    """A dataclass argument was split into its declared fields alone, so ``cfg.z = True``
+    (read by ``hasattr``) did not change the key and the old path replayed."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        scale: float
+
+    def fn(x, cfg):
+        out = x * cfg.scale
+        return out + 1 if hasattr(cfg, "z") else out - 1
+
+    f = fxlite.compile(fn)
+    cfg = Cfg(2.0)
+    x = torch.randn(3)
+    for step in range(5):
+        if step == 2:
+            cfg.z = True
+        if step == 4:
+            del cfg.z
+        torch.testing.assert_close(f(x, cfg), fn(x, cfg))
