@@ -155,8 +155,9 @@ class CompiledFunction:
         fast, graphs = self._fast, self._graphs
         # Both shortcuts serve calls whose arguments are all tensors (so the state key has
         # no module arguments, as below): check that before computing any key.
+        # (a tensor with Python attributes takes the general path: its key holds them)
         tensors_only = not kwargs and all(isinstance(a, torch.Tensor) and a.layout is _STRIDED
-                                          and not a.is_nested for a in args)
+                                          and not a.is_nested and not a.__dict__ for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
             from fxlite.codegen.straight_line import fast_key

@@ -125,6 +125,22 @@ def test_gpu_kernels_keep_no_tensor_of_their_last_call_alive():
     assert c.kernels and [r for r in refs if r() is not None] == []
 
 
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_a_tensors_python_attribute_is_seen_past_the_fast_paths():
+    """The straight-line and CUDA-graph shortcuts key layouts only: a tensor argument
+    with Python attributes (read by ``hasattr``) takes the general path, which keys them."""
+    def fn(x):
+        return x * 2 if hasattr(x, "flag") else x * 3
+
+    c = fxlite.compile(fn)
+    x = torch.randn(64, 256, device="cuda")
+    for step in range(14):
+        if step == 11:
+            x.flag = True
+        torch.testing.assert_close(c(x), fn(x))
+
+
 class _ConvBN(nn.Module):
     def __init__(self):
         super().__init__()
