@@ -277,11 +277,11 @@ class Follower(TorchFunctionMode):
             return
         if isinstance(out, torch.Tensor):
             self.bind(out, name)
-        elif isinstance(out, (tuple, list)):
+        elif isinstance(out, (tuple, list)):  # at any depth, as the recorder named them
             for i, item in enumerate(out):
-                if isinstance(item, torch.Tensor):
+                if isinstance(item, (torch.Tensor, tuple, list)):
                     try:
-                        self.bind(item, self._getitem(name, i))
+                        self._bind_out(item, self._getitem(name, i))
                     except KeyError:
                         pass
 

@@ -315,8 +315,11 @@ class Recorder(TorchFunctionMode):
         if isinstance(out, (tuple, list)):
             import operator
 
+            # an item that is a sequence holding tensors gets a node of its own, bound
+            # item by item at any depth (histogramdd's bin_edges: a tuple in a tuple)
             for i, item in enumerate(out):
-                if isinstance(item, torch.Tensor):
+                if isinstance(item, torch.Tensor) or (
+                        isinstance(item, (tuple, list)) and has_tensor(item)):
                     with self.graph.inserting_after(None):
                         sub = self.graph.call_function(operator.getitem, (node, i))
                     sub.meta.update(stack_trace=node.meta["stack_trace"], site=node.meta["site"],
@@ -622,10 +625,10 @@ class Recorder(TorchFunctionMode):
             self._bind(out, name)
         elif isinstance(out, (tuple, list)):
             for i, item in enumerate(out):
-                if isinstance(item, torch.Tensor):
+                if isinstance(item, (torch.Tensor, tuple, list)):
                     sub = self._getitem_name(name, i)
                     if sub is not None:
-                        self._bind(item, sub)
+                        self._rebind(item, sub)
 
     def _getitem_name(self, name: str | None, i: int) -> str | None:
         import operator
