@@ -138,22 +138,27 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
     rec.effect = rec.effect or watch.effect or watch.changed() or \
-        _unreplayable(leaves, result, rec)
-    for x, state in zip(objects, before):
-        if rec.unsupported is None and (state is None or _object_state(x) != state):
-            # a replay runs the recorded tensor ops only: it would not set them again
-            rec.unsupported = (f"sets attributes of its {type(x).__name__} argument, which "
-                               "a replay would not do (pass the values in and return the "
-                               "new ones)")
-    for x, state in zip(reached, held):
-        if rec.unsupported is None and state is not None and state != _object_state(
-                x, tensors_only=True):
-            rec.unsupported = (f"stores tensors in a {type(x).__name__} that an argument, a "
-                               "module or a global holds, which a replay would not do "
-                               "(return them, or keep them in a registered buffer)")
+        _unreplayable(leaves, result, rec) or _stored(objects, before, reached, held)
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
+
+
+def _stored(objects: list[Any], before: list[Any], reached: list[Any],
+            held: list[Any]) -> str | None:
+    """What the call wrote into Python objects that outlive it, which a replay (the
+    recorded tensor ops alone) would not write again: attributes of an argument object
+    (``before``: each of ``objects``' state as the call began), tensors put in an object
+    that an argument, a module or a global holds (``held``: the tensors of ``reached``).
+    A followed call runs the Python that writes them, as eager does."""
+    for x, state in zip(objects, before):
+        if state is None or _object_state(x) != state:
+            return f"sets attributes of its {type(x).__name__} argument"
+    for x, state in zip(reached, held):
+        if state is not None and state != _object_state(x, tensors_only=True):
+            return (f"stores tensors in a {type(x).__name__} that an argument, a module or "
+                    "a global holds")
+    return None
 
 
 def _unreplayable(leaves: list[Any], result: Any, rec: Recording) -> str | None:
@@ -337,11 +342,10 @@ def _finish_output(recorder: Recorder, result: Any) -> None:
             rec.out_refs.append(("const", leaf))
             continue
         made = None if held is None else _template(recorder, leaf, *held)
-        if made is None:
-            if rec.unsupported is None:
-                rec.unsupported = (
-                    f"returns a {type(leaf).__name__} holding tensors that fxlite cannot "
-                    "put in a copy for each call (return the tensors themselves)")
+        if made is None:  # a replay cannot rebuild it: the Python that makes it runs
+            if rec.effect is None and rec.unsupported is None:
+                rec.effect = (f"returns a {type(leaf).__name__} that fxlite cannot rebuild "
+                              "for each call (it holds tensors, or too much to copy)")
             rec.out_refs.append(("const", leaf))
             continue
         ref, nodes = made

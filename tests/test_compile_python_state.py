@@ -1,8 +1,9 @@
 """fxlite.compile's contract where Python state is involved: a function that changes Python
-state, sets attributes of an argument, or stores tensors in a module's objects, a global
-or an argument container runs eagerly with a warning that says why (and ``fallbacks``
-says so too); one that returns objects holding new tensors gets them rebuilt on every
-call. Never a stale object or result.
+state it reads runs eagerly with a warning that says why (and ``fallbacks`` says so too);
+one that sets attributes of an argument, or stores tensors in a module's objects, a global
+or an argument container is followed (its Python runs on every call, its torch calls
+served by kernels; ``tier`` says why); one that returns objects holding new tensors gets
+them rebuilt on every call. Never a stale object or result.
 
 Split from test_compile_contract.py, whose helpers and autouse fixture it imports; as
 there, every test calls the compiled function several times with fresh inputs.
@@ -48,15 +49,16 @@ def test_python_state_changed_by_the_function_runs_eagerly():
         torch.testing.assert_close(out, x * i)
 
 
-def _eager_with_warning(f, mine, eager, match):
-    """Compile ``f(state, x)``; over three calls with fresh ``x`` it warns ``match`` and
-    gives what ``f`` gives on a twin ``eager`` state."""
+def _followed(f, mine, eager, match):
+    """Compile ``f(state, x)``; over three calls with fresh ``x`` it gives what ``f`` gives
+    on a twin ``eager`` state, without a warning, its calls followed for ``match``."""
     c = fxlite.compile(f)
-    with pytest.warns(UserWarning, match=match):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(3):
             x = rand(3)
             torch.testing.assert_close(c(mine, x), f(eager, x))
-            assert [why for why in c.fallbacks if match in why], c.fallbacks  # says so too
+            assert c.tier.startswith(f"followed: it {match}"), c.tier
 
 
 def test_a_function_whose_recording_cannot_be_replayed_says_why_in_fallbacks(monkeypatch):
@@ -83,9 +85,10 @@ class _State:
 
 
 @pytest.mark.parametrize("what", ["tensor", "number"])
-def test_attributes_set_on_an_argument_object_run_eagerly(what):
+def test_attributes_set_on_an_argument_object_are_followed(what):
     # a regression: the replay ran the recorded tensor ops but never set state.h again,
-    # so from the second call the object and the results were stale
+    # so from the second call the object and the results were stale (then they ran
+    # eagerly; now the Python that sets them runs on every call)
     def f(state, x):
         if what == "tensor":
             state.h = state.h + x
@@ -94,7 +97,7 @@ def test_attributes_set_on_an_argument_object_run_eagerly(what):
         return state.h * 2 + state.steps
 
     mine, eager = _State(), _State()
-    _eager_with_warning(f, mine, eager, "sets attributes of its _State argument")
+    _followed(f, mine, eager, "changes the _State state")
     torch.testing.assert_close(mine.h, eager.h)
     assert mine.steps == eager.steps
 
@@ -121,26 +124,31 @@ def _accumulate(x):
     return _GLOBAL["h"] * 2
 
 
-def test_tensors_stored_in_a_modules_objects_or_a_global_run_eagerly():
+def test_tensors_stored_in_a_modules_objects_or_a_global_are_followed():
     # a regression: replays ran the tensor ops but never stored the new tensors, so the
     # object, the list and the global dict kept the first call's and the results drifted
     mine, eager = _Holder().to(DEVICE), _Holder().to(DEVICE)
     mine.state.h, eager.state.h = mine.state.h.to(DEVICE), eager.state.h.to(DEVICE)
     c = fxlite.compile(mine)
-    with pytest.warns(UserWarning, match="stores tensors in a _State that"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(3):
             x = rand(3)
             torch.testing.assert_close(c(x), eager(x))
+            assert c.tier.startswith("followed"), c.tier
     torch.testing.assert_close(mine.state.h, eager.state.h)
     assert len(mine.history) == len(eager.history) == 3
     _GLOBAL["h"] = None
     c = fxlite.compile(_accumulate)
     total = None
-    with pytest.warns(UserWarning, match="stores tensors in a dict"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(3):
             x = rand(3)
             total = x if total is None else total + x
             torch.testing.assert_close(c(x), total * 2)
+            assert c.tier.startswith("followed: it changes the dict _GLOBAL"), c.tier
+    torch.testing.assert_close(_GLOBAL["h"], total)
 
 
 @dataclasses.dataclass
@@ -149,7 +157,7 @@ class _Carry:
 
 
 @pytest.mark.parametrize("kind", ["dataclass", "dict"])
-def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
+def test_tensors_stored_in_an_argument_container_are_followed(kind):
     # a regression: flattened as containers, a dataclass or dict argument's new tensors
     # were never stored by the replays
     def f(carry, x):
@@ -164,7 +172,7 @@ def test_tensors_stored_in_an_argument_container_run_eagerly(kind):
             torch.zeros(3, device=DEVICE))
 
     mine, eager = make(), make()
-    _eager_with_warning(f, mine, eager, "stores tensors in a")
+    _followed(f, mine, eager, "changes the ")
     h = (lambda t: t["h"]) if kind == "dict" else (lambda t: t.h)
     torch.testing.assert_close(h(mine), h(eager))
 
@@ -251,12 +259,19 @@ class _Locked:
         self.lock = threading.Lock()  # deepcopy cannot copy it
 
 
-def test_a_returned_object_that_cannot_be_copied_runs_eagerly():
+def test_a_returned_object_that_cannot_be_copied_is_followed():
+    # its Python makes a new one on every call, as eager does
     c = fxlite.compile(lambda x: _Locked(x * 2))
-    with pytest.warns(UserWarning, match="returns a _Locked holding tensors"):
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for _ in range(3):
             x = rand(4)
-            torch.testing.assert_close(c(x).t, x * 2)
+            out = c(x)
+            torch.testing.assert_close(out.t, x * 2)
+            assert all(out is not s for s in seen)
+            seen.append(out)
+            assert c.tier.startswith("followed: it returns a _Locked"), c.tier
 
 
 def test_returned_objects_without_tensors_and_modules_still_compile():

@@ -1,0 +1,304 @@
+"""``fullgraph=True`` means what Dynamo's does: no graph break, not "no Python effects".
+
+A function that writes Python objects outliving the call (attributes of an argument set
+through a descriptor, a property or ``__slots__``, tensors kept in a dict or a
+thread-local, a set updated) is followed: its Python runs on every call, as eager's does,
+and its torch calls are served by kernels. ``fullgraph=True`` accepts it; it still
+refuses a tensor's value read in Python (a real graph break).
+
+Each test calls the compiled function several times with fresh inputs, changing state
+between calls, beside eager on a twin of every object, and compares results, arguments
+and the objects' state.
+"""
+
+from __future__ import annotations
+
+from test_compile_contract import DEVICE, rand  # isort: skip
+from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("triton")
+
+import fxlite
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _quiet_calls(compiled, eager, make_args, check, calls=4):
+    """Call ``compiled`` and ``eager`` on twin arguments from ``make_args(i)`` (fresh
+    tensors each call), with no warning; ``check(i, got, want, mine, theirs)`` compares."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(calls):
+            mine, theirs = make_args(i)
+            got, want = compiled(*mine), eager(*theirs)
+            check(i, got, want, mine, theirs)
+
+
+# ---------------------------------------------------------------- attributes of arguments
+class _Accumulate:
+    """A data descriptor: every set adds to what the object holds (Dynamo's
+    test_set_descriptor)."""
+
+    def __set__(self, obj, value):
+        obj.__dict__["field"] = obj.__dict__["field"] + value * 2
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else obj.__dict__["field"]
+
+
+class _Foo:
+    field = _Accumulate()
+
+    def __init__(self):
+        self.__dict__["field"] = 0
+
+
+def test_a_descriptor_set_on_an_argument_runs_on_every_call():
+    def fn(x, foo, step):
+        foo.field = step
+        return torch.relu(x) * 2 + foo.field
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = _Foo(), _Foo()
+    steps = [1, 1, 2, 2, 2]  # (a set that changes nothing, of 0, would replay)
+
+    def make(i):
+        x = rand(5)
+        return (x, mine, steps[i]), (x.clone(), theirs, steps[i])
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert mine.field == theirs.field
+        assert c.tier.startswith("followed: it changes the _Foo foo"), c.tier
+
+    _quiet_calls(c, fn, make, check, calls=5)
+    assert mine.field == 16
+
+
+class _Box:
+    """A property whose setter computes a tensor (Dynamo's test_property_setter)."""
+
+    def __init__(self):
+        self._value = torch.zeros(3, device=DEVICE)
+
+    @property
+    def value(self):
+        return self._value + 1
+
+    @value.setter
+    def value(self, new):
+        self._value = new * 2
+
+
+def test_a_property_setter_on_an_argument_keeps_each_calls_tensor():
+    def fn(b, x):
+        b.value = torch.sin(x) * 2
+        return b.value * 3
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = _Box(), _Box()
+
+    def make(i):
+        x = rand(3)
+        return (mine, x), (theirs, x.clone())
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(mine._value, theirs._value)
+        assert c.tier.startswith("followed"), c.tier
+
+    _quiet_calls(c, fn, make, check)
+
+
+class _Slotted:
+    __slots__ = ("x", "__dict__")
+
+    def __init__(self, x):
+        self.x = x
+
+
+def test_an_attribute_set_through_dunder_dict_of_a_slotted_object():
+    def fn(obj, t):
+        obj.__dict__["custom"] = obj.__dict__.get("custom", 0) + obj.x
+        return t * obj.__dict__["custom"] + 1
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = _Slotted(2), _Slotted(2)
+
+    def make(i):
+        if i == 2:  # state changed between calls
+            mine.x = theirs.x = 5
+        t = rand(4)
+        return (mine, t), (theirs, t.clone())
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert mine.__dict__ == theirs.__dict__
+
+    _quiet_calls(c, fn, make, check)
+
+
+def test_a_set_argument_updated_in_place():
+    def fn(x, seen, items):
+        seen.update(map(int, items))
+        return torch.cos(x) + len(seen)
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = set(), set()
+    lists = [[1, 2, 1], [1, 2], [3], [3]]
+
+    def make(i):
+        x = rand(2)
+        return (x, mine, lists[i]), (x.clone(), theirs, list(lists[i]))
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert mine == theirs
+
+    _quiet_calls(c, fn, make, check)
+
+
+# ---------------------------------------------------------------- tensors kept after the call
+def test_tensors_kept_in_a_thread_local_are_each_calls_own():
+    def fn(x, loc):
+        loc.x = x * 2
+        loc.history = getattr(loc, "history", 0) + 1
+        return loc.x + 1
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = threading.local(), threading.local()
+
+    def make(i):
+        x = rand(2, 2)
+        return (x, mine), (x.clone(), theirs)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(mine.x, theirs.x)
+        assert mine.history == theirs.history == i + 1
+        assert mine.x is not got
+
+    _quiet_calls(c, fn, make, check)
+
+
+def test_a_dict_of_tensors_cached_by_shape_across_calls():
+    # Dynamo's test_torch_size_as_dict_key, over more calls: the first tensor of each
+    # shape is kept in the argument dict and added to the later ones
+    def fn(x, cached):
+        if x.shape not in cached:
+            cached[x.shape] = x
+        return x + cached[x.shape]
+
+    c = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = {}, {}
+    shapes = [(2, 3), (2, 3), (4,), (2, 3), (4,)]
+
+    def make(i):
+        x = rand(*shapes[i])
+        return (x, mine), (x.clone(), theirs)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            torch.testing.assert_close(mine[k], theirs[k])
+
+    _quiet_calls(c, fn, make, check, calls=5)
+
+
+class _Cleared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = {"a": torch.randn(2, 2), "b": torch.randn(2, 2)}
+
+    def forward(self, x):
+        self.a.clear()
+        self.a["next"] = x * 2
+        return torch.tanh(x) + len(self.a)
+
+
+def test_a_modules_dict_of_tensors_cleared_and_refilled():
+    mine = _Cleared()
+    theirs = _Cleared()
+    theirs.a = {k: v.clone() for k, v in mine.a.items()}
+    c = fxlite.compile(mine, fullgraph=True)
+
+    def make(i):
+        x = rand(2, 2)
+        return (x,), (x.clone(),)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert mine.a.keys() == theirs.a.keys() == {"next"}
+        torch.testing.assert_close(mine.a["next"], theirs.a["next"])
+
+    _quiet_calls(c, theirs, make, check)
+
+
+def test_a_returned_object_it_cannot_rebuild_is_made_on_every_call():
+    # Dynamo's test_catch_watchings2: each call returns a new catch_warnings
+    def fn(x):
+        return x.sin(), warnings.catch_warnings(record=True)
+
+    c = fxlite.compile(fn, fullgraph=True)
+    seen = []
+
+    def make(i):
+        x = rand(8)
+        return (x,), (x.clone(),)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got[0], want[0])
+        assert isinstance(got[1], warnings.catch_warnings)
+        assert all(got[1] is not s for s in seen)
+        seen.append(got[1])
+
+    _quiet_calls(c, fn, make, check)
+
+
+def test_a_tensor_kept_from_the_last_call_and_read_again():
+    # the kept tensor is part of the argument's key: each call records (and so runs)
+    # eagerly, up to recompile_limit recordings, then in eager PyTorch with a warning
+    class Carry:
+        def __init__(self):
+            self.h = torch.zeros(3, device=DEVICE)
+
+    def fn(c, x):
+        c.h = torch.tanh(c.h + x)
+        return c.h * 2
+
+    compiled = fxlite.compile(fn, fullgraph=True)
+    mine, theirs = Carry(), Carry()
+
+    def make(i):
+        x = rand(3)
+        return (mine, x), (theirs, x.clone())
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(mine.h, theirs.h)
+
+    with warnings.catch_warnings(record=True):
+        for i in range(10):
+            m, t = make(i)
+            check(i, compiled(*m), fn(*t))
+
+
+# ---------------------------------------------------------------- still refused
+def test_fullgraph_still_refuses_a_value_read_that_steers_python():
+    def fn(x, box):
+        box.last = x
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+    c = fxlite.compile(fn, fullgraph=True)
+    with pytest.raises(fxlite.TraceError, match="reads a tensor's value"):
+        c(rand(3), _Box())
