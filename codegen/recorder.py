@@ -418,7 +418,8 @@ class Recorder(TorchFunctionMode):
 
     def _read_value_of(self, out: Any, owner: str | None, func: Any, args: tuple,
                        kwargs: dict) -> Any:
-        if owner is None and self._constant(args, kwargs):
+        if owner is None and (self._constant(args, kwargs) or self._sized(func, args, kwargs,
+                                                                           out)):
             # Its value is fixed by the key (sizes and literals): no segment ends here.
             self.rec.steps.append(Step(func, "", ("v", out)))
             return out
@@ -464,6 +465,22 @@ class Recorder(TorchFunctionMode):
                 return False
             todo.extend(node.all_input_nodes)
         return bool(tensors)
+
+    def _sized(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Whether a value that holds no tensor is fixed by sizes and Python values alone,
+        which the key then holds (the recording becomes size-specific): a torch function
+        given no tensor (``torch.sym_max(n, 1)`` of sizes, as ``make_contiguous_strides_for``
+        calls it), or the empty sequence that iterating or unbinding a tensor whose first
+        dimension is 0 gives. Reading it is Python's arithmetic, not a graph break. (Other
+        functions given no tensor may read state a replay must read again: the flags of
+        ``torch.are_deterministic_algorithms_enabled()``; they stay reads.)"""
+        if state_name(func).startswith("sym_") and not tensors_in((args, kwargs)):
+            self.rec.sizes_read = True  # (the numbers may be sizes)
+            return True
+        if type(out) in (tuple, list) and not out and state_name(func) in SIZE_FANOUT:
+            self.rec.sizes_read = True
+            return True
+        return False
 
     def _sync_state(self) -> None:
         """Record changes of grad mode and autocast, which no torch call reports."""

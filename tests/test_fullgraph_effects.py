@@ -16,6 +16,7 @@ from __future__ import annotations
 from test_compile_contract import DEVICE, rand  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
+import itertools
 import threading
 import warnings
 
@@ -289,6 +290,52 @@ def test_a_tensor_kept_from_the_last_call_and_read_again():
         for i in range(10):
             m, t = make(i)
             check(i, compiled(*m), fn(*t))
+
+
+# ---------------------------------------------------------------- values fixed by sizes
+def test_iterating_a_tensor_whose_first_dimension_is_empty():
+    # iter(x) of a (0, 3) tensor gives no rows: a value fixed by the sizes (Dynamo's
+    # test_itertools_islice), not a tensor's value read
+    def fn(x, y):
+        total = y * 1
+        for row in x:
+            total = total + row
+        return total * 2, itertools.islice(x, 1, 3)
+
+    c = fxlite.compile(fn, fullgraph=True)
+    rows = [0, 0, 2, 0, 3]
+
+    def make(i):
+        x, y = rand(rows[i], 3), rand(3)
+        return (x, y), (x.clone(), y.clone())
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(list(got[1]), list(want[1]))
+
+    _quiet_calls(c, fn, make, check, calls=5)
+
+
+def test_sym_max_of_sizes():
+    # make_contiguous_strides_for calls torch.sym_max on sizes (Dynamo's
+    # test_make_contiguous_strides_for_under_compile)
+    from torch._prims_common import make_contiguous_strides_for
+
+    def fn(x):
+        strides = make_contiguous_strides_for(x.shape)
+        return x.as_strided(x.shape, strides) * 2 + torch.sym_max(x.shape[0], 3)
+
+    c = fxlite.compile(fn, fullgraph=True, dynamic=True)
+    shapes = [(4, 8), (4, 8), (7, 8), (1, 8), (4, 8)]
+
+    def make(i):
+        x = rand(*shapes[i]).t().contiguous().t() if i == 4 else rand(*shapes[i])
+        return (x,), (x.clone(),)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+
+    _quiet_calls(c, fn, make, check, calls=5)
 
 
 # ---------------------------------------------------------------- still refused
