@@ -19,7 +19,9 @@ result is eager PyTorch's own. Later calls with that key take one of three tiers
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function
 reads tensors' addresses, reseeds the generator, enters inference
-mode, or changes Python state it reads (a module attribute such as a step counter); a
+mode, or changes Python state it reads and a replay's guard checks (a module attribute
+such as a step counter; Python state it only writes, an argument's attributes, a dict
+that keeps tensors, makes it followed); a
 function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
 and, per segment, when a pass or kernel fails or its results disagree with eager.
 """
@@ -742,8 +744,9 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     segments, each compiled; a value not seen before records the rest of that path.
 
     A function whose Python does more than compute tensors (prints, appends to a list,
-    logs, draws ``random.random()``) is *followed*: its Python runs on every call, its
-    torch calls served by the compiled kernels (``fxlite.codegen.follow``).
+    logs, draws ``random.random()``, sets attributes of an argument, keeps tensors in a
+    dict that outlives the call) is *followed*: its Python runs on every call, its torch
+    calls served by the compiled kernels (``fxlite.codegen.follow``).
 
     What is guarded before a replay (checked on every call): argument structure, tensor
     dtypes, devices, ranks, layouts and ``requires_grad`` (and sizes, once the code reads
@@ -762,8 +765,12 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
 
     Args:
         fn: a function or ``nn.Module``; omit it to use ``@fxlite.compile(...)``.
-        fullgraph: raise :class:`fxlite.TraceError` (naming the line) instead of splitting
-            the function where it reads a tensor's value, or falling back to eager.
+        fullgraph: no graph break, as ``torch.compile``'s: raise :class:`fxlite.TraceError`
+            (naming the line) instead of splitting the function where Python reads a
+            tensor's value, or of running it in eager PyTorch where it cannot be captured
+            (it reads an address or a storage, reseeds, runs in inference mode). Python
+            effects are no graph break: a function that prints, sets an argument's
+            attributes or keeps tensors in a dict is followed, as Dynamo replays them.
         dynamic: None, True or False. fxlite's keys hold no sizes unless the recorded code
             reads one, whatever the value; a recording that reads sizes is specialized to
             them. ``torch._dynamo.mark_dynamic`` is accepted and changes nothing.

@@ -6,7 +6,11 @@ one) and says what to build. The meanings follow ``torch.compile``:
 ==========================  ================================================================
 argument                    what fxlite does with it
 ==========================  ================================================================
-``fullgraph``               raise instead of splitting at a read or falling back to eager
+``fullgraph``               no graph break, as torch's: raise :class:`fxlite.TraceError`
+                            where Python reads a tensor's value (a split) or the function
+                            cannot be captured (an eager fallback); a function whose Python
+                            has effects (prints, sets an argument's attributes) is followed
+                            (its Python runs on every call), not refused
 ``dynamic``                 None, True or False, accepted. fxlite's keys never hold sizes
                             unless the recorded code reads one (``x.shape[0]``), for any
                             value; a recording that reads sizes is specialized to them even
