@@ -24,8 +24,10 @@ GPU time (torch.profiler). Two ways around it, chosen per linear from its shapes
   version counter that a check could read. In float32 with few rows the plain linear is
   faster (128 rows: 0.096 ms plain, 0.189 padded), and the layer is left alone.
 
-Calls that autograd records run the plain ``F.linear``; so do calls whose tensors do not
-meet the row groups' alignment, or that autocast would cast.
+Calls that autograd records take the padded weight (autograd records the pad and the
+slice, so the backward's matmuls are aligned too). Row groups write into one result
+buffer, which autograd cannot record: they take only calls it does not record, whose
+tensors meet their alignment and that autocast would not cast.
 
 Writing the plain weight's product into a padded view (``torch.mm(..., out=view)``, the
 row stride aligned but 50,257 columns) does not help: cuBLAS still ran the old kernel,
@@ -66,19 +68,28 @@ def _aligned(rows: int, dtype: torch.dtype) -> int:
     return -(-rows // per) * per
 
 
-def padded_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  width: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed with ``weight``'s rows padded so that the
-    output's rows are 16-byte aligned: its last dim is ``weight.shape[0]`` rounded up, and
-    the linear's values are its first ``weight.shape[0]`` columns. Without padding to do,
-    or when autograd records the call, it is the plain ``F.linear``."""
+    output's rows are 16-byte aligned: its last dim is ``width`` (by default
+    ``weight.shape[0]`` rounded up to 16 bytes), and the linear's values are its first
+    ``weight.shape[0]`` columns. ``dtype`` is the dtype the matmul runs in, where autocast
+    chose one: the tensors are cast to it first, as autocast casts them, so that the
+    weight is padded in the dtype whose alignment counts (a float32 weight padded for
+    float32 would leave bfloat16 rows unaligned), whatever autocast state the call sees.
+
+    Autograd records the casts and the pad like any op, so a training step's backward
+    matmuls are aligned too: the output's gradient reaches the matmul padded with zero
+    columns, and the weight's gradient is the padded weight's first rows."""
+    if dtype is not None:
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     rows = weight.shape[0] if weight.dim() == 2 else 0
-    if not rows or _aligned(rows, weight.dtype) == rows or torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias)):
+    width = _aligned(rows, weight.dtype) if width is None else width
+    if not rows or width <= rows:
         return F.linear(x, weight, bias)
-    pad = _aligned(rows, weight.dtype) - rows
-    b = None if bias is None else F.pad(bias, (0, pad))
-    return F.linear(x, _pad_rows(weight, pad), b)
+    b = None if bias is None else F.pad(bias, (0, width - rows))
+    return F.linear(x, _pad_rows(weight, width - rows), b)
 
 
 def _per(dtype: torch.dtype) -> int:
@@ -154,8 +165,8 @@ def pad_linears(gm: GraphModule) -> bool:
     16-byte aligned through :func:`grouped_linear` (bias-free, with many rows) or through
     :func:`padded_linear`, whose users get a contiguous clone of the linear's columns.
     Linears that autograd would record (grad mode on and a tensor needing grad, when the
-    recording saw them) are left alone, as are float32 ones with few rows. Returns whether
-    ``gm`` changed."""
+    recording saw them) take the padded weight; float32 ones with few rows are left alone
+    (outside autocast). Returns whether ``gm`` changed."""
     changed = False
     graph = gm.graph
     for n in list(graph.nodes):
@@ -163,20 +174,26 @@ def pad_linears(gm: GraphModule) -> bool:
             continue
         x, w = node_layout(n.args[0]), node_layout(n.args[1])
         if x is None or w is None or len(w[0]) != 2 or not x[0] or w[2] not in (
-                torch.float16, torch.bfloat16, torch.float32) or _records_grad(n):
+                torch.float16, torch.bfloat16, torch.float32):
             continue
         rows, k = w[0]
         m = 1
         for size in x[0][:-1]:
             m *= size
-        if _aligned(rows, w[2]) == rows or 2 * m * rows * k < _MIN_FLOPS:
+        out = node_layout(n)
+        dtype = out[2] if out is not None and n.meta.get("autocast") else w[2]
+        if _aligned(rows, dtype) == rows or 2 * m * rows * k < _MIN_FLOPS:
             continue
         bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        if bias is None and not n.kwargs and _groups_fit(rows, k, m, w[2]):
+        if (bias is None and not n.kwargs and not _records_grad(n)
+                and dtype == w[2] and _groups_fit(rows, k, m, w[2])):
             n.target = grouped_linear
             changed = True
-        elif w[2] != torch.float32 or m >= _F32_PAD_ROWS:
+        elif dtype != torch.float32 or m >= _F32_PAD_ROWS:
             n.target = padded_linear
+            n.args = (n.args[0], n.args[1], bias, _aligned(rows, dtype),
+                      None if dtype == w[2] else dtype)
+            n.kwargs = {}
             with graph.inserting_after(n):
                 cut = graph.call_function(operator.getitem, (n, (Ellipsis, slice(None, rows))))
                 with graph.inserting_after(cut):

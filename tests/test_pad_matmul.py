@@ -43,15 +43,42 @@ def test_the_padded_copy_follows_every_write_to_the_weight():
             torch.testing.assert_close(padded_linear(x, w)[:, :5], F.linear(x, w))
 
 
-def test_calls_autograd_records_run_plain_linear_and_get_gradients():
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_calls_autograd_records_are_padded_and_get_eagers_gradients(with_bias):
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(5, 8, requires_grad=True)
-    padded_linear(x, w).square().sum().backward()
-    gx, gw = x.grad, w.grad
-    x.grad = w.grad = None
-    F.linear(x, w).square().sum().backward()
-    torch.testing.assert_close(gx, x.grad)
-    torch.testing.assert_close(gw, w.grad)
+    b = torch.randn(5, requires_grad=True) if with_bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    out = padded_linear(x, w, b)
+    assert out.shape == (4, 8)  # padded: a training step's matmuls are aligned too
+    seed = torch.randn(4, 5)
+    (out[:, :5] * seed).sum().backward()
+    got = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    (F.linear(x, w, b) * seed).sum().backward()
+    for g, t in zip(got, leaves):
+        assert g.shape == t.shape
+        torch.testing.assert_close(g, t.grad)
+
+
+def test_under_autocast_the_weight_is_padded_in_the_dtype_the_matmul_runs_in():
+    x = torch.randn(4, 8)
+    w = torch.randn(12, 8, requires_grad=True)  # aligned for float32, not for bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.linear(x, w)
+    for autocast in (True, False):  # the recorded dtype holds whatever autocast says
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = padded_linear(x, w, None, 16, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == (4, 16)
+        torch.testing.assert_close(got[:, :12], want)
+        got[:, :12].float().sum().backward()
+        gw, w.grad = w.grad, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.linear(x, w).float().sum().backward()
+        assert gw.dtype == torch.float32
+        torch.testing.assert_close(gw, w.grad)
+        w.grad = None
 
 
 class Head(torch.nn.Module):
@@ -213,3 +240,74 @@ def test_on_the_gpu_an_lm_head_over_many_rows_runs_as_row_groups(dtype):
             torch.testing.assert_close(got, want, **tol)
             assert got.stride() == want.stride()
     assert "grouped_linear" in compiled.code
+
+
+def _train(model, opt, x, y, autocast):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _training_matches_eager(device, rows, autocast, steps, tol):
+    import copy
+
+    torch.manual_seed(0)
+    model = Head(rows).to(device)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    compiled = fxlite.compile(_train)
+    for step in range(steps):  # fresh inputs each step; the weights change every step
+        x = torch.randn(4, 16, 32, device=device)
+        y = torch.randint(0, rows, (4, 16), device=device)
+        got = compiled(model, opt, x, y, autocast)
+        want = _train(twin, twin_opt, x, y, autocast)
+        torch.testing.assert_close(got, want, **tol)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q, **tol, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+            state, twin_state = opt.state[p], twin_opt.state[q]
+            torch.testing.assert_close(state["exp_avg"], twin_state["exp_avg"], **tol)
+    return compiled
+
+
+def _spy_on_padding(monkeypatch):
+    """The (width, dtype) of each padded_linear call the compiled step makes."""
+    padded = []
+    real = pad_matmul.padded_linear
+
+    def spy(*args):
+        padded.append(args[3:])
+        return real(*args)
+
+    monkeypatch.setattr(pad_matmul, "padded_linear", spy)
+    return padded
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_compiled_training_step_pads_the_head_and_matches_eager(monkeypatch, autocast):
+    """Autograd records the padded linear: the backward's matmuls are aligned too, and
+    losses, gradients, weights and optimizer state are eager's over several steps."""
+    from fxlite.codegen import pipeline
+
+    monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
+    monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)
+    monkeypatch.setattr(pipeline, "_on_gpu", lambda sample: True)
+    padded = _spy_on_padding(monkeypatch)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {}
+    compiled = _training_matches_eager("cpu", 37, autocast, 4, tol)
+    assert autocast or not compiled.fallbacks  # (CPU bfloat16 kernels' check may refuse)
+    # rows of 37 pad to 40 in float32 and bfloat16 alike: the dtype is the recorded one
+    assert padded and set(padded) == {(40, torch.bfloat16 if autocast else None)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fxlite pads on CUDA")
+def test_on_the_gpu_a_training_step_with_an_odd_vocabulary_pads_its_head(monkeypatch):
+    monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)  # a small batch, to keep it quick
+    padded = _spy_on_padding(monkeypatch)
+    _training_matches_eager("cuda", 50257, True, 6, {"rtol": 2e-2, "atol": 2e-2})
+    assert set(padded) == {(50264, torch.bfloat16)}  # bfloat16: 8 elements to 16 bytes
