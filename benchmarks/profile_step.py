@@ -44,6 +44,8 @@ def main() -> None:
                                  "gpt2_lm_step"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
+                        help="order of cProfile's table")
     parser.add_argument("--gpu", action="store_true", help="profile device time instead")
     parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
@@ -84,7 +86,7 @@ def main() -> None:
             profile.enable()
             time_steps(fn, model, opt, data, args.steps)
             profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
 def memory_profile(label: str, fn, model, opt, data) -> None:
