@@ -19,6 +19,7 @@ but the kernel is the closer of the two to the float64 run, so it is kept.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,8 +60,13 @@ def allclose(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool
 
 def versions(tensors: Iterable[Any]) -> list[int]:
     """The ``_version`` of each tensor (-1 for other values): compare before and after a run
-    to see whether it wrote any of them."""
-    return [t._version if isinstance(t, torch.Tensor) else -1 for t in tensors]
+    to see whether it wrote any of them. An inference tensor has none: it gets a number
+    never given before, so a run given one counts as one that may have written it."""
+    return [(-1 if not isinstance(t, torch.Tensor) else next(_UNKNOWN) if t.is_inference()
+             else t._version) for t in tensors]
+
+
+_UNKNOWN = itertools.count(-2, -1)  # stands for the version of an inference tensor
 
 
 def attributes(gm: GraphModule) -> list[Any]:

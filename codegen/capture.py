@@ -29,10 +29,10 @@ their version counters) and ``aliased`` (a mutated tensor shared its storage wit
 recorded tensor, so the write cannot be made functional).
 
 What cannot be replayed stops the recording (the call still finishes in eager PyTorch):
-reading a tensor's address, reseeding the generator, or entering inference mode. See
+reading a tensor's address or storage, or reseeding the generator. See
 ``Recording.unsupported``. What a replay would skip but a followed call runs for real
-(printing a tensor, and the Python effects that ``capture_watch`` sees) is
-``Recording.effect``.
+(printing a tensor, the Python effects that ``capture_watch`` sees, inference mode,
+whose tensors carry no version counter for a replay's checks) is ``Recording.effect``.
 """
 
 from __future__ import annotations

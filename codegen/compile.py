@@ -18,11 +18,10 @@ result is eager PyTorch's own. Later calls with that key take one of three tiers
 3. eager, with one warning, where neither holds (below).
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function
-reads tensors' addresses, reseeds the generator, enters inference
-mode, or changes Python state it reads and a replay's guard checks (a module attribute
-such as a step counter; Python state it only writes, an argument's attributes, a dict
-that keeps tensors, makes it followed); a
-function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
+reads tensors' addresses, reseeds the generator, or changes Python state it reads and a
+replay's guard checks (a module attribute such as a step counter; Python state it only
+writes, an argument's attributes, a dict that keeps tensors, makes it followed, as does
+inference mode); a function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
 and, per segment, when a pass or kernel fails or its results disagree with eager.
 """
 
@@ -768,7 +767,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         fullgraph: no graph break, as ``torch.compile``'s: raise :class:`fxlite.TraceError`
             (naming the line) instead of splitting the function where Python reads a
             tensor's value, or of running it in eager PyTorch where it cannot be captured
-            (it reads an address or a storage, reseeds, runs in inference mode). Python
+            (it reads an address or a storage, reseeds). Python
             effects are no graph break: a function that prints, sets an argument's
             attributes or keeps tensors in a dict is followed, as Dynamo replays them.
         dynamic: None, True or False. fxlite's keys hold no sizes unless the recorded code

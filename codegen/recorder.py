@@ -41,6 +41,7 @@ from fxlite.codegen.capture_rules import (
 )
 from fxlite.codegen.recording import Read, Recording, Step, format_site, tensor_meta, user_site
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlite.node import Node
 from fxlite.proxy import TraceError
@@ -83,6 +84,9 @@ class Recorder(TorchFunctionMode):
         self._values = values or {}
         self._read_value = read_value
         self._versions: dict[str, str] | None = None  # name -> its next in-place version
+        # inference tensors met (inference mode, or an argument made in it): they carry
+        # no version counter, so writes are seen through the ops' schemas (_Writes)
+        self.inference = False
         self.devices: list[int] = []
         self.record_rest = True
         # how to record a function of its own (torch.cond's branches): capture.record
@@ -227,13 +231,8 @@ class Recorder(TorchFunctionMode):
 
     def _op(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
         tensors = tensors_in((args, kwargs))
-        before = [t._version for t in tensors]
         self._snapshot(mutation_candidates(func, args, kwargs))
-        out = func(*args, **kwargs)
-        mutated = []
-        for i, t in enumerate(tensors):  # each tensor once: x.add_(x) passes x twice
-            if t._version != before[i] and all(t is not m for m in mutated):
-                mutated.append(t)
+        out, mutated = self._run_seeing_writes(lambda: func(*args, **kwargs), tensors)
         mutated += [t for t in hidden_writes(func, args, kwargs) if all(t is not m for m in mutated)]
         if kind == "read" or (not has_tensor(out) and out is not None and kind != "effect"):
             if isinstance(out, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
@@ -281,6 +280,40 @@ class Recorder(TorchFunctionMode):
         self.rec.steps.append(Step(func, node.name, structure(out)))
         return out
 
+    def _run_seeing_writes(self, run: Callable[[], Any],
+                           tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+        """``run()``'s result, and which of ``tensors`` it wrote (each once: ``x.add_(x)``
+        passes ``x`` twice): seen through their version counters, or, once the recording
+        has met an inference tensor (which has none), through the schemas of the aten
+        ops it ran (a write to any tensor sharing the memory counts, as a version
+        counter, shared by views, does)."""
+        if not self.inference and any(t.is_inference() for t in tensors):
+            self._enter_inference()
+        mutated: list[torch.Tensor] = []
+        if self.inference:
+            with _Writes() as seen:
+                out = run()
+            for t in tensors:
+                if _storage(t) in seen.written and all(t is not m for m in mutated):
+                    mutated.append(t)
+            return out, mutated
+        before = [t._version for t in tensors]
+        out = run()
+        for i, t in enumerate(tensors):
+            if t._version != before[i] and all(t is not m for m in mutated):
+                mutated.append(t)
+        return out, mutated
+
+    def _enter_inference(self) -> None:
+        """The recording met inference mode or an inference tensor: from now on writes are
+        seen through op schemas, and its Python runs on every call (a followed call: no
+        version counter lets a replay's checks see what the recorded ops wrote)."""
+        self.inference = True
+        if self.rec.effect is None:
+            self.rec.effect = ("runs in inference mode (or on its tensors), whose tensors "
+                               "carry no version counter for a replay's checks"
+                               f"\n  {format_site(user_site())}")
+
     def _effect(self, func: Any, args: tuple, kwargs: dict, setter: bool = False) -> Any:
         out = func(*args, **kwargs)
         node = self._node(func, args, kwargs)
@@ -310,7 +343,7 @@ class Recorder(TorchFunctionMode):
             if out._is_view():  # shares memory with another value: followed calls
                 node.meta["view"] = True  # run it for real (codegen/follow.py)
             self._bind(out, node.name)
-            self.rec.expected[node.name] = (weakref.ref(out), out._version)
+            self.rec.expected[node.name] = (weakref.ref(out), _version(out))
             return
         if isinstance(out, (tuple, list)):
             import operator
@@ -358,7 +391,7 @@ class Recorder(TorchFunctionMode):
             self.rec.expected.pop(name, None)  # its recorded value was overwritten
             if out is t:  # later reads see the written tensor through this node
                 self._bind(t, node.name)
-                self.rec.expected[node.name] = (weakref.ref(t), t._version)
+                self.rec.expected[node.name] = (weakref.ref(t), _version(t))
                 node.meta["same_object"] = name  # a later version of the same tensor
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased
@@ -494,9 +527,8 @@ class Recorder(TorchFunctionMode):
             self._autocast = state
             node = self.graph.call_function(set_autocast, (state,))
             node.meta.update(impure=True, grad_enabled=grad)
-        if torch.is_inference_mode_enabled():  # the caller's or its own
-            self.stop("runs in inference mode, whose tensors have no version counter "
-                      "for fxlite to see in-place writes by")
+        if torch.is_inference_mode_enabled() and not self.inference:  # the caller's or its own
+            self._enter_inference()
 
     def finish(self) -> None:
         """Close the recording: restore ambient state at the end, check the generator."""
@@ -526,12 +558,10 @@ class Recorder(TorchFunctionMode):
             if touches is not None:
                 self._snapshot(touches)
                 tensors += [t for t in touches if all(t is not u for u in tensors)]
-            before = [t._version for t in tensors]
-            out = runner(*args, **kwargs)
+            out, mutated = self._run_seeing_writes(lambda: runner(*args, **kwargs), tensors)
             node = self._node(target, args, kwargs)
             node.meta["impure"] = True
             node.meta["external"] = touches is not None
-            mutated = [t for i, t in enumerate(tensors) if t._version != before[i]]
             if mutated:
                 self._note_mutation(node, mutated, out)
             self._bind_out(out, node)
@@ -657,6 +687,38 @@ class Recorder(TorchFunctionMode):
             if user.target is operator.getitem and user.args[1] == i:
                 return user.name
         return None
+
+
+class _Writes(TorchDispatchMode):
+    """Collects the storages that the aten ops run under it write, as their schemas say
+    (``add_(Tensor(a!) self, ...)``, ``out=``): how writes to inference tensors, which
+    carry no version counter, are seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types_: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        self.written.add(_storage(t))
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; -1 for an inference tensor, which has none (its recording is
+    followed, which reads no version)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _no_sub_record(*args: Any, **kwargs: Any) -> Any:

@@ -338,6 +338,102 @@ def test_sym_max_of_sizes():
     _quiet_calls(c, fn, make, check, calls=5)
 
 
+# ---------------------------------------------------------------- inference mode
+# Inference tensors carry no version counter: the recorder sees writes through the aten
+# ops' schemas, and the function is followed (no replay check could see its writes).
+class _Stats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x, out):
+        h = torch.relu(self.lin(x)) * 2
+        self.seen.add_(h.sum(0))  # a buffer written in place
+        out[0].copy_(h[0])  # an argument written through a view
+        x.mul_(0.5)  # an argument written in place
+        return torch.tanh(h) + 1
+
+
+def test_a_module_under_inference_mode_writes_as_eager():
+    mine = _Stats().to(DEVICE)
+    theirs = _Stats().to(DEVICE)
+    theirs.load_state_dict(mine.state_dict())
+    c = fxlite.compile(mine, fullgraph=True)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            x, out = rand(3, 4), rand(2, 4)
+            x2, out2 = x.clone(), out.clone()
+            got, want = c(x, out), theirs(x2, out2)
+            torch.testing.assert_close(got, want)
+            assert got.is_inference()
+            torch.testing.assert_close(x, x2)
+            torch.testing.assert_close(out, out2)
+            torch.testing.assert_close(mine.seen, theirs.seen)
+            assert c.tier.startswith("followed: it runs in inference mode"), c.tier
+    assert c.kernels
+
+
+def test_a_function_that_enters_inference_mode_itself():
+    def fn(x, w):
+        with torch.inference_mode():
+            y = torch.sigmoid(x @ w) + 1
+            y[:, 0] = 0.0
+        return y, x + 1
+
+    c = fxlite.compile(fn, fullgraph=True)
+
+    def make(i):
+        x, w = rand(3, 3), rand(3, 3)
+        return (x, w), (x.clone(), w.clone())
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert got[0].is_inference() and not got[1].is_inference()
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+    _quiet_calls(c, fn, make, check)
+
+
+@pytest.mark.parametrize("how", ["data", "parameter"])
+def test_inference_tensors_read_as_data_and_wrapped_in_a_parameter(how):
+    # Dynamo's test_data_access_in_inference_mode and test_inference_mode_param
+    def fn(x):
+        if how == "data":
+            return x.data * 3
+        p = torch.nn.Parameter(x, requires_grad=False)
+        return x * p
+
+    c = fxlite.compile(fn, fullgraph=True)
+    with torch.inference_mode(), warnings.catch_warnings(record=True):
+        # (a Parameter made in the call is a tensor the recording cannot match on later
+        # calls: those run on eagerly, then all of it, with a warning)
+        for _ in range(5):
+            x = torch.rand(4, device=DEVICE)
+            got, want = c(x), fn(x.clone())
+            torch.testing.assert_close(got, want)
+            assert got.is_inference()
+
+
+def test_inference_tensors_given_outside_inference_mode():
+    def fn(x):
+        return torch.cos(x) * 2 + x.sum()
+
+    c = fxlite.compile(fn, fullgraph=True)
+
+    def make(i):
+        with torch.inference_mode():
+            x = rand(5)
+        return (x,), (x.clone(),)
+
+    def check(i, got, want, *_):
+        torch.testing.assert_close(got, want)
+        assert not got.is_inference()
+
+    _quiet_calls(c, fn, make, check)
+
+
 # ---------------------------------------------------------------- still refused
 def test_fullgraph_still_refuses_a_value_read_that_steers_python():
     def fn(x, box):
