@@ -157,7 +157,7 @@ class CompiledFunction:
         # Both shortcuts serve calls whose arguments are all tensors (so the state key has
         # no module arguments, as below): check that before computing any key.
         # (a tensor with Python attributes takes the general path: its key holds them)
-        tensors_only = not kwargs and all(isinstance(a, torch.Tensor) and a.layout is _STRIDED
+        tensors_only = not kwargs and all(type(a) is _TENSOR and a.layout is _STRIDED
                                           and not a.is_nested and not a.__dict__ for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
@@ -180,8 +180,8 @@ class CompiledFunction:
                 return found[1].result(found[0])
         leaves, spec = flatten_call(args, kwargs)
         odd = _unusual(leaves)
-        if odd is not None:  # sparse or nested tensors: eager, with one warning
-            why = f"it is given a {odd} tensor, which fxlite does not compile"
+        if odd is not None:  # sparse, nested or subclass tensors: eager, with one warning
+            why = f"it is given a {odd}, which fxlite does not compile"
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             self._last, self._last_eager = [], why
             return self._fn(*args, **kwargs)
@@ -378,6 +378,7 @@ class CompiledFunction:
                    f"{plan.why.splitlines()[0]})")
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             self._followed[key], self._eager_why[key] = _EAGER, why
+            self._last, self._last_eager = [], why  # (this call ended eagerly too)
         return out
 
     def _graphs_wanted(self) -> bool:
@@ -635,13 +636,21 @@ def _plain(seg: Segment, leaves: list[Any]) -> bool:
 
 
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
 
 
 def _unusual(leaves: list[Any]) -> str | None:
-    """The kind of the first argument tensor fxlite does not compile (sparse, nested)."""
+    """The kind of the first argument tensor fxlite does not compile (sparse, nested, or
+    of a subclass of ``torch.Tensor`` other than ``nn.Parameter``: its ``__torch_function__``
+    or ``__torch_dispatch__`` decides what each op does and returns, which a recording of
+    plain tensors would not replay, and a replay returned plain tensors)."""
     for a in leaves:
-        if isinstance(a, torch.Tensor) and (a.layout is not _STRIDED or a.is_nested):
-            return "nested" if a.is_nested else str(a.layout).removeprefix("torch.")
+        if isinstance(a, torch.Tensor):
+            if a.layout is not _STRIDED or a.is_nested:
+                kind = "nested" if a.is_nested else str(a.layout).removeprefix("torch.")
+                return f"{kind} tensor"
+            if type(a) is not _TENSOR and not isinstance(a, torch.nn.Parameter):
+                return f"tensor of the subclass {type(a).__qualname__}"
     return None
 
 

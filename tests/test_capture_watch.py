@@ -290,16 +290,35 @@ def test_contents_keys_see_changes_inside_containers_and_objects():
     assert not is_stateful(torch.ones(1)) and not is_stateful(torch.nn.Linear(1, 1))
 
 
+class _Marked(torch.Tensor):
+    """A subclass whose ops keep the class (``__torch_function__``'s default)."""
+
+
+def _two_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.ones(3), torch.ones(3) * 2)
+
+
 @pytest.mark.parametrize("make", [lambda: torch.eye(3).to_sparse(),
                                   lambda: torch.eye(3).to_sparse_csr(),
                                   lambda: torch.nested.nested_tensor([torch.ones(2),
-                                                                      torch.ones(3)])],
-                         ids=["sparse_coo", "sparse_csr", "nested"])
-def test_sparse_and_nested_inputs_run_eagerly_with_one_warning(make):
+                                                                      torch.ones(3)]),
+                                  lambda: torch.arange(3.0).as_subclass(_Marked),
+                                  _two_tensor],
+                         ids=["sparse_coo", "sparse_csr", "nested", "subclass",
+                              "dispatch_subclass"])
+@pytest.mark.parametrize("plain_first", [False, True])
+def test_sparse_nested_and_subclass_inputs_run_eagerly_with_one_warning(make, plain_first):
+    """Before: a tensor subclass was recorded as a plain tensor, and replays returned plain
+    tensors where eager returns the subclass (also after a plain call was recorded)."""
     def fn(x):
         return x * 2
 
     f = fxlite.compile(fn)
+    if plain_first:
+        for _ in range(2):
+            f(torch.arange(3.0))  # recorded, and then replayed on the fast path
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outs = [f(make()) for _ in range(3)]
@@ -307,6 +326,7 @@ def test_sparse_and_nested_inputs_run_eagerly_with_one_warning(make):
     assert len(said) == 1 and "which fxlite does not compile" in said[0]
     for out in outs:
         expected = fn(make())
+        assert type(out) is type(expected)
         if out.is_nested:
             torch.testing.assert_close(list(out.unbind()), list(expected.unbind()))
         else:
