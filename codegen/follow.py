@@ -24,6 +24,18 @@ Python's effects, exceptions and state are eager's by construction, and fused ke
 still run. A call that does not match the recording (another op, another scalar, an
 unknown tensor, other sizes) ends the match: that call and the rest of the function run
 eagerly, on those real tensors.
+
+A tensor the Python keeps between calls outside module state (``self.h = torch.tanh(...)``
+on a plain object, ``cache["h"]`` in a global dict) was recorded as a constant (a
+``get_attr`` node), and a later call passes another tensor there. The first such call
+leaves the recording; the name is then *varying*: pieces take it as an input and start
+where it is first used, so that on later calls the tensor the Python passes at that first
+use (with the recorded layout) is bound to the name before any piece reads it::
+
+    def fn(x):                           call 1 (recorded): cache["h"] is a constant %h
+        h = torch.tanh(cache["h"] + x)   call 2: another tensor at %h -> leaves the
+        cache["h"] = h * 2                       recording; %h becomes varying
+        return h                         call 3 on: bound at `cache["h"] + x`, kernels
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import torch
 from fxlite.codegen.capture_hooks import installed, opaque_methods
 from fxlite.codegen.capture_kinds import UNSUPPORTED, classify
 from fxlite.codegen.capture_rules import map_tensors, same_func, spelling
-from fxlite.codegen.recording import _LOCAL, Recording, Step
+from fxlite.codegen.recording import _LOCAL, Recording, Step, tensor_meta
 from fxlite.codegen.structure import flatten
 from torch.overrides import TorchFunctionMode
 
@@ -89,13 +101,40 @@ class Follow:
         self.attrs = {n.name: rec.externals[n.target] for n in rec.graph.nodes
                       if n.op == "get_attr"}
         self.externals = {id(v): name for name, v in self.attrs.items()}
-        self.pieces = _pieces(rec, self.nodes)
-        piece_of = {n.name: piece for piece in self.pieces for n in piece.nodes}
-        self.expects = [_expect(step, piece_of.get(step.node), self.nodes)
-                        for step in rec.steps]
+        # constants that are not module state (a tensor a plain object or a global dict
+        # holds), which the Python may pass anew on later calls; and those seen to be
+        state = {id(t) for _, root in rec.modules for t in (*root.parameters(),
+                                                             *root.buffers())}
+        self.loose = {name for name, v in self.attrs.items() if id(v) not in state}
+        self.varying: set[str] = set()
+        self.pieces: list[Piece] = []
         self.diverged = 0  # calls whose torch calls left the recording, in a row
+        self._plan()
+
+    def _plan(self) -> None:
+        """Cut the pieces (in place: callers hold the list) and work out each step's
+        record, for the names now varying."""
+        rec, nodes = self.rec, self.nodes
+        self.pieces[:] = _pieces(rec, nodes, self.varying)
+        piece_of = {n.name: piece for piece in self.pieces for n in piece.nodes}
+        self.expects = [_expect(step, piece_of.get(step.node), nodes) for step in rec.steps]
         # per step: the key of a call that matched it (later calls compare this key alone)
         self.keys: list[tuple | None] = [None] * len(rec.steps)
+        # per step index: the varying names first used there, bound there on each call
+        self.first_use: dict[int, set[str]] = {}
+        seen: set[str] = set()
+        for i, step in enumerate(rec.steps):
+            node = nodes.get(step.node) if step.node else None
+            for inp in node.all_input_nodes if node is not None else ():
+                if inp.name in self.varying and inp.name not in seen:
+                    seen.add(inp.name)
+                    self.first_use.setdefault(i, set()).add(inp.name)
+
+    def vary(self, names: set[str]) -> None:
+        """``names`` (loose constants) were passed anew: from the next call on they are
+        bound where first used (the compiled pieces are cut again, and compiled again)."""
+        self.varying |= names
+        self._plan()
 
     def __call__(self, args: tuple, kwargs: dict, bound: Sequence[Any],
                  leaves: list[Any] | None = None) -> Any:
@@ -215,7 +254,12 @@ class Follower(TorchFunctionMode):
             try:
                 key = _call_key(args, kwargs, self.ids, self.env)
             except _Unknown:
-                return None
+                if not self._rebind(func, args, kwargs, expect.node):
+                    return None
+                try:
+                    key = _call_key(args, kwargs, self.ids, self.env)
+                except _Unknown:
+                    return None
             known = self.keys[at]
             try:
                 hit = known is not None and known == key
@@ -227,6 +271,42 @@ class Follower(TorchFunctionMode):
                 self.keys[at] = key  # later calls compare this key alone
         self.at = at + 1
         return expect
+
+    def _rebind(self, func: Any, args: tuple, kwargs: dict, name: str) -> bool:
+        """Bind the tensors this call passes where the recorded ``name`` had a loose
+        constant (see the module docstring), each with the recorded layout and known by
+        no other name; True if it bound any. Only at the step where a varying name is
+        first used (no piece has read it yet in this call); a loose name found passed
+        anew elsewhere becomes varying for later calls, and this call leaves the match."""
+        follow = self.follow
+        node = follow.nodes[name]
+        pairs: list[tuple[torch.Tensor, Node]] = []
+        try:
+            _, _, spelled = spelling(func, args)
+            _pairs(spelled, node.args, pairs)
+            _pairs(kwargs, node.kwargs, pairs)
+        except Exception:
+            return False
+        fresh: dict[str, torch.Tensor] = {}
+        for t, n in pairs:
+            if self.env.get(n.name) is t:
+                continue
+            known = self.ids.get(id(t))
+            if n.name not in follow.loose or (known is not None and self.env.get(known) is t) \
+                    or fresh.get(n.name, t) is not t \
+                    or tensor_meta(t) != n.meta.get("tensor_meta_rec"):
+                return False
+            fresh[n.name] = t
+        if not fresh:
+            return False
+        first = follow.first_use.get(self.at, ())
+        if any(n not in first for n in fresh):
+            if set(fresh) - follow.varying:
+                follow.vary(set(fresh) - follow.varying)
+            return False
+        for n, t in fresh.items():
+            self.bind(t, n)
+        return True
 
     def _same_call(self, func: Any, args: tuple, kwargs: dict, node: Node) -> bool:
         """Whether the call is ``node``'s, compared as the recorder wrote it (spelling,
@@ -364,6 +444,20 @@ def _add_key(a: Any, out: list[Any], ids: dict[int, str], env: dict[str, Any]) -
         out.append((t, a if t is not float or a == a else _NAN))
 
 
+def _pairs(a: Any, b: Any, out: list[tuple[torch.Tensor, Node]]) -> None:
+    """Each tensor of a call's argument ``a`` with the node at its place in the recorded
+    argument ``b`` (where the structures agree)."""
+    if isinstance(a, torch.Tensor):
+        if isinstance(b, Node):
+            out.append((a, b))
+    elif type(a) in (tuple, list) and type(b) in (tuple, list) and len(a) == len(b):
+        for x, y in zip(a, b):
+            _pairs(x, y, out)
+    elif type(a) is dict and type(b) is dict:
+        for k in a.keys() & b.keys():
+            _pairs(a[k], b[k], out)
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether a call's argument ``a`` (tensors swapped for nodes) equals the recorded
     ``b``: nodes by identity, containers item by item, floats by value (NaN is NaN),
@@ -415,8 +509,9 @@ def _pure(node: Node) -> bool:
         all(u.meta.get("type") is torch.Tensor and not u.meta.get("view") for u in items)
 
 
-def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
-    """The recording's runs of pure nodes, in program order (see the module docstring)."""
+def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozenset()) -> list[Piece]:
+    """The recording's runs of pure nodes, in program order (see the module docstring);
+    a node that reads a ``varying`` constant starts a run, which takes it as an input."""
     pieces: list[Piece] = []
     run: list[Node] = []
 
@@ -429,7 +524,8 @@ def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
                 for inp in n.all_input_nodes:
                     if inp.name in made or inp.name in inputs or inp.name in attrs:
                         continue
-                    fixed = inp.op == "get_attr" and inp.name not in written
+                    fixed = inp.op == "get_attr" and inp.name not in written \
+                        and inp.name not in varying
                     (attrs if fixed else inputs).append(inp.name)
             outputs = [n.name for n in run if n.meta.get("type") is torch.Tensor]
             pieces.append(Piece(list(run), inputs, outputs, attrs))
@@ -452,6 +548,8 @@ def _pieces(rec: Recording, nodes: dict[str, Node]) -> list[Piece]:
         if node.op == "output" or parent is not None or not _pure(node):
             close()
             continue
+        if varying and any(inp.name in varying for inp in node.all_input_nodes):
+            close()  # bound at this node's call, before the run reads it
         pure.add(node.name)
         run.append(node)
     close()

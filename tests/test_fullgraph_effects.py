@@ -292,6 +292,97 @@ def test_a_tensor_kept_from_the_last_call_and_read_again():
             check(i, compiled(*m), fn(*t))
 
 
+# ---------------------------------------------------------------- tensors carried between calls
+# A tensor kept outside module state (a global dict, a module's plain attribute) is a
+# constant in the recording; a later call passes another one there. After the first such
+# call the follower binds it where it is first used, and the kernels serve every call.
+_CACHE: dict = {}
+
+
+def _carry(x):
+    _CACHE["h"] = torch.tanh(_CACHE["h"] + x) * 2
+    return _CACHE["h"] + 1
+
+
+def test_a_tensor_carried_in_a_global_dict_is_served_by_kernels():
+    c = fxlite.compile(_carry, fullgraph=True)
+    _CACHE["h"] = torch.zeros(3, device=DEVICE)
+    want_h = torch.zeros(3, device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(6):
+            x = rand(3)
+            if i == 4:  # state changed between calls, by the caller
+                _CACHE["h"] = _CACHE["h"] * 0 + 5
+                want_h = want_h * 0 + 5
+            want_h = torch.tanh(want_h + x) * 2
+            torch.testing.assert_close(c(x), want_h + 1)
+            torch.testing.assert_close(_CACHE["h"], want_h)
+            assert c.tier.startswith("followed"), c.tier
+    assert c.kernels  # the later calls matched: their pieces ran
+    plan = next(iter(c._followed.values()))
+    assert plan.diverged == 0 and plan.varying
+
+
+class _Recurrent(nn.Module):
+    """Keeps its hidden state as a plain tensor attribute (no buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.h = torch.zeros(2, 4)
+        self.steps = []
+
+    def forward(self, x):
+        out = torch.tanh(self.lin(x) + self.h)
+        self.h = out.detach()  # (kept with its history, it would differ in requires_grad)
+        self.steps.append(1)
+        return out.sum(1)
+
+
+def test_a_modules_plain_tensor_attribute_carried_between_calls():
+    mine = _Recurrent().to(DEVICE)
+    mine.h = mine.h.to(DEVICE)
+    theirs = _Recurrent().to(DEVICE)
+    theirs.load_state_dict(mine.state_dict())
+    theirs.h = mine.h.clone()
+    c = fxlite.compile(mine, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(6):
+            x = rand(2, 4)
+            if i == 3:  # the caller resets the state
+                mine.h = torch.ones(2, 4, device=DEVICE)
+                theirs.h = torch.ones(2, 4, device=DEVICE)
+            torch.testing.assert_close(c(x), theirs(x.clone()))
+            torch.testing.assert_close(mine.h, theirs.h)
+    assert len(mine.steps) == len(theirs.steps) == 6
+    assert c.kernels
+
+
+def test_a_carried_tensor_of_another_layout_or_passed_twice_leaves_the_match():
+    # another shape at the varying constant, or the recording's one tensor now two
+    # different ones: those calls run on eagerly, each result as eager's
+    def fn(x):
+        a = _CACHE["a"]
+        y = torch.sin(a) + x
+        return y * 2 + _CACHE["b"]
+
+    c = fxlite.compile(fn, fullgraph=True)
+    shared = torch.ones(3, device=DEVICE)
+    _CACHE["a"] = _CACHE["b"] = shared
+    with warnings.catch_warnings(record=True):
+        for i in range(8):
+            x = rand(3)
+            if i in (2, 3):
+                _CACHE["a"] = _CACHE["b"] = rand(3)
+            elif i in (4, 5):
+                _CACHE["a"], _CACHE["b"] = rand(3), rand(3)
+            elif i == 6:
+                _CACHE["a"] = rand(1)  # broadcasts, another layout
+            torch.testing.assert_close(c(x), fn(x))
+
+
 # ---------------------------------------------------------------- values fixed by sizes
 def test_iterating_a_tensor_whose_first_dimension_is_empty():
     # iter(x) of a (0, 3) tensor gives no rows: a value fixed by the sizes (Dynamo's
