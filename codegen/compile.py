@@ -191,12 +191,13 @@ class CompiledFunction:
         key = base + (input_key(leaves, True),) if base in self._sized else base
         root = self._trees.get(key)
         if root is None and self._followed:
-            plan = self._followed.get(base[:3])
+            fkey = self._follow_key(base, leaves)
+            plan = self._followed.get(fkey)
             if plan is _EAGER:
-                self._last, self._last_eager = [], self._eager_why.get(base[:3])
+                self._last, self._last_eager = [], self._eager_why.get(fkey)
                 return self._fn(*args, **kwargs)
             if plan is not None:
-                return self._follow(plan, base[:3], args, kwargs, leaves)
+                return self._follow(plan, fkey, args, kwargs, leaves)
         if root is None:
             with self._lock:
                 root = self._trees.get(key)
@@ -299,6 +300,7 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
+        fkey = self._follow_key(base, leaves)  # (as the call began: it may add attributes)
         with side_stream(self._graphs_wanted()):
             result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects())
@@ -310,8 +312,7 @@ class CompiledFunction:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
             rec.pre_state.clear()  # snapshots for the checks of replayed segments only
-            plan = self._followed[base[:3]] = Follow(rec, self._fn, self._compile_piece,
-                                                     rec.effect)
+            plan = self._followed[fkey] = Follow(rec, self._fn, self._compile_piece, rec.effect)
             self._last = plan.pieces  # (not compiled yet: this call ran eagerly)
             return result
         base = self._watch_globals(rec, base, arg_modules)
@@ -358,7 +359,7 @@ class CompiledFunction:
         leaves, spec = flatten_call(args, kwargs)
         if _unusual(leaves) is not None:
             return _NOT_RUN
-        key = (spec, ambient_key(), input_key(leaves, False, self._alias))
+        key = (spec, ambient_key(), input_key(leaves, False, self._alias, False))
         plan = self._followed.get(key)
         if plan is None:
             return _NOT_RUN
@@ -380,6 +381,14 @@ class CompiledFunction:
             self._followed[key], self._eager_why[key] = _EAGER, why
             self._last, self._last_eager = [], why  # (this call ended eagerly too)
         return out
+
+    def _follow_key(self, base: tuple, leaves: list[Any]) -> tuple:
+        """The key of a followed plan: ``base``'s structure, ambient state and input key,
+        plain objects in it by class, identity and attribute names alone (their Python runs
+        and reads what they hold on every call: ``guards.argument_key``)."""
+        if all(isinstance(x, _PLAIN_LEAVES) for x in leaves):
+            return base[:3]  # (no object: the same input key)
+        return base[:2] + (input_key(leaves, False, self._alias, False),)
 
     def _graphs_wanted(self) -> bool:
         """Whether segments may be captured in CUDA graphs (``mode="reduce-overhead"``)."""
@@ -636,6 +645,7 @@ def _plain(seg: Segment, leaves: list[Any]) -> bool:
 
 
 _STRIDED = torch.strided
+_PLAIN_LEAVES = (torch.Tensor, bool, int, float, str, type(None))  # keyed without objects
 _TENSOR = torch.Tensor
 
 

@@ -84,8 +84,10 @@ def _scalar_key(v: Any) -> Any:
     return (t, v)
 
 
-def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
-    """The key of a call's argument leaves (see the module docstring)."""
+def input_key(leaves: list[Any], sizes: bool, storage: bool = False,
+              contents: bool = True) -> tuple:
+    """The key of a call's argument leaves (see the module docstring); with
+    ``contents=False`` a plain object's without what it holds (:func:`argument_key`)."""
     key: list[Any] = []
     seen: dict[int, int] = {}
     storages: dict[int, int] = {}
@@ -108,7 +110,7 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False) -> tuple:
         elif isinstance(a, _SCALARS):
             key.append(_scalar_key(a))
         else:  # an object: itself, and what it holds (a loss object's weight)
-            key.append(argument_key(a))
+            key.append(argument_key(a, contents))
     return tuple(key)
 
 
@@ -166,7 +168,7 @@ def _forget(i: int, ref: Any) -> None:
 _SMALL_ARRAY = 256
 
 
-def argument_key(a: Any) -> tuple:
+def argument_key(a: Any, contents: bool = True) -> tuple:
     """The key of an argument that is neither a tensor nor a scalar: its class and
     identity (:func:`identity`), and what a recording may have read from it: a plain
     object's attribute names and values (``hasattr(obj, "z")``, ``obj.scale``), a
@@ -176,6 +178,11 @@ def argument_key(a: Any) -> tuple:
 
         argument_key(functools.partial(mul, y=2))  # (partial, <mul>, (), (("y", (int, 2)),))
         argument_key(np.ones(3))                   # (ndarray, "<f8", (3,), b"...")
+
+    With ``contents=False``, a plain object's key holds its class, identity and attribute
+    names alone: the key of a followed plan (``codegen/follow.py``), whose Python reads
+    the object on every call and whose torch calls are matched one by one (a tensor the
+    object carries from call to call is bound where it is used).
     """
     t = type(a)
     if t is functools.partial:  # by contents: a new partial of the same call replays
@@ -191,7 +198,7 @@ def argument_key(a: Any) -> tuple:
     except AttributeError:
         d = None
     names = tuple(d) if type(d) is dict else None  # attributes added or deleted
-    return (t, identity(a), names, _content(a))
+    return (t, identity(a), names, _content(a)) if contents else (t, identity(a), names)
 
 
 def _bound_key(v: Any) -> Any:

@@ -100,7 +100,7 @@ class _Box:
 
 def test_a_property_setter_on_an_argument_keeps_each_calls_tensor():
     def fn(b, x):
-        b.value = torch.sin(x) * 2
+        b.value = torch.sin(x) + b.value  # reads the tensor the last call set
         return b.value * 3
 
     c = fxlite.compile(fn, fullgraph=True)
@@ -115,7 +115,8 @@ def test_a_property_setter_on_an_argument_keeps_each_calls_tensor():
         torch.testing.assert_close(mine._value, theirs._value)
         assert c.tier.startswith("followed"), c.tier
 
-    _quiet_calls(c, fn, make, check)
+    _quiet_calls(c, fn, make, check, calls=6)
+    assert c.kernels and c._recordings == 1  # one recording, its kernels serve the calls
 
 
 class _Slotted:
@@ -265,8 +266,9 @@ def test_a_returned_object_it_cannot_rebuild_is_made_on_every_call():
 
 
 def test_a_tensor_kept_from_the_last_call_and_read_again():
-    # the kept tensor is part of the argument's key: each call records (and so runs)
-    # eagerly, up to recompile_limit recordings, then in eager PyTorch with a warning
+    # an object argument carrying a tensor from call to call: a followed plan's key holds
+    # the object's class, identity and attribute names, not what it holds (the Python
+    # reads it on every call), and the tensor is bound where it is first used
     class Carry:
         def __init__(self):
             self.h = torch.zeros(3, device=DEVICE)
@@ -286,10 +288,15 @@ def test_a_tensor_kept_from_the_last_call_and_read_again():
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(mine.h, theirs.h)
 
-    with warnings.catch_warnings(record=True):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         for i in range(10):
             m, t = make(i)
+            if i == 5:  # the caller resets the state of both
+                mine.h = torch.ones(3, device=DEVICE)
+                theirs.h = torch.ones(3, device=DEVICE)
             check(i, compiled(*m), fn(*t))
+    assert compiled.kernels and compiled._recordings == 1
 
 
 # ---------------------------------------------------------------- tensors carried between calls
