@@ -3,8 +3,11 @@
 A function that writes Python objects outliving the call (attributes of an argument set
 through a descriptor, a property or ``__slots__``, tensors kept in a dict or a
 thread-local, a set updated) is followed: its Python runs on every call, as eager's does,
-and its torch calls are served by kernels. ``fullgraph=True`` accepts it; it still
-refuses a tensor's value read in Python (a real graph break).
+and its torch calls are served by kernels; so is one that runs in inference mode, and a
+tensor carried from call to call is bound where it is first used. Values fixed by sizes
+(``torch.sym_max`` of sizes, the rows of an empty tensor) are no read. ``fullgraph=True``
+accepts all of these; it still refuses a tensor's value read in Python (a real graph
+break).
 
 Each test calls the compiled function several times with fresh inputs, changing state
 between calls, beside eager on a twin of every object, and compares results, arguments
