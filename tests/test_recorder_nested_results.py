@@ -6,6 +6,9 @@ unknown: a later read of them became a constant holding the recording call's val
 and every replay returned those (Inductor's ``test_kwargs``).
 """
 
+import os
+
+import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -87,3 +90,15 @@ def test_any_depth():
         return a + b, c * d, [[c], (d,)]
 
     _check(fn, lambda g: (torch.randn(5, generator=g),))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(os.environ.get("TRITON_INTERPRET")),
+                    reason="needs CUDA with TRITON_INTERPRET unset")
+def test_any_depth_gpu():
+    # CUDA results go through the straight-line and CUDA-graph replays
+    def fn(x):
+        a, ((b, [c, (d,)]),) = _Deep.apply(x)
+        return a.sin() + b, c * d, [[c], (d + 1,)]
+
+    _check(fn, lambda g: (torch.randn(64, 32, generator=g).cuda(),), calls=6)
