@@ -21,9 +21,23 @@ segment, whose outputs are every value the Python received; every other call (wr
 random ops, views, reads, ``backward()``, an optimizer's step) runs for real, as the user
 called it. So every tensor the Python holds is a real tensor with its autograd history,
 Python's effects, exceptions and state are eager's by construction, and fused kernels
-still run. A call that does not match the recording (another op, another scalar, an
-unknown tensor, other sizes) ends the match: that call and the rest of the function run
-eagerly, on those real tensors.
+still run. A call that does not match the recording (another op, a number of another
+type or in a dim or size, an unknown tensor, other sizes) ends the match: that call and
+the rest of the function run eagerly, on those real tensors.
+
+A Python number the function passes as a value of a pure pointwise op (``x * s``,
+``torch.clamp(x, max=m)``; not a dim, a size, a mode or an exponent) that differs from the
+recorded one, with the same Python type, is *varying* from then on: the piece computing
+that node starts there and takes the number as an input (a placeholder of its type, an
+argument of its kernels), bound from each call's own number when the node's call matches.
+The call that finds it goes on matching, on pieces cut again (those that ran before that
+node in this call stand)::
+
+    def fn(x):                           call 1 (recorded): %mul = mul(%relu, 0.31)
+        h = torch.relu(x)                call 2: 0.87 at mul's argument 1 -> varying;
+        return h * random.random() + 1           pieces: [relu], [mul, add] (its input
+                                                 %mul_scalar_1), the call goes on
+                                         call 3 on: [mul, add] runs on the call's number
 
 A tensor the Python keeps between calls outside module state (``self.h = torch.tanh(...)``
 on a plain object, ``cache["h"]`` in a global dict) was recorded as a constant (a
@@ -53,6 +67,7 @@ from fxlite.codegen.recording import _LOCAL, Recording, Step, tensor_meta
 from fxlite.codegen.structure import flatten
 from torch.overrides import TorchFunctionMode
 
+from fxlite import ops as op_table
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -85,6 +100,7 @@ class Expect(NamedTuple):
     out: Any  # its result's structure, as recorded (``Step.out``)
     passed: bool  # its function's calls run unmatched (a size read that was recorded)
     grad: bool | None  # grad mode as recorded (a piece's values depend on it); None: any
+    scalars: tuple = ()  # (position, name) of each varying number it passes (``Follow.scalars``)
 
 
 class Follow:
@@ -107,6 +123,11 @@ class Follow:
                                                              *root.buffers())}
         self.loose = {name for name, v in self.attrs.items() if id(v) not in state}
         self.varying: set[str] = set()
+        # per node: its varying numbers, position (an index into its args, or a keyword)
+        # -> the name of the piece input that takes it; and each such name's Python type
+        self.scalars: dict[str, dict[int | str, str]] = {}
+        self.scalar_types: dict[str, type] = {}
+        self.order = {n.name: i for i, n in enumerate(rec.graph.nodes)}
         self.pieces: list[Piece] = []
         self.diverged = 0  # calls whose torch calls left the recording, in a row
         self._plan()
@@ -115,9 +136,16 @@ class Follow:
         """Cut the pieces (in place: callers hold the list) and work out each step's
         record, for the names now varying."""
         rec, nodes = self.rec, self.nodes
-        self.pieces[:] = _pieces(rec, nodes, self.varying)
+        # a piece cut again the same keeps its compiled form
+        old = {_signature(p): p for p in self.pieces if p.compiled is not None}
+        self.pieces[:] = _pieces(rec, nodes, self.varying, self.scalars)
+        for piece in self.pieces:
+            same = old.get(_signature(piece))
+            if same is not None:
+                piece.compiled, piece.shapes = same.compiled, same.shapes
         piece_of = {n.name: piece for piece in self.pieces for n in piece.nodes}
-        self.expects = [_expect(step, piece_of.get(step.node), nodes) for step in rec.steps]
+        self.expects = [_expect(step, piece_of.get(step.node), nodes, self.scalars)
+                        for step in rec.steps]
         # per step: the key of a call that matched it (later calls compare this key alone)
         self.keys: list[tuple | None] = [None] * len(rec.steps)
         # per step index: the varying names first used there, bound there on each call
@@ -134,6 +162,20 @@ class Follow:
         """``names`` (loose constants) were passed anew: from the next call on they are
         bound where first used (the compiled pieces are cut again, and compiled again)."""
         self.varying |= names
+        self._plan()
+
+    def vary_scalars(self, name: str, values: dict[int | str, Any]) -> None:
+        """The numbers at these positions of node ``name``'s call (its ``args`` index or
+        keyword -> this call's value) changed between calls: from now on the piece that
+        computes ``name`` starts there and takes each as an input, whose value every call
+        passes (the pieces are cut again; those that change are compiled again)."""
+        places = self.scalars.setdefault(name, {})
+        for pos, value in values.items():
+            made = f"{name}_scalar_{pos}"
+            while made in self.nodes or made in self.scalar_types:
+                made += "_"
+            places[pos] = made
+            self.scalar_types[made] = type(value)
         self._plan()
 
     def __call__(self, args: tuple, kwargs: dict, bound: Sequence[Any],
@@ -166,7 +208,8 @@ class Follow:
             shapes.append(v.shape if isinstance(v, torch.Tensor) else None)
         if piece.compiled is None:
             piece.shapes = shapes
-            piece.compiled = self._compile(_piece_graph(piece, self.rec, self.nodes), values)
+            piece.compiled = self._compile(_piece_graph(piece, self.rec, self.nodes,
+                                                        self.scalars, self.scalar_types), values)
             outs = piece.compiled.outputs
             piece.compiled.outputs = None
         elif shapes != piece.shapes:
@@ -260,6 +303,11 @@ class Follower(TorchFunctionMode):
                     key = _call_key(args, kwargs, self.ids, self.env)
                 except _Unknown:
                     return None
+            if expect.scalars:  # (no key: its numbers differ from call to call)
+                if not self._scalar_call(func, args, kwargs, expect):
+                    return None
+                self.at = at + 1
+                return expect
             known = self.keys[at]
             try:
                 hit = known is not None and known == key
@@ -267,10 +315,71 @@ class Follower(TorchFunctionMode):
                 hit = False
             if not hit:
                 if not self._same_call(func, args, kwargs, self.follow.nodes[expect.node]):
-                    return None
+                    expect = self._vary_scalars(func, args, kwargs, expect)
+                    if expect is None or not self._scalar_call(func, args, kwargs, expect):
+                        return None
+                    self.at = at + 1
+                    return expect
                 self.keys[at] = key  # later calls compare this key alone
         self.at = at + 1
         return expect
+
+    def _scalar_call(self, func: Any, args: tuple, kwargs: dict, expect: Expect) -> bool:
+        """Whether the call is ``expect``'s but for its varying numbers, each of the
+        recorded Python type; if so, each number is bound to its piece input's name."""
+        node = self.follow.nodes[expect.node]
+        target, opcode, spelled = spelling(func, args)
+        if opcode != node.op or not same_func(target, node.target):
+            return False
+        spelled, kwargs = list(spelled), dict(kwargs)
+        got: list[tuple[str, Any]] = []
+        for pos, name in expect.scalars:
+            where, recorded = (spelled, node.args) if type(pos) is int else (kwargs, node.kwargs)
+            if type(pos) is int and pos >= len(spelled) or type(pos) is str and pos not in kwargs:
+                return False
+            value = where[pos]
+            if not _number(value) or type(value) is not type(recorded[pos]):
+                return False  # another type: another call (1 is not 1.0, nor True)
+            got.append((name, value))
+            where[pos] = recorded[pos]
+        try:
+            if not (_same(self._arg(tuple(spelled)), node.args)
+                    and _same(self._arg(kwargs) if kwargs else {}, node.kwargs)):
+                return False
+        except _Unknown:
+            return False
+        for name, value in got:
+            self.env[name] = value
+        return True
+
+    def _vary_scalars(self, func: Any, args: tuple, kwargs: dict, expect: Expect
+                      ) -> Expect | None:
+        """A call that is ``expect``'s but for Python numbers of the recorded types, passed
+        as values of a pure pointwise op (``x * next(it)``, not a dim or a size): those
+        numbers become varying (``Follow.vary_scalars``) and this call goes on matching,
+        on pieces cut again (those that ran in this call did so before this node: their
+        values stand). The step's new record; None for any other difference."""
+        follow = self.follow
+        node = follow.nodes[expect.node]
+        if expect.piece is None:
+            return None
+        target, opcode, spelled = spelling(func, args)
+        if opcode != node.op or not same_func(target, node.target):
+            return None
+        try:
+            changed = _changed_numbers(self._arg(spelled), node.args, kwargs and self._arg(kwargs),
+                                       node.kwargs)
+        except _Unknown:
+            return None
+        if not changed or not _scalar_operands(node, changed):
+            return None
+        ran = {n.name for p in follow.pieces if self.ran[p.index] for n in p.nodes}
+        follow.vary_scalars(node.name, changed)
+        here = follow.order[node.name]
+        self.expects, self.keys = follow.expects, follow.keys
+        self.ran = [follow.order[p.nodes[0].name] < here and all(n.name in ran for n in p.nodes)
+                    for p in follow.pieces]
+        return self.expects[self.at]
 
     def _rebind(self, func: Any, args: tuple, kwargs: dict, name: str) -> bool:
         """Bind the tensors this call passes where the recorded ``name`` had a loose
@@ -391,14 +500,67 @@ class Follower(TorchFunctionMode):
 _PASSED = frozenset({"meta", "grad_mode", *UNSUPPORTED})
 
 
-def _expect(step: Step, piece: Piece | None, nodes: dict[str, Node]) -> Expect:
+def _expect(step: Step, piece: Piece | None, nodes: dict[str, Node],
+            scalars: dict[str, dict[int | str, str]]) -> Expect:
     """``step``'s record for following it: what the follower would otherwise look up on
-    every call (its piece, its node's meta, its function's kind)."""
+    every call (its piece, its node's meta, its function's kind, its varying numbers)."""
     node = nodes.get(step.node) if step.node else None
     return Expect(step.func, step.node, piece, step.out[0] == "t",
                   node is not None and bool(node.meta.get("returns_input")), step.out,
                   classify(step.func) in _PASSED,
-                  node.meta.get("grad_enabled") if node is not None else None)
+                  node.meta.get("grad_enabled") if node is not None else None,
+                  tuple(scalars.get(step.node, {}).items()) if piece is not None else ())
+
+
+def _number(v: Any) -> bool:
+    """A Python number a kernel may take as an argument: a float, a bool, or an int
+    that fits in 32 bits (a wider one may overflow the tensor's dtype, as eager says)."""
+    t = type(v)
+    return t is float or t is bool or t is int and -2**31 <= v < 2**31
+
+
+def _changed_numbers(args: Any, rec_args: tuple, kwargs: Any, rec_kwargs: dict
+                     ) -> dict[int | str, Any] | None:
+    """The positions (index into ``args``, or keyword) where a call's plain number differs
+    from the recorded one of the same Python type, with the call's value; None if
+    anything else differs (another type, a container, a tensor, a keyword)."""
+    kwargs = kwargs or {}
+    if len(args) != len(rec_args) or kwargs.keys() != rec_kwargs.keys():
+        return None
+    changed: dict[int | str, Any] = {}
+    for pos, a, b in [*((i, a, b) for i, (a, b) in enumerate(zip(args, rec_args))),
+                      *((k, kwargs[k], rec_kwargs[k]) for k in kwargs)]:
+        if _same(a, b):
+            continue
+        if not (_number(a) and _number(b) and type(a) is type(b)):
+            return None
+        changed[pos] = a
+    return changed
+
+
+# parameters of pointwise ops that are values (a kernel argument computes the same), not
+# choices (``inplace``, ``approximate``, a dtype) nor exponents (eager computes x**2 as
+# x*x, x**0.5 as sqrt: a kernel's pow differs in its last bits)
+_VALUE_PARAMS = frozenset({"input", "other", "alpha", "min", "max", "beta", "threshold",
+                           "negative_slope", "min_val", "max_val"})
+# ops where an integer 0 raises in eager ("ZeroDivisionError") and not in a kernel
+_INT_DIVISIONS = frozenset({"div", "floor_divide", "floordiv", "remainder", "fmod", "mod",
+                            "truediv"})
+
+
+def _scalar_operands(node: Node, changed: dict[int | str, Any]) -> bool:
+    """Whether each changed position of ``node``'s call is a value operand of a pointwise
+    op (``x * s``, ``torch.clamp(x, max=m)``), which a kernel may take as an argument."""
+    info = op_table.lookup(node)
+    if info is None or info.kind != "pointwise" or info.varargs:
+        return False
+    for pos, value in changed.items():
+        param = pos if type(pos) is str else info.params[pos] if pos < len(info.params) else None
+        if param not in _VALUE_PARAMS:
+            return False
+        if type(value) is not float and any(d in info.name for d in _INT_DIVISIONS):
+            return False
+    return True
 
 
 def _call_key(args: tuple, kwargs: dict, ids: dict[int, str], env: dict[str, Any]) -> tuple:
@@ -509,9 +671,12 @@ def _pure(node: Node) -> bool:
         all(u.meta.get("type") is torch.Tensor and not u.meta.get("view") for u in items)
 
 
-def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozenset()) -> list[Piece]:
+def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozenset(),
+            scalars: dict[str, dict[int | str, str]] | None = None) -> list[Piece]:
     """The recording's runs of pure nodes, in program order (see the module docstring);
-    a node that reads a ``varying`` constant starts a run, which takes it as an input."""
+    a node that reads a ``varying`` constant or passes varying numbers (``scalars``)
+    starts a run, which takes them as inputs."""
+    scalars = scalars or {}
     pieces: list[Piece] = []
     run: list[Node] = []
 
@@ -527,6 +692,7 @@ def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozense
                     fixed = inp.op == "get_attr" and inp.name not in written \
                         and inp.name not in varying
                     (attrs if fixed else inputs).append(inp.name)
+                inputs.extend(scalars.get(n.name, {}).values())
             outputs = [n.name for n in run if n.meta.get("type") is torch.Tensor]
             pieces.append(Piece(list(run), inputs, outputs, attrs))
             run.clear()
@@ -548,7 +714,8 @@ def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozense
         if node.op == "output" or parent is not None or not _pure(node):
             close()
             continue
-        if varying and any(inp.name in varying for inp in node.all_input_nodes):
+        if varying and any(inp.name in varying for inp in node.all_input_nodes) \
+                or node.name in scalars:
             close()  # bound at this node's call, before the run reads it
         pure.add(node.name)
         run.append(node)
@@ -559,7 +726,14 @@ def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozense
     return pieces
 
 
-def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node]) -> GraphModule:
+def _signature(piece: Piece) -> tuple:
+    """What a piece's compiled form depends on: its nodes, its inputs and attributes."""
+    return tuple(n.name for n in piece.nodes), tuple(piece.inputs), tuple(piece.attrs)
+
+
+def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node],
+                 scalars: dict[str, dict[int | str, str]] | None = None,
+                 types: dict[str, type] | None = None) -> GraphModule:
     """A module computing ``piece`` from its inputs and the attributes it reads (held by
     the recording's holder), returning every one of its values::
 
@@ -569,12 +743,23 @@ def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node]) -> GraphM
         %linear = linear(%t, %w)                      %linear = linear(%t, %w)
         %gelu = gelu(%linear)                         %gelu = gelu(%linear)
         %item = item(%gelu)       (a read: its own)   output((%linear, %gelu))
+
+    A varying number (``scalars``) is a placeholder of its Python type in its place::
+
+        %mul = mul(%t, 0.5)       (0.5 varying)       %mul_scalar_1 = placeholder
+                                                      %mul = mul(%t, %mul_scalar_1)
     """
+    scalars, types = scalars or {}, types or {}
     graph = Graph()
     env: dict[Node, Node] = {}
+    numbers: dict[str, Node] = {}
     for name in piece.inputs:
-        old = nodes[name]
         new = graph.placeholder(name)
+        if name in types:
+            new.meta = {"type": types[name]}
+            numbers[name] = new
+            continue
+        old = nodes[name]
         new.meta = dict(old.meta)
         env[old] = new
     for name in piece.attrs:
@@ -583,6 +768,11 @@ def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node]) -> GraphM
         new.meta = dict(old.meta)
         env[old] = new
     for node in piece.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+        new = env[node] = graph.node_copy(node, lambda n: env[n])
+        for pos, name in scalars.get(node.name, {}).items():
+            if type(pos) is int:
+                new.args = (*new.args[:pos], numbers[name], *new.args[pos + 1:])
+            else:
+                new.kwargs = {**new.kwargs, pos: numbers[name]}
     graph.output(tuple(env[nodes[n]] for n in piece.outputs))
     return GraphModule(rec.holder, graph)

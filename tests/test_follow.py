@@ -75,8 +75,8 @@ def test_prints_and_appends_happen_every_call_and_kernels_run():
 
 def test_a_python_value_that_reaches_a_torch_call_ends_the_match_and_then_runs_eagerly():
     def make():
-        def fn(x):
-            return torch.relu(x) * random.random()
+        def fn(x):  # (an exponent: a number passed as a value varies, test_follow_scalars)
+            return torch.relu(x) ** random.random()
 
         return fn, []
 
