@@ -21,7 +21,9 @@ computes: the statistics and the normalization are all fp32. Normalization uses 
 biased batch variance; the running variance gets the unbiased one
 (``var * n / (n - 1)``), ``momentum=None`` is the cumulative average, and the module's
 ``num_batches_tracked`` is incremented, as ``nn.BatchNorm`` does. The update runs without
-grad, so the buffers never join the autograd graph.
+grad, so the buffers never join the autograd graph. A node that reads those statistics
+later in the graph (an eval-mode BatchNorm after a training one, in one step) gets the
+update right before it: at the end, it read the old statistics.
 
 Why ``d``: the variance's gradient through the mean is 0 (the centred values sum to 0),
 and left in, it costs the backward a second pass of sums over the batch. autodiff merges
@@ -195,6 +197,10 @@ def batch_norm_train(gm: Any) -> Any:
             continue
         tm = node.meta.get("tensor_meta")
         if args is None or not hasattr(tm, "shape") or len(tm.shape) < 2:
+            if updates and _reads_stats(node, updates):  # an eval-mode BatchNorm, say: it
+                with graph.inserting_before(node):  # reads what the updates write
+                    graph.call_function(update_running_stats, tuple(updates))
+                updates = []
             continue
         before = node.prev
         with graph.inserting_before(node):
@@ -211,7 +217,7 @@ def batch_norm_train(gm: Any) -> Any:
             updates.append((args["running_mean"], args["running_var"], args["num_batches_tracked"],
                             mean.node, var.node, n.node if isinstance(n, Proxy) else n,
                             args["momentum"]))
-    if updates:  # one call at the end for all of them
+    if updates:  # one call at the end for all of them (but those read before, above)
         with graph.inserting_before(output):
             graph.call_function(update_running_stats, tuple(updates))
     normalize_graph(graph, gm, [n for n in created if not n._erased])
@@ -219,6 +225,12 @@ def batch_norm_train(gm: Any) -> Any:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _reads_stats(node: Any, updates: list[tuple]) -> bool:
+    """Whether ``node`` reads a running statistic (or batch count) that ``updates`` write."""
+    written = {id(t) for entry in updates for t in entry[:3] if t is not None}
+    return any(id(i) in written for i in node.all_input_nodes)
 
 
 def _between(before: Any, node: Any) -> list[Any]:
