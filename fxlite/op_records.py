@@ -272,12 +272,15 @@ _op("prod", "reduction", torch.prod, (T.prod,), ("prod",), params=("input", "dim
     defaults=(("keepdim", False), ("dtype", None)), positional=1, dtype_rule=_sum_dtype)
 
 
-def _binary_refine(name: str) -> Callable[[dict[str, Any]], Any]:
-    # torch.max(a, b) with a tensor b is the elementwise maximum.
+def _binary_refine(name: str, whole: str) -> Callable[[dict[str, Any]], Any]:
+    # torch.max(a, b) with a tensor b is the elementwise maximum; torch.max(a) alone is
+    # amax over every dim (a 0-d tensor, NaN if any element is NaN, as amax gives).
     def refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         other = args.get("other", args.get("dim"))
         if "other" in args or isinstance(other, Node):
             return name, {"input": args["input"], "other": other}
+        if set(args) == {"input"}:
+            return whole, {"input": args["input"]}
         return None
     return refine
 
@@ -286,7 +289,7 @@ for _name, _binary in (("max", "maximum"), ("min", "minimum")):
     # torch.max(x, dim) returns (values, indices); torch.max(x) a 0-d tensor.
     _op(_name, "reduction", getattr(torch, _name), (getattr(T, _name),), (_name,),
         params=("input", "dim", "keepdim"), defaults=(("keepdim", False),), positional=1,
-        refine=_binary_refine(_binary), dtype_rule="same")
+        refine=_binary_refine(_binary, f"a{_name}"), dtype_rule="same")
 
 
 def _var_refine(name: str) -> Callable[[dict[str, Any]], Any]:

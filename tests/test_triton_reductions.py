@@ -268,3 +268,25 @@ def test_looped_full_outputs_are_stored_by_the_first_loop_that_computes_them():
     for kw in VARIANTS.values():
         check(per_channel, xs, gs, **kw)
     assert _looped_passes(check(per_channel, xs, gs, max_block=16)) == 1
+
+
+@pytest.mark.parametrize("values", [[3.0, -7.5, 2.0, 0.5], [1.0, float("nan"), 3.0, 0.0],
+                                    [-2, 9, 4, -9]], ids=["float", "nan", "int"])
+def test_max_and_min_of_a_whole_tensor_run_as_kernels(values):
+    """Before: ``torch.max(x)`` / ``x.min()`` with no dim had no Triton form, so a group
+    such as ``x.abs().max() > 3`` (an outlier check) ran in eager; they are ``amax``/``amin``
+    over every dim."""
+    import fxlite
+
+    def fn(x):
+        return (x.abs().max() > 3, x.min() * 2, torch.max(x + 1))
+
+    compiled = fxlite.compile(fn)
+    base = torch.tensor(values, device=DEVICE)
+    for k in range(3):  # fresh values each call
+        x = base.roll(k) * (k + 1)
+        got, want = compiled(x), fn(x)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, equal_nan=True)
+    assert compiled.kernels and not compiled.fallbacks
