@@ -26,8 +26,10 @@ type or in a dim or size, an unknown tensor, other sizes) ends the match: that c
 the rest of the function run eagerly, on those real tensors.
 
 A Python number the function passes as a value of a pure pointwise op (``x * s``,
-``torch.clamp(x, max=m)``; not a dim, a size, a mode or an exponent) that differs from the
-recorded one, with the same Python type, is *varying* from then on: the piece computing
+``torch.clamp(x, max=m)``; not a dim, a size, a mode, an exponent, nor an integer divisor
+of ``//`` or ``%``, where eager raises for 0) that differs from the recorded one, with the
+same Python type, is *varying* from then on (a float argument of a function recorded
+``recompile_limit`` times for its values is followed so, ``compile.py``): the piece computing
 that node starts there and takes the number as an input (a placeholder of its type, an
 argument of its kernels), bound from each call's own number when the node's call matches.
 The call that finds it goes on matching, on pieces cut again (those that ran before that
@@ -171,6 +173,8 @@ class Follow:
         passes (the pieces are cut again; those that change are compiled again)."""
         places = self.scalars.setdefault(name, {})
         for pos, value in values.items():
+            if pos in places:
+                continue  # (varying already)
             made = f"{name}_scalar_{pos}"
             while made in self.nodes or made in self.scalar_types:
                 made += "_"
@@ -305,7 +309,9 @@ class Follower(TorchFunctionMode):
                     return None
             if expect.scalars:  # (no key: its numbers differ from call to call)
                 if not self._scalar_call(func, args, kwargs, expect):
-                    return None
+                    expect = self._vary_scalars(func, args, kwargs, expect)  # another one
+                    if expect is None or not self._scalar_call(func, args, kwargs, expect):
+                        return None
                 self.at = at + 1
                 return expect
             known = self.keys[at]
@@ -371,8 +377,9 @@ class Follower(TorchFunctionMode):
                                        node.kwargs)
         except _Unknown:
             return None
-        if not changed or not _scalar_operands(node, changed):
-            return None
+        if not changed or not _scalar_operands(node, changed) \
+                or changed.keys() <= follow.scalars.get(node.name, {}).keys():
+            return None  # (varying already: another type)
         ran = {n.name for p in follow.pieces if self.ran[p.index] for n in p.nodes}
         follow.vary_scalars(node.name, changed)
         here = follow.order[node.name]
@@ -543,9 +550,9 @@ def _changed_numbers(args: Any, rec_args: tuple, kwargs: Any, rec_kwargs: dict
 # x*x, x**0.5 as sqrt: a kernel's pow differs in its last bits)
 _VALUE_PARAMS = frozenset({"input", "other", "alpha", "min", "max", "beta", "threshold",
                            "negative_slope", "min_val", "max_val"})
-# ops where an integer 0 raises in eager ("ZeroDivisionError") and not in a kernel
-_INT_DIVISIONS = frozenset({"div", "floor_divide", "floordiv", "remainder", "fmod", "mod",
-                            "truediv"})
+# ops where an integer 0 raises in eager ("ZeroDivisionError") and not in a kernel (and
+# ``truediv`` with a rounding mode); ``x / 0`` gives inf in both
+_INT_DIVISIONS = frozenset({"floordiv", "remainder", "fmod"})
 
 
 def _scalar_operands(node: Node, changed: dict[int | str, Any]) -> bool:
@@ -558,7 +565,8 @@ def _scalar_operands(node: Node, changed: dict[int | str, Any]) -> bool:
         param = pos if type(pos) is str else info.params[pos] if pos < len(info.params) else None
         if param not in _VALUE_PARAMS:
             return False
-        if type(value) is not float and any(d in info.name for d in _INT_DIVISIONS):
+        if type(value) is not float and (info.name in _INT_DIVISIONS or info.name == "truediv"
+                                         and (len(node.args) > 2 or "rounding_mode" in node.kwargs)):
             return False
     return True
 
