@@ -21,7 +21,9 @@ Falls back to eager PyTorch, with one warning naming the user's line, when: the 
 reads tensors' addresses, reseeds the generator, or changes Python state it reads and a
 replay's guard checks (a module attribute such as a step counter; Python state it only
 writes, an argument's attributes, a dict that keeps tensors, makes it followed, as does
-inference mode); a function is recorded more than ``recompile_limit`` times (8, as torch's cache limit);
+inference mode); a function is recorded more than ``recompile_limit`` times (8, as torch's cache limit;
+one whose keys differ in float arguments' values alone is then recorded once more and
+followed, those floats varying: ``f(x, a)`` given a new ``a`` on every call);
 and, per segment, when a pass or kernel fails or its results disagree with eager.
 """
 
@@ -101,6 +103,7 @@ class CompiledFunction:
         # (structure, ambient state, input layouts) -> the Follow of a recording whose
         # Python must run on every call (no Python state in its key: the Python runs)
         self._followed: dict[tuple, Any] = {}
+        self._by_numbers = False  # some plan is followed for any value of float arguments
         self._behind_back_warned = False
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
@@ -193,6 +196,9 @@ class CompiledFunction:
         if root is None and self._followed:
             fkey = self._follow_key(base, leaves)
             plan = self._followed.get(fkey)
+            if plan is None and self._by_numbers:
+                fkey = _numbers_key(base, leaves)
+                plan = self._followed.get(fkey) if fkey is not None else None
             if plan is _EAGER:
                 self._last, self._last_eager = [], self._eager_why.get(fkey)
                 return self._fn(*args, **kwargs)
@@ -295,12 +301,21 @@ class CompiledFunction:
     # ------------------------------------------------------------------ recording
     def _first(self, key: tuple, base: tuple, leaves: list[Any], args: tuple,
                kwargs: dict) -> Any:
+        fkey = self._follow_key(base, leaves)  # (as the call began: it may add attributes)
+        numbers = _numbers_key(base, leaves)
         if self._recordings >= self.recompile_limit:
-            self._over_limit(_what_changed(list(self._trees), key, leaves))
-            return self._fn(*args, **kwargs)
+            # past the limit because float arguments' values keep changing (the keys
+            # recorded differ from this one in those alone): one more recording, followed
+            # with those floats varying (follow.py), rather than eager
+            if numbers is None or numbers in self._followed or sum(
+                    1 for k in (*self._trees, *self._followed) if type(k) is tuple
+                    and len(k) >= 3 and (len(k) == 3 or k[3] == base[3])
+                    and _numbers_key(k, leaves) == numbers) < 2:
+                self._over_limit(_what_changed(list(self._trees), key, leaves))
+                return self._fn(*args, **kwargs)
+            fkey = numbers
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
-        fkey = self._follow_key(base, leaves)  # (as the call began: it may add attributes)
         with side_stream(self._graphs_wanted()):
             result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects())
@@ -308,6 +323,11 @@ class CompiledFunction:
             return result
         if rec.effect is None:
             rec.effect = self._guard.unchecked(rec.globals_read)
+        if fkey is numbers:
+            self._by_numbers = True
+            if rec.effect is None:
+                rec.effect = ("is given another float on each call, which its kernels take "
+                              "as an argument")
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
@@ -629,6 +649,24 @@ def _what_changed(keys: list[tuple], key: tuple, leaves: list[Any]) -> str:
     candidates = [differs(k) for k in keys if isinstance(k, tuple) and len(k) >= 4]
     best = min(candidates, key=len, default=["its inputs or state"])
     return f"this guard keeps failing: {'; '.join(best) or 'its inputs or state'}"
+
+
+def _numbers_key(key: tuple, leaves: list[Any]) -> tuple | None:
+    """A key's structure, ambient state and input key with the values of the float
+    arguments left out (each one's entry is ``("float",)``): the key of a plan followed
+    for any such values; None where no argument is a float, or one is an object (its
+    followed key is another, ``_follow_key``). The leaves say which entries are floats
+    (another key of the same structure has floats at the same places, or differs)."""
+    if not any(type(x) is float for x in leaves) \
+            or not all(isinstance(x, _PLAIN_LEAVES) for x in leaves) or len(key[2]) != len(leaves):
+        return None
+    entries = key[2]
+    masked = tuple(("float",) if type(x) is float and type(k) is tuple and k[:1] == ("float",)
+                   else k for x, k in zip(leaves, entries))
+    return (key[0], key[1], masked, _NUMBERS)
+
+
+_NUMBERS = object()  # marks a key whose float arguments' values are left out
 
 
 def _short(x: Any) -> str:

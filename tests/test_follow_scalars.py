@@ -60,7 +60,7 @@ def side_by_side(make, calls=8, dtype=torch.float32, monkeypatch=None, watch_fro
     assert e1 == e0
     for a, b in zip(r0, r1):
         assert b.dtype == a.dtype
-        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(b, a, equal_nan=True)
     return f, said, served[0]
 
 
@@ -155,7 +155,7 @@ def test_an_integer_divisor_that_becomes_zero_raises_as_eager():
 
         def fn(x):
             k = next(it)
-            return (x.long() + 1) // k + x.long() % k
+            return (x.long() + 1) // k + x.long() % k + x.long().div(k, rounding_mode="floor")
 
         return fn
 
@@ -166,9 +166,83 @@ def test_a_mutable_default_list_and_a_global_counter(monkeypatch):
     def make():
         def fn(x, cache=[]):  # noqa: B006
             cache.append(x.shape[0])
-            return x.tanh() * len(cache) / (len(cache) + 0.5)
+            return x.tanh() * len(cache) / (len(cache) + 0.5) + x.long() / (len(cache) - 1)
 
         return fn
 
     f, said, served = side_by_side(make, monkeypatch=monkeypatch)
     assert not said and f.kernels and not f.fallbacks and served == 4 * len(_plan(f).pieces)
+
+
+def _with_numbers(fn, numbers, monkeypatch, watch_from=10):
+    """Call ``fn`` eagerly and compiled on fresh tensors and ``numbers``, one a call;
+    returns the compiled function, its fxlite warnings, and how many times compiled
+    pieces (no part of them in eager) served calls from ``watch_from`` on."""
+    f, served = fxlite.compile(fn), [0]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for i, a in enumerate(numbers):
+            if i == watch_from:
+                run = Follow.run_piece
+
+                def counted(self, piece, env, _run=run):
+                    ok = _run(self, piece, env)
+                    served[0] += ok and not piece.compiled.fallbacks
+                    return ok
+
+                monkeypatch.setattr(Follow, "run_piece", counted)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+            want = fn(x, a)
+            torch.testing.assert_close(f(x, a), want)
+    return f, [str(w.message) for w in said if str(w.message).startswith("fxlite")], served[0]
+
+
+def test_a_replayed_function_given_a_new_float_on_every_call_is_followed_past_the_limit(
+        monkeypatch):
+    def fn(x, a):
+        return torch.relu(x) * a + a / 2
+
+    numbers = [0.1 * i + 0.05 for i in range(14)]
+    f, said, served = _with_numbers(fn, numbers, monkeypatch)
+    # recorded 8 times (recompile_limit), replayed for those values; then one recording
+    # followed with the float varying, not eager with a warning
+    assert not said and f.tier.startswith("followed: it is given another float")
+    assert f._recordings == 9 and served == 4 * len(_plan(f).pieces) and not f.fallbacks
+    f(torch.randn(4, 8, device=DEVICE), numbers[0])
+    assert f.tier == "replayed"
+
+
+def test_a_followed_function_given_a_new_float_on_every_call_stays_followed(monkeypatch):
+    log = []
+
+    def fn(x, a):
+        log.append(a)  # (followed from its first call)
+        return torch.tanh(x) * a
+
+    f, said, served = _with_numbers(fn, [0.25 * i for i in range(14)], monkeypatch)
+    assert not said and f._recordings == 9 and served == 4 * len(_plan(f).pieces)
+    assert log == [0.25 * i for i in range(14) for _ in range(2)]
+
+
+def test_an_integer_argument_that_changes_on_every_call_still_ends_in_eager(monkeypatch):
+    def fn(x, k):  # an int may pick a dim, a size or a path: each value is recorded
+        return torch.relu(x) * k
+
+    f, said, _ = _with_numbers(fn, list(range(10)), monkeypatch)
+    assert len(said) == 1 and "recompile_limit" in said[0]
+
+
+def test_a_second_number_of_one_call_that_starts_changing_later(monkeypatch):
+    def make():
+        it = itertools.count()
+
+        def fn(x):
+            k = next(it)
+            lo = -1.0 if k < 3 else -1.0 - k  # changes from call 3 on
+            return torch.clamp(x * (k + 0.5), lo, 2.0 + k)
+
+        return fn
+
+    f, said, served = side_by_side(make, monkeypatch=monkeypatch, watch_from=4)
+    assert not said and f.kernels and served == 4 * len(_plan(f).pieces)
+    assert _plan(f).diverged == 0
