@@ -297,6 +297,20 @@ def _gelu(x: Any, approximate: str = "none") -> Any:
     return _back(x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1), out)
 
 
+@register_decomposition(torch.round)
+def _round_decimals(x: Any, decimals: Any = 0) -> Any:
+    # round(x, decimals=d): rint(x * 10**d) / 10**d, or rint(x / 10**-d) * 10**-d for d < 0,
+    # in the op's math dtype with 10**d in it, as eager's kernel computes
+    dtype = _dtype(x)
+    if type(decimals) is not int or decimals == 0 or dtype not in (
+            torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return NotImplemented
+    x, out = _opmath(x, dtype)
+    scale = float(10 ** abs(decimals))
+    y = torch.round(x * scale) / scale if decimals > 0 else torch.round(x / scale) * scale
+    return _back(y, out)
+
+
 @register_decomposition(F.silu)
 def _silu(x: Any, inplace: bool = False) -> Any:
     # x * sigmoid(x)

@@ -236,3 +236,24 @@ def test_a_linear_bias_splits_off_only_where_it_adds_no_rounding(dtype):
     linears = [n for n in gm.graph.nodes if n.target is F.linear]
     assert len(linears) == 1
     assert (len(linears[0].args) + len(linears[0].kwargs) == 3) == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("decimals", [2, -1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_round_with_decimals_runs_as_a_kernel_with_eagers_values(dtype, decimals):
+    """Before: ``torch.round(x, decimals=d)`` had no Triton form (a softmax rounded for a
+    log line ran its group in eager); it is rint(x * 10**d) / 10**d in the op's math dtype,
+    as eager's kernel computes, to the bit."""
+    import fxlite
+
+    def fn(x):
+        return torch.round(x, decimals=decimals), x.abs().round(decimals=decimals) * 2
+
+    compiled = fxlite.compile(fn)
+    for k in range(3):  # fresh values each call, halves at .5 boundaries included
+        x = (torch.randn(512, generator=torch.Generator().manual_seed(k)) * 50).to(dtype)
+        x[:4] = torch.tensor([0.05, 0.15, -0.25, 2.5]).to(dtype)
+        got, want = compiled(x), fn(x)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+    assert compiled.kernels and not compiled.fallbacks
