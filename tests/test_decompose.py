@@ -253,6 +253,7 @@ def test_round_with_decimals_runs_as_a_kernel_with_eagers_values(dtype, decimals
     for k in range(3):  # fresh values each call, halves at .5 boundaries included
         x = (torch.randn(512, generator=torch.Generator().manual_seed(k)) * 50).to(dtype)
         x[:4] = torch.tensor([0.05, 0.15, -0.25, 2.5]).to(dtype)
+        x = x.to("cuda" if torch.cuda.is_available() else "cpu")  # (CPU: interpreted)
         got, want = compiled(x), fn(x)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and torch.equal(g, w)
