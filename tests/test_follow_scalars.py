@@ -246,3 +246,29 @@ def test_a_second_number_of_one_call_that_starts_changing_later(monkeypatch):
     f, said, served = side_by_side(make, monkeypatch=monkeypatch, watch_from=4)
     assert not said and f.kernels and served == 4 * len(_plan(f).pieces)
     assert _plan(f).diverged == 0
+
+
+def test_a_number_that_starts_varying_on_a_call_of_other_sizes_leaves_the_match_there():
+    """Before: the call that found the varying number cut the pieces again and compiled
+    them on its own tensors, of other sizes than the recording's, whose graph holds sizes
+    (a layer_norm's normalized_shape): the compile failed and was reported as a fallback
+    (fuzz seed 1001). The piece is now made only on the recording's sizes."""
+    import torch.nn.functional as F
+
+    log = []
+
+    def fn(x):
+        log.append(x.shape[0])  # followed: an effect on every call
+        v = x.sigmoid() * float(x.amax())
+        return F.layer_norm(v, v.shape[-1:]) + 1
+
+    compiled = fxlite.compile(fn)
+    sizes = [3, 5, 3, 3, 5, 3]  # the second call is the first with another number
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k, n in enumerate(sizes):
+            x = torch.randn(n, n, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+            torch.testing.assert_close(compiled(x), fn(x))
+    assert log == [n for n in sizes for _ in range(2)]  # (eager and compiled each call)
+    assert not [str(w.message) for w in said if "failed" in str(w.message)]
+    assert not compiled.fallbacks  # the last call, of the recorded sizes, ran its pieces
