@@ -26,6 +26,19 @@ from fxlite.codegen.follow import Follow
 import fxlite
 
 
+def count_served(monkeypatch, served: list[int]) -> None:
+    """From now on, add to ``served[0]`` each time compiled pieces (no part of them in
+    eager) serve a followed call's values."""
+    run = Follow.run_piece
+
+    def counted(self, piece, env):
+        ok = run(self, piece, env)
+        served[0] += ok and not piece.compiled.fallbacks
+        return ok
+
+    monkeypatch.setattr(Follow, "run_piece", counted)
+
+
 def side_by_side(make, calls=8, dtype=torch.float32, monkeypatch=None, watch_from=4):
     """Run ``make()``'s function eagerly and compiled on fresh inputs; returns the compiled
     function, its fxlite warnings and how many times compiled pieces (no part of them in
@@ -41,14 +54,7 @@ def side_by_side(make, calls=8, dtype=torch.float32, monkeypatch=None, watch_fro
             warnings.simplefilter("always")
             for i in range(calls):
                 if compiled and monkeypatch is not None and i == watch_from:
-                    run = Follow.run_piece
-
-                    def counted(self, piece, env, _run=run):
-                        ok = _run(self, piece, env)
-                        served[0] += ok and not piece.compiled.fallbacks
-                        return ok
-
-                    monkeypatch.setattr(Follow, "run_piece", counted)
+                    count_served(monkeypatch, served)
                 x = (torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) * 4).to(dtype)
                 try:
                     results.append(f(x.to(DEVICE)))
@@ -183,14 +189,7 @@ def _with_numbers(fn, numbers, monkeypatch, watch_from=10):
         warnings.simplefilter("always")
         for i, a in enumerate(numbers):
             if i == watch_from:
-                run = Follow.run_piece
-
-                def counted(self, piece, env, _run=run):
-                    ok = _run(self, piece, env)
-                    served[0] += ok and not piece.compiled.fallbacks
-                    return ok
-
-                monkeypatch.setattr(Follow, "run_piece", counted)
+                count_served(monkeypatch, served)
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(DEVICE)
             want = fn(x, a)
             torch.testing.assert_close(f(x, a), want)
