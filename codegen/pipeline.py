@@ -353,7 +353,16 @@ def fill_meta(gm: GraphModule) -> None:
 def propagate_meta(gm: GraphModule) -> None:
     """Metadata for nodes without any (those passes created), computed on meta tensors.
 
-    Nodes with metadata are not run; their values are meta tensors of their layout."""
+    Nodes with metadata are not run; their values are meta tensors of their layout. A
+    recorded ``torch.no_grad()`` (``_set_grad_enabled``) among those run changes grad mode
+    here as it did in the program, and no further: the check run after this starts in the
+    mode the segment began in (the clipping of ``clip_grad_norm_(error_if_nonfinite=True)``
+    left it off, and the check's ``backward()`` then found no graph)."""
+    with ambient_restored():
+        _propagate_meta(gm)
+
+
+def _propagate_meta(gm: GraphModule) -> None:
     from fxlite.passes.shape_prop import extract_tensor_metadata
 
     env: dict[Node, Any] = {}
@@ -434,13 +443,19 @@ class _Replay(Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.meta.get("external"):
-            if n.op == "call_method" and n.target == "backward" and self._private \
+            if n.op == "call_method" and n.target in ("requires_grad_", "retain_grad") \
+                    and n.args[0].op in ("call_function", "call_method"):
+                return super().run_node(n)  # on a tensor the graph made: not the user's
+            if n.op == "call_method" and n.target == "backward" \
                     and n.kwargs.get("inputs") is None:
-                # A step reads the gradients after backward (clipping, scaling): run it,
-                # accumulating into the private copies only, never the user's tensors.
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                kwargs = {k: v for k, v in kwargs.items() if k != "inputs"}
-                args[0].backward(*args[1:], **kwargs, inputs=self._private)
+                # A step reads the gradients after backward (clipping, scaling, an input's
+                # saliency): run it, accumulating into the private copies and the leaves
+                # the graph made itself only, never the user's tensors.
+                inputs = self._private + self._own_leaves()
+                if inputs:
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    kwargs = {k: v for k, v in kwargs.items() if k != "inputs"}
+                    args[0].backward(*args[1:], **kwargs, inputs=inputs)
             return None
         if n.target is getattr and n.args[1:] == ("grad",):
             # The sample stands in for a parameter with a non-leaf copy (the segment may
@@ -450,6 +465,19 @@ class _Replay(Interpreter):
                 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor")
                 return super().run_node(n)
         return super().run_node(n)
+
+    def _own_leaves(self) -> list[torch.Tensor]:
+        """Leaves that need gradients and that this graph made (``x.detach().requires_grad_()``),
+        not inputs or attributes: their gradients are the program's to read, nobody else's."""
+        seen: set[int] = set()
+        leaves = []
+        for node, v in self.env.items():
+            made = node.op in ("call_function", "call_method")
+            if made and isinstance(v, torch.Tensor) and v.is_leaf and v.requires_grad \
+                    and id(v) not in seen:
+                seen.add(id(v))
+                leaves.append(v)
+        return leaves
 
 
 def _run_checked(gm: GraphModule, sample: list[Any]) -> Any:

@@ -292,3 +292,87 @@ def test_autocast_regions_fuse_with_autocasts_dtypes(grad):
         assert out.dtype == want.dtype and warned == [] and c.fallbacks == []
         torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
     assert len(c.kernels) >= 2  # bias+gelu; bias+layer_norm+softmax
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+
+
+def test_a_step_clipping_with_error_if_nonfinite_runs_kernels_and_raises_as_eager():
+    # clip_grad_norm_'s no_grad was left on by the compile's metadata pass, so the check's
+    # backward() found no graph and the whole step ran its recorded ops
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+        return loss.detach()
+
+    compiled = fxlite.compile(step)
+    for i in range(4):
+        x, y = torch.randn(6, 8, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+        if i == 3:
+            y[0, 0] = float("inf")
+            for fn, m, o in ((compiled, model, opt), (step, ref, ref_opt)):
+                with pytest.raises(RuntimeError, match="non-finite"):
+                    quiet(fn, m, o, x, y)
+            continue
+        loss, warned = quiet(compiled, model, opt, x, y)
+        torch.testing.assert_close(loss, step(ref, ref_opt, x, y))
+        assert warned == [] and compiled.fallbacks == []
+        assert {"forward", "backward"} <= {k.direction for k in compiled.kernels}
+    torch.testing.assert_close(model.state_dict(), ref.state_dict())
+
+
+def test_the_gradient_of_a_leaf_the_function_makes_runs_kernels():
+    # x.detach().requires_grad_() then x.grad: the check skipped requires_grad_ and
+    # backward (effects), and replaying the recording failed on x.grad being None
+    model = _mlp()
+
+    def saliency(x):
+        x = x.detach().requires_grad_(True)
+        model(x).max(-1).values.sum().backward()
+        return x.grad.abs().amax(-1)
+
+    compiled = fxlite.compile(saliency)
+    for _ in range(3):
+        x = torch.randn(5, 8, device=DEVICE)
+        got, warned = quiet(compiled, x)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        torch.testing.assert_close(got, saliency(x))
+        for g, p in zip(grads, model.parameters()):  # both accumulated into the model
+            torch.testing.assert_close(g, p.grad)
+        model.zero_grad()
+        assert warned == [] and compiled.fallbacks == [] and len(compiled.kernels) > 0
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward"])
+def test_double_backward_runs_in_eager_saying_why_at_the_users_line(how):
+    model = _mlp()
+
+    def penalty(x):
+        x = x.detach().requires_grad_(True)
+        score = model(x).sum()
+        if how == "autograd.grad":
+            (g,) = torch.autograd.grad(score, x, create_graph=True)
+        else:
+            score.backward(create_graph=True, inputs=[x])
+            g = x.grad
+        return ((g.norm(dim=1) - 1) ** 2).mean()
+
+    compiled = fxlite.compile(penalty)
+    for _ in range(3):
+        x = torch.randn(5, 8, device=DEVICE)
+        got, warned = quiet(compiled, x)
+        torch.testing.assert_close(got, penalty(x))
+    text = "\n".join(compiled.fallbacks)
+    assert "differentiates a gradient again" in text and "create_graph=True" in text
+    assert "test_compile_training.py" in text  # the user's line
