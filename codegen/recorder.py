@@ -207,6 +207,10 @@ class Recorder(TorchFunctionMode):
         if kind in UNSUPPORTED:
             self.stop(UNSUPPORTED[kind])
             return func(*args, **kwargs)
+        if _double_backward(func, args, kwargs):
+            self.stop(f"differentiates a gradient again ({func_name(func)}(..., "
+                      "create_graph=True)), and fxlite's kernels are differentiated once")
+            return func(*args, **kwargs)
         self._sync_state()
         if kind == "meta":  # sizes, dtypes, devices: guarded, not recorded
             return self._meta(func, args, kwargs)
@@ -723,3 +727,12 @@ def _version(t: torch.Tensor) -> int:
 
 def _no_sub_record(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this recorder cannot record branches (no sub_record given)")
+
+
+def _double_backward(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` builds a graph of its gradients (``create_graph``)."""
+    at = {torch.autograd.grad: 4, torch.autograd.backward: 4, torch.Tensor.backward: 3}
+    pos = at.get(func)
+    if pos is None:
+        return False
+    return bool(kwargs.get("create_graph", args[pos] if len(args) > pos else False))
