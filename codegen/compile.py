@@ -34,6 +34,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -539,13 +540,17 @@ class CompiledFunction:
             for d, state in zip(devices, cuda_states):
                 torch.cuda.set_rng_state(state, d)
             private: dict[str, Any] = {}
+            settled = _settled(rec, env)
+            after_steps: dict[str, Any] = {}  # written by an earlier segment's settled step
             for seg in segments[start:]:
                 sample = []
                 for n in seg.inputs:
                     if n in rec.pre_state:  # a private copy of its value before the call,
                         value = private.get(n)  # one per path: later segments see the
                         if value is None:       # writes the earlier ones' checks made
-                            value = private[n] = rec.pre_state[n].clone()
+                            real = after_steps[n]() if n in after_steps else None
+                            before = rec.pre_state[n] if real is None else real.detach()
+                            value = private[n] = before.clone()
                             if _recorded_grad(seg, n) and value.is_floating_point():
                                 # not a leaf: the segment may write it in place, as the
                                 # program wrote the (non-leaf) value it stands for; it
@@ -555,6 +560,11 @@ class CompiledFunction:
                         sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
+                for node in seg.gm.graph.nodes:  # (the check copies them in: _Replay)
+                    if node.name in settled:
+                        node.meta["settled"] = [(n, ref) for n, ref in settled[node.name]
+                                                if n in private]
+                        after_steps.update(settled[node.name])
                 backend = self._backend if not rec.unknown_pre_state else "python"
                 log_graph(seg.gm, f"{name}, graph {seg.index}")
                 if seg.read is not None:
@@ -710,6 +720,38 @@ def _pure(rec: Any) -> bool:
         pure = rec._fxlite_pure = not any(
             n.meta.get("impure") and "read" not in n.meta for n in rec.graph.nodes)
     return pure
+
+
+def _settled(rec: Any, env: dict[str, Any]) -> dict[str, list[tuple[str, Any]]]:
+    """Per recorded effect that writes outside state (an optimizer's ``step()``): the
+    tensors it writes that nothing later in the call writes again, each as its name and a
+    weak reference to the real tensor. Their values now, after the call, are those the
+    step left, which the checks cannot compute (they skip effects): a check reaching the
+    step copies them into its private copies, so that what the call reads after it (a
+    validation loss, an EMA, a GAN's second phase) is checked on the values eager read::
+
+        backward = loss.backward()
+        step = step_1()            # settled: [("fc_weight", ref), ("fc_bias", ref)]
+        linear_1 = linear(xv, fc_weight, fc_bias)    # checked on the stepped weights
+    """
+    nodes = {n.name: n for n in rec.graph.nodes}
+    later: set[str] = set()  # names written after each node, walking back
+    out: dict[str, list[tuple[str, Any]]] = {}
+    for node in reversed(nodes.values()):
+        written = node.meta.get("mutated") or ()
+        if node.meta.get("external") and written:
+            refs = []
+            for n in written:
+                if n in later or n not in nodes:
+                    continue
+                real = rec.externals.get(nodes[n].target) if nodes[n].op == "get_attr" \
+                    else env.get(n)  # (an input: the call's own tensor)
+                if isinstance(real, torch.Tensor):
+                    refs.append((n, weakref.ref(real)))
+            if refs:
+                out[node.name] = refs
+        later.update(written)
+    return out
 
 
 def _recorded_grad(seg: Segment, name: str) -> bool:

@@ -439,10 +439,17 @@ class _Replay(Interpreter):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         # the segment's private copies of the tensors it writes (compile._compile_path)
         self._private = [a for a in args if isinstance(a, torch.Tensor) and a.retains_grad]
+        self._inputs = dict(zip((p.name for p in self.module.graph.find_nodes(op="placeholder")),
+                                args))
         return super().run(*args, **kwargs)
 
     def run_node(self, n: Node) -> Any:
         if n.meta.get("external"):
+            for name, real in n.meta.get("settled", ()):  # an optimizer's step: its
+                copy, value = self._inputs.get(name), real()  # results, as eager left them
+                if isinstance(copy, torch.Tensor) and value is not None and copy is not value:
+                    with torch.no_grad():
+                        copy.copy_(value)
             if n.op == "call_method" and n.target in ("requires_grad_", "retain_grad") \
                     and n.args[0].op in ("call_function", "call_method"):
                 return super().run_node(n)  # on a tensor the graph made: not the user's

@@ -376,3 +376,72 @@ def test_double_backward_runs_in_eager_saying_why_at_the_users_line(how):
     text = "\n".join(compiled.fallbacks)
     assert "differentiates a gradient again" in text and "create_graph=True" in text
     assert "test_compile_training.py" in text  # the user's line
+
+
+def _gan():
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh()).to(DEVICE)
+    disc = nn.Sequential(nn.Linear(8, 1)).to(DEVICE)
+    return gen, disc
+
+
+def _gan_step(gen, disc, opt_g, opt_d):
+    def step(real, z):
+        opt_d.zero_grad()
+        fake = gen(z)
+        d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+        d_loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()  # the generator's phase reads the stepped discriminator
+        g_loss = F.softplus(-disc(fake)).mean()
+        g_loss.backward()
+        opt_g.step()
+        with torch.no_grad():  # and a validation read after both steps
+            val = disc(gen(z)).mean()
+        return d_loss.detach(), g_loss.detach(), val
+
+    return step
+
+
+def test_reads_after_an_optimizer_step_are_checked_on_the_stepped_weights_and_run_kernels():
+    # the compile check skips opt.step() (an effect on the user's tensors): what the step
+    # reads after it was checked on the weights before the step, disagreed with eager, and
+    # ran as recorded ops; the check now copies in the values the step left
+    models, refs = _gan(), _gan()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    ref_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in refs]
+    step = fxlite.compile(_gan_step(*models, *opts))
+    eager = _gan_step(*refs, *ref_opts)
+    for i in range(4):
+        real, z = torch.randn(4, 8, device=DEVICE), torch.randn(4, 4, device=DEVICE)
+        got, warned = quiet(step, real, z)
+        torch.testing.assert_close(got, eager(real, z), rtol=1e-4, atol=1e-5)
+        for m, r in zip(models, refs):
+            torch.testing.assert_close(m.state_dict(), r.state_dict(), rtol=1e-4, atol=1e-5)
+        assert warned == [] and step.fallbacks == [], step.fallbacks
+        assert len(step.kernels) > 0
+
+
+def test_a_grad_scalers_step_records_the_optimizers_writes():
+    # scaler.step(opt) ran opt.step() unseen: the recording's checks then read the stepped
+    # parameters as the call's inputs
+    from fxlite.codegen.capture import record
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu" if DEVICE == "cpu" else "cuda", init_scale=4.0)
+
+    def step(x):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step(torch.randn(3, 8, device=DEVICE))  # the first step makes the optimizer's state
+    _, rec = record(step, (torch.randn(3, 8, device=DEVICE),), {}, roots=[("model", model)],
+                    bound=(opt, scaler))
+    written = {n for node in rec.graph.nodes if node.meta.get("external")
+               for n in node.meta.get("mutated", ())}
+    params = {n.name for n in rec.graph.nodes if n.op == "get_attr"
+              and isinstance(rec.externals.get(n.target), nn.Parameter)}
+    assert params and params <= written and params <= set(rec.pre_state)

@@ -2915,7 +2915,11 @@ def make_eval_train_toggled_inside_step():
 
 @program("state")
 def make_eval_train_inside_step_returns_val_loss():
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    # no bias before the BatchNorm: its gradient is rounding noise (~1e-8), which Adam
+    # scales up to steps of lr, so any other summation order (kernels, another device)
+    # moves it by 1e-2 within three steps
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(),
+                          nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
     def step(x, y, xv, yv):
