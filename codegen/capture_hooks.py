@@ -243,7 +243,11 @@ def _opaque_methods(objects: list[Any],
                 rec = _active()
                 if rec is None:
                     return _runner(*args, **kwargs)
-                return rec.call_opaque(_method, _runner, args, kwargs, _state_tensors(_obj))
+                touches = _state_tensors(_obj)
+                for a in args:  # a grad scaler's step(opt), unscale_(opt)
+                    if a is not _obj and getattr(a, "param_groups", None) is not None:
+                        touches += _state_tensors(a)
+                return rec.call_opaque(_method, _runner, args, kwargs, touches)
             if own is not _NOTHING:
                 wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             obj.__dict__[name] = wrapper
