@@ -22,8 +22,28 @@ random ops, views, reads, ``backward()``, an optimizer's step) runs for real, as
 called it. So every tensor the Python holds is a real tensor with its autograd history,
 Python's effects, exceptions and state are eager's by construction, and fused kernels
 still run. A call that does not match the recording (another op, a number of another
-type or in a dim or size, an unknown tensor, other sizes) ends the match: that call and
-the rest of the function run eagerly, on those real tensors.
+type or in a dim or size, an unknown tensor) ends the match: that call and the rest of
+the function run eagerly, on those real tensors.
+
+Tensors are matched by name, not by size: as a replayed segment does, a compiled piece
+runs on tensors of any sizes (its kernels take sizes as arguments, and raise where eager
+raises). It is compiled once, at its first run, on that call's tensors; where their sizes
+are not the recording's, on its graph with the layouts its recorded ops compute from them
+(``_resize``). The numbers a call passes are still matched on every call, sizes the
+Python read among them, so a piece computes with each number its calls pass; one of its
+later calls passing another (a size of the new batch) leaves the match there, having been
+handed nothing computed from the stale one, and a piece whose run raises on the new sizes
+leaves it at its first call (eager then runs, and raises if eager raises)::
+
+    def fn(x):                           call 1 (x: 2x8, recorded); calls 2, 3... (3x8, 5x8)
+        log.append(len(x))
+        h = torch.relu(x) * 2            %relu, %mul: piece 0   runs on 3x8, 5x8
+        return h.view(len(x), -1)        view(%mul, 2, -1)       3 is not 2: leaves the
+                                                                 match (h.view(3, -1) eager)
+
+A piece holding an op whose number of results depends on sizes (``unsafe_split``) runs
+only on the sizes it was compiled for (``Piece.fixed``): the Python is handed as many
+results as the recording had.
 
 A Python number the function passes as a value of a pure pointwise op (``x * s``,
 ``torch.clamp(x, max=m)``; not a dim, a size, a mode, an exponent, nor an integer divisor
@@ -63,7 +83,7 @@ from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture_hooks import installed, opaque_methods
-from fxlite.codegen.capture_kinds import UNSUPPORTED, classify
+from fxlite.codegen.capture_kinds import SIZE_FANOUT, UNSUPPORTED, classify, state_name
 from fxlite.codegen.capture_rules import map_tensors, same_func, spelling
 from fxlite.codegen.recording import _LOCAL, Recording, Step, tensor_meta
 from fxlite.codegen.structure import flatten
@@ -72,6 +92,7 @@ from torch.overrides import TorchFunctionMode
 from fxlite import ops as op_table
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
+from fxlite.interpreter import Interpreter
 from fxlite.node import Node
 
 __all__ = ["Expect", "Follow", "Follower", "Piece"]
@@ -87,6 +108,9 @@ class Piece:
     attrs: list[str] = field(default_factory=list)  # parameters, buffers it reads itself
     index: int = 0  # its place in the recording's list of pieces
     shapes: list[Any] = field(default_factory=list)  # its inputs' sizes when compiled
+    # how many results one of its nodes has depends on sizes (``x.unsafe_split(2)``),
+    # and the Python is handed the recorded number: it runs on the sizes it was made for
+    fixed: bool = False
     compiled: Any = None  # the pipeline's CompiledSegment, after its first run
 
 
@@ -204,37 +228,48 @@ class Follow:
 
     def run_piece(self, piece: Piece, env: dict[str, Any]) -> bool:
         """Run ``piece`` on this call's values, putting its results in ``env``; False
-        (having run nothing) when its inputs' sizes differ from those it was made for."""
+        (having run nothing) where they cannot serve this call: a piece whose results
+        depend on sizes in number (``Piece.fixed``) given other sizes than those it was
+        made for, or a first run whose recorded ops raise on these sizes. A compiled
+        piece raising on other sizes raises here (the follower then leaves the match).
+
+        A compiled piece runs on tensors of any sizes, as a replayed segment does (its
+        kernels take sizes as arguments, and raise where eager raises); its numbers are
+        the recorded ones, which each of its calls matches (see the module docstring)."""
         values, shapes = [], []
         for name in piece.inputs:  # (a loop, not two comprehensions: host time)
             v = env[name]
             values.append(v)
             shapes.append(v.shape if isinstance(v, torch.Tensor) else None)
         if piece.compiled is None:
-            if not self._recorded_sizes(piece, shapes):
+            recorded = self._recorded_sizes(piece, values)
+            if piece.fixed and not recorded:
+                return False
+            gm = _piece_graph(piece, self.rec, self.nodes, self.scalars, self.scalar_types)
+            if not recorded and not _resize(gm, values):
                 return False
             piece.shapes = shapes
-            piece.compiled = self._compile(_piece_graph(piece, self.rec, self.nodes,
-                                                        self.scalars, self.scalar_types), values)
+            piece.compiled = self._compile(gm, values)
             outs = piece.compiled.outputs
             piece.compiled.outputs = None
-        elif shapes != piece.shapes:
+        elif piece.fixed and shapes != piece.shapes:
             return False
         else:
             outs = piece.compiled.run(*values)
         env.update(zip(piece.outputs, outs))
         return True
 
-
-    def _recorded_sizes(self, piece: Piece, shapes: list[Any]) -> bool:
-        """Whether the tensors a piece is first given have the recording's sizes. Why: a
-        piece is compiled from the recorded graph, which holds sizes (a layer_norm's
-        normalized_shape); a piece cut again (a number began to vary) on a call of other
-        sizes was compiled for them, and its compile failed (fuzz seed 1001)."""
-        for name, shape in zip(piece.inputs, shapes):
+    def _recorded_sizes(self, piece: Piece, values: list[Any]) -> bool:
+        """Whether the tensors a piece is first given have the recording's sizes and
+        strides, which its graph's metadata holds (``tensor_meta_rec``: the pipeline
+        reads its nodes' layouts there). Otherwise the piece is compiled on a graph
+        whose layouts are those of this call (``_resize``): compiling the recorded one
+        on other sizes failed (fuzz seed 1001, a layer_norm's normalized_shape)."""
+        for name, v in zip(piece.inputs, values):
             node = self.nodes.get(name)
             rec = node.meta.get("tensor_meta_rec") if node is not None else None
-            if shape is not None and rec is not None and tuple(rec[0]) != tuple(shape):
+            if isinstance(v, torch.Tensor) and rec is not None and (
+                    tuple(rec[0]) != tuple(v.shape) or tuple(rec[1]) != v.stride()):
                 return False
         return True
 
@@ -717,7 +752,9 @@ def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozense
                     (attrs if fixed else inputs).append(inp.name)
                 inputs.extend(scalars.get(n.name, {}).values())
             outputs = [n.name for n in run if n.meta.get("type") is torch.Tensor]
-            pieces.append(Piece(list(run), inputs, outputs, attrs))
+            sized = any((n.target if type(n.target) is str else state_name(n.target))
+                        in SIZE_FANOUT for n in run)
+            pieces.append(Piece(list(run), inputs, outputs, attrs, fixed=sized))
             run.clear()
 
     # Parameters, buffers and constants no call writes are read by the piece itself, as
@@ -799,3 +836,41 @@ def _piece_graph(piece: Piece, rec: Recording, nodes: dict[str, Node],
                 new.kwargs = {**new.kwargs, pos: numbers[name]}
     graph.output(tuple(env[nodes[n]] for n in piece.outputs))
     return GraphModule(rec.holder, graph)
+
+
+class _Layouts(Interpreter):
+    """Runs a piece's graph on a call's values, noting each tensor's layout by node."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm)
+        self.layouts: dict[str, tuple] = {}
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.layouts[n.name] = tensor_meta(out)
+        return out
+
+
+def _resize(gm: GraphModule, values: list[Any]) -> bool:
+    """Give ``gm``'s nodes (a piece's graph) the sizes and strides its recorded ops
+    compute from ``values`` (run once, eagerly), in place of the recording's, so that it
+    is compiled for the sizes of the call that first runs it; False, changing nothing,
+    where they raise on these values (a number in the graph that fits the recorded sizes
+    alone: that call passes another, and leaves the match there)::
+
+        recording (x: 2x8)                          first run on a 3x8 x
+        %x = placeholder      [2, 8]                %x = placeholder      [3, 8]
+        %relu = relu(%x)      [2, 8]       ->       %relu = relu(%x)      [3, 8]
+        %add = add(%relu, 1)  [2, 8]                %add = add(%relu, 1)  [3, 8]
+    """
+    probe = _Layouts(gm)
+    try:
+        probe.run(*values)
+    except Exception:
+        return False
+    for node in gm.graph.nodes:
+        layout, rec = probe.layouts.get(node.name), node.meta.get("tensor_meta_rec")
+        if layout is not None and rec is not None:  # (dtypes, devices, grads: recorded)
+            node.meta["tensor_meta_rec"] = (layout[0], layout[1], *rec[2:])
+    return True
