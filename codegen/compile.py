@@ -18,10 +18,10 @@ result is eager PyTorch's own. Later calls with that key take one of three tiers
 3. eager, with one warning, where neither holds (below).
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function
-reads tensors' addresses, reseeds the generator, or changes Python state it reads and a
-replay's guard checks (a module attribute such as a step counter; Python state it only
-writes, an argument's attributes, a dict that keeps tensors, makes it followed, as does
-inference mode); a function is recorded more than ``recompile_limit`` times (8, as torch's cache limit;
+reads tensors' addresses or reseeds the generator (Python state it changes, a module's
+step counter or training flag, an argument's attributes, a dict that keeps tensors, makes
+it followed, as does inference mode; a path recorded after a read that changes the state
+its key holds runs in eager); a function is recorded more than ``recompile_limit`` times (8, as torch's cache limit;
 one whose keys differ in float arguments' values alone is then recorded once more and
 followed, those floats varying: ``f(x, a)`` given a new ``a`` on every call);
 and, per segment, when a pass or kernel fails or its results disagree with eager.
@@ -431,7 +431,11 @@ class CompiledFunction:
         return key
 
     def _stays_eager(self, rec: Any, base: tuple, arg_modules: tuple, key: tuple) -> bool:
-        """Whether a recording cannot be replayed; if so, mark what runs eagerly instead."""
+        """Whether a recording cannot be compiled; if so, mark what runs eagerly instead.
+        One whose call changed the state its key holds (a module's counter or training
+        flag, a rebound buffer) gets ``rec.effect``: it is followed (follow.py), where a
+        call whose torch calls that state changes (BatchNorm in eval) leaves the match,
+        and a tensor rebound between calls is bound where first used or ends it."""
         if rec.unsupported is not None:
             if self._fullgraph:
                 raise TraceError(f"fullgraph=True, but the function cannot be captured: "
@@ -441,11 +445,9 @@ class CompiledFunction:
             self._eager(key, why)
             return True
         if rec.effect is None and self._guard.key(arg_modules) != base[3][0]:
-            self._all_eager = ("it changes Python state that it reads (a module attribute, "
-                               "flag or parameter)")
-            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: "
-                      f"{self._all_eager}; fxlite cannot replay Python side effects")
-            return True
+            # a replay would skip the Python that changes it: followed instead (its Python
+            # runs on every call, and calls that a changed flag makes differ leave the match)
+            rec.effect = _CHANGES_STATE
         if any(n.meta.get("mutated") for n in rec.graph.nodes):
             self._alias = True
         return False
@@ -471,6 +473,8 @@ class CompiledFunction:
             site = format_site(seg.read.site) if seg.read is not None else ""
             self._over_limit(f"the value read at\n  {site}\nkeeps changing")
         roots = self._guard.roots(leaves)
+        arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
+        state = None if eager or over else self._guard.key(arg_modules)
         with side_stream(self._graphs_wanted()):
             result, rec = record(self._fn, args, kwargs, roots=roots, prefix=seg.recording,
                                  upto=seg.index, values=env, read_value=value,
@@ -479,6 +483,8 @@ class CompiledFunction:
             return result
         self._recordings += 1
         key = read_key(value)
+        if rec.effect is None and self._guard.key(arg_modules) != state:
+            rec.effect = _CHANGES_STATE  # (the tree's key holds the state before: stale after)
         if rec.unsupported is not None or rec.effect is not None:
             warn_user(f"fxlite.compile: a path of {_name(self._fn)} runs in eager PyTorch: "
                       f"it {rec.unsupported or rec.effect}")
@@ -677,6 +683,9 @@ def _numbers_key(key: tuple, leaves: list[Any]) -> tuple | None:
 
 
 _NUMBERS = object()  # marks a key whose float arguments' values are left out
+# why a recording is followed (a path recorded after a read: runs in eager) whose call
+# changed the state its key holds (``StateGuard.key``)
+_CHANGES_STATE = "changes Python state that it reads (a module attribute, flag or parameter)"
 
 
 def _short(x: Any) -> str:
@@ -842,8 +851,9 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     segments, each compiled; a value not seen before records the rest of that path.
 
     A function whose Python does more than compute tensors (prints, appends to a list,
-    logs, draws ``random.random()``, sets attributes of an argument, keeps tensors in a
-    dict that outlives the call) is *followed*: its Python runs on every call, its torch
+    logs, draws ``random.random()``, sets attributes of an argument or of a module it
+    reads, ``model.train(flag)``, keeps tensors in a dict that outlives the call) is
+    *followed*: its Python runs on every call, its torch
     calls served by the compiled kernels (``fxlite.codegen.follow``).
 
     What is guarded before a replay (checked on every call): argument structure, tensor
@@ -855,8 +865,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     and the default dtype.
 
     What falls back to eager PyTorch, with one warning naming the line: reading a
-    tensor's address, reseeding, changing Python state the function
-    reads, calling a function marked with ``fxlite.compiler.disable``; more than
+    tensor's address, reseeding, calling a function marked with ``fxlite.compiler.disable``; more than
     ``recompile_limit`` recordings; and any segment whose passes or kernels fail or
     disagree with eager on the recording's inputs. Groups under autograd run a Triton
     forward and a generated Triton backward.

@@ -23,8 +23,10 @@ holds, flat in one tuple:
 
 Not guarded, and so not seen when they change after the first call: globals read by
 other functions than the compiled one, attributes of objects that are not modules
-(a config object, say), and Python state changed by the function itself (which
-``fxlite.compile`` runs in eager when it notices, see ``compile``).
+(a config object, say), and Python state changed by the function itself: a function
+whose call changes what its key holds (a counter, a training flag, a rebound buffer) is
+followed instead of replayed (``compile.CompiledFunction._stays_eager``), its Python running
+on every call; a path recorded after a read that changes it runs in eager PyTorch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """fxlite.compile's contract where Python state is involved: a function that changes Python
-state it reads runs eagerly with a warning that says why (and ``fallbacks`` says so too);
-one that sets attributes of an argument, or stores tensors in a module's objects, a global
-or an argument container is followed (its Python runs on every call, its torch calls
-served by kernels; ``tier`` says why); one that returns objects holding new tensors gets
-them rebuilt on every call. Never a stale object or result.
+state it reads (a module's counter), sets attributes of an argument, or stores tensors in
+a module's objects, a global or an argument container is followed (its Python runs on
+every call, its torch calls served by kernels; ``tier`` says why); one that returns objects
+holding new tensors gets them rebuilt on every call. Never a stale object or result.
 
 Split from test_compile_contract.py, whose helpers and autouse fixture it imports; as
 there, every test calls the compiled function several times with fresh inputs.
@@ -30,7 +29,8 @@ import fxlite
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def test_python_state_changed_by_the_function_runs_eagerly():
+def test_python_state_changed_by_the_function_is_followed():
+    # (it ran in eager PyTorch; its Python now runs on every call, served by kernels)
     class Counter(nn.Module):
         def __init__(self):
             super().__init__()
@@ -42,11 +42,14 @@ def test_python_state_changed_by_the_function_runs_eagerly():
 
     m = Counter()
     c = fxlite.compile(m)
-    x = rand(3)
-    with pytest.warns(UserWarning, match="Python state"):
-        outs = [c(x) for _ in range(3)]
-    for i, out in enumerate(outs, 1):
-        torch.testing.assert_close(out, x * i)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(1, 4):
+            x = rand(3)
+            torch.testing.assert_close(c(x), x * i)
+            assert m.calls == i
+            assert c.tier.startswith("followed: it changes Python state that it reads"), c.tier
+    assert len(c.kernels) > 0 and not c.fallbacks
 
 
 def _followed(f, mine, eager, match):
