@@ -108,7 +108,6 @@ class CompiledFunction:
         self._behind_back_warned = False
         self._sized: set[tuple] = set()  # keys whose recordings read sizes
         self._recordings = 0
-        self._all_eager: str | None = None
         self._eager_why: dict[tuple, str] = {}  # key -> why its calls run in eager PyTorch
         self._last_eager: str | None = None  # why the latest call did, when it did
         self._limit_warned = False
@@ -148,8 +147,6 @@ class CompiledFunction:
         return self if obj is None else types.MethodType(self, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._all_eager is not None:
-            return self._fn(*args, **kwargs)
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
@@ -603,7 +600,7 @@ class CompiledFunction:
     @property
     def fallbacks(self) -> list[str]:
         """Why parts of the latest call run in eager PyTorch (or all of it)."""
-        whole = self._all_eager or (None if self._last else self._last_eager)
+        whole = None if self._last else self._last_eager
         return ([f"{_name(self._fn)} runs in eager PyTorch: {whole}"] if whole else []) + [
             f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
 
@@ -615,7 +612,7 @@ class CompiledFunction:
                      and p.pieces is self._last), None)
         if plan is not None:
             return f"followed: it {plan.why}"
-        whole = self._all_eager or (None if self._last else self._last_eager)
+        whole = None if self._last else self._last_eager
         return f"eager: {whole}" if whole else "replayed"
 
     @property
