@@ -548,12 +548,13 @@ class CompiledFunction:
             for seg in segments[start:]:
                 sample = []
                 for n in seg.inputs:
-                    if n in rec.pre_state:  # a private copy of its value before the call,
-                        value = private.get(n)  # one per path: later segments see the
-                        if value is None:       # writes the earlier ones' checks made
+                    if n in private or n in rec.pre_state:  # a private copy of its value
+                        value = private.get(n)  # before the call, one per path: later
+                        if value is None:       # segments see the writes earlier checks made
                             real = after_steps[n]() if n in after_steps else None
-                            before = rec.pre_state[n] if real is None else real.detach()
-                            value = private[n] = before.clone()
+                            # (the snapshot itself: no other check needs it)
+                            value = private[n] = rec.pre_state.pop(n) if real is None \
+                                else real.detach().clone()
                             if _recorded_grad(seg, n) and value.is_floating_point():
                                 # not a leaf: the segment may write it in place, as the
                                 # program wrote the (non-leaf) value it stands for; it

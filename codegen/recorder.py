@@ -68,6 +68,9 @@ class Recorder(TorchFunctionMode):
         self._nodes: dict[str, Node] = {n.name: n for n in self.graph.nodes}
         self._known: dict[int, str] = {}  # id(parameter/buffer) -> readable path
         self._externals: dict[int, str] = {}  # id(tensor) -> get_attr node name
+        # ids of tensors an opaque call wrote that the recording had not met before it
+        # (an optimizer's moments): no snapshot, as nothing before the call read them
+        self._unsnapped: set[int] = set()
         self._keep: list[Any] = []  # external objects (ids must stay unique)
         self._grads: set[str] = set()  # nodes that are gradients (p.grad, or views of one)
         self._dynamic = recording.dynamic
@@ -390,7 +393,8 @@ class Recorder(TorchFunctionMode):
                 # views: they count as written (segments then sandbox them in checks)
                 names += [n for n, _ in self._externals_sharing(t) if n not in names]
             if (self._nodes[name].op in ("placeholder", "get_attr")
-                    or name in self._prefix_names) and name not in self.rec.pre_state:
+                    or name in self._prefix_names) and name not in self.rec.pre_state \
+                    and id(t) not in self._unsnapped:
                 self.rec.unknown_pre_state = True
             self.rec.expected.pop(name, None)  # its recorded value was overwritten
             if out is t:  # later reads see the written tensor through this node
@@ -560,7 +564,13 @@ class Recorder(TorchFunctionMode):
         try:
             tensors = tensors_in((args, kwargs))
             if touches is not None:
-                self._snapshot(touches)
+                # What the recording met already may have been read before this call: the
+                # checks start from its value before it. The rest (an optimizer's moments)
+                # is read, if at all, after it, where the checks read the values it left.
+                met = [t for t in touches if self._name_of(t) is not None
+                       or id(t) in self._externals]
+                self._snapshot(met)
+                self._unsnapped.update(id(t) for t in touches if all(t is not m for m in met))
                 tensors += [t for t in touches if all(t is not u for u in tensors)]
             out, mutated = self._run_seeing_writes(lambda: runner(*args, **kwargs), tensors)
             node = self._node(target, args, kwargs)
