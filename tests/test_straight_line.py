@@ -417,7 +417,9 @@ def test_views_are_made_before_an_op_that_may_move_their_tensors_storage() -> No
 
 def test_each_value_dies_after_the_last_op_that_reads_it() -> None:
     """A forward drops its intermediates as eager Python does: a training step's segment
-    kept every activation and gradient alive until it returned (3x eager's peak memory)."""
+    kept every activation and gradient alive until it returned (3x eager's peak memory).
+    So does the call that writes it (a GPT-2 step's first kernel call peaked 1.5 GiB above
+    the next ones)."""
     import weakref
 
     x = torch.randn(4, 8)
@@ -449,4 +451,4 @@ def test_each_value_dies_after_the_last_op_that_reads_it() -> None:
     for _ in range(2):
         y = torch.randn(4, 8)
         torch.testing.assert_close(fn(y), -(y * 2) + 1)
-    assert seen[1:] == [True, True], seen
+    assert seen == [True, True, True], seen  # the writing call, then the forward twice
