@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
     parser.add_argument("--memory", action="store_true", help="peak memory step by step")
     parser.add_argument("--memory-sites", type=int, default=0, metavar="STEPS",
-                        help="with --memory: the allocation sites live at the peak of the "
+                        help="with --memory: the allocation sites live at the peak of each of the "
                              "first STEPS steps (torch's memory history)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -113,16 +113,20 @@ def memory_profile(label: str, fn, model, opt, data) -> None:
 
 
 def peak_sites(label: str, fn, model, opt, data, steps: int, top: int) -> None:
-    """Run ``steps`` steps under torch's memory history; print the blocks live at the
-    highest point, grouped by the innermost frames of fxlite (or of the model) that
-    allocated them."""
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    """Run the first ``steps`` steps, each under torch's memory history; print, per step,
+    the blocks live at its highest point (beyond what was allocated as the step began),
+    grouped by the innermost frames of fxlite (or of the model) that allocated them."""
     for i in range(steps):
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         fn(model, opt, *data[i % len(data)])
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        _print_sites(f"{label}, step {i + 1}", snap, top)
+
+
+def _print_sites(label: str, snap: dict, top: int) -> None:
     live: dict[int, tuple[int, list]] = {}
     total = peak = 0
     at_peak: dict[int, tuple[int, list]] = {}
@@ -139,10 +143,10 @@ def peak_sites(label: str, fn, model, opt, data, steps: int, top: int) -> None:
         names = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
                  if "/fxlite/" in f["filename"] or "/codegen/" in f["filename"]
                  or "/passes/" in f["filename"] or "transformers" in f["filename"]]
-        key = " <- ".join(names[:3]) or "(no fxlite or model frame)"
+        key = " <- ".join(names[:4]) or "(no fxlite or model frame)"
         sites[key] = sites.get(key, 0) + size
-    print(f"{label}: {peak / 2**30:.2f} GiB allocated during the first {steps} steps' "
-          "highest point (beyond what was allocated before), by site:")
+    print(f"{label}: {peak / 2**30:.2f} GiB allocated at its highest point (beyond what "
+          "was allocated as it began), by site:")
     for key, size in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {size / 2**30:7.3f} GiB  {key}")
 
