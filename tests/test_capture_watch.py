@@ -358,3 +358,42 @@ def test_a_garbage_collector_callback_during_the_recording_is_not_the_functions(
     finally:
         gc.callbacks.remove(_count_collections)
     assert _COLLECTIONS and watch.effect is None
+
+
+def test_the_recording_call_frees_what_a_closed_generator_saw():
+    # The watcher held every generator frame of the call to its end: the genexpr of an
+    # `all(...)` that stopped early (transformers' ModelOutput.__post_init__) kept its
+    # `self`, an output object, and its logits alive through the backward (0.38 GiB in
+    # a GPT-2 step), where eager had freed them.
+    import weakref
+
+    seen: list[weakref.ref] = []
+
+    class Output:
+        def __init__(self, loss, logits):
+            self.loss, self.logits = loss, logits
+            if all(getattr(self, k) is None for k in ("loss", "logits")):  # (stops early)
+                raise ValueError("an empty output")
+
+    lin = torch.nn.Linear(8, 16).to(DEVICE)
+
+    def logits_alive():
+        return seen[-1]() is not None
+
+    def forward(x):
+        logits = lin(x).to(torch.bfloat16)  # what the loss keeps is a float32 copy
+        seen.append(weakref.ref(logits))
+        return Output(logits.float().logsumexp(-1).mean(), logits)
+
+    def step(x):
+        loss = forward(x).loss
+        alive = logits_alive()
+        loss.backward()
+        return loss.detach(), alive
+
+    compiled = fxlite.compile(step)
+    x = torch.randn(4, 8, device=DEVICE)
+    assert step(x)[1] is False  # eager frees them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert compiled(x)[1] is False  # and so does the recording call
