@@ -115,7 +115,7 @@ def memory_profile(label: str, fn, model, opt, data) -> None:
 def peak_sites(label: str, fn, model, opt, data, steps: int, top: int) -> None:
     """Run the first ``steps`` steps, each under torch's memory history; print, per step,
     the blocks live at its highest point (beyond what was allocated as the step began),
-    grouped by the innermost frames of fxlite (or of the model) that allocated them."""
+    grouped by the innermost two frames of fxlite and two of the model that allocated them."""
     for i in range(steps):
         torch.cuda.synchronize()
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -140,10 +140,12 @@ def _print_sites(label: str, snap: dict, top: int) -> None:
             total -= live.pop(e["addr"])[0]
     sites: dict[str, int] = {}
     for size, frames in at_peak.values():
-        names = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
-                 if "/fxlite/" in f["filename"] or "/codegen/" in f["filename"]
-                 or "/passes/" in f["filename"] or "transformers" in f["filename"]]
-        key = " <- ".join(names[:4]) or "(no fxlite or model frame)"
+        ours = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
+                if "/fxlite/" in f["filename"] or "/codegen/" in f["filename"]
+                or "/passes/" in f["filename"]]
+        model = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
+                 if "transformers" in f["filename"] or "torchvision" in f["filename"]]
+        key = " <- ".join(ours[:2] + model[:2]) or "(no fxlite or model frame)"
         sites[key] = sites.get(key, 0) + size
     print(f"{label}: {peak / 2**30:.2f} GiB allocated at its highest point (beyond what "
           "was allocated as it began), by site:")
