@@ -543,7 +543,8 @@ class CompiledFunction:
             for d, state in zip(devices, cuda_states):
                 torch.cuda.set_rng_state(state, d)
             private: dict[str, Any] = {}
-            settled = _settled(rec, env)
+            real_env = dict(env)  # (env takes the checks' values as they come)
+            settled = _settled(rec, real_env)
             after_steps: dict[str, Any] = {}  # written by an earlier segment's settled step
             for seg in segments[start:]:
                 sample = []
@@ -564,6 +565,7 @@ class CompiledFunction:
                         sample.append(value)
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
+                _mark_unscales(seg, rec, private, real_env)
                 for node in seg.gm.graph.nodes:  # (the check copies them in: _Replay)
                     if node.name in settled:
                         node.meta["settled"] = [(n, ref) for n, ref in settled[node.name]
@@ -749,16 +751,39 @@ def _settled(rec: Any, env: dict[str, Any]) -> dict[str, list[tuple[str, Any]]]:
         if node.meta.get("external") and written:
             refs = []
             for n in written:
-                if n in later or n not in nodes:
-                    continue
-                real = rec.externals.get(nodes[n].target) if nodes[n].op == "get_attr" \
-                    else env.get(n)  # (an input: the call's own tensor)
-                if isinstance(real, torch.Tensor):
+                real = None if n in later else _real_tensor(rec, nodes, n, env)
+                if real is not None:
                     refs.append((n, weakref.ref(real)))
             if refs:
                 out[node.name] = refs
         later.update(written)
     return out
+
+
+def _real_tensor(rec: Any, nodes: dict[str, Any], name: str, env: dict[str, Any]) -> Any:
+    """The user's tensor a recording's input or attribute ``name`` stands for, or None."""
+    node = nodes.get(name)
+    if node is None:
+        return None
+    real = rec.externals.get(node.target) if node.op == "get_attr" else env.get(name)
+    return real if isinstance(real, torch.Tensor) else None
+
+
+def _mark_unscales(seg: Segment, rec: Any, private: dict[str, Any], env: dict[str, Any]
+                   ) -> None:
+    """Give each ``GradScaler.unscale_(opt)`` of ``seg`` the check's private copies, as
+    (the user's tensor, its copy) weak pairs: the check unscales the copies' gradients
+    as the call did the real ones (``pipeline._Replay``), so that what reads them after
+    (clipping, a norm) is checked on eager's values."""
+    marked = [n for n in seg.gm.graph.nodes if n.meta.get("external")
+              and getattr(n.target, "__func__", None) is torch.amp.GradScaler.unscale_]
+    if not marked:
+        return
+    nodes = {n.name: n for n in rec.graph.nodes}
+    pairs = [(weakref.ref(real), weakref.ref(copy)) for name, copy in private.items()
+             if (real := _real_tensor(rec, nodes, name, env)) is not None]
+    for node in marked:
+        node.meta["copies"] = pairs
 
 
 def _recorded_grad(seg: Segment, name: str) -> bool:

@@ -445,6 +445,8 @@ class _Replay(Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.meta.get("external"):
+            if "copies" in n.meta:
+                self._unscale(n)
             for name, real in n.meta.get("settled", ()):  # an optimizer's step: its
                 copy, value = self._inputs.get(name), real()  # results, as eager left them
                 if isinstance(copy, torch.Tensor) and value is not None and copy is not value:
@@ -472,6 +474,26 @@ class _Replay(Interpreter):
                 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor")
                 return super().run_node(n)
         return super().run_node(n)
+
+    def _unscale(self, n: Node) -> None:
+        """``scaler.unscale_(opt)`` on the private copies (``compile._mark_unscales``):
+        their gradients divided by the copy of the scale, as the call divided the real
+        ones. Left undone (the check then disagrees: recorded ops) where a copy is missing."""
+        of = {id(real()): copy() for real, copy in n.meta["copies"]
+              if real() is not None and copy() is not None}
+        scaler = n.target.__self__
+        scale = of.get(id(getattr(scaler, "_scale", None)))
+        args, _ = self.fetch_args_kwargs_from_env(n)
+        params = [p for group in getattr(args[0], "param_groups", ()) for p in group["params"]]
+        if scale is None or not all(id(p) in of for p in params):
+            return
+        grads = [of[id(p)].grad for p in params if of[id(p)].grad is not None]
+        found = torch.zeros(1, device=scale.device)
+        with torch.no_grad():
+            for device in {g.device for g in grads}:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [g for g in grads if g.device == device], found.to(device),
+                    scale.double().reciprocal().float().to(device))
 
     def _own_leaves(self) -> list[torch.Tensor]:
         """Leaves that need gradients and that this graph made (``x.detach().requires_grad_()``),

@@ -470,3 +470,39 @@ def test_an_optimizers_moments_are_not_copied_for_the_checks():
     kept = {id(by_name[name]) for name in rec.pre_state if name in by_name}
     assert kept == params  # the parameters, which the forward read before the step
     assert not rec.unknown_pre_state  # the moments' writes are known, and need no copy
+
+
+def test_loss_scaling_with_unscale_and_clipping_runs_kernels_and_skips_steps_as_eager():
+    # The check skipped scaler.unscale_(opt) (an effect), so the clipping after it was
+    # checked on gradients still scaled, disagreed, and the step ran its recorded ops.
+    def make():
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=256.0, growth_interval=2)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach(), norm, scaler.get_scale()
+
+        return model, opt, step
+
+    (model, opt, step), (ref, ref_opt, eager) = make(), make()
+    compiled = fxlite.compile(step)
+    for i in range(6):
+        x, y = torch.randn(6, 8, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+        if i == 4:
+            y[0, 0] = float("inf")  # an overflow: the step is skipped, the scale halved
+        (loss, norm, scale), warned = quiet(compiled, x, y)
+        want_loss, want_norm, want_scale = eager(x, y)
+        torch.testing.assert_close((loss, norm), (want_loss, want_norm), equal_nan=True)
+        assert scale == want_scale
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())
+        if i in (2, 3):  # (recorded at 1; 4 and 5 record the overflow's path)
+            assert warned == [] and compiled.fallbacks == [], compiled.fallbacks
+            assert {"forward", "backward"} <= {k.direction for k in compiled.kernels}
