@@ -62,16 +62,40 @@ node in this call stand)::
                                          call 3 on: [mul, add] runs on the call's number
 
 A tensor the Python keeps between calls outside module state (``self.h = torch.tanh(...)``
-on a plain object, ``cache["h"]`` in a global dict) was recorded as a constant (a
-``get_attr`` node), and a later call passes another tensor there. The first such call
-leaves the recording; the name is then *varying*: pieces take it as an input and start
-where it is first used, so that on later calls the tensor the Python passes at that first
-use (with the recorded layout) is bound to the name before any piece reads it::
+on a plain object, ``cache["h"]`` in a global dict, a batch from ``next(it)``) was
+recorded as a constant (a ``get_attr`` node), and a later call passes another tensor
+there. The first such call makes every such name *varying* at once (a batch's ``y`` is
+passed anew after its ``x``): pieces take them as inputs and start where each is first
+used, so that the tensor the Python passes at that first use (with the recorded layout)
+is bound to the name before any piece reads it. The call that finds it binds it there
+and goes on matching, on pieces cut again, where this is its first use; elsewhere (a
+piece read it before, in this call) it leaves the match::
 
     def fn(x):                           call 1 (recorded): cache["h"] is a constant %h
-        h = torch.tanh(cache["h"] + x)   call 2: another tensor at %h -> leaves the
-        cache["h"] = h * 2                       recording; %h becomes varying
-        return h                         call 3 on: bound at `cache["h"] + x`, kernels
+        h = torch.tanh(cache["h"] + x)   call 2 on: another tensor at %h, its first use:
+        cache["h"] = h * 2                       %h varying, bound there, kernels
+        return h
+
+A call that runs for real (a write, a view, a gather, an optimizer's per-tensor update)
+passed other plain values than the recorded ones (numbers of the same Python type, lists
+and slices of them, numpy arrays of the same dtype and shape) goes on matching: its
+values are baked nowhere, as it runs with the call's own, provided its result has the
+recorded layout (sizes, strides, dtype, device, whether it requires grad), which the
+pieces after it were made for; another layout (``x.view(n, -1)`` with another ``n``)
+ends the match there, the call having run::
+
+    def step(x):                         Adam, foreach=False: each step passes another
+        ...                              value=-lr / (1 - beta1 ** step) to the real
+        opt.step()                       p.addcdiv_(exp_avg, denom, value=...): matched
+        return x[order].cumsum(0)        x[order] with another shuffled list: matched
+
+A call that leaves the match at a call of another function than the recorded one (the
+Python took another path: ``requires_grad_(True)`` at step 3, a model put in eval mode)
+counts in ``Follow.moved``; two such calls in a row (one, for a plan recorded at the
+function's first call that no call matched to its end: gradients were still None, an
+optimizer had no state) make ``compile.py``'s ``_follow`` record a new plan on the next
+call, while recordings are left; three calls in a row that leave it otherwise make the
+function run in eager PyTorch.
 """
 
 from __future__ import annotations
@@ -156,6 +180,14 @@ class Follow:
         self.order = {n.name: i for i, n in enumerate(rec.graph.nodes)}
         self.pieces: list[Piece] = []
         self.diverged = 0  # calls whose torch calls left the recording, in a row
+        self.completed = 0  # calls that matched it to their end
+        # calls in a row that left it at a call of another function than the recorded
+        # one (the Python took another path), not at other arguments of the same
+        self.moved = 0
+        # recorded at the function's first call, which may differ from all later ones
+        # (gradients still None, an optimizer's state made): ``compile.py``'s ``_follow``
+        self.first_call = False
+        self.stale = False  # its calls took another path: the next one records anew
         self._plan()
 
     def _plan(self) -> None:
@@ -185,10 +217,11 @@ class Follow:
                     self.first_use.setdefault(i, set()).add(inp.name)
 
     def vary(self, names: set[str]) -> None:
-        """``names`` (loose constants) were passed anew: from the next call on they are
-        bound where first used (the compiled pieces are cut again, and compiled again)."""
-        self.varying |= names
-        self._plan()
+        """``names`` (loose constants) were passed anew: from now on they are bound where
+        first used (the compiled pieces are cut again, and compiled again)."""
+        if names - self.varying:
+            self.varying |= names
+            self._plan()
 
     def vary_scalars(self, name: str, values: dict[int | str, Any]) -> None:
         """The numbers at these positions of node ``name``'s call (its ``args`` index or
@@ -224,6 +257,8 @@ class Follow:
         finally:
             _LOCAL.recorder = outer
         self.diverged = self.diverged + 1 if follower.diverged else 0
+        self.completed += not follower.diverged
+        self.moved = self.moved + 1 if follower.diverged and follower.moved else 0
         return result
 
     def run_piece(self, piece: Piece, env: dict[str, Any]) -> bool:
@@ -289,6 +324,10 @@ class Follower(TorchFunctionMode):
         self.ran = [False] * len(follow.pieces)  # per piece: run in this call
         self.off = False
         self.diverged = False
+        self.moved = False  # it left the match at a call of another function (``Follow.moved``)
+        # the call just matched runs for real with other values than the recorded ones:
+        # its result must have the recorded layout (``_passes_other_values``)
+        self.layout_check = False
 
     def bind(self, value: Any, name: str) -> None:
         self.env[name] = value
@@ -307,11 +346,18 @@ class Follower(TorchFunctionMode):
                 else classify(func) in _PASSED:
             return func(*args, **kwargs)
         expect = self._match(func, args, kwargs)
-        if expect is None:
+        if expect is None:  # (at another function than the recorded one: another path)
+            at, expects = self.at, self.expects  # (as cut again, where it was)
+            upcoming = expects[at] if at < len(expects) else None
+            self.moved = upcoming is None or func is not upcoming.func \
+                and not same_func(upcoming.func, func)
             return self._diverge(func, args, kwargs)
         piece = expect.piece
         if piece is None:  # a write, a random draw, a read, a view, an effect: for real
             out = func(*args, **kwargs)
+            if self.layout_check and not self._recorded_layout(out, expect.node):
+                self.off = self.diverged = True  # (it ran: the rest runs eagerly)
+                return out
             if not expect.keeps_name:  # (its input keeps its name, as recorded)
                 self._bind_out(out, expect.node)
             return out
@@ -353,6 +399,7 @@ class Follower(TorchFunctionMode):
             except _Unknown:
                 if not self._rebind(func, args, kwargs, expect.node):
                     return None
+                expect = self.expects[at]  # (the plan may have been cut again)
                 try:
                     key = _call_key(args, kwargs, self.ids, self.env)
                 except _Unknown:
@@ -371,6 +418,10 @@ class Follower(TorchFunctionMode):
                 hit = False
             if not hit:
                 if not self._same_call(func, args, kwargs, self.follow.nodes[expect.node]):
+                    if expect.piece is None and \
+                            self._passes_other_values(func, args, kwargs, expect.node):
+                        self.at, self.layout_check = at + 1, True  # (checked once it ran)
+                        return expect
                     expect = self._vary_scalars(func, args, kwargs, expect)
                     if expect is None or not self._scalar_call(func, args, kwargs, expect):
                         return None
@@ -379,6 +430,37 @@ class Follower(TorchFunctionMode):
                 self.keys[at] = key  # later calls compare this key alone
         self.at = at + 1
         return expect
+
+    def _passes_other_values(self, func: Any, args: tuple, kwargs: dict, name: str) -> bool:
+        """Whether the call is node ``name``'s but for plain values (``_other_values``:
+        Python numbers of the recorded types, lists and slices of them, numpy arrays of
+        the recorded dtype and shape), where the node runs for real: ``p.addcdiv_(m, d,
+        value=-lr / bias_correction)``, whose value an optimizer computes anew on each
+        step; ``x[order]`` with a list shuffled anew. Its values are baked nowhere (it
+        runs with the call's own), so the call goes on matching, provided its result then
+        has the recorded layout (``_recorded_layout``): later pieces and calls see that
+        real result by name, as they would the recorded call's."""
+        node = self.follow.nodes[name]
+        target, opcode, spelled = spelling(func, args)
+        if opcode != node.op or not same_func(target, node.target):
+            return False
+        try:
+            return _other_values(self._arg(tuple(spelled)), node.args) and \
+                _other_values(self._arg(kwargs) if kwargs else {}, node.kwargs)
+        except _Unknown:
+            return False
+
+    def _recorded_layout(self, out: Any, name: str) -> bool:
+        """After a call matched by ``_passes_other_values`` ran: whether its result is
+        nothing or a tensor of the layout (sizes, strides, dtype, device, whether it
+        requires grad) node ``name`` recorded. Another layout (``x.view(n, -1)`` with another
+        ``n``; ``x.resize_(n)``) or another kind of result ends the match there."""
+        self.layout_check = False
+        if out is None:
+            return True
+        recorded = self.follow.nodes[name].meta.get("tensor_meta_rec")
+        return isinstance(out, torch.Tensor) and recorded is not None \
+            and tensor_meta(out) == tuple(recorded)
 
     def _scalar_call(self, func: Any, args: tuple, kwargs: dict, expect: Expect) -> bool:
         """Whether the call is ``expect``'s but for its varying numbers, each of the
@@ -430,20 +512,30 @@ class Follower(TorchFunctionMode):
         if not changed or not _scalar_operands(node, changed) \
                 or changed.keys() <= follow.scalars.get(node.name, {}).keys():
             return None  # (varying already: another type)
+        self._cut_again(node, lambda: follow.vary_scalars(node.name, changed))
+        return self.expects[self.at]
+
+    def _cut_again(self, node: Node, change: Callable[[], None]) -> None:
+        """Make ``change`` to the plan (pieces cut again) at node ``node``'s step, in
+        the middle of a call: pieces made of nodes before it that ran in this call stand
+        (their values are in ``env``); the others run at their first call from here on,
+        computing again any value a piece that ran computed at or after ``node`` (which
+        the Python has not been handed yet)."""
+        follow = self.follow
         ran = {n.name for p in follow.pieces if self.ran[p.index] for n in p.nodes}
-        follow.vary_scalars(node.name, changed)
+        change()
         here = follow.order[node.name]
         self.expects, self.keys = follow.expects, follow.keys
         self.ran = [follow.order[p.nodes[0].name] < here and all(n.name in ran for n in p.nodes)
                     for p in follow.pieces]
-        return self.expects[self.at]
 
     def _rebind(self, func: Any, args: tuple, kwargs: dict, name: str) -> bool:
         """Bind the tensors this call passes where the recorded ``name`` had a loose
         constant (see the module docstring), each with the recorded layout and known by
         no other name; True if it bound any. Only at the step where a varying name is
-        first used (no piece has read it yet in this call); a loose name found passed
-        anew elsewhere becomes varying for later calls, and this call leaves the match."""
+        first used (no piece has read it yet in this call): a loose name found passed
+        anew makes every loose name varying (the pieces cut again, mid-call), and is
+        bound if this step is its first use, else this call leaves the match."""
         follow = self.follow
         node = follow.nodes[name]
         pairs: list[tuple[torch.Tensor, Node]] = []
@@ -467,9 +559,14 @@ class Follower(TorchFunctionMode):
             return False
         first = follow.first_use.get(self.at, ())
         if any(n not in first for n in fresh):
-            if set(fresh) - follow.varying:
-                follow.vary(set(fresh) - follow.varying)
-            return False
+            # every loose constant becomes varying at once (a batch's ``y`` is passed
+            # anew after its ``x``), bound where first used; one the Python does not
+            # pass anew stays bound to its recorded tensor. Where this step is the first
+            # use of those passed here, this call binds them and goes on matching
+            self._cut_again(node, lambda: follow.vary(follow.loose | set(fresh)))
+            first = follow.first_use.get(self.at, ())
+            if any(n not in first for n in fresh):
+                return False
         for n, t in fresh.items():
             self.bind(t, n)
         return True
@@ -541,7 +638,7 @@ class Follower(TorchFunctionMode):
             out = runner(*args, **kwargs)
         finally:
             self.off = self.diverged
-        if expect is None:
+        if expect is None or self.layout_check and not self._recorded_layout(out, expect.node):
             self.off = self.diverged = True
         else:
             self._bind_out(out, expect.node)
@@ -574,6 +671,43 @@ def _number(v: Any) -> bool:
     that fits in 32 bits (a wider one may overflow the tensor's dtype, as eager says)."""
     t = type(v)
     return t is float or t is bool or t is int and -2**31 <= v < 2**31
+
+
+def _other_values(a: Any, b: Any) -> bool:
+    """Whether a call's argument ``a`` (tensors swapped for nodes) is the recorded ``b``
+    but for plain values a call that runs for real may pass anew: numbers of the same
+    Python type (``_number``), lists, tuples and slices of the same length holding them,
+    numpy arrays of the same dtype and shape (``np.random.choice(n, 2)``). Tensors,
+    containers' lengths, types and any other value must be the recorded ones."""
+    if _same(a, b):
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is tuple or t is list:
+        return len(a) == len(b) and all(_other_values(x, y) for x, y in zip(a, b))
+    if t is dict:
+        return a.keys() == b.keys() and all(_other_values(a[k], b[k]) for k in a)
+    if t is slice:
+        return _other_values((a.start, a.stop, a.step), (b.start, b.stop, b.step))
+    if _ndarray(a):
+        return a.dtype == b.dtype and a.shape == b.shape
+    return _number(a) and _number(b)
+
+
+def _ndarray(v: Any) -> bool:
+    """Whether ``v`` is a numpy array (numpy is not imported for this)."""
+    t = type(v)
+    return t.__name__ == "ndarray" and t.__module__ == "numpy"
+
+
+def _holds_ndarray(a: Any) -> bool:
+    t = type(a)
+    if t is tuple or t is list:
+        return any(_holds_ndarray(x) for x in a)
+    if t is dict:
+        return any(_holds_ndarray(x) for x in a.values())
+    return _ndarray(a)
 
 
 def _changed_numbers(args: Any, rec_args: tuple, kwargs: Any, rec_kwargs: dict
@@ -714,13 +848,17 @@ class _Unknown(Exception):
 
 def _pure(node: Node) -> bool:
     """Whether ``node`` may run inside a piece: computed from its inputs alone, with new
-    results that no one else can see (no view, not its input returned). A ``getitem``
+    results that no one else can see (no view, not its input returned), no numpy array
+    among its arguments. A ``getitem``
     of a multi-output op goes with the op."""
     meta = node.meta
     if node.op not in ("call_function", "call_method") or meta.get("impure") \
             or meta.get("mutated") or "read" in meta or meta.get("returns_input") \
             or meta.get("view"):
         return False
+    if _holds_ndarray(node.args) or _holds_ndarray(node.kwargs):
+        return False  # data from outside torch (``torch.as_tensor(rows)``): for real, so
+        # that another array of its dtype and shape goes on matching (``_other_values``)
     kind = meta.get("type")
     if kind is torch.Tensor:
         return True
