@@ -503,6 +503,7 @@ def test_loss_scaling_with_unscale_and_clipping_runs_kernels_and_skips_steps_as_
         torch.testing.assert_close((loss, norm), (want_loss, want_norm), equal_nan=True)
         assert scale == want_scale
         torch.testing.assert_close(model.state_dict(), ref.state_dict())
+        torch.testing.assert_close(opt.state_dict()["state"], ref_opt.state_dict()["state"])
         if i in (2, 3):  # (recorded at 1; 4 and 5 record the overflow's path)
             assert warned == [] and compiled.fallbacks == [], compiled.fallbacks
             assert {"forward", "backward"} <= {k.direction for k in compiled.kernels}
