@@ -390,16 +390,18 @@ class CompiledFunction:
     def _follow(self, plan: Follow, key: tuple, args: tuple, kwargs: dict,
                 leaves: list[Any]) -> Any:
         """Run the function's Python, its torch calls served by the plan's kernels. After
-        two calls in a row that leave the recording at a call of another function than
-        the recorded one, the Python has taken another path (``body.requires_grad_(True)``
-        at step 3, a model put in eval mode; ``Follow.moved``): the plan is dropped, and
-        the next call records one for the new behaviour, while recordings are left
-        (``recompile_limit``). A plan recorded at the function's first call that no call
-        matched to its end is dropped so at the first such call: the first call often
-        differs from all later ones (``opt.zero_grad()`` with gradients still None, an
-        optimizer making its state). After three calls in a row that leave it otherwise
-        (their arguments differ from the recorded ones on every call: a number drawn anew
-        as an exponent, another batch size passed to a view), it runs in eager PyTorch."""
+        two calls in a row that leave the recording at the same step for the same call
+        of another function than the recorded one, the Python has taken another path
+        and keeps to it (``body.requires_grad_(True)`` at step 3, a model put in eval
+        mode; ``Follow.moved``): the plan is dropped, and the next call records one for
+        the new behaviour, while recordings are left (``recompile_limit``). After three
+        calls in a row that leave it otherwise (their arguments differ from the recorded
+        ones on every call: a number drawn anew as an exponent, another batch size passed
+        to a view; paths taken in turn), it runs in eager PyTorch. A plan recorded at the
+        function's first call is dropped so at the first call that leaves it at a step
+        that runs for real, if none matched it to its end: the first call often differs
+        from all later ones in what it reads and writes (``opt.zero_grad()`` with
+        gradients still None, an optimizer making its state)."""
         if plan.stale:  # dropped: this call records anew (``__call__`` finds no plan)
             with self._lock:
                 if self._followed.get(key) is plan:
@@ -407,8 +409,7 @@ class CompiledFunction:
             return self(*args, **kwargs)
         self._last = plan.pieces
         out = plan(args, kwargs, self._guard.bound_objects(), leaves)
-        again = 1 if plan.first_call and not plan.completed else 2
-        if plan.moved >= again and self._recordings < self.recompile_limit:
+        if (plan.moved >= 2 or plan.restart) and self._recordings < self.recompile_limit:
             plan.stale = True  # (the next call records: this one reads as followed)
             return out
         if plan.diverged >= 3:

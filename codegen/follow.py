@@ -91,10 +91,12 @@ ends the match there, the call having run::
 
 A call that leaves the match at a call of another function than the recorded one (the
 Python took another path: ``requires_grad_(True)`` at step 3, a model put in eval mode)
-counts in ``Follow.moved``; two such calls in a row (one, for a plan recorded at the
-function's first call that no call matched to its end: gradients were still None, an
-optimizer had no state) make ``compile.py``'s ``_follow`` record a new plan on the next
-call, while recordings are left; three calls in a row that leave it otherwise make the
+counts in ``Follow.moved``; two calls in a row leaving it so, at the same step for the
+same function (the new path is kept to, not one of paths taken in turn), make
+``compile.py``'s ``_follow`` record a new plan on the next call, while recordings are
+left (so does one call, for a plan recorded at the function's first call that no call
+matched, left at a step that runs for real: the first call read gradients still None,
+an optimizer made its state); three calls in a row that leave it otherwise make the
 function run in eager PyTorch.
 """
 
@@ -181,12 +183,17 @@ class Follow:
         self.pieces: list[Piece] = []
         self.diverged = 0  # calls whose torch calls left the recording, in a row
         self.completed = 0  # calls that matched it to their end
-        # calls in a row that left it at a call of another function than the recorded
-        # one (the Python took another path), not at other arguments of the same
+        # calls in a row that left it at the same step for the same call of another
+        # function than the recorded one (the Python took another path, and keeps to
+        # it), not at other arguments of the same; and where the latest one left it
         self.moved = 0
-        # recorded at the function's first call, which may differ from all later ones
-        # (gradients still None, an optimizer's state made): ``compile.py``'s ``_follow``
+        self.left: tuple[int, Any] | None = None
+        # recorded at the function's first call, which may differ from all later ones in
+        # what it reads and writes (gradients still None, an optimizer making its state);
+        # and whether a call left it at another read or write than the recorded one
+        # before any call matched it to its end (``compile.py``'s ``_follow``)
         self.first_call = False
+        self.restart = False
         self.stale = False  # its calls took another path: the next one records anew
         self._plan()
 
@@ -258,7 +265,17 @@ class Follow:
             _LOCAL.recorder = outer
         self.diverged = self.diverged + 1 if follower.diverged else 0
         self.completed += not follower.diverged
-        self.moved = self.moved + 1 if follower.diverged and follower.moved else 0
+        left = follower.left if follower.diverged else None
+        if left is None:
+            self.moved = 0
+        else:
+            last = self.left
+            same = last is not None and last[0] == left[0] and (
+                last[1] is left[1] or same_func(last[1], left[1]))
+            self.moved = self.moved + 1 if same else 1
+        self.left = left
+        self.restart = left is not None and follower.left_real and self.first_call \
+            and not self.completed
         return result
 
     def run_piece(self, piece: Piece, env: dict[str, Any]) -> bool:
@@ -324,7 +341,10 @@ class Follower(TorchFunctionMode):
         self.ran = [False] * len(follow.pieces)  # per piece: run in this call
         self.off = False
         self.diverged = False
-        self.moved = False  # it left the match at a call of another function (``Follow.moved``)
+        # (step, function) where it left the match at a call of another function than
+        # the recorded one (``Follow.moved``); None otherwise
+        self.left: tuple[int, Any] | None = None
+        self.left_real = False  # (the recorded step there runs for real: no piece)
         # the call just matched runs for real with other values than the recorded ones:
         # its result must have the recorded layout (``_passes_other_values``)
         self.layout_check = False
@@ -349,8 +369,10 @@ class Follower(TorchFunctionMode):
         if expect is None:  # (at another function than the recorded one: another path)
             at, expects = self.at, self.expects  # (as cut again, where it was)
             upcoming = expects[at] if at < len(expects) else None
-            self.moved = upcoming is None or func is not upcoming.func \
-                and not same_func(upcoming.func, func)
+            if upcoming is None or func is not upcoming.func \
+                    and not same_func(upcoming.func, func):
+                self.left = (at, func)
+                self.left_real = upcoming is not None and upcoming.piece is None
             return self._diverge(func, args, kwargs)
         piece = expect.piece
         if piece is None:  # a write, a random draw, a read, a view, an effect: for real

@@ -14,6 +14,7 @@ from __future__ import annotations
 from test_compile_contract import DEVICE  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
+import itertools
 import random
 import warnings
 from collections.abc import Callable
@@ -235,6 +236,51 @@ def test_a_model_put_in_eval_mode_for_good_is_recorded_again():
 
     f, said, _ = side_by_side(make, calls=9)
     assert f.kernels and not f.fallbacks and not said
+
+
+def test_paths_taken_in_turn_are_not_recorded_again():
+    """``next(acts)`` cycles through three activations: each call leaves the match at
+    another function than the last, so no plan is recorded again (a new recording would
+    serve one call in three, as the first does)."""
+    def make():
+        acts = itertools.cycle([torch.relu, torch.tanh, torch.sigmoid])
+
+        def fn(x):
+            return next(acts)(x * 2) * 2 + 1
+
+        return fn, lambda i: (fresh(i),), lambda: []
+
+    f, said, plans = side_by_side(make, calls=10)
+    assert f._recordings == 1 and not said and f.kernels
+    assert plans[-1] is not None and plans[-1].completed == 3
+
+
+def test_a_training_step_whose_first_call_differs_is_recorded_again_at_once():
+    """At the first call gradients are None and Adam has no state (``zero_grad`` reads
+    each ``.grad``, later calls set it): the plan recorded then is dropped at the first
+    call that leaves it at such a step, and the next call's plan serves the rest."""
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                             torch.nn.Linear(16, 4)).to(DEVICE)
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2, foreach=False)
+
+        def step(self, data):
+            x, y = next(data)
+            self.opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+
+    def make():
+        t = Trainer()
+        it = iter([(fresh(i), fresh(i + 100, 4, 4)) for i in range(5)])
+        return t.step, lambda i: (it,), lambda: (t.model, t.opt)
+
+    f, said, plans = side_by_side(make, calls=5)
+    assert f.kernels and not f.fallbacks and not said
+    assert plans[-1] is not None and plans[-1].completed == 2
 
 
 def test_calls_that_differ_every_time_are_recorded_a_bounded_number_of_times():
