@@ -351,6 +351,9 @@ class Watch:
             value = ref()
             if value is not None and contents_key(value) != before:
                 where = f"\n  {format_site(site)}" if site is not None else ""
+                if type(before) is tuple and before[:1] == ("numpy random state",):
+                    return (f"draws from the numpy random generator {name}, which a replay "
+                            f"would not do again{where}")
                 return (f"changes the {type(value).__name__} {name} that outlives the call, "
                         f"which a replay would not do again{where}")
         for ref, before in self._tensors.values():
@@ -492,6 +495,8 @@ def is_stateful(value: Any) -> bool:
         return False
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         return False  # tensors are recorded; modules are guarded
+    if type(value).__module__.startswith("numpy.random"):
+        return _rng_key(value) is not None  # its state: what a draw changes
     return isinstance(getattr(value, "__dict__", None), dict) and \
         not type(value).__module__.startswith(("torch", "fxlite"))
 
@@ -521,8 +526,29 @@ def contents_key(value: Any, depth: int = 0) -> Any:
         return (len(value), tuple(_leaf(v, depth) for v in value))
     if isinstance(value, set):
         return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v) for v in value))
+    rng = _rng_key(value) if type(value).__module__.startswith("numpy.random") else None
+    if rng is not None:
+        return rng
     fields = getattr(value, "__dict__", None)
     return contents_key(fields, depth) if isinstance(fields, dict) else id(value)
+
+
+def _rng_key(value: Any) -> Any:
+    """The state of a numpy random generator (``np.random.default_rng()``, a
+    ``RandomState``, a bit generator), to compare; None for anything else. Its draws are
+    Cython, which Python's profile hook does not see: a replay froze
+    ``rng.choice(...)`` at the recording's rows."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    if isinstance(value, np.random.Generator):
+        value = value.bit_generator
+    if isinstance(value, np.random.RandomState):
+        _, keys, pos, *rest = value.get_state()
+        return ("numpy random state", pos, keys.tobytes(), tuple(rest))
+    if isinstance(value, np.random.BitGenerator):
+        return ("numpy random state", repr(value.state))
+    return None
 
 
 def too_large(value: Any, depth: int = 0) -> Any:

@@ -950,6 +950,17 @@ def make_numpy_choice_rows():
 
 
 @program("values")
+def make_numpy_generator_rows_and_jitter():
+    rng = np.random.default_rng(7)  # a Generator of the program's own, not numpy's global
+
+    def fn(x):
+        rows = rng.choice(x.shape[0], 2, replace=False)
+        return x[torch.as_tensor(rows)].sum(0) * float(rng.uniform(0.5, 1.5))
+
+    return Program(fn, x48)
+
+
+@program("values")
 def make_time_elapsed_scale():
     time.reset()
     start = time.time()
