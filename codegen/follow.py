@@ -195,6 +195,7 @@ class Follow:
         self.first_call = False
         self.restart = False
         self.stale = False  # its calls took another path: the next one records anew
+        self.dead = _dead_after(rec)
         self._plan()
 
     def _plan(self) -> None:
@@ -335,6 +336,7 @@ class Follower(TorchFunctionMode):
         super().__init__()
         self.follow = follow
         self.expects, self.keys = follow.expects, follow.keys
+        self.dead = follow.dead
         self.at = 0
         self.env: dict[str, Any] = dict(follow.attrs)
         self.ids: dict[int, str] = dict(follow.externals)
@@ -374,6 +376,14 @@ class Follower(TorchFunctionMode):
                 self.left = (at, func)
                 self.left_real = upcoming is not None and upcoming.piece is None
             return self._diverge(func, args, kwargs)
+        done = self.at - 1
+        out = self._serve(func, args, kwargs, expect)
+        for name in self.dead[done]:  # values no later step reads: they die here, as
+            self.env.pop(name, None)  # eager's locals do (the Python holds what it kept)
+        return out
+
+    def _serve(self, func: Any, args: tuple, kwargs: dict, expect: Expect) -> Any:
+        """The value of a matched call: run for real, or served by its piece."""
         piece = expect.piece
         if piece is None:  # a write, a random draw, a read, a view, an effect: for real
             out = func(*args, **kwargs)
@@ -944,6 +954,34 @@ def _pieces(rec: Recording, nodes: dict[str, Node], varying: set[str] = frozense
     for i, piece in enumerate(pieces):
         piece.index = i
     return pieces
+
+
+def _dead_after(rec: Recording) -> list[tuple[str, ...]]:
+    """Per recorded step, the values no later step reads, which a followed call drops once
+    that step is done. Kept to the call's end, a training step's activations outlived
+    eager's (a transformers output's logits, through the backward)::
+
+        %linear = linear(%x, %w)      step 0   dead after it: ()
+        %relu = relu(%linear)         step 1   dead after it: (linear,)
+        %sum = sum(%relu)             step 2   dead after it: (relu, sum)
+
+    A value the graph's output reads, or that no step reads, is kept (the Python holds
+    what it returns); an item of a multi-output op is read where its readers are."""
+    step_of = {s.node: i for i, s in enumerate(rec.steps) if s.node}
+    never = len(rec.steps)
+    last: dict[str, int] = {}
+    for node in reversed(list(rec.graph.nodes)):  # readers before the values they read
+        at = step_of.get(node.name, -1)
+        for user in node.users:
+            at = max(at, never if user.op == "output" else
+                     step_of.get(user.name, last.get(user.name, never)))
+        last[node.name] = at if at >= 0 else never
+    dead: list[list[str]] = [[] for _ in rec.steps]
+    for node in rec.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and \
+                last[node.name] < never:
+            dead[last[node.name]].append(node.name)
+    return [tuple(d) for d in dead]
 
 
 def _signature(piece: Piece) -> tuple:

@@ -360,7 +360,7 @@ def test_a_garbage_collector_callback_during_the_recording_is_not_the_functions(
     assert _COLLECTIONS and watch.effect is None
 
 
-def test_the_recording_call_frees_what_a_closed_generator_saw():
+def test_a_compiled_call_frees_what_eager_frees():
     # The watcher held every generator frame of the call to its end: the genexpr of an
     # `all(...)` that stopped early (transformers' ModelOutput.__post_init__) kept its
     # `self`, an output object, and its logits alive through the backward (0.38 GiB in
@@ -397,6 +397,9 @@ def test_the_recording_call_frees_what_a_closed_generator_saw():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert compiled(x)[1] is False  # and so does the recording call
+        for _ in range(2):  # and a followed call, which held every value it met
+            assert compiled(x)[1] is False
+        assert compiled.tier.startswith("followed"), compiled.tier
 
 
 class _Augment:
