@@ -146,9 +146,9 @@ def test_a_size_read_later_in_a_piece_is_matched_at_its_own_call(late, monkeypat
             v = torch.sigmoid(h) + 1
             n = x.shape[0]
             if late == "full":
-                return v * torch.full((1, 1), float(n)) - 1
+                return v * torch.full((1, 1), float(n), device=x.device) - 1
             if late == "arange":
-                return v.sum(0) + torch.arange(n)
+                return v.sum(0) + torch.arange(n, device=x.device)
             return F.layer_norm(v, v.shape[-1:]) - 1
 
         return fn, seen
