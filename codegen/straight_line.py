@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from fxlite.interpreter import freed_after
 from fxlite.node import Node
 
 from .guards import tensor_guard
@@ -353,11 +354,12 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
         return None
     w = _Writer()
     params: list[str] = []
-    nodes = list(gm.graph.nodes)
-    last = _last_uses(nodes)
-    for i, node in enumerate(nodes):
-        if i:
-            _drop_dead(w, nodes[i - 1], i - 1, last)
+    freed = freed_after(gm.graph)
+    previous = None
+    for node in gm.graph.nodes:
+        if previous is not None:
+            _drop_dead(w, freed.get(previous, ()))
+        previous = node
         name = f"v{len(w.names)}"
         if node.op == "placeholder":
             x = args[len(params)]
@@ -469,21 +471,15 @@ def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
     return name
 
 
-def _last_uses(nodes: list[Node]) -> dict[Node, int]:
-    """Per node, the position of the last node that reads it (its own if none does)."""
-    at = {n: i for i, n in enumerate(nodes)}
-    return {n: max((at[u] for u in n.users), default=at[n]) for n in nodes}
-
-
-def _drop_dead(w: _Writer, node: Node, i: int, last: dict[Node, int]) -> None:
-    """Forget the values no node after position ``i`` (``node``'s) reads, as the written
-    forward does (:func:`_release`): the run that writes it is the segment's first call
-    of its kernels, whose activations would otherwise all live until it returns (a
-    GPT-2 step's first kernel call peaked 1.5 GiB above the next ones)."""
+def _drop_dead(w: _Writer, dead: Sequence[Node]) -> None:
+    """Forget the values whose last reader ran (``freed_after``), as the written forward
+    does (:func:`_release`): the run that writes it is the segment's first call of its
+    kernels, whose activations would otherwise all live until it returns (a GPT-2 step's
+    first kernel call peaked 1.5 GiB above the next ones)."""
     roots = {root for root, _ in w.deferred.values()}
-    for n in (*node.all_input_nodes, node):
-        if last.get(n, i) != i or n.op in ("placeholder", "get_attr") or n in w.const \
-                or n in w.deferred or n in roots or n not in w.env:
+    for n in dead:
+        if n.op in ("placeholder", "get_attr") or n in w.const or n in w.deferred \
+                or n in roots or n not in w.env:
             continue
         if _aliases_bound(w, w.env[n]):
             w.escaped = True  # (what _escapes would have found at the end)

@@ -118,7 +118,7 @@ class Interpreter:
         if enable_io_processing:
             args = self._process_inputs(args)
         self.args_iter = iter(args)
-        last_uses = self._last_uses() if self.garbage_collect_values else {}
+        last_uses = freed_after(self.graph) if self.garbage_collect_values else {}
 
         for node in self.graph.nodes:
             if node not in self.env:
@@ -157,22 +157,6 @@ class Interpreter:
         env = dict(zip(placeholders, args_list))
         args_list.clear()
         return self.run(initial_env=env)
-
-    def _last_uses(self) -> dict[Node, list[Node]]:
-        """For each node, the values whose last reader it is: one backward sweep, O(nodes+edges).
-
-        A value nobody reads is freed right after it is computed (its own entry).
-        """
-        freed_at: dict[Node, list[Node]] = {}
-        seen: set[Node] = set()
-        for node in reversed(self.graph.nodes):
-            if node.op != "output" and not node.users:
-                freed_at.setdefault(node, []).append(node)
-            for inp in node.all_input_nodes:
-                if inp not in seen:
-                    seen.add(inp)
-                    freed_at.setdefault(node, []).append(inp)
-        return freed_at
 
     def _error_note(self, node: Node) -> str:
         note = f"While executing {node.format_node()}"
@@ -455,3 +439,25 @@ class Transformer(Interpreter):
             new_out = self.new_graph.output(out, old_out.type)
             new_out.meta.update(copy.copy(old_out.meta))
         return GraphModule(self.module, self.new_graph)
+
+
+def freed_after(graph: Graph) -> dict[Node, list[Node]]:
+    """For each node, the values whose last reader it is (one backward sweep,
+    O(nodes+edges)); a value nobody reads is its own entry, freed right after it is made.
+    What :class:`Interpreter` and the straight-line writer (``codegen/straight_line.py``)
+    drop after each node, as eager Python's locals die::
+
+        %a = relu(%x)          freed after %a: ()
+        %b = neg(%a)           freed after %b: (%a,)
+        %c = add(%b, %x)       freed after %c: (%b, %x)
+    """
+    freed_at: dict[Node, list[Node]] = {}
+    seen: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op != "output" and not node.users:
+            freed_at.setdefault(node, []).append(node)
+        for inp in node.all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                freed_at.setdefault(node, []).append(inp)
+    return freed_at
