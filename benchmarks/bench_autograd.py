@@ -7,7 +7,7 @@ Run on a CUDA machine::
 
 Each case is a function traced and run through the compile passes (normalize, seeded
 dropout, decompose, ShapeProp, fuse) with every group swapped for its autograd callable
-(``fxlite.codegen.autograd.swap_in_autograd``); the time is one forward plus one
+(``fxlite.codegen.lower.autograd.swap_in_autograd``); the time is one forward plus one
 backward with a fixed output gradient. Eager PyTorch and ``torch.compile`` (inductor) run
 the same step in the same process. Times are medians of ``triton.testing.do_bench``;
 the bandwidth column counts each input, output and gradient tensor once, read or written,
@@ -29,14 +29,14 @@ os.environ.setdefault("FXLITE_CACHE_DIR", os.path.join(_CACHE, "fxlite"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from fxlite.codegen.autograd import swap_in_autograd  # noqa: E402
+from fxlite.codegen.lower.autograd import swap_in_autograd  # noqa: E402
 from fxlite.passes.decompose import decompose  # noqa: E402
 from fxlite.passes.fuse import fuse  # noqa: E402
 from fxlite.passes.normalize import normalize  # noqa: E402
 from fxlite.passes.shape_prop import ShapeProp  # noqa: E402
 
 import fxlite  # noqa: E402
-from fxlite.autodiff_random import seed_dropouts  # noqa: E402
+from fxlite.ops.dropout import seed_dropouts  # noqa: E402
 
 
 def layer_norm(x, w, b):

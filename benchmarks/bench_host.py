@@ -5,7 +5,7 @@ measures it on four programs, each in one process, the variants taking turns:
 
 - ``tiny``: ``torch.relu(x + 1) * 2`` on a small tensor;
 - ``tiny_logged``: the same, appending to a Python list on every call, which makes
-  fxlite *follow* it (codegen/follow.py: the user's Python runs on every call and its
+  fxlite *follow* it (codegen/capture/follow.py: the user's Python runs on every call and its
   torch calls are matched with the recording and served by compiled pieces);
 - ``mlp20``: a 10-layer MLP (20 torch ops per call: linear and GELU);
 - ``mlp20_logged``: the same, appending to a Python list on every call (followed).

@@ -140,7 +140,7 @@ def warm_start_child() -> None:
     """
     start = time.perf_counter()
     import fxlite.codegen.compile  # noqa: F401
-    import fxlite.codegen.triton  # noqa: F401
+    import fxlite.codegen.runtime.kernel  # noqa: F401
     import fxlite.passes  # noqa: F401
     imports = time.perf_counter() - start
     x = torch.randn(8192, 8192, device="cuda")

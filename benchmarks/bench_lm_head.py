@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton.testing  # noqa: E402
-from fxlite.passes.pad_matmul import grouped_linear, padded_linear  # noqa: E402
+from fxlite.codegen.lower.pad_matmul import grouped_linear, padded_linear  # noqa: E402
 
 import fxlite  # noqa: E402
 

@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True  # "f32" means f32 weights with TF32 on
         torch.backends.cudnn.allow_tf32 = True
         if args.no_precompile:
-            import fxlite.codegen.pipeline as pipeline
+            import fxlite.codegen.lower.pipeline as pipeline
 
             pipeline.PRECOMPILE = False
     budget = args.budget if args.budget is not None else (480.0 if args.device == "cuda" else None)

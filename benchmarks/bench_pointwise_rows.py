@@ -29,8 +29,8 @@ import triton.testing
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fxlite.codegen.triton import iteration_space  # noqa: E402
-from fxlite.codegen.triton_layout import memory_order, permute_inputs  # noqa: E402
+from fxlite.codegen.kernels.layout import memory_order, permute_inputs  # noqa: E402
+from fxlite.codegen.runtime.kernel import iteration_space  # noqa: E402
 
 import fxlite  # noqa: E402
 

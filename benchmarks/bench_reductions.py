@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from fxlite.codegen.triton import generate_kernel
+from fxlite.codegen.runtime.kernel import generate_kernel
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
 from tabulate import tabulate

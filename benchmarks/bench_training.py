@@ -115,7 +115,7 @@ def gpt2_lm_step_case():
 
 # Steps before timing, for every contender alike: fxlite's trial takes 10 calls, and 16
 # under reduce-overhead for a training step (each side is observed 3 times and captured
-# before it is timed: codegen/trial.py).
+# before it is timed: codegen/runtime/trial.py).
 WARMUP = 24
 
 

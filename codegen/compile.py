@@ -39,11 +39,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.capture import format_site, record, recording_thread
-from fxlite.codegen.cudagraphs import side_stream
-from fxlite.codegen.follow import Follow
-from fxlite.codegen.guards import StateGuard, ambient_key, input_key
-from fxlite.codegen.pipeline import (
+from fxlite.codegen.capture.follow import Follow
+from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
+from fxlite.codegen.capture.run import format_site, record, recording_thread
+from fxlite.codegen.capture.segments import Segment, read_key, split
+from fxlite.codegen.capture.structure import flatten_call
+from fxlite.codegen.lower.pipeline import (
     ambient,
     ambient_restored,
     compile_segment,
@@ -52,9 +53,8 @@ from fxlite.codegen.pipeline import (
     set_ambient,
 )
 from fxlite.codegen.report import kernel_report
-from fxlite.codegen.segments import Segment, read_key, split
-from fxlite.codegen.structure import flatten_call
-from fxlite.codegen.trial import Trial, choose_runner
+from fxlite.codegen.runtime.cudagraphs import side_stream
+from fxlite.codegen.runtime.trial import Trial, choose_runner
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
 from fxlite.logs import log_break, log_graph
@@ -74,7 +74,7 @@ def warn_user(message: str) -> None:
     if message in _warned:
         return
     _warned.add(message)
-    from fxlite.codegen.recording import _LIB_DIRS
+    from fxlite.codegen.capture.records import _LIB_DIRS
 
     level, f = 2, sys._getframe(1)
     while f is not None and (f.f_code.co_filename.startswith(_LIB_DIRS)
@@ -119,12 +119,12 @@ class CompiledFunction:
         self._grad_watch: list[torch.Tensor] = []
         self._graphs: Any = None  # GraphReplays, for mode="reduce-overhead" on CUDA
         if mode == "reduce-overhead" and backend == "triton" and torch.cuda.is_available():
-            from fxlite.codegen.cudagraphs import GraphReplays
+            from fxlite.codegen.runtime.cudagraphs import GraphReplays
 
             self._graphs = GraphReplays()
         # (input layouts, ambient state, Python state) -> (straight-line forward, segment,
         # check of its attributes' layouts) for calls with tensor arguments only whose
-        # path is one segment with kernels (codegen/straight_line.py); None when off
+        # path is one segment with kernels (codegen/runtime/straight_line.py); None when off
         self._fast: dict[tuple, tuple[Callable[..., Any], Segment, Any]] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
@@ -162,7 +162,7 @@ class CompiledFunction:
                                           and not a.is_nested and not a.__dict__ for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
-            from fxlite.codegen.straight_line import fast_key
+            from fxlite.codegen.runtime.straight_line import fast_key
 
             fkey = (fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
@@ -243,7 +243,7 @@ class CompiledFunction:
         """Run the segment through its straight-line runner and keep the forward it used
         for these layouts, so the next such call skips the tree; its result, or
         ``_NOT_RUN`` having run nothing."""
-        from fxlite.codegen.straight_line import StraightRunner
+        from fxlite.codegen.runtime.straight_line import StraightRunner
 
         fast, run = self._fast, seg.run
         if fast is None or fkey[0] is None or len(fast) >= 64 \
@@ -897,7 +897,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     logs, draws ``random.random()``, sets attributes of an argument or of a module it
     reads, ``model.train(flag)``, keeps tensors in a dict that outlives the call) is
     *followed*: its Python runs on every call, its torch
-    calls served by the compiled kernels (``fxlite.codegen.follow``).
+    calls served by the compiled kernels (``fxlite.codegen.capture.follow``).
 
     What is guarded before a replay (checked on every call): argument structure, tensor
     dtypes, devices, ranks, layouts and ``requires_grad`` (and sizes, once the code reads
@@ -930,7 +930,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
             of fxlite's segment graphs goes to it), or a callable
             ``backend(gm, example_inputs) -> callable`` given each segment.
         mode: None, ``"default"``, ``"reduce-overhead"`` (replay segments from CUDA graphs,
-            training steps included; see ``fxlite.codegen.segment_graphs``),
+            training steps included; see ``fxlite.codegen.runtime.segment_graphs``),
             ``"max-autotune"`` or ``"max-autotune-no-cudagraphs"`` (both: try several block
             sizes per kernel; fxlite adds no CUDA graphs to max-autotune).
         options: a dict; with fxlite's backends the keys of

@@ -91,7 +91,7 @@ def is_compiling() -> bool:
                 print("eager")
             return x + 1
     """
-    from fxlite.codegen.recording import recording_thread
+    from fxlite.codegen.capture.records import recording_thread
 
     rec = recording_thread()
     return rec is not None and not rec.off
@@ -124,7 +124,7 @@ def disable(fn: Callable[..., Any] | None = None, recursive: bool = True, *,
 
     @functools.wraps(fn)
     def eager(*args: Any, **kwargs: Any) -> Any:
-        from fxlite.codegen.recording import recording_thread
+        from fxlite.codegen.capture.records import recording_thread
 
         rec = recording_thread()
         if rec is not None and not rec.off:

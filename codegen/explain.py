@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fxlite.codegen.capture import record
-from fxlite.codegen.guards import StateGuard
-from fxlite.codegen.recording import result_leaves
-from fxlite.codegen.segments import split
-from fxlite.codegen.structure import flatten, unflatten
+from fxlite.codegen.capture.guards import StateGuard
+from fxlite.codegen.capture.records import result_leaves
+from fxlite.codegen.capture.run import record
+from fxlite.codegen.capture.segments import split
+from fxlite.codegen.capture.structure import flatten, unflatten
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, _format_target

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from fxlite.html import table_html, wrap_html
-from fxlite.tabular import fit_table
+from fxlite.viz.html import table_html, wrap_html
+from fxlite.viz.tabular import fit_table
 
 __all__ = ["KernelRecord", "KernelReport", "kernel_report"]
 

@@ -17,7 +17,7 @@ from typing import Any
 # In a source checkout that is not installed, fxlite.passes and fxlite.codegen live in the
 # sibling folders passes/ and codegen/ (setup.cfg maps them when installing).
 _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_checkout, "codegen", "python.py")) and os.path.isfile(
+if os.path.isfile(os.path.join(_checkout, "codegen", "compile.py")) and os.path.isfile(
         os.path.join(_checkout, "passes", "__init__.py")):
     __path__.append(_checkout)  # type: ignore[name-defined]
 
@@ -52,7 +52,7 @@ _LAZY = {
     "export": "fxlite.codegen.explain",
     "set_logs": "fxlite.logs",
     "has_side_effect": "fxlite.ops",
-    "CodeGen": "fxlite.codegen.python_hooks",
+    "CodeGen": "fxlite.python_code_hooks",
     "save": "fxlite.serialize",
     "load": "fxlite.serialize",
     "reset": "fxlite.codegen.compiler",
@@ -78,7 +78,8 @@ def __getattr__(name: str) -> Any:
     if name in _ALIASES:
         return importlib.import_module(_ALIASES[name])
     if name in _SUBMODULES or (not name.startswith("_") and any(
-            os.path.isfile(os.path.join(d, name + ".py")) for d in __path__[:1])):
+            os.path.isfile(os.path.join(d, name + ".py"))
+            or os.path.isfile(os.path.join(d, name, "__init__.py")) for d in __path__[:1])):
         return importlib.import_module(f"fxlite.{name}")
     raise AttributeError(f"module 'fxlite' has no attribute {name!r}")
 

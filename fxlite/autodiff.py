@@ -12,10 +12,10 @@ It works in three steps:
 
 1. **Joint graph.** The group's nodes are copied, a ``tangent_<i>`` placeholder is added
    for each differentiable output, and the derivative rules of the op table
-   (``fxlite.op_derivatives``) are run in reverse order on Proxies, recording the
+   (``fxlite.ops.derivatives``) are run in reverse order on Proxies, recording the
    backward nodes. Broadcast cotangents are summed back to their parameter's shape and
    cast to its dtype. Every node gets ``tensor_meta`` as it is recorded (inferred from
-   the op table, ``fxlite.autodiff_meta``: no data is touched).
+   the op table, ``fxlite.ops.shapes``: no data is touched).
 2. **Save or recompute** (:func:`_min_cut`): the nodes that do not depend on a tangent
    form the forward side; the backward reads some of them. Each could be saved by the
    forward or recomputed by the backward from saved values. See ``_min_cut`` for the rule.
@@ -24,7 +24,7 @@ It works in three steps:
    and returns the gradients.
 
 Both are ordinary graphs for the same pipeline (decompose, ShapeProp, fuse, Triton):
-backward is just another graph. ``fxlite.codegen.autograd`` compiles and runs them.
+backward is just another graph. ``fxlite.codegen.lower.autograd`` compiles and runs them.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from . import op_derivatives
-from .autodiff_meta import as_meta, infer, meta_tensor, record
+from fxlite.ops import derivatives as op_derivatives
+from fxlite.ops.shapes import as_meta, infer, meta_tensor, record
+
 from .graph import Graph
 from .graph_module import GraphModule
 from .node import Node, map_arg

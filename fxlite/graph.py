@@ -12,7 +12,7 @@ and iterating while erasing is safe. ``str(graph)`` prints one node per line::
 Node names are unique within a graph, are valid Python identifiers, and never shadow a
 keyword or a builtin (``sum`` becomes ``sum_1``), so generated code can use them as-is.
 Candidates are folded with NFKC first, as Python folds identifiers (``ｓｕｍ`` is ``sum``).
-Code generation lives in ``fxlite.codegen.python``, not here.
+Code generation lives in ``fxlite.python_code``, not here.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Graph:
         self._insert_before = self._root
         self.owning_module = owning_module
         self._tracer_cls = tracer_cls
-        self._codegen: Any = None  # a fxlite.codegen.python_hooks.CodeGen; None: the default
+        self._codegen: Any = None  # a fxlite.python_code_hooks.CodeGen; None: the default
         self._co_fields: dict[str, Any] | None = None  # where the traced code came from
 
     # ------------------------------------------------------------------ the node list
@@ -469,7 +469,7 @@ class Graph:
 
     # ------------------------------------------------------------------ code generation hooks
     def set_codegen(self, codegen: Any) -> None:
-        """Use ``codegen`` (a :class:`fxlite.codegen.python_hooks.CodeGen`) for ``forward``'s
+        """Use ``codegen`` (a :class:`fxlite.python_code_hooks.CodeGen`) for ``forward``'s
         signature and return; call ``recompile()`` on the owning GraphModule afterwards."""
         self._codegen = codegen
 
@@ -493,18 +493,18 @@ class Graph:
 
         When ShapeProp has stored ``meta['tensor_meta']``, shape and dtype columns follow.
         """
-        from .tabular import tabular
+        from fxlite.viz.tabular import tabular
 
         print(tabular(self))
 
     def _repr_html_(self) -> str:
-        from .html import graph_html  # a table, and a drawing when Graphviz is installed
+        from fxlite.viz.html import graph_html  # a table, and a drawing when Graphviz is installed
 
         return graph_html(self)
 
     def python_code(self, root_module: str = "self") -> Any:
-        """Generate the source of ``forward`` for this graph (see ``fxlite.codegen.python``)."""
-        from fxlite.codegen.python import generate
+        """Generate the source of ``forward`` for this graph (see ``fxlite.python_code``)."""
+        from fxlite.python_code import generate
 
         return generate(self, root_module)
 

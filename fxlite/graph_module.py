@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxlite.codegen.python import PythonCode, _is_ident, generate, import_spelling
+from fxlite.python_code import PythonCode, _is_ident, generate, import_spelling
 
 from .graph import Graph, gc_paused
 from .node import describe_value

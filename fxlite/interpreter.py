@@ -444,7 +444,7 @@ class Transformer(Interpreter):
 def freed_after(graph: Graph) -> dict[Node, list[Node]]:
     """For each node, the values whose last reader it is (one backward sweep,
     O(nodes+edges)); a value nobody reads is its own entry, freed right after it is made.
-    What :class:`Interpreter` and the straight-line writer (``codegen/straight_line.py``)
+    What :class:`Interpreter` and the straight-line writer (``codegen/runtime/straight_line.py``)
     drop after each node, as eager Python's locals die::
 
         %a = relu(%x)          freed after %a: ()

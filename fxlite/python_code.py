@@ -48,8 +48,7 @@ import torch
 
 from fxlite.graph import _RESERVED, Graph, _Namespace
 from fxlite.node import Node
-
-from .python_hooks import CodeGen
+from fxlite.python_code_hooks import CodeGen
 
 __all__ = ["PythonCode", "generate", "import_spelling"]
 

@@ -374,7 +374,7 @@ class Tracer(TracerBase):
                 self._trace_frame = None
         type_expr = _hints(code_fn).get("return")
         if tree is not None:  # outputs are flattened too; the code generator rebuilds them
-            from fxlite.codegen.python_hooks import PyTreeCodeGen
+            from fxlite.python_code_hooks import PyTreeCodeGen
 
             result, out_spec = pytree.tree_flatten(result)
             self.graph.set_codegen(PyTreeCodeGen(tree[0], tree[1], out_spec))

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fxlite.codegen.lower.batch_norm import per_channel
 
-from fxlite.autodiff_batch_norm import per_channel
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, lookup, resolve, result_dtype

@@ -23,7 +23,7 @@ from typing import Any
 
 from fxlite.graph import Graph
 from fxlite.node import Node, _format_arg, describe_value
-from fxlite.tabular import qualified_name
+from fxlite.viz.tabular import qualified_name
 
 __all__ = ["GraphDiff", "diff", "describe_node"]
 

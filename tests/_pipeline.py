@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fxlite.codegen.pipeline import propagate_meta
-from fxlite.codegen.triton import generate_kernel, why_unsupported
+from fxlite.codegen.lower.pipeline import propagate_meta
+from fxlite.codegen.runtime.kernel import generate_kernel, why_unsupported
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
 from fxlite.passes.normalize import normalize

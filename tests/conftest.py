@@ -28,7 +28,7 @@ if not os.environ.get("FXLITE_CACHE_DIR"):
     os.environ["FXLITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxlite-tests-")
 
 # On a GPU, compiled segments race their recorded ops before keeping the faster side
-# (codegen/trial.py, tested in test_trial.py): tests check what the kernels do.
+# (codegen/runtime/trial.py, tested in test_trial.py): tests check what the kernels do.
 os.environ.setdefault("FXLITE_TRIAL", "0")
 
 ROOT = Path(__file__).resolve().parent.parent

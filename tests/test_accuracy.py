@@ -1,5 +1,5 @@
 """Compiled results that round differently from eager's: a float64 run decides
-(``codegen/accuracy.py``). Kernels more accurate than eager are kept; wrong ones are not."""
+(``codegen/lower/accuracy.py``). Kernels more accurate than eager are kept; wrong ones are not."""
 from __future__ import annotations
 
 import warnings
@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-import fxlite.codegen.triton as triton_mod
-from fxlite.codegen.accuracy import float64_problem, versions
-from fxlite.codegen.pipeline import _assert_as_accurate
-from fxlite.codegen.triton import interpreting
+import fxlite.codegen.runtime.kernel as triton_mod
+from fxlite.codegen.lower.accuracy import float64_problem, versions
+from fxlite.codegen.lower.pipeline import _assert_as_accurate
+from fxlite.codegen.runtime.kernel import interpreting
 from test_compile import FakeKernel
 
 import fxlite
@@ -174,7 +174,7 @@ def test_no_second_look_when_the_run_wrote_its_inputs():
 def test_allclose_compares_slice_by_slice_as_torch_allclose_does(shape, monkeypatch) -> None:
     """The kernel checks compare in slices so that their temporaries stay small (a GPT-2
     step's logits check took 3 GiB); every element is still compared, NaN equal to NaN."""
-    import fxlite.codegen.accuracy as accuracy
+    import fxlite.codegen.lower.accuracy as accuracy
 
     monkeypatch.setattr(accuracy, "_SLICE", 64)
     a = torch.randn(shape)

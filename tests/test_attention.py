@@ -16,7 +16,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 

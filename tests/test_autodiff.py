@@ -16,8 +16,8 @@ from test_triton_kernels import DEVICE  # isort: skip
 import pytest
 import torch
 import torch.nn.functional as F
-from fxlite.codegen import triton as triton_codegen
-from fxlite.codegen.autograd import make_autograd_group, swap_in_autograd
+from fxlite.codegen.lower.autograd import make_autograd_group, swap_in_autograd
+from fxlite.codegen.runtime import kernel as triton_codegen
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
 from fxlite.passes.normalize import normalize

@@ -12,16 +12,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fxlite.codegen.autograd import swap_in_autograd
-from fxlite.codegen.triton import generate_kernel
+from fxlite.codegen.lower.autograd import swap_in_autograd
+from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.runtime.kernel import generate_kernel
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
 
 import fxlite
-from fxlite.autodiff_batch_norm import batch_norm_train
-from fxlite.autodiff_random import philox_uniform, seed_dropouts, seeded_dropout
+from fxlite.ops.dropout import philox_uniform, seed_dropouts, seeded_dropout
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 fxlite.wrap("seeded_dropout")  # a call in traced code, not traced into
@@ -200,7 +200,7 @@ class SharedNorms(nn.Module):
 def test_running_stats_update_in_one_call_as_eager_updates_them():
     # One multi-tensor update at the end of the graph for every BatchNorm; a BatchNorm
     # called twice gets its two updates in order, as in eager.
-    from fxlite.autodiff_batch_norm import update_running_stats
+    from fxlite.codegen.lower.batch_norm import update_running_stats
 
     torch.manual_seed(0)
     model = SharedNorms().to(DEVICE).train()
@@ -219,7 +219,7 @@ def test_running_stats_update_in_one_call_as_eager_updates_them():
 def test_running_stats_update_without_duplicates_is_one_batch(monkeypatch):
     # The multi-tensor path itself: three BatchNorms' buffers, the same values as the
     # formula applied one by one.
-    from fxlite.autodiff_batch_norm import update_running_stats
+    from fxlite.codegen.lower.batch_norm import update_running_stats
 
     calls = []
     real = torch._foreach_mul_

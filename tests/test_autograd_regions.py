@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fxlite.passes.autograd_regions import autograd_regions
+from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
 from fxlite.passes.normalize import normalize
@@ -123,7 +123,7 @@ def test_an_unused_outputs_zero_tangent_is_made_once_and_never_handed_out():
     # A BatchNorm's batch mean is read only by the running-stat update: its tangent is
     # zero on every call. One zero tensor serves every call; a gradient that would be that
     # tensor itself is a copy, so accumulating into it cannot change later calls.
-    from fxlite.codegen.autograd import make_autograd_group
+    from fxlite.codegen.lower.autograd import make_autograd_group
 
     def f(x, b):
         y = torch.relu(x) * b
@@ -165,7 +165,7 @@ def test_a_reshape_between_groups_keeps_them_apart():
 def test_sibling_sums_over_leading_dims_share_one_kernel():
     # A BatchNorm backward's outer sums read values that are all ready before the first
     # of them: one kernel computes them together (a dependent one stays apart).
-    from fxlite.codegen.autograd_pipeline import CompiledGraph
+    from fxlite.codegen.lower.autograd_pipeline import CompiledGraph
 
     def f(p, q, r):
         a = torch.sum(p, (0, 2, 3), keepdim=True)

@@ -48,7 +48,7 @@ from torch import nn
 
 import fxlite
 import fxlite as fx
-from fxlite.tabular import tabular
+from fxlite.viz.tabular import tabular
 
 
 class Net(nn.Module):

@@ -1,4 +1,4 @@
-"""The kernel cache's promises (codegen/cache.py, codegen/triton_binaries.py).
+"""The kernel cache's promises (codegen/runtime/cache.py, codegen/runtime/binaries.py).
 
 Where it lives, that it is private (0700 folders, 0600 files, whatever the umask), that a
 folder of another user or one that group/others can write is refused with one warning
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fxlite.codegen import cache, triton_binaries
-from fxlite.codegen.triton import generate_kernel, interpreting
+from fxlite.codegen.runtime import binaries as triton_binaries
+from fxlite.codegen.runtime import cache
+from fxlite.codegen.runtime.kernel import generate_kernel, interpreting
 from fxlite.passes.shape_prop import ShapeProp
 
 import fxlite as fx
@@ -76,7 +77,7 @@ def _run(script: str, env_cache: Path, timeout: int = 300) -> subprocess.Complet
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     prelude = textwrap.dedent(f"""
         import torch, fxlite as fx
-        from fxlite.codegen.triton import generate_kernel
+        from fxlite.codegen.runtime.kernel import generate_kernel
         from fxlite.passes.shape_prop import ShapeProp
 
         def kernel(c):

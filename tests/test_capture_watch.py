@@ -1,4 +1,4 @@
-"""The recording watcher (codegen/capture_watch.py): a recording whose Python did more than
+"""The recording watcher (codegen/capture/watch.py): a recording whose Python did more than
 compute tensors is not replayed, so every later call does what eager Python does.
 
 Each test runs the compiled function and a plain copy side by side, several calls with
@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.capture_watch import Watch, contents_key, is_stateful
+from fxlite.codegen.capture.watch import Watch, contents_key, is_stateful
 
 import fxlite
 
@@ -123,7 +123,7 @@ def test_a_python_value_that_changes_by_itself_is_read_every_call(source):
 
     f, said = side_by_side(make)
     # followed: the Python runs every call, and the number it reads each time is a
-    # varying input of the compiled piece (codegen/follow.py), so kernels serve it
+    # varying input of the compiled piece (codegen/capture/follow.py), so kernels serve it
     assert not any("runs in eager PyTorch" in s for s in said), said
     assert f.kernels and f.tier.startswith("followed")
 

@@ -9,7 +9,7 @@ import copy
 import math
 import warnings
 
-import fxlite.codegen.pipeline as pipeline
+import fxlite.codegen.lower.pipeline as pipeline
 import pytest
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ CL = torch.channels_last
 def needs_kernels() -> None:
     """Skip unless Triton kernels run here: the CPU tests need TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
+    from fxlite.codegen.runtime.kernel import interpreting
 
     if not interpreting():
         pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
@@ -307,7 +307,7 @@ def test_training_batch_norm_keeps_a_channels_last_input_channels_last_on_every_
     # The batch norm's centred values come out of a reduction kernel, which stores them in
     # the layout its metadata says; autodiff's metadata said row-major for every pointwise
     # result, so from the second call on the output (and the next conv's input) was NCHW.
-    from fxlite.codegen.triton import interpreting
+    from fxlite.codegen.runtime.kernel import interpreting
 
     device = "cpu" if interpreting() else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

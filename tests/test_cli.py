@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import fxlite as fx
 from fxlite.cli import build_parser, main
-from fxlite.cli_commands import wrap_code
-from fxlite.cli_load import UsageError, load_target, parse_input
-from fxlite.demo import relu_to_gelu, run_demo
+from fxlite.cli.commands import wrap_code
+from fxlite.cli.demo import relu_to_gelu, run_demo
+from fxlite.cli.load import UsageError, load_target, parse_input
 from fxlite.examples import ExampleBlock, example_input, make_example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_demo_table_lists_every_node():
 
 def test_demo_reports_a_failed_check(monkeypatch, capsys):
     # A rewrite that goes wrong must make the demo say so and exit 1, not print True.
-    import fxlite.demo as demo
+    import fxlite.cli.demo as demo
 
     monkeypatch.setattr(demo, "relu_to_gelu", lambda graph: 0)
     assert main(["demo", "--no-compile"]) == 1
@@ -259,8 +259,8 @@ BAD = {
     "unknown attribute": (["show", "fxlite.examples:Nope"], "fxlite.examples has no 'Nope'"),
     "not a module or function": (["show", "fxlite.examples:INPUT_SHAPE"],
                                  "INPUT_SHAPE is a tuple, not a module or a function"),
-    "not a module class": (["compile", "fxlite.cli_load:Target", "--input", "2"],
-                           "fxlite.cli_load:Target is a class, but not an nn.Module"),
+    "not a module class": (["compile", "fxlite.cli.load:Target", "--input", "2"],
+                           "fxlite.cli.load:Target is a class, but not an nn.Module"),
     "bad shape": (["show", "fxlite.examples:ExampleBlock", "--input", "2xq"],
                   "bad --input '2xq': write sizes joined by x and maybe a dtype: 2x16, 4x8:f16"),
     "bad dtype": (["compile", "fxlite.examples:ExampleBlock", "--input", "2x4x8:f99"],
@@ -356,7 +356,7 @@ def test_load_target_kinds():
     torch.testing.assert_close(gm(x), F.gelu(x))
     with pytest.raises(UsageError, match="is a builtin: give one --input per input"):
         builtin.with_arity(0)
-    assert load_target("fxlite.demo:relu_to_gelu").how == "function"
+    assert load_target("fxlite.cli.demo:relu_to_gelu").how == "function"
 
 
 def test_parser_has_every_subcommand():

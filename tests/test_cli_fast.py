@@ -104,8 +104,8 @@ class _Tty(io.StringIO):
 
 
 def test_progress_prints_lines_away_from_a_terminal(monkeypatch):
-    from fxlite import progress
-    from fxlite.progress import Progress
+    from fxlite.cli import progress
+    from fxlite.cli.progress import Progress
 
     monkeypatch.delenv("FXLITE_PROGRESS", raising=False)
     monkeypatch.setattr(progress, "LINE_EVERY", 0.05)
@@ -127,7 +127,7 @@ def test_progress_prints_lines_away_from_a_terminal(monkeypatch):
 
 
 def test_progress_bar_on_a_terminal_and_off_when_asked(monkeypatch):
-    from fxlite.progress import Progress
+    from fxlite.cli.progress import Progress
 
     monkeypatch.delenv("FXLITE_PROGRESS", raising=False)
     tty = _Tty()
@@ -145,7 +145,7 @@ def test_progress_bar_on_a_terminal_and_off_when_asked(monkeypatch):
 def test_kernel_count_ends_on_the_kernels_the_call_runs():
     from types import SimpleNamespace
 
-    from fxlite.cli_commands import KernelCount
+    from fxlite.cli.commands import KernelCount
 
     compiled = SimpleNamespace(kernels=["k0", "k1", "k2"])
     count = KernelCount(compiled)
@@ -173,7 +173,7 @@ def test_an_input_bigger_than_memory_is_one_line_and_exit_2(command):
 def test_check_size_before_any_allocation():
     import torch
 
-    from fxlite.cli_load import UsageError, check_size
+    from fxlite.cli.load import UsageError, check_size
 
     check_size("2x3", (2, 3), torch.float32, "cpu")
     check_size("0x99999999999", (0, 99999999999), torch.float32, "cpu")

@@ -16,9 +16,9 @@ import unicodedata
 
 import pytest
 import torch
-from fxlite.codegen.python import generate
 
 import fxlite as fx
+from fxlite.python_code import generate
 
 FULLWIDTH = {w: "".join(chr(ord(c) + 0xFEE0) for c in w) for w in
              ["getattr", "torch", "self", "print", "len", "None", "True", "if", "class",

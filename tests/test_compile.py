@@ -23,9 +23,9 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import fxlite.codegen.compile as compile_mod
-import fxlite.codegen.triton as triton_mod
+import fxlite.codegen.runtime.kernel as triton_mod
 from _golden import assert_golden
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.cudagraphs import GraphReplays, _Captured
+from fxlite.codegen.runtime.cudagraphs import GraphReplays, _Captured
 
 import fxlite
 

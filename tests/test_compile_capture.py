@@ -20,7 +20,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import fxlite.codegen.compile as compile_mod
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 

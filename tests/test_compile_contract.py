@@ -25,7 +25,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import fxlite.codegen.compile as compile_mod
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 
@@ -197,7 +197,7 @@ def test_recording_in_one_thread_leaves_other_threads_alone():
 
 
 def test_fallback_warnings_name_the_users_file(monkeypatch):
-    import fxlite.codegen.triton as triton_mod
+    import fxlite.codegen.runtime.kernel as triton_mod
 
     def boom(*args, **kwargs):
         raise RuntimeError("generator exploded")
@@ -381,7 +381,7 @@ def test_random_ops_follow_the_seed_as_eager_does():
 def test_guards_see_changes_made_through_module_methods_only_then_walk():
     # The per-call state check walks the modules only after nn.Module's own methods changed
     # one (an epoch counter); flags that change without a setattr are read every call.
-    from fxlite.codegen.guards import StateGuard
+    from fxlite.codegen.capture.guards import StateGuard
 
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     guard = StateGuard(m)
@@ -402,7 +402,7 @@ def test_a_guard_key_stays_small_and_a_state_seen_before_gives_its_key_back():
     """The walk of a model's modules is a token in the key (hashing the walk itself took
     10 us a call for a 64-module model): equal states, equal keys, even after a change
     and its undoing; a new state, a new key."""
-    from fxlite.codegen.guards import StateGuard
+    from fxlite.codegen.capture.guards import StateGuard
 
     m = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(40)])
     guard = StateGuard(m)

@@ -313,7 +313,7 @@ def test_kernels_of_one_function_have_distinct_names():
 
 
 def test_a_call_fxlite_cannot_record_is_worded_as_a_sentence(monkeypatch):
-    from fxlite.codegen.recorder import Recorder
+    from fxlite.codegen.capture.recorder import Recorder
 
     def broken(self, func, args, kwargs):
         raise KeyError("no record for it")

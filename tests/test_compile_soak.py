@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 

@@ -1,7 +1,7 @@
 """Training through fxlite.compile: autograd-aware kernels, and whole compiled steps.
 
 Groups whose inputs need gradients run a Triton forward and a generated Triton backward
-(``codegen/autograd.py``); a training step that calls ``loss.backward()`` and
+(``codegen/lower/autograd.py``); a training step that calls ``loss.backward()`` and
 ``optimizer.step()`` compiles as one graph, the optimizer step replayed as one call.
 Every test calls several times and compares with eager PyTorch after each call.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import fxlite.codegen.compile as compile_mod
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 
@@ -425,7 +425,7 @@ def test_reads_after_an_optimizer_step_are_checked_on_the_stepped_weights_and_ru
 def test_a_grad_scalers_step_records_the_optimizers_writes():
     # scaler.step(opt) ran opt.step() unseen: the recording's checks then read the stepped
     # parameters as the call's inputs
-    from fxlite.codegen.capture import record
+    from fxlite.codegen.capture.run import record
 
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -451,7 +451,7 @@ def test_an_optimizers_moments_are_not_copied_for_the_checks():
     # The checks start from the state before the call for what it read before writing;
     # an optimizer's moments, met first inside its step, were copied too (a GPT-2 step's
     # second recording held 0.34 GiB more than eager) though no check reads them.
-    from fxlite.codegen.capture import record
+    from fxlite.codegen.capture.run import record
 
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

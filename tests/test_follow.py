@@ -1,4 +1,4 @@
-"""Following (codegen/follow.py): a function whose Python has effects runs that Python on
+"""Following (codegen/capture/follow.py): a function whose Python has effects runs that Python on
 every call, and its torch calls are served by fused kernels.
 
 Every test runs the compiled function beside a plain copy from equal fresh state, several

@@ -1,4 +1,4 @@
-"""Followed plans that keep matching (codegen/follow.py, compile.py's ``_follow``): a call
+"""Followed plans that keep matching (codegen/capture/follow.py, compile.py's ``_follow``): a call
 that runs for real passed other numbers than the recorded ones goes on matching (its
 result keeping the recorded layout), loose constants passed anew are bound at their first
 use in the call that finds them, and a plan whose calls changed for good is recorded again
@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.follow import Follow
+from fxlite.codegen.capture.follow import Follow
 
 import fxlite
 

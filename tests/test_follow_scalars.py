@@ -1,4 +1,4 @@
-"""Following with varying numbers (codegen/follow.py): a Python number that a followed
+"""Following with varying numbers (codegen/capture/follow.py): a Python number that a followed
 function passes to a pointwise op and that changes from call to call (``x * next(it)``,
 ``x * random.random()``, ``x * len(cache)``) becomes an input of the piece that computes
 it, so later calls run its kernels with their own number instead of leaving the match.
@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.follow import Follow
+from fxlite.codegen.capture.follow import Follow
 
 import fxlite
 

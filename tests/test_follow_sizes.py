@@ -1,4 +1,4 @@
-"""Following across sizes (codegen/follow.py): a followed function (its Python has
+"""Following across sizes (codegen/capture/follow.py): a followed function (its Python has
 effects) given tensors of other sizes on each call (a batch of 2, then 3, then 5...) keeps
 running its compiled pieces, as a replayed function keeps its segments; a size the Python
 reads and passes to a torch call (``x.view(x.shape[0], -1)``) is matched on every call.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.follow import Follow
+from fxlite.codegen.capture.follow import Follow
 
 import fxlite
 

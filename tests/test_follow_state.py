@@ -1,7 +1,7 @@
 """Following a function that changes Python state it reads (codegen/compile.py,
 ``_stays_eager``): a module's counter, a buffer rebound to a new tensor, a training flag
 set inside the call. A replay would skip that Python, so such a function is *followed*
-(codegen/follow.py): its Python runs on every call, its torch calls served by kernels; a
+(codegen/capture/follow.py): its Python runs on every call, its torch calls served by kernels; a
 call whose torch calls the state changes (BatchNorm in eval, not train) leaves the
 recording there, and a tensor rebound between calls is bound where first used.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.follow import Follow
+from fxlite.codegen.capture.follow import Follow
 
 import fxlite
 

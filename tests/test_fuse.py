@@ -402,7 +402,7 @@ def test_a_norms_size_check_reads_the_residuals_operands_so_one_kernel_does_both
     """A regression: the norm's element count read ``z.size(-1)`` of the residual computed
     in the group, so the group wrote ``z`` out and split in two (three kernels in
     convnext_tiny's downsampling)."""
-    from fxlite.passes.size_sources import broadcast_size
+    from fxlite.passes.fuse.size_sources import broadcast_size
 
     y, x, s = torch.randn(2, 4, 4, 8), torch.randn(2, 8, 4, 4), torch.randn(8, 1, 1)
     gm = _prep(_scaled_residual_then_norm, y, x, s)
@@ -416,7 +416,7 @@ def test_a_norms_size_check_reads_the_residuals_operands_so_one_kernel_does_both
 
 
 def test_broadcast_size_is_eagers_broadcast() -> None:
-    from fxlite.passes.size_sources import broadcast_size
+    from fxlite.passes.fuse.size_sources import broadcast_size
 
     a, b = torch.ones(3, 1, 5), torch.ones(4, 1)
     for d in range(-3, 3):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_float32_division_rounds_correctly_in_kernels():
     # Triton's float32 `/` is an approximate division on GPUs (div.full.f32, up to 2 ulp):
     # trunc(x / x) gave 0 for some x, where eager gives 1. Kernels divide with div_rn.
-    from fxlite.codegen.triton import generate_kernel
+    from fxlite.codegen.runtime.kernel import generate_kernel
 
     def trunc(a):
         return torch.div(a, a, rounding_mode="trunc")

@@ -18,7 +18,7 @@ import types
 
 import numpy as np
 import torch
-from fxlite.codegen.guards import argument_key, identity
+from fxlite.codegen.capture.guards import argument_key, identity
 
 import fxlite
 

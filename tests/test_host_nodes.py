@@ -7,7 +7,7 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
-from fxlite.codegen.host_nodes import host_function
+from fxlite.codegen.runtime.host_nodes import host_function
 
 import fxlite
 

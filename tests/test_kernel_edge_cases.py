@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _pipeline import Kernels, lower
-from fxlite.codegen.triton import generate_kernel, why_unsupported
+from fxlite.codegen.runtime.kernel import generate_kernel, why_unsupported
 from fxlite.passes.decompose import decompose
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
@@ -204,7 +204,7 @@ def test_float_division_by_zero_stays_in_the_kernel():
 
 # ---------------------------------------------------------------------- fp16 intermediates
 def test_half_intermediates_stay_fp32_between_fused_ops():
-    """The documented choice (codegen/triton.py): inside a kernel, f16/bf16 values are held
+    """The documented choice (codegen/runtime/kernel.py): inside a kernel, f16/bf16 values are held
     in fp32 and rounded once where they are stored, not after every op as eager rounds.
 
     So a fused chain gives the fp32 result rounded once: equal to eager wherever eager's
@@ -246,7 +246,7 @@ def test_division_magic_divides_exactly():
     exact for every index a 32-bit kernel can hold."""
     import random
 
-    from fxlite.codegen.triton_source import division_magic
+    from fxlite.codegen.kernels.source import division_magic
 
     rng = random.Random(0)
     divisors = list(range(1, 3000)) + [rng.randrange(1, 2**31) for _ in range(3000)] + [
@@ -341,7 +341,7 @@ def test_a_view_that_moves_values_to_other_dims_stays_out_of_the_kernel():
 
 
 def test_a_fused_norms_size_check_still_raises_for_other_sizes():
-    # its element count now reads the residual's operands (passes/size_sources.py)
+    # its element count now reads the residual's operands (passes/fuse/size_sources.py)
     fn = lambda a, b: F.layer_norm(a * 2 + b, (8,))  # noqa: E731
     compiled = fxlite.compile(fn)
     for rows in (3, 3, 5):

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _pipeline import Kernels, lower
-from fxlite.codegen.triton import generate_kernel
+from fxlite.codegen.lower.batch_norm import per_channel
+from fxlite.codegen.runtime.kernel import generate_kernel
 from fxlite.passes.decompose import decompose
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
@@ -27,7 +28,6 @@ from fxlite.passes.sink_views import sink_views
 from torch import nn
 
 import fxlite
-from fxlite.autodiff_batch_norm import per_channel
 from fxlite.ops import lookup
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -342,7 +342,7 @@ def test_pointwise_kernels_follow_the_inputs_memory_order(layout):
 
 # ---------------------------------------------------------------------- cold compile
 def test_repeated_blocks_share_kernel_sources_and_precompile_foresees_them(monkeypatch):
-    from fxlite.codegen import triton_precompile
+    from fxlite.codegen.runtime import precompile as triton_precompile
 
     model = nn.Sequential(ResBlock(), ResBlock(), ResBlock()).eval().to(DEVICE)
     x = torch.randn(2, 4, 6, 6, device=DEVICE)
@@ -383,7 +383,7 @@ class _FlatBlock(nn.Module):
 def test_blocks_whose_view_drops_a_batch_of_one_share_kernel_sources():
     # The view's value was named after its node (view_10, view_21, ...), so at batch one
     # every GPT-2 layer's kernel had a source of its own: 39 compiles in place of 6.
-    from fxlite.codegen import triton_precompile
+    from fxlite.codegen.runtime import precompile as triton_precompile
 
     model = nn.Sequential(_FlatBlock(), _FlatBlock(), _FlatBlock()).eval().to(DEVICE)
     x = torch.randn(1, 8, 16, device=DEVICE)
@@ -400,7 +400,7 @@ def test_precompile_compiles_what_the_first_call_launches():
     model = nn.Sequential(ConvNeXtBlock(32), ConvNeXtBlock(32)).eval().cuda()
     x = torch.randn(4, 32, 14, 14, device="cuda")
     fused = lower(model, x)
-    from fxlite.codegen.triton_precompile import precompile
+    from fxlite.codegen.runtime.precompile import precompile
 
     report = precompile(fused, "cuda", progress=False)
     assert report["compiles"] >= 1 and report["kernels"] == report["groups"]

@@ -1,5 +1,5 @@
 """A compiled training step takes Adam, AdamW and SGD steps with torch's fused kernels
-(``codegen/optimizer_steps.py``), and eagerly whenever it cannot do so exactly.
+(``codegen/lower/optimizer_steps.py``), and eagerly whenever it cannot do so exactly.
 
 Each test trains a compiled copy and an eager copy side by side for several steps and
 compares parameters, optimizer state and step counts after every step."""
@@ -128,7 +128,7 @@ def test_state_loaded_between_calls_is_followed(fused_calls):
 
 def test_the_triton_backend_takes_the_fused_steps_too(fused_calls):
     pytest.importorskip("triton")
-    from fxlite.codegen.triton import interpreting
+    from fxlite.codegen.runtime.kernel import interpreting
 
     if DEVICE == "cpu" and not interpreting():
         pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
@@ -169,7 +169,7 @@ def test_a_fused_step_follows_what_changes_between_steps(kind, fused_calls):
     """``FusedStep`` keeps its tensor lists between calls: each change below must be seen
     (gradients appearing and disappearing, new gradient tensors, a written step count, a
     replaced moment, a new parameter group, a changed learning rate)."""
-    from fxlite.codegen.optimizer_steps import FusedStep
+    from fxlite.codegen.lower.optimizer_steps import FusedStep
 
     torch.manual_seed(0)
     params = [torch.randn(5, device=DEVICE, requires_grad=True) for _ in range(4)]

@@ -1,5 +1,5 @@
 """Linear layers with odd output widths run as aligned row groups or with padded, aligned
-weights (``passes/pad_matmul.py``), giving eager's values and layout; both follow every
+weights (``codegen/lower/pad_matmul.py``), giving eager's values and layout; both follow every
 write to the weight, through ``.data`` too."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from fxlite.passes import pad_matmul
-from fxlite.passes.pad_matmul import grouped_linear, pad_linears, padded_linear
+from fxlite.codegen.lower import pad_matmul
+from fxlite.codegen.lower.pad_matmul import grouped_linear, pad_linears, padded_linear
 from fxlite.passes.shape_prop import ShapeProp
 
 import fxlite
@@ -177,7 +177,7 @@ def test_the_pass_picks_row_groups_for_many_rows_and_leaves_few_float32_rows_alo
 def test_compiled_the_padded_head_copies_its_columns_in_a_kernel(monkeypatch):
     """The clone of the linear's columns is a graph op: fuse makes it a kernel (here a
     lone copy; the pass runs on CUDA only, so this test says it is on one)."""
-    from fxlite.codegen import pipeline
+    from fxlite.codegen.lower import pipeline
 
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
     monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)
@@ -292,7 +292,7 @@ def _spy_on_padding(monkeypatch):
 def test_a_compiled_training_step_pads_the_head_and_matches_eager(monkeypatch, autocast):
     """Autograd records the padded linear: the backward's matmuls are aligned too, and
     losses, gradients, weights and optimizer state are eager's over several steps."""
-    from fxlite.codegen import pipeline
+    from fxlite.codegen.lower import pipeline
 
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
     monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)

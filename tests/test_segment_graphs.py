@@ -1,4 +1,4 @@
-"""CUDA graphs for whole segments under ``mode="reduce-overhead"`` (codegen/segment_graphs.py).
+"""CUDA graphs for whole segments under ``mode="reduce-overhead"`` (codegen/runtime/segment_graphs.py).
 
 The partition into host nodes and device regions is checked on the CPU; the captures and
 replays themselves need a GPU. Each GPU test compares with eager after every call, with
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fxlite.codegen.segment_graphs import SegmentGraphs, ambient_node, host_node, regions
+from fxlite.codegen.runtime.segment_graphs import SegmentGraphs, ambient_node, host_node, regions
 
 import fxlite
 
@@ -114,7 +114,7 @@ def test_a_layout_check_tells_apart_what_the_layout_key_does(cxx_guard, monkeypa
     import weakref
 
     import torch._C._dynamo.guards as guards
-    from fxlite.codegen.guards import LayoutCheck
+    from fxlite.codegen.capture.guards import LayoutCheck
 
     if not cxx_guard:  # a torch without the private guard: the key decides alone
         monkeypatch.setattr(guards, "TensorGuards", None)

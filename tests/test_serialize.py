@@ -16,8 +16,9 @@ from fxlite.passes import decompose, normalize, split_module
 from torch import nn
 
 import fxlite as fx
-from fxlite import serialize_allowlist, serialize_tensors
 from fxlite.serialize import SerializationError, register
+from fxlite.serialize import allowlist as serialize_allowlist
+from fxlite.serialize import tensors as serialize_tensors
 
 
 class Net(nn.Module):

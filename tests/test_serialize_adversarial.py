@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 import fxlite as fx
-from fxlite import serialize_allowlist, serialize_tensors
 from fxlite.graph_module import GraphModule
 from fxlite.serialize import Limits, SerializationError
+from fxlite.serialize import allowlist as serialize_allowlist
+from fxlite.serialize import tensors as serialize_tensors
 
 
 class Small(nn.Module):

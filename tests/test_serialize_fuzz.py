@@ -39,9 +39,10 @@ from fxlite.passes import split_module
 from torch import nn
 
 import fxlite as fx
-from fxlite import serialize_allowlist, serialize_tensors
 from fxlite.graph_module import GraphModule
 from fxlite.serialize import Limits, SerializationError
+from fxlite.serialize import allowlist as serialize_allowlist
+from fxlite.serialize import tensors as serialize_tensors
 
 SEED = int(os.environ.get("FXLITE_SERIALIZE_FUZZ_SEED", "36"))
 FILES = int(os.environ.get("FXLITE_SERIALIZE_FUZZ_FILES", "1200"))

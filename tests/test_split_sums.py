@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from fxlite.codegen.pipeline import interpreting
+from fxlite.codegen.lower.pipeline import interpreting
 from fxlite.passes.fuse import fuse
+from fxlite.passes.fuse.split_sums import split_sums
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
-from fxlite.passes.split_sums import split_sums
 
 import fxlite
 

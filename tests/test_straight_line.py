@@ -1,4 +1,4 @@
-"""Straight-line forwards (codegen/straight_line.py), checked without a GPU.
+"""Straight-line forwards (codegen/runtime/straight_line.py), checked without a GPU.
 
 Stand-in kernels with prepared "launches" replace Triton's; on the GPU the same paths run
 end to end in tests/test_compile_gpu.py (test_gpu_straight_line_*).
@@ -11,17 +11,17 @@ import types
 
 import pytest
 import torch
-from fxlite.codegen.straight_line import (
+from fxlite.codegen.lower.batch_norm import per_channel
+from fxlite.codegen.runtime.launch import _fingerprint
+from fxlite.codegen.runtime.straight_line import (
     AttrCheck,
     StraightRunner,
     attr_key,
     fast_key,
     straight_line,
 )
-from fxlite.codegen.triton_launch import _fingerprint
 
 import fxlite
-from fxlite.autodiff_batch_norm import per_channel
 
 
 class _Kernel:
@@ -281,12 +281,12 @@ def test_the_runner_turns_off_for_graphs_it_cannot_write() -> None:
     assert run.off and run.lines == {}
 
 
-@pytest.mark.skipif(not __import__("fxlite.codegen.triton", fromlist=["x"]).interpreting(),
+@pytest.mark.skipif(not __import__("fxlite.codegen.runtime.kernel", fromlist=["x"]).interpreting(),
                     reason="compiles kernels under Triton's interpreter")
 def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
     # End to end: fxlite.compile of a conv + BatchNorm + ReLU model runs through the
     # runner, which binds the per-channel views once and still sees every write.
-    import fxlite.autodiff_batch_norm as bn_mod
+    import fxlite.codegen.lower.batch_norm as bn_mod
 
     m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
                             torch.nn.ReLU()).eval()
@@ -318,7 +318,7 @@ def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
         assert len(run.lines) == 2
 
 
-@pytest.mark.skipif(not __import__("fxlite.codegen.triton", fromlist=["x"]).interpreting(),
+@pytest.mark.skipif(not __import__("fxlite.codegen.runtime.kernel", fromlist=["x"]).interpreting(),
                     reason="compiles kernels under Triton's interpreter")
 def test_a_layer_norms_size_checks_are_made_once_per_layout():
     # layer_norm's decomposition checks the normalized sizes on every call of the graph;

@@ -12,8 +12,8 @@ from fxlite.passes import ShapeProp
 
 import fxlite as fx
 from fxlite.examples import example_input, make_example
-from fxlite.html import graph_html, table_html
-from fxlite.tabular import fit_table, qualified_name, tabular
+from fxlite.viz.html import graph_html, table_html
+from fxlite.viz.tabular import fit_table, qualified_name, tabular
 
 
 @pytest.mark.parametrize("target, name", [

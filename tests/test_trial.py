@@ -1,4 +1,4 @@
-"""The trial (``codegen/trial.py``): on a GPU a compiled segment's kernels race its
+"""The trial (``codegen/runtime/trial.py``): on a GPU a compiled segment's kernels race its
 recorded ops on real calls and the faster side stays; under ``mode="reduce-overhead"`` a
 training segment's two sides race from CUDA graphs, one after the other.
 
@@ -21,7 +21,7 @@ def test_a_trial_keeps_the_faster_side_after_timed_calls(monkeypatch, slow):
     # On a GPU a compiled segment first runs on trial against its recorded ops.
     import time as _time
 
-    from fxlite.codegen.trial import Trial
+    from fxlite.codegen.runtime.trial import Trial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls, decided = {"compiled": 0, "recorded": 0}, []
@@ -45,8 +45,8 @@ def test_a_graphed_training_segment_tries_its_kernels_and_recorded_ops_from_grap
     # Under mode="reduce-overhead" a training segment's kernels lose no host time to their
     # autograd nodes: both sides replay from CUDA graphs on trial, each observed and
     # captured before it is timed.
-    from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs
-    from fxlite.codegen.trial import GraphedTrial, Trial, choose_runner
+    from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs
+    from fxlite.codegen.runtime.trial import GraphedTrial, Trial, choose_runner
 
     monkeypatch.setenv("FXLITE_TRIAL", "1")
     m = LinearRelu().to(DEVICE)
@@ -86,7 +86,7 @@ def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slo
     import time as _time
     import weakref
 
-    from fxlite.codegen.trial import GraphedTrial
+    from fxlite.codegen.runtime.trial import GraphedTrial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     made, alive = [], []
@@ -119,7 +119,7 @@ def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slo
 def test_a_graphed_trials_winner_that_gave_up_its_graphs_runs_plainly(monkeypatch, off):
     # Inside DistributedDataParallel no side can capture (the forward's outputs need
     # autograd after it): the winner then runs plainly, not observed and captured again.
-    from fxlite.codegen.trial import GraphedTrial
+    from fxlite.codegen.runtime.trial import GraphedTrial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     plain_calls = []
@@ -152,7 +152,7 @@ def test_a_trial_is_not_decided_by_the_compiled_sides_first_calls(monkeypatch):
     # (twice at most) once its kernels' launches are prepared: three slow calls at worst.
     import time as _time
 
-    from fxlite.codegen.trial import Trial
+    from fxlite.codegen.runtime.trial import Trial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls, decided = {"compiled": 0}, []
@@ -177,7 +177,7 @@ def test_a_pure_segments_trial_times_runs_back_to_back(monkeypatch):
     # per run; the user still gets one result per call.
     import time as _time
 
-    from fxlite.codegen.trial import Trial
+    from fxlite.codegen.runtime.trial import Trial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls, decided = {"compiled": 0, "recorded": 0}, []

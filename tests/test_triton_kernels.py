@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from fxlite.codegen.triton import (
+from fxlite.codegen.runtime.kernel import (
     TritonKernel,
     generate_kernel,
     guard_key,
@@ -228,7 +228,7 @@ def test_floor_division_and_remainder_with_negatives(dtype):
 
 
 def test_the_op_table_holds_the_triton_column():
-    from fxlite.codegen.triton_ops import REDUCTIONS, TRITON_OPS
+    from fxlite.codegen.kernels.ops import REDUCTIONS, TRITON_OPS
 
     from fxlite.ops import OPS
 
@@ -352,8 +352,8 @@ def test_int64_indexing_is_chosen_from_the_largest_address():
     big = torch.empty(1, device="meta").expand(2**31 + 8)
     assert guard_key([small])[2] is False
     assert guard_key([big])[2] is True
-    from fxlite.codegen.triton_common import analyze
-    from fxlite.codegen.triton_pointwise import build_pointwise
+    from fxlite.codegen.kernels.analysis import analyze
+    from fxlite.codegen.kernels.pointwise import build_pointwise
 
     gm = group(lambda a: a * 2, big)
     plan = analyze(gm, [big], "big")
@@ -379,8 +379,8 @@ def test_libdevice_path_is_emitted_for_gpus():
     x = rand(3, 4)
     gm = group(lambda a, b: torch.tanh(a) + torch.pow(a.abs(), b) + torch.fmod(a, b)
                + torch.log1p(a.abs()), x, x)
-    from fxlite.codegen.triton_common import analyze
-    from fxlite.codegen.triton_pointwise import build_pointwise
+    from fxlite.codegen.kernels.analysis import analyze
+    from fxlite.codegen.kernels.pointwise import build_pointwise
 
     gpu = build_pointwise(analyze(gm, [x, x], "k"), libdevice=True).text
     cpu = build_pointwise(analyze(gm, [x, x], "k"), libdevice=False).text
@@ -477,9 +477,9 @@ def _golden(name: str, text: str) -> None:
 
 def _golden_source(fn, *inputs, name):
     gm = group(fn, *inputs)
-    from fxlite.codegen.triton_common import analyze
-    from fxlite.codegen.triton_pointwise import build_pointwise
-    from fxlite.codegen.triton_reduction import build_reduction
+    from fxlite.codegen.kernels.analysis import analyze
+    from fxlite.codegen.kernels.pointwise import build_pointwise
+    from fxlite.codegen.kernels.reduction import build_reduction
 
     plan = analyze(gm, list(inputs), name)
     build = build_pointwise if plan.kind == "pointwise" else build_reduction

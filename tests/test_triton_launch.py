@@ -7,8 +7,8 @@ tests/test_compile_gpu.py; here a recording stand-in replaces the compiled binar
 from __future__ import annotations
 
 import torch
-from fxlite.codegen.triton_binaries import binary_key
-from fxlite.codegen.triton_launch import (
+from fxlite.codegen.runtime.binaries import binary_key
+from fxlite.codegen.runtime.launch import (
     Binary,
     _DirectLaunch,
     _fingerprint,
@@ -90,7 +90,7 @@ def test_generated_launcher_allocates_outputs_in_their_layout() -> None:
 
 
 def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> None:
-    import fxlite.codegen.triton_launch as launch_mod
+    import fxlite.codegen.runtime.launch as launch_mod
 
     monkeypatch.setattr(launch_mod, "_hooks", lambda: (None, None))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234,
@@ -130,7 +130,7 @@ def test_hooks_take_the_general_path(monkeypatch) -> None:
     class Chain:  # Triton's HookChain: a non-empty chain wants every launch
         calls = [lambda *a: None]
 
-    import fxlite.codegen.triton_launch as launch_mod
+    import fxlite.codegen.runtime.launch as launch_mod
 
     monkeypatch.setattr(launch_mod, "_hooks", lambda: (Chain(), Chain()))
     x = torch.randn(4)

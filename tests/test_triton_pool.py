@@ -1,12 +1,12 @@
-"""max_pool2d's Triton kernel (codegen/triton_pool.py) against eager, under the interpreter."""
+"""max_pool2d's Triton kernel (codegen/kernels/pool.py) against eager, under the interpreter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from fxlite.codegen.triton import interpreting
-from fxlite.codegen.triton_pool import max_pool2d, use_pool_kernels
+from fxlite.codegen.kernels.pool import max_pool2d, use_pool_kernels
+from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
 

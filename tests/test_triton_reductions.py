@@ -12,7 +12,7 @@ from test_triton_kernels import DEVICE, FLOATS, check, group, rand, same  # isor
 import pytest
 import torch
 import torch.nn.functional as F
-from fxlite.codegen.triton import generate_kernel, guard_key
+from fxlite.codegen.runtime.kernel import generate_kernel, guard_key
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 VARIANTS = {"persistent": {}, "looped": {"max_block": 16}}

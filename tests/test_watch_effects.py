@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 import torch
-from fxlite.codegen.capture_watch import Watch, contents_key, is_stateful
-from fxlite.codegen.structure import flatten, unflatten
+from fxlite.codegen.capture.structure import flatten, unflatten
+from fxlite.codegen.capture.watch import Watch, contents_key, is_stateful
 
 import fxlite
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.recording import result_leaves
-from fxlite.codegen.structure import unflatten
+from fxlite.codegen.capture.records import result_leaves
+from fxlite.codegen.capture.structure import unflatten
 
 from fxlite.graph_module import GraphModule
 

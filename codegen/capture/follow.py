@@ -108,11 +108,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from fxlite.codegen.capture_hooks import installed, opaque_methods
-from fxlite.codegen.capture_kinds import SIZE_FANOUT, UNSUPPORTED, classify, state_name
-from fxlite.codegen.capture_rules import map_tensors, same_func, spelling
-from fxlite.codegen.recording import _LOCAL, Recording, Step, tensor_meta
-from fxlite.codegen.structure import flatten
+from fxlite.codegen.capture.hooks import installed, opaque_methods
+from fxlite.codegen.capture.kinds import SIZE_FANOUT, UNSUPPORTED, classify, state_name
+from fxlite.codegen.capture.records import _LOCAL, Recording, Step, tensor_meta
+from fxlite.codegen.capture.rules import map_tensors, same_func, spelling
+from fxlite.codegen.capture.structure import flatten
 from torch.overrides import TorchFunctionMode
 
 from fxlite import ops as op_table

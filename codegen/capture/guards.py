@@ -43,8 +43,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_kinds import autocast_state
-from fxlite.codegen.capture_watch import (
+from fxlite.codegen.capture.kinds import autocast_state
+from fxlite.codegen.capture.segments import read_key
+from fxlite.codegen.capture.watch import (
     contents_key,
     is_stateful,
     optimizer_key,
@@ -52,7 +53,6 @@ from fxlite.codegen.capture_watch import (
     user_class,
     users_object,
 )
-from fxlite.codegen.segments import read_key
 
 __all__ = ["LayoutCheck", "StateGuard", "ambient_key", "argument_key", "identity", "input_key",
            "tensor_guard"]
@@ -182,7 +182,7 @@ def argument_key(a: Any, contents: bool = True) -> tuple:
         argument_key(np.ones(3))                   # (ndarray, "<f8", (3,), b"...")
 
     With ``contents=False``, a plain object's key holds its class, identity and attribute
-    names alone: the key of a followed plan (``codegen/follow.py``), whose Python reads
+    names alone: the key of a followed plan (``codegen/capture/follow.py``), whose Python reads
     the object on every call and whose torch calls are matched one by one (a tensor the
     object carries from call to call is bound where it is used).
     """

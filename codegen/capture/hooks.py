@@ -30,7 +30,7 @@ __all__ = ["installed", "opaque_methods"]
 
 
 def _active() -> Any:
-    from fxlite.codegen.recording import recording_thread
+    from fxlite.codegen.capture.records import recording_thread
 
     rec = recording_thread()
     return rec if rec is not None and not rec.off else None

@@ -1,4 +1,4 @@
-"""What the capture does with each torch call: the tables behind ``fxlite.codegen.capture``.
+"""What the capture does with each torch call: the tables behind ``fxlite.codegen.capture.run``.
 
 Every call the ``TorchFunctionMode`` sees falls in one kind::
 

@@ -1,6 +1,6 @@
 """The recorder: a ``TorchFunctionMode`` that appends every torch call to a graph.
 
-``fxlite.codegen.capture.record`` runs the user's function under a :class:`Recorder`.
+``fxlite.codegen.capture.run.record`` runs the user's function under a :class:`Recorder`.
 Each call the mode sees is classified (``capture_kinds``) and either run as it is
 (metadata), recorded as a node (ops, effects), or recorded as a read that ends a
 segment. When a recording continues an earlier one from a read, the calls before that
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_kinds import (
+from fxlite.codegen.capture.kinds import (
     DYNAMIC_SHAPE,
     SIZE_FANOUT,
     UNSUPPORTED,
@@ -26,7 +26,15 @@ from fxlite.codegen.capture_kinds import (
     set_autocast,
     state_name,
 )
-from fxlite.codegen.capture_rules import (
+from fxlite.codegen.capture.records import (
+    Read,
+    Recording,
+    Step,
+    format_site,
+    tensor_meta,
+    user_site,
+)
+from fxlite.codegen.capture.rules import (
     Diverged,
     bool_index,
     break_message,
@@ -39,7 +47,6 @@ from fxlite.codegen.capture_rules import (
     structure,
     tensors_in,
 )
-from fxlite.codegen.recording import Read, Recording, Step, format_site, tensor_meta, user_site
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,7 +55,7 @@ from fxlite.proxy import TraceError
 
 __all__ = ["Recorder"]
 
-# Formatting a tensor as text reads its values, which a followed call (codegen/follow.py)
+# Formatting a tensor as text reads its values, which a followed call (codegen/capture/follow.py)
 # does for real: such a recording is followed, not stopped.
 _FORMATS = frozenset({"__repr__", "__str__", "__format__"})
 
@@ -348,7 +355,7 @@ class Recorder(TorchFunctionMode):
             node.meta["requires_grad"] = out.requires_grad
             node.meta["tensor_meta_rec"] = tensor_meta(out)
             if out._is_view():  # shares memory with another value: followed calls
-                node.meta["view"] = True  # run it for real (codegen/follow.py)
+                node.meta["view"] = True  # run it for real (codegen/capture/follow.py)
             self._bind(out, node.name)
             self.rec.expected[node.name] = (weakref.ref(out), _version(out))
             return
@@ -586,7 +593,7 @@ class Recorder(TorchFunctionMode):
 
     def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
         """``torch.cond``: both branches become graphs of their own, the call one node."""
-        from fxlite.codegen.cond import CondOp
+        from fxlite.codegen.capture.cond import CondOp
 
         if self._at < len(self._prefix):
             return self._fast_forward(CondOp, (pred, *operands), {})

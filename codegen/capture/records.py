@@ -1,7 +1,7 @@
 """The records a capture produces: a recorded path (:class:`Recording`), its calls
 (:class:`Step`) and reads (:class:`Read`), and where in the user's code a call came from.
 
-See ``fxlite.codegen.capture`` for how a recording is made and ``segments`` for how it
+See ``fxlite.codegen.capture.run`` for how a recording is made and ``segments`` for how it
 is cut and replayed.
 """
 
@@ -24,7 +24,7 @@ __all__ = ["Read", "Recording", "Slot", "Step", "format_site", "recording_thread
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 _LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
-    torch.__file__, __file__, sys.modules["fxlite"].__file__,
+    torch.__file__, os.path.dirname(os.path.abspath(__file__)), sys.modules["fxlite"].__file__,
     sys.modules["fxlite.graph"].__file__))
 _LOCAL = threading.local()
 
@@ -92,7 +92,7 @@ class Recording:
     sizes_read: bool = False
     grad_reads: list[Any] = field(default_factory=list)  # (tensor, .grad was None) Python read
     unsupported: str | None = None  # why it stopped: the call ran on in eager PyTorch
-    effect: str | None = None  # why its Python must run on every call (codegen/follow.py)
+    effect: str | None = None  # why its Python must run on every call (codegen/capture/follow.py)
     rng_state: Any = None
     ambient: Any = None  # grad mode and autocast where the recording (or its new part) began
     pre_state: dict[str, torch.Tensor] = field(default_factory=dict)  # externals before writes

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_kinds import state_name
-from fxlite.codegen.recording import format_site, tensor_meta
+from fxlite.codegen.capture.kinds import state_name
+from fxlite.codegen.capture.records import format_site, tensor_meta
 
 __all__ = ["Diverged", "bool_index", "break_message", "func_name", "has_tensor",
            "rng_state_of", "same_func", "spelling", "structure", "tensors_in"]

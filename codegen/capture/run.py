@@ -17,9 +17,9 @@ runs, so the result of the recording call is eager PyTorch's own result::
 
 Where Python reads a tensor's value (``bool``, ``item``, ``tolist``, ``int``/``float``,
 ``np.asarray``, ``torch.equal``...), the value becomes a *read* node (``meta["read"]``):
-the segment tree (``fxlite.codegen.segments``) cuts the graph there and keys the rest of
+the segment tree (``fxlite.codegen.capture.segments``) cuts the graph there and keys the rest of
 the program on the value. Everything else that can change between calls is a guard
-(``fxlite.codegen.guards``): the inputs' layouts and Python values, module state, and
+(``fxlite.codegen.capture.guards``): the inputs' layouts and Python values, module state, and
 sizes once Python has read one.
 
 Each node records what later stages need: ``stack_trace`` (the user's file, line and
@@ -43,12 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_kinds import autocast_state
-from fxlite.codegen.capture_rules import Diverged, rng_state_of
-from fxlite.codegen.capture_watch import Watch
-from fxlite.codegen.guards import _CODE
-from fxlite.codegen.recorder import Recorder
-from fxlite.codegen.recording import (
+from fxlite.codegen.capture.guards import _CODE
+from fxlite.codegen.capture.kinds import autocast_state
+from fxlite.codegen.capture.recorder import Recorder
+from fxlite.codegen.capture.records import (
     _LOCAL,
     Read,
     Recording,
@@ -60,8 +58,10 @@ from fxlite.codegen.recording import (
     tensor_meta,
     user_site,
 )
-from fxlite.codegen.segments import read_key
-from fxlite.codegen.structure import flatten
+from fxlite.codegen.capture.rules import Diverged, rng_state_of
+from fxlite.codegen.capture.segments import read_key
+from fxlite.codegen.capture.structure import flatten
+from fxlite.codegen.capture.watch import Watch
 
 from fxlite.graph import Graph
 
@@ -85,7 +85,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     their ``step``-like methods recorded as single calls.
     Python between those calls runs again as it did the first time.
     """
-    from fxlite.codegen.capture_hooks import installed, opaque_methods
+    from fxlite.codegen.capture.hooks import installed, opaque_methods
 
     leaves, in_spec = flatten((args, kwargs))
     if prefix is None:
@@ -193,7 +193,7 @@ def _unreplayable(leaves: list[Any], result: Any, rec: Recording) -> str | None:
 def _plain_object(x: Any) -> bool:
     """An argument whose attributes the function might set: not a tensor, number, string,
     module (guarded state) or optimizer-like object (its steps are recorded calls)."""
-    from fxlite.codegen.capture_hooks import _opaque_names
+    from fxlite.codegen.capture.hooks import _opaque_names
 
     return not (x is None or isinstance(x, (*_NUMBERS, torch.Tensor, type, torch.nn.Module,
                                             torch.dtype, torch.device)) or _opaque_names(x))

@@ -1,6 +1,6 @@
 """The segment tree: a recorded path cut at its reads, compiled piece by piece, and run.
 
-A recording (``fxlite.codegen.capture``) is one path through the user's Python. Each read
+A recording (``fxlite.codegen.capture.run``) is one path through the user's Python. Each read
 node (a value Python read from a tensor) ends a segment; the rest of the path depends on
 the value read. The paths of one function share their first segments and fork at reads::
 
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxlite.codegen.recording import Read, Recording, result_leaves
-from fxlite.codegen.structure import unflatten
+from fxlite.codegen.capture.records import Read, Recording, result_leaves
+from fxlite.codegen.capture.structure import unflatten
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule

@@ -53,8 +53,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.recording import _LIB_DIRS, format_site
-from fxlite.codegen.structure import flatten
+from fxlite.codegen.capture.records import _LIB_DIRS, format_site
+from fxlite.codegen.capture.structure import flatten
 
 __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large", "user_class",
            "users_object"]

@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.emit import Unsupported, compute_dtype
+from fxlite.codegen.kernels.layout import eager_layout, stride_order
+from fxlite.codegen.kernels.meta import meta_values
+from fxlite.codegen.kernels.ops import REDUCTIONS
 
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-
-from .triton_emit import Unsupported, compute_dtype
-from .triton_layout import eager_layout, stride_order
-from .triton_meta import meta_values
-from .triton_ops import REDUCTIONS
 
 __all__ = ["Plan", "Value", "analyze", "computed_outputs", "guard_key", "iteration_space",
            "key_and_shape", "resolve", "used_values"]

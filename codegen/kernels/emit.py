@@ -2,7 +2,7 @@
 temporaries, helper functions), dtype rules (half types compute in fp32) and the
 :class:`Unsupported` error by which a generator refuses a group.
 
-The emitters themselves, one per op, are in ``codegen/triton_ops.py``.
+The emitters themselves, one per op, are in ``codegen/kernels/ops.py``.
 """
 
 from __future__ import annotations

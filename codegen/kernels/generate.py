@@ -13,14 +13,13 @@ import os
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.analysis import Plan, analyze
+from fxlite.codegen.kernels.emit import Unsupported
+from fxlite.codegen.kernels.pointwise import build_pointwise
+from fxlite.codegen.kernels.reduction import build_reduction
+from fxlite.codegen.kernels.source import KernelSource
 
 from fxlite.graph_module import GraphModule
-
-from .triton_common import Plan, analyze
-from .triton_emit import Unsupported
-from .triton_pointwise import build_pointwise
-from .triton_reduction import build_reduction
-from .triton_source import KernelSource
 
 __all__ = ["interpreting"]
 

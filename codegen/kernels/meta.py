@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.emit import Unsupported
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node
-
-from .triton_emit import Unsupported
 
 __all__ = ["meta_values"]
 

@@ -4,11 +4,11 @@ One record per op, keyed by the op table's canonical name (``fxlite.ops.lookup(n
 
     "add": TritonOp(("input", "other", "alpha"), {"alpha": 1}, _add)
 
-An emitter gets the :class:`~fxlite.codegen.triton_emit.Emitter` (which casts operands
+An emitter gets the :class:`~fxlite.codegen.kernels.emit.Emitter` (which casts operands
 and declares helpers), the
 bound arguments and the result's compute dtype, and returns one Triton expression. Values
 of half types are computed in fp32 and rounded once at the store (see "Numerics" in
-``codegen/triton.py`` for where and why this differs from eager's per-op rounding).
+``codegen/runtime/kernel.py`` for where and why this differs from eager's per-op rounding).
 
 Triton's CPU interpreter lacks libdevice (``tanh``, ``log1p``, ``pow``, ``fmod`` ...), so
 every op has a portable expression built from core ``tl`` functions; the libdevice form is
@@ -27,10 +27,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.emit import (
+    Emitter,
+    Operand,
+    Unsupported,
+    compute_dtype,
+    promote,
+    tl_dtype,
+)
 
 from fxlite import ops as op_table
-
-from .triton_emit import Emitter, Operand, Unsupported, compute_dtype, promote, tl_dtype
 
 __all__ = ["REDUCTIONS", "TRITON_OPS", "TritonOp"]
 
@@ -390,7 +396,7 @@ def _to(e: Emitter, a: dict, ct: torch.dtype) -> str:
 
 
 def _seeded_dropout(e: Emitter, a: dict, ct: torch.dtype) -> str:
-    # fxlite.autodiff_random.seeded_dropout: the same Philox stream (tl.rand), per element
+    # fxlite.ops.dropout.seeded_dropout: the same Philox stream (tl.rand), per element
     if e.index is None:
         raise Unsupported("seeded_dropout needs the element index of the whole iteration space")
     p = a["p"]

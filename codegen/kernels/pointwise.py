@@ -24,7 +24,7 @@ the inner index is the lane's column and the outer indices are split once per ro
 no such operand the flat variant was as fast or faster on an H200: a strided copy of
 GPT-2's padded logits took 219 us flat and 232 in rows, ``bench_pointwise_rows.py``.) The
 launcher picks the rows variant when a row is wide enough to fill blocks without much
-padding (:func:`~fxlite.codegen.triton.launch_config`)::
+padding (:func:`~fxlite.codegen.runtime.kernel.launch_config`)::
 
     pid = tl.program_id(0)
     nb = tl.cdiv(cols, BLOCK)
@@ -44,9 +44,9 @@ short row does not make a program of a few hundred elements.
 
 from __future__ import annotations
 
-from .triton_common import Plan, Value, computed_outputs, used_values
-from .triton_emit import Emitter
-from .triton_source import (
+from fxlite.codegen.kernels.analysis import Plan, Value, computed_outputs, used_values
+from fxlite.codegen.kernels.emit import Emitter
+from fxlite.codegen.kernels.source import (
     Access,
     KernelSource,
     decompose,

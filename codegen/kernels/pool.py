@@ -121,7 +121,7 @@ def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
         return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode,
                             return_indices)
 
-    from .triton import interpreting
+    from fxlite.codegen.runtime.kernel import interpreting
 
     k = _pair(kernel_size)
     s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \

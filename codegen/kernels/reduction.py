@@ -25,10 +25,9 @@ does, through a ``tl.reduce`` with a NaN-aware combine. Half types accumulate in
 from __future__ import annotations
 
 import torch
-
-from .triton_common import Plan, Value, computed_outputs, used_values
-from .triton_emit import Emitter, compute_dtype, tl_dtype
-from .triton_source import (
+from fxlite.codegen.kernels.analysis import Plan, Value, computed_outputs, used_values
+from fxlite.codegen.kernels.emit import Emitter, compute_dtype, tl_dtype
+from fxlite.codegen.kernels.source import (
     Access,
     KernelSource,
     decompose,

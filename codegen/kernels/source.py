@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.analysis import Plan, Value
+from fxlite.codegen.kernels.emit import Emitter, Operand, compute_dtype, tl_dtype
 
 from fxlite import ops as op_table
-
-from .triton_common import Plan, Value
-from .triton_emit import Emitter, Operand, compute_dtype, tl_dtype
 
 __all__ = ["HELPERS", "Access", "KernelSource", "decompose", "division_magic", "emit_value",
            "header", "load_line", "scalar_dtype", "scalar_lines", "signature", "store_line"]

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from fxlite.codegen.capture_kinds import random_op, state_name
+from fxlite.codegen.capture.kinds import random_op, state_name
 
 from fxlite.graph_module import GraphModule
 from fxlite.ops import attribute_at, lookup

@@ -29,14 +29,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.lower.autograd_pipeline import CompiledGraph
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
-from fxlite.autodiff_meta import as_meta, meta_tensor, propagate
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, Opcode, map_arg
 from fxlite.ops import lookup
-
-from .autograd_pipeline import CompiledGraph
+from fxlite.ops.shapes import as_meta, meta_tensor, propagate
 
 __all__ = ["AutogradGroup", "make_autograd_group", "swap_in_autograd"]
 
@@ -320,7 +319,7 @@ class AutogradGroup:
 
     def report(self) -> str:
         """Print and return the table of forward and backward kernels."""
-        from .report import kernel_report
+        from fxlite.codegen.report import kernel_report
 
         text = kernel_report(self.records)
         print(text)

@@ -22,16 +22,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.lower.accuracy import HALF_TOLERANCE, allclose
+from fxlite.codegen.report import KernelRecord
 
-from fxlite.autodiff_meta import propagate
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode
 from fxlite.ops import is_impure, lookup
-
-from .accuracy import HALF_TOLERANCE, allclose
-from .report import KernelRecord
+from fxlite.ops.shapes import propagate
 
 __all__ = ["CompiledGraph"]
 
@@ -115,7 +114,7 @@ class _KernelCheck(Interpreter):
         sub = self.fetch_attr(target)
         if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
             return sub(*args, **kwargs)
-        from fxlite.codegen.triton import generate_kernel
+        from fxlite.codegen.runtime.kernel import generate_kernel
 
         owner = self.owner
         try:

@@ -1,14 +1,14 @@
 """autograd_regions: fused groups joined by table ops become one region for autodiff.
 
 In a training segment each fused group runs as an autograd node of its own
-(``codegen/autograd.py``). A value read by two groups then gets two gradients, which
+(``codegen/lower/autograd.py``). A value read by two groups then gets two gradients, which
 torch's autograd engine adds with a kernel of its own, and each group saves or rewrites
 its own copies of what its backward needs. A training-mode BatchNorm is five groups
 (sums in two stages, the centred values, the normalization), so resnet18's step made 91
 such additions and 57 autograd nodes. ``autograd_regions`` joins groups that only table
 ops connect into one *region*: a flat graph of table ops that autodiff differentiates as
 a whole (``fxlite.autodiff``) and the kernel pipeline fuses again, forward and backward
-(``codegen/autograd_pipeline.py``)::
+(``codegen/lower/autograd_pipeline.py``)::
 
     before                                       after
         s = fused_0(x)              # sum (2, 3)     r = region_0(x, n, w, b)
@@ -38,13 +38,13 @@ import heapq
 import operator
 from typing import Any
 
-import fxlite.op_derivatives  # noqa: F401  (puts the derivative rules on the op table)
+from fxlite.passes.split_module import set_call_meta, unpack_outputs
+
+import fxlite.ops.derivatives  # noqa: F401  (puts the derivative rules on the op table)
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, resolve
-
-from .split_module import set_call_meta, unpack_outputs
 
 __all__ = ["autograd_regions"]
 

@@ -150,7 +150,7 @@ def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
 
 
 def _function_args(node: Any) -> dict[str, Any] | None:
-    from .ops import resolve
+    from fxlite.ops import resolve
 
     found = resolve(node)
     if found is None or found[0].name != "batch_norm":
@@ -181,7 +181,7 @@ def batch_norm_train(gm: Any) -> Any:
     """
     from fxlite.passes.normalize import normalize_graph
 
-    from .proxy import GraphAppendingTracer, Proxy
+    from fxlite.proxy import GraphAppendingTracer, Proxy
 
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fxlite.codegen.accuracy import (
+from fxlite.codegen.kernels.pool import use_pool_kernels
+from fxlite.codegen.lower.accuracy import (
     HALF_TOLERANCE,
     allclose,
     attributes,
@@ -34,20 +35,19 @@ from fxlite.codegen.accuracy import (
     reproducible,
     versions,
 )
-from fxlite.codegen.optimizer_steps import fused_optimizer_steps
+from fxlite.codegen.lower.optimizer_steps import fused_optimizer_steps
+from fxlite.codegen.lower.pad_matmul import pad_linears
 from fxlite.codegen.report import KernelRecord
-from fxlite.codegen.straight_line import StraightRunner
-from fxlite.codegen.triton_pool import use_pool_kernels
+from fxlite.codegen.runtime.straight_line import StraightRunner
 from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
-from fxlite.passes.pad_matmul import pad_linears
 from fxlite.passes.shape_prop import node_layout
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode, map_aggregate
-from fxlite.op_records import amax_or_empty
+from fxlite.ops.records import amax_or_empty
 
 __all__ = ["CompiledSegment", "ambient", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
            "expand_kernels", "interpreting", "set_ambient"]
@@ -55,7 +55,7 @@ __all__ = ["CompiledSegment", "ambient", "ambient_restored", "assert_same", "com
 
 PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
 # training segments: fused groups joined by table ops differentiate as one region
-# (passes/autograd_regions.py); FXLITE_REGIONS=0 keeps one autograd node per group
+# (codegen/lower/autograd_regions.py); FXLITE_REGIONS=0 keeps one autograd node per group
 REGIONS = os.environ.get("FXLITE_REGIONS", "1") != "0"
 # Conv inputs in channels-last on CUDA (passes/channels_last.py); FXLITE_CHANNELS_LAST=0
 # turns it off. On an H200 it cut resnet50's bf16 forward at batch 32 from 3.7 to 1.85 ms
@@ -230,7 +230,7 @@ def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
 def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
                    warn: Callable[[str], None]) -> list[CompiledSegment]:
     """Compile the branches of each torch.cond node; returns what they became."""
-    from fxlite.codegen.cond import CondOp
+    from fxlite.codegen.capture.cond import CondOp
 
     made: list[CompiledSegment] = []
 
@@ -252,14 +252,14 @@ def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
 
 # ---------------------------------------------------------------------- the Triton path
 def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSegment:
-    from fxlite.passes.autocast import explicit_autocast
+    from fxlite.codegen.lower.autocast import explicit_autocast
+    from fxlite.codegen.lower.batch_norm import batch_norm_train
     from fxlite.passes.decompose import decompose
     from fxlite.passes.functionalize import functionalize
     from fxlite.passes.fuse import fuse
     from fxlite.passes.normalize import normalize
 
-    from fxlite.autodiff_batch_norm import batch_norm_train
-    from fxlite.autodiff_random import seed_dropouts
+    from fxlite.ops.dropout import seed_dropouts
 
     fill_meta(gm)
     gm = explicit_autocast(gm)
@@ -280,11 +280,11 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     fused = fuse(gm)
     _empty_ok_max(fused)
     if _needs_autograd(gm) and REGIONS:
-        from fxlite.passes.autograd_regions import autograd_regions
+        from fxlite.codegen.lower.autograd_regions import autograd_regions
 
         fused = autograd_regions(fused)  # groups joined by table ops: one autograd node
     if cuda and PRECOMPILE and not interpreting():  # every distinct kernel at once, in parallel
-        from fxlite.codegen.triton_precompile import precompile
+        from fxlite.codegen.runtime.precompile import precompile
 
         precompile(fused, cuda[0])
     if any(n.meta.get("autocast") for n in gm.graph.nodes):
@@ -419,13 +419,13 @@ def ambient_restored() -> Iterator[None]:
 
 def ambient() -> tuple:
     """Grad mode and autocast state now (restore them with :func:`set_ambient`)."""
-    from fxlite.codegen.capture_kinds import autocast_state
+    from fxlite.codegen.capture.kinds import autocast_state
 
     return torch.is_grad_enabled(), autocast_state()
 
 
 def set_ambient(state: tuple) -> None:
-    from fxlite.codegen.capture_kinds import set_autocast
+    from fxlite.codegen.capture.kinds import set_autocast
 
     torch._C._set_grad_enabled(state[0])
     set_autocast(state[1])
@@ -531,7 +531,7 @@ class _KernelCheck(_Replay):
         if sub.meta["fused_kind"] == "region" or torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._autograd_group(target, getattr(sub, "inner", sub), args)
-        from fxlite.codegen.triton import generate_kernel
+        from fxlite.codegen.runtime.kernel import generate_kernel
 
         try:
             kernel = generate_kernel(getattr(sub, "inner", sub), list(args),
@@ -568,8 +568,8 @@ class _KernelCheck(_Replay):
 
     def _autograd_group(self, target: str, sub: GraphModule, args: tuple) -> Any:
         """A group whose inputs need gradients: a Triton forward and a generated Triton
-        backward (``codegen/autograd.py``), each checked against eager on first use."""
-        from fxlite.codegen.autograd import make_autograd_group
+        backward (``codegen/lower/autograd.py``), each checked against eager on first use."""
+        from fxlite.codegen.lower.autograd import make_autograd_group
 
         group = make_autograd_group(sub, args, name=f"{self._prefix}{target}")
         before = versions(args)
@@ -624,7 +624,7 @@ def assert_same(got: Any, expected: Any, through: torch.dtype | None = None) -> 
 def _assert_as_accurate(gm: GraphModule, args: tuple, got: Any, expected: Any,
                         before: list[int]) -> None:
     """``assert_same``, with a float64 run deciding where they differ by rounding
-    (``codegen/accuracy.py``) and neither run wrote to ``args`` (``before``: their versions)."""
+    (``codegen/lower/accuracy.py``) and neither run wrote to ``args`` (``before``: their versions)."""
     try:
         assert_same(got, expected)
     except AssertionError as e:

@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from .cache import private_dir, read_file, write_atomic
+from fxlite.codegen.runtime.cache import private_dir, read_file, write_atomic
 
 __all__ = ["binary_key", "has_binary", "load_binary", "save_binary"]
 

@@ -51,20 +51,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from fxlite import ops as op_table
-from fxlite.graph_module import GraphModule
-
-from .cache import kernel_dir, load_module
-from .triton_binaries import binary_key, load_binary, save_binary
-from .triton_common import (
+from fxlite.codegen.kernels.analysis import (
     Plan,
     computed_outputs,
     guard_key,
     iteration_space,
     key_and_shape,
 )
-from .triton_config import (
+from fxlite.codegen.kernels.config import (
     DEFAULT_MAX_BLOCK,
     candidate_configs,
     launch_config,
@@ -72,11 +66,22 @@ from .triton_config import (
     tile_config,
     triton_cdiv,
 )
-from .triton_emit import Unsupported
-from .triton_generate import _generate, _identifier, interpreting
-from .triton_launch import SLOT, Binary, _DirectLaunch, _fingerprint
-from .triton_layout import dense_strides, inverse, memory_order, merges, permute_inputs
-from .triton_source import KernelSource, division_magic
+from fxlite.codegen.kernels.emit import Unsupported
+from fxlite.codegen.kernels.generate import _generate, _identifier, interpreting
+from fxlite.codegen.kernels.layout import (
+    dense_strides,
+    inverse,
+    memory_order,
+    merges,
+    permute_inputs,
+)
+from fxlite.codegen.kernels.source import KernelSource, division_magic
+from fxlite.codegen.runtime.binaries import binary_key, load_binary, save_binary
+from fxlite.codegen.runtime.cache import kernel_dir, load_module
+from fxlite.codegen.runtime.launch import SLOT, Binary, _DirectLaunch, _fingerprint
+
+from fxlite import ops as op_table
+from fxlite.graph_module import GraphModule
 
 __all__ = ["DEFAULT_MAX_BLOCK", "TritonKernel", "candidate_configs", "generate_kernel",
            "guard_key", "interpreting", "launch_config", "why_unsupported"]
@@ -330,7 +335,7 @@ class TritonKernel:
         kind: ``"pointwise"`` or ``"reduction"``.
         compilations: how many specializations (guard keys) have been generated.
         direction: ``"forward"``, or ``"backward"`` for a kernel of a generated backward
-            graph (``fxlite.codegen.autograd`` sets it).
+            graph (``fxlite.codegen.lower.autograd`` sets it).
 
     Example::
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .triton import _Spec
+    from fxlite.codegen.runtime.kernel import _Spec
 
 __all__ = ["DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "_DirectLaunch", "_fingerprint"]
 

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fxlite.codegen.runtime.binaries import binary_key, has_binary
+from fxlite.codegen.runtime.cache import kernel_dir
+from fxlite.codegen.runtime.kernel import _BINARIES, generate_kernel, interpreting
 
 from fxlite.graph_module import GraphModule
-
-from .cache import kernel_dir
-from .triton import _BINARIES, generate_kernel, interpreting
-from .triton_binaries import binary_key, has_binary
 
 __all__ = ["precompile"]
 

@@ -49,9 +49,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.cudagraphs import end_failed_capture, reference_counts, side_stream
-from fxlite.codegen.guards import LayoutCheck
-from fxlite.codegen.host_nodes import host_function
+from fxlite.codegen.capture.guards import LayoutCheck
+from fxlite.codegen.runtime.cudagraphs import end_failed_capture, reference_counts, side_stream
+from fxlite.codegen.runtime.host_nodes import host_function
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter

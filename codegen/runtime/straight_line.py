@@ -43,12 +43,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.capture.guards import tensor_guard
+from fxlite.codegen.runtime.launch import _fingerprint
 
 from fxlite.interpreter import freed_after
 from fxlite.node import Node
-
-from .guards import tensor_guard
-from .triton_launch import _fingerprint
 
 __all__ = ["AttrCheck", "StraightRunner", "attr_key", "fast_key", "straight_line"]
 

@@ -10,7 +10,7 @@ on the device. So on a GPU a compiled segment starts on trial::
 
 Two warm-ups a side: the compiled side's first calls also write its straight-line
 forward for the call's layout and write it again once its kernels' launches are
-prepared (``codegen/straight_line.py``), about 12-16 ms each for convnext_tiny on an H200
+prepared (``codegen/runtime/straight_line.py``), about 12-16 ms each for convnext_tiny on an H200
 host against 2.8 ms for a later call.
 
 A pure segment (it writes none of its inputs, draws no random numbers, has no effects and
@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.pipeline import CompiledSegment, direct_forward
-from fxlite.codegen.segment_graphs import WARMUP, SegmentGraphs, runs_backward
+from fxlite.codegen.lower.pipeline import CompiledSegment, direct_forward
+from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs, runs_backward
 
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]
 

@@ -13,7 +13,7 @@ takes none, or a function. A bad argument (an unknown module, a bad shape, an in
 bigger than the machine's memory, an object that is not a module or function,
 ``--device cuda`` without a GPU) prints one line and exits with status 2; everything
 printed fits in 100 columns (warnings too). Long steps show their progress on stderr: a
-bar on a terminal, plain lines in a pipe or a log (``fxlite.progress``).
+bar on a terminal, plain lines in a pipe or a log (``fxlite.cli.progress``).
 
 ``--help`` and ``--version`` import neither torch nor Triton, so they answer at once;
 the subcommands import torch when they run.
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .cli_load import UsageError  # imports torch
+    from fxlite.cli.load import UsageError  # imports torch
 
     try:
         with _fitted_warnings():
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # the user's code failed (or fxlite did): say so briefly
         if args.traceback:
             raise
-        from .proxy import TraceError
+        from fxlite.proxy import TraceError
 
         if isinstance(e, TraceError):  # it names the user's file, line and code, and a fix
             print(f"fxlite {args.command}: cannot trace {args.target}: {e}", file=sys.stderr)
@@ -200,10 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Run the subcommand ``args.command``."""
     if args.command == "demo":
-        from .demo import run_demo
+        from fxlite.cli.demo import run_demo
 
         return run_demo(seed=args.seed, compile=not args.no_compile)
-    from .cli_commands import run_compile, run_explain, run_show
+    from fxlite.cli.commands import run_compile, run_explain, run_show
 
     run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
     return run(args)

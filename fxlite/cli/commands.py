@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cli_load import (
+from fxlite.cli.load import (
     UsageError,
     check_arity,
     check_device,
@@ -27,7 +27,7 @@ from .cli_load import (
     make_inputs,
     parse_input,
 )
-from .progress import Progress
+from fxlite.cli.progress import Progress
 
 __all__ = ["WIDTH", "KernelCount", "bench", "run_compile", "run_explain", "run_show", "say", "use_interpreter",
            "wrap_code"]
@@ -118,8 +118,7 @@ def run_show(args: argparse.Namespace) -> int:
     """``fxlite show``: trace, print the table (with shapes when there are inputs), and more."""
     import fxlite as fx
     from fxlite.passes import ShapeProp
-
-    from .tabular import tabular
+    from fxlite.viz.tabular import tabular
 
     if args.svg:
         _check_drawable(args.svg)
@@ -219,7 +218,7 @@ def run_compile(args: argparse.Namespace) -> int:
             "slowly: use tiny inputs" if interpreting else
             "on the CPU without TRITON_INTERPRET: fxlite runs its regenerated Python forward")
     compiled = fx.compile(target.obj)
-    from .logs import kernel_listener
+    from fxlite.logs import kernel_listener
 
     count = KernelCount(compiled)
     with Progress(1, "compile") as bar, kernel_listener(count.add), torch.no_grad():
@@ -302,7 +301,7 @@ def bench(module: Any, compiled: Any, inputs: Sequence[torch.Tensor], device: st
     Returns:
         The table's rows.
     """
-    from .tabular import fit_table
+    from fxlite.viz.tabular import fit_table
 
     contenders: list[tuple[str, Callable[..., Any]]] = [
         ("eager", module), ("fxlite", compiled), ("torch.compile", torch.compile(module))]

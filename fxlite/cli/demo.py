@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from fxlite.graph import Graph
 
 __all__ = ["GPU_INPUT_SHAPE", "relu_to_gelu", "run_demo"]
 
@@ -82,11 +82,10 @@ def run_demo(seed: int = 0, out: TextIO | None = None, compile: bool = True) -> 
         0
     """
     import fxlite as fx
+    from fxlite.cli.commands import say, wrap_code
     from fxlite.examples import example_input, make_example
     from fxlite.passes import ShapeProp, diff
-
-    from .cli_commands import say, wrap_code
-    from .tabular import tabular
+    from fxlite.viz.tabular import tabular
 
     out = out if out is not None else sys.stdout
     with contextlib.redirect_stdout(out):
@@ -136,10 +135,9 @@ def run_demo(seed: int = 0, out: TextIO | None = None, compile: bool = True) -> 
 
 def _compile_step(model: torch.nn.Module, x: torch.Tensor) -> bool:
     import fxlite as fx
-
-    from .cli_commands import KernelCount, say, use_interpreter
-    from .logs import kernel_listener
-    from .progress import Progress
+    from fxlite.cli.commands import KernelCount, say, use_interpreter
+    from fxlite.cli.progress import Progress
+    from fxlite.logs import kernel_listener
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:

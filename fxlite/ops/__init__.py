@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .node import Node
+from fxlite.node import Node
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of", "has_side_effect",
            "is_impure", "lookup", "lookup_target", "register", "resolve", "result_dtype"]
@@ -53,7 +53,7 @@ class OpInfo:
             or a callable ``rule(args) -> dtype`` over canonical args whose tensors are given
             as their dtypes. A ``dtype=`` argument overrides it. None: unknown.
         triton: how the Triton code generator emits the op (a ``TritonOp``), set by
-            :func:`amend` when ``fxlite.codegen.triton_ops`` is imported; None for ops it
+            :func:`amend` when ``fxlite.codegen.kernels.ops`` is imported; None for ops it
             cannot emit and before that import (the core does not import codegen).
         positional: how many leading ``params`` the canonical call passes positionally
             (the rest go by keyword); None for all of them.
@@ -66,7 +66,7 @@ class OpInfo:
             arguments of the function spelling, with the module's parameters and buffers as
             tensors; returns None when the module has no safe function form (BatchNorm in
             training mode).
-        vjp: the op's derivative rule, set by :func:`amend` when ``fxlite.op_derivatives``
+        vjp: the op's derivative rule, set by :func:`amend` when ``fxlite.ops.derivatives``
             is imported (by ``fxlite.autodiff``): ``vjp(g, args, out) -> {param: grad}``,
             the cotangents of the tensor parameters given the cotangent ``g`` of the result
             (see that module). None: no rule (autodiff declines the graph).
@@ -113,7 +113,7 @@ def register(info: OpInfo) -> OpInfo:
 def amend(updates: dict[str, dict[str, Any]]) -> None:
     """Replace fields of registered records; every spelling keeps pointing at its record.
 
-    Code generators fill their column of the table this way: ``fxlite.codegen.triton_ops``
+    Code generators fill their column of the table this way: ``fxlite.codegen.kernels.ops``
     sets each op's ``triton`` emitter when it is imported.
 
     Example::
@@ -581,4 +581,4 @@ def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dty
     return higher
 
 
-from . import op_records  # noqa: E402,F401  (registers the rest of the table)
+from fxlite.ops import records as op_records  # noqa: E402,F401  (registers the rest of the table)

@@ -42,11 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxlite.ops import OPS, amend
+from fxlite.ops.dropout import seeded_dropout
 from fxlite.passes.shape_prop import MEMORY_FORMATS
-
-from .autodiff_random import seeded_dropout
-from .ops import OPS, amend
-from .proxy import Proxy
+from fxlite.proxy import Proxy
 
 __all__ = ["RULES", "ZERO", "expand_reduced", "reduced_dims"]
 

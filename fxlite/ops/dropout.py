@@ -101,7 +101,7 @@ def seed_dropouts(gm: Any) -> Any:
             return dropout                          seeded_dropout = ...(x, 0.1, draw_seed, 0)
                                                     return seeded_dropout
     """
-    from .ops import resolve
+    from fxlite.ops import resolve
 
     graph = gm.graph
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)

@@ -1,6 +1,6 @@
 """The rest of the op table: arithmetic, comparisons, casts, reductions, views, composites.
 
-``fxlite/ops.py`` holds the mechanism (:class:`~fxlite.ops.OpInfo`, ``lookup``,
+``fxlite/ops/__init__.py`` holds the mechanism (:class:`~fxlite.ops.OpInfo`, ``lookup``,
 ``canonical_args``, ``call_args``, ``result_dtype``) and the first spelling records; this
 module completes the same table and is imported by ``ops.py``, so ``fxlite.ops.OPS``
 always holds every record. Read a record as::
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .node import Node
-from .ops import OPS, OpInfo, dtype_of, promote, register
+from fxlite.node import Node
+from fxlite.ops import OPS, OpInfo, dtype_of, promote, register
 
 __all__: list[str] = []
 
@@ -240,9 +240,9 @@ for _fn, _module in ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
         module_kwargs=lambda m: {"p": m.p, "training": m.training, "inplace": m.inplace},
         refine=_dropout_refine, dtype_rule="same")
 
-# Training-mode dropout made deterministic (fxlite.autodiff_random.seed_dropouts): the mask
+# Training-mode dropout made deterministic (fxlite.ops.dropout.seed_dropouts): the mask
 # is a function of a seed drawn by draw_seed, an effect that advances torch's generator.
-from . import autodiff_random as _random  # noqa: E402  (plain torch functions, no fxlite imports)
+from fxlite.ops import dropout as _random  # noqa: E402  (plain torch functions, no fxlite imports)
 
 _op("seeded_dropout", "pointwise", _random.seeded_dropout, (), (),
     params=("input", "p", "seed", "offset"), defaults=(("offset", 0),), positional=4,

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from fxlite.codegen.triton_layout import dense_strides, memory_order
+from fxlite.codegen.kernels.layout import dense_strides, memory_order
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, map_arg
+from fxlite.ops import OpInfo, is_impure, resolve, result_dtype
 from fxlite.passes.shape_prop import FORMAT_RANKS
-
-from .graph_module import GraphModule
-from .node import Node, map_arg
-from .ops import OpInfo, is_impure, resolve, result_dtype
 
 __all__ = ["as_meta", "infer", "meta_tensor", "propagate", "record"]
 

@@ -1,9 +1,9 @@
 """Safe serialization: ``fxlite.save(gm, path)`` and ``fxlite.load(path)``.
 
 The file stores the graph as JSON (one record per node) and the tensors in the
-safetensors layout (``fxlite.serialize_tensors``). Loading runs no code from the file:
+safetensors layout (``fxlite.serialize.tensors``). Loading runs no code from the file:
 it never calls ``eval``, ``exec`` or ``pickle``, and every target is looked up by name in
-an allowlist (``fxlite.serialize_allowlist``): torch ops, ``torch.nn.functional``,
+an allowlist (``fxlite.serialize.allowlist``): torch ops, ``torch.nn.functional``,
 ``operator``, ``math``, Tensor methods, standard ``torch.nn`` modules (rebuilt from their
 constructor arguments) and what the loading program registered. ``get_attr`` and
 ``call_module`` targets must be paths through the modules the file stores (no dunder, no
@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
-from . import serialize_allowlist as allow
-from . import serialize_tensors
-from .graph import Graph, check_order, gc_paused
-from .graph_module import GraphModule
-from .node import Node
-from .serialize_tensors import Limits, SerializationError
+from fxlite.graph import Graph, check_order, gc_paused
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+from fxlite.serialize import allowlist as allow
+from fxlite.serialize import tensors as serialize_tensors
+from fxlite.serialize.tensors import Limits, SerializationError
 
 __all__ = ["Limits", "SerializationError", "load", "register", "save"]
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .serialize_tensors import SerializationError
+from fxlite.serialize.tensors import SerializationError
 
 __all__ = ["construct", "constructor_args", "function_name", "init_parameters", "module_name",
            "rebuild_problem", "register", "registered", "resolve_function", "resolve_module",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from fxlite.graph import Graph
 
 __all__ = ["graph_html", "graph_svg", "table_html"]
 
@@ -105,7 +105,7 @@ def graph_html(graph: Graph, svg: bool = True) -> str:
         from IPython.display import HTML
         HTML(graph_html(gm.graph))      # what a notebook shows for `gm.graph`
     """
-    from .tabular import graph_rows
+    from fxlite.viz.tabular import graph_rows
 
     headers, rows = graph_rows(graph, qualified=True)
     caption = f"{len(rows)} nodes"

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from .node import map_aggregate, unprintable
+from fxlite.node import map_aggregate, unprintable
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from fxlite.graph import Graph
 
 _HEADERS = ["opcode", "name", "target", "args", "kwargs"]
 
@@ -80,7 +80,7 @@ def qualified_name(target: Any) -> str:
     name = _namespaces().get(id(target))
     if name is not None:
         return name
-    from .node import _format_target
+    from fxlite.node import _format_target
 
     return _format_target(target)
 

@@ -16,7 +16,7 @@ Rules:
   the parent graph, and groups never reach across it. Reductions must be plain ones
   (``sum``, ``mean``, ``amax``, ``amin``, ``prod``, single-result ``max``/``min``: only
   ``input``/``dim``/``keepdim``/``dtype`` parameters); ``var``/``std`` are decomposed or
-  stay outside. (Which node may join as what: ``passes/fuse_classes.py``.)
+  stay outside. (Which node may join as what: ``passes/fuse/classes.py``.)
 * **Iteration space.** A pointwise group is nodes of one output shape ``I`` (inputs may
   broadcast), plus pointwise nodes whose smaller shape broadcasts into ``I`` (a
   per-channel ``rsqrt(var + eps)`` of an eval-mode batch_norm): the kernel recomputes those
@@ -59,18 +59,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fxlite.passes.fuse.classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
+from fxlite.passes.fuse.remat import rematerialize
+from fxlite.passes.fuse.size_sources import size_sources
+from fxlite.passes.fuse.split_sums import split_sums
+from fxlite.passes.sink_views import sink_views
+from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_outputs
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule, _copy_attr, expect_graph_module
 from fxlite.node import Node, describe_value
 from fxlite.ops import is_impure, lookup
-
-from .fuse_classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
-from .fuse_remat import rematerialize
-from .sink_views import sink_views
-from .size_sources import size_sources
-from .split_module import extract_subgraph, set_call_meta, unpack_outputs
-from .split_sums import split_sums
 
 __all__ = ["fuse"]
 
@@ -335,7 +334,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None, recompute: bool 
             gives the same groups.
         max_group_size: if given, no group grows beyond this many nodes.
         recompute: let a group recompute full-size pointwise values of a reduction group
-            rather than load them, where that moves less memory (``passes/fuse_remat.py``).
+            rather than load them, where that moves less memory (``passes/fuse/remat.py``).
             Their copies are new nodes, so the groups then cover more than ``gm``'s nodes.
             Off when ``max_group_size`` is given.
 
@@ -388,9 +387,9 @@ def _decomposed(gm: GraphModule) -> GraphModule:
     """``gm``, or a normalized and decomposed copy of it when it holds composites that have
     a decomposition rule (softmax, layer_norm...), so they fuse as their primitives do.
     The new nodes get their metadata from their inputs' (no example inputs are needed)."""
-    from .decompose import DECOMPOSITIONS
-    from .normalize import normalize
-    from .shape_prop import fill_missing_meta
+    from fxlite.passes.decompose import DECOMPOSITIONS
+    from fxlite.passes.normalize import normalize
+    from fxlite.passes.shape_prop import fill_missing_meta
 
     def composite(n: Node) -> bool:
         info = lookup(n, gm)
@@ -398,7 +397,7 @@ def _decomposed(gm: GraphModule) -> GraphModule:
 
     if not any(composite(n) for n in gm.graph.nodes):
         return gm
-    from .decompose import decompose
+    from fxlite.passes.decompose import decompose
 
     work = normalize(GraphModule(gm, copy.deepcopy(gm.graph)))
     fill_missing_meta(work)  # rules use shapes (to count the elements a mean reduces)

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 
 from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
-
-from .shape_prop import MEMORY_FORMATS, TensorMetadata
 
 __all__ = ["Shape"]
 

@@ -33,10 +33,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from fxlite.passes.normalize import _copy_graph, _copy_module
+
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-
-from .normalize import _copy_graph, _copy_module
 
 __all__ = ["MAX_CONE", "rematerialize"]
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fxlite.passes.normalize import _copy_graph, _copy_module
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, lookup
-
-from .normalize import _copy_graph, _copy_module
 
 __all__ = ["broadcast_size", "size_sources"]
 

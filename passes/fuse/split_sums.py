@@ -28,13 +28,12 @@ import math
 from typing import Any
 
 import torch
+from fxlite.passes.normalize import _copy_graph, _copy_module
+from fxlite.passes.sink_views import tensor_meta, with_meta
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import canonical_args, is_impure, lookup
-
-from .normalize import _copy_graph, _copy_module
-from .sink_views import tensor_meta, with_meta
 
 __all__ = ["split_sums"]
 

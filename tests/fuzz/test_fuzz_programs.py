@@ -25,7 +25,7 @@ from fuzz_catalog import draw_step
 from fuzz_check import check_compiled, check_passes
 from fuzz_check_grad import check_backward, gradable
 from fuzz_programs import HypothesisDraw, Program, RandomDraw, generate, rebuild
-from fxlite.codegen.triton import interpreting
+from fxlite.codegen.runtime.kernel import interpreting
 
 DEVICE = "cpu" if interpreting() else "cuda"
 SCALE = int(os.environ.get("FXLITE_FUZZ_SCALE", "1"))

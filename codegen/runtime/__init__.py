@@ -1,0 +1,2 @@
+"""What runs on every later call: launch plans, compiled binaries, the disk cache,
+straight-line replay, CUDA graphs and the trial against the recorded ops."""

@@ -1,0 +1,1 @@
+"""Displays of graphs and reports: text tables and HTML for Jupyter."""
