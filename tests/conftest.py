@@ -37,6 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fxlite") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Tests sit in folders that mirror the code, and share helpers by module name (`_golden`,
+# `faithful_harness`, `from test_compile import FakeKernel`): every test folder is importable.
+_TESTS = Path(__file__).resolve().parent
+for _folder in [_TESTS, *sorted(p for p in _TESTS.rglob("*") if p.is_dir()
+                                and p.name not in ("golden", "__pycache__"))]:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is available")

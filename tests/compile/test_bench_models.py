@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_models.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_models.py"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from fxlite.cli.demo import relu_to_gelu, run_demo
 from fxlite.cli.load import UsageError, load_target, parse_input
 from fxlite.examples import ExampleBlock, example_input, make_example
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WIDTH = 100
 
 

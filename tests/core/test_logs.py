@@ -14,7 +14,7 @@ import torch
 import fxlite as fx
 from fxlite import logs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ def test_subpackages_are_attributes_of_fxlite():
 
     code = ("import fxlite as fx; print(fx.passes.diff.__module__, fx.logs.__name__, "
             "fx.rewrite.explain_no_match.__name__)")
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": ""}
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": ""}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

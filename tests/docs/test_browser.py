@@ -123,5 +123,5 @@ def test_screenshot(page):
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
     keep = os.environ.get("FXLITE_KEEP_SCREENSHOT")
-    if keep:  # to look at it: FXLITE_KEEP_SCREENSHOT=/tmp/page.png pytest tests/test_browser.py
+    if keep:  # to look at it: FXLITE_KEEP_SCREENSHOT=/tmp/page.png pytest tests/docs/test_browser.py
         shutil.copy(shot, keep)

@@ -24,7 +24,7 @@ from fuzz_programs import Draw, Skip, State, Step
 __all__ = ["CATALOG", "EXCLUDED", "G", "draw_step"]
 
 # Open bugs other work is fixing: the generator steers around each trigger (the ops stay
-# in the mix) and a strict xfail in tests/test_fuzz_regressions.py shows each one. When
+# in the mix) and a strict xfail in tests/fuzz/test_fuzz_regressions.py shows each one. When
 # such a test starts passing, pytest fails it: then delete the entry here.
 KNOWN_OPEN = {
     "self_setitem": "x[..., ::2] = x of a sliced (4, 1) x, which eager accepts (an exact "

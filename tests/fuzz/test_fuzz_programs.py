@@ -4,7 +4,7 @@
 
 Hypothesis draws the programs, derandomized (CI runs the same ones every time) and without
 an example database; a failing program shrinks to a minimal one, printed with its inputs.
-Save it as a plain test in ``tests/test_fuzz_regressions.py`` when you fix the bug.
+Save it as a plain test in ``tests/fuzz/test_fuzz_regressions.py`` when you fix the bug.
 ``FXLITE_FUZZ_SCALE=N`` runs N times as many programs; ``benchmarks/fuzz.py`` runs thousands.
 The end of the pytest run prints how many programs ran and which op-table records their
 graphs held (``tests/conftest.py``).

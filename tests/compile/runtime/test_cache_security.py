@@ -34,7 +34,7 @@ from fxlite.passes.shape_prop import ShapeProp
 import fxlite as fx
 
 DEVICE = "cpu" if interpreting() else "cuda"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 _IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 posix_only = pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners and modes")
 

@@ -1,7 +1,7 @@
 """Straight-line forwards (codegen/runtime/straight_line.py), checked without a GPU.
 
 Stand-in kernels with prepared "launches" replace Triton's; on the GPU the same paths run
-end to end in tests/test_compile_gpu.py (test_gpu_straight_line_*).
+end to end in tests/compile/test_compile_gpu.py (test_gpu_straight_line_*).
 """
 
 from __future__ import annotations

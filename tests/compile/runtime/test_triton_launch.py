@@ -1,7 +1,7 @@
 """The direct-launch and binary-index machinery, checked without a GPU.
 
 On the GPU these paths are exercised end to end by the ``gpu`` tests in
-tests/test_compile_gpu.py; here a recording stand-in replaces the compiled binary.
+tests/compile/test_compile_gpu.py; here a recording stand-in replaces the compiled binary.
 """
 
 from __future__ import annotations
