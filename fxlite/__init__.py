@@ -23,6 +23,12 @@ if os.path.isfile(os.path.join(_checkout, "codegen", "compile.py")) and os.path.
 
 __version__ = "0.1.0"
 
+# Internal modules moved in 0.1's layout (issue 37) still import from their old paths, with
+# a DeprecationWarning, for one release.
+from ._moved import install as _install_moved  # noqa: E402
+
+_install_moved()
+
 # Everything loads on first use, so `import fxlite` imports neither torch nor Triton: the
 # `fxlite` command answers --help and --version without them (`from fxlite import Graph`
 # and `fxlite.Graph` load fxlite.graph, and torch with it, then).
