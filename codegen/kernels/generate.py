@@ -1,15 +1,27 @@
-"""Generating a fused group's Triton source, the step under ``generate_kernel``:
-:func:`interpreting` (whether kernels run through Triton's CPU interpreter), ``_generate``
-(the environment checks, the group's analysis, the pointwise or reduction builder, and the
-kernel's name: what it computes and a digest of its text) and ``_identifier`` (a name made
-a valid identifier). ``triton.py`` wraps the source in a ``TritonKernel`` and re-exports
-:func:`interpreting`.
+"""A fused group's Triton source, the pure step under ``generate_kernel``: no disk, no
+launches, no state.
+
+- :func:`interpreting`: whether kernels run through Triton's CPU interpreter (the one
+  copy; ``codegen/lower`` and ``codegen/runtime`` import it from here).
+- :func:`generate_source`: the environment checks, the group's analysis, the pointwise or
+  reduction builder, and the kernel's name (what it computes and a digest of its text).
+- :func:`why_unsupported`: why a group gets no kernel, or None.
+- :func:`identifier`: a name made a valid Python identifier.
+
+``codegen/runtime/kernel.py`` loads the source and wraps it in a ``TritonKernel``.
+
+Example::
+
+    plan, src = generate_source(group, [x], libdevice=None)
+    print(src.text)                       # the Triton module
+    why_unsupported(group, [x])           # None: generate_source raised nothing
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +33,7 @@ from fxlite.codegen.kernels.source import KernelSource
 
 from fxlite.graph_module import GraphModule
 
-__all__ = ["interpreting"]
+__all__ = ["generate_source", "identifier", "interpreting", "why_unsupported"]
 
 
 def interpreting() -> bool:
@@ -29,16 +41,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (triton_common._Builder.fresh)
+_UNNAMED = "_fxlite_kernel"  # no kernel variable starts with "_" (analysis._Builder.fresh)
 
 
-def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool | None
-              ) -> tuple[Plan, KernelSource]:
+def generate_source(group: GraphModule, inputs: list[Any], libdevice: bool | None
+                    ) -> tuple[Plan, KernelSource]:
+    """The analysis of ``group`` for ``inputs`` and its Triton module source.
+
+    Args:
+        group: a fused group with ShapeProp metadata (see ``generate_kernel``).
+        inputs: tensors and Python scalars, one per placeholder.
+        libdevice: use libdevice functions; None: when not interpreting.
+
+    Raises:
+        Unsupported: no kernel can be proven right for this group (or this environment).
+    """
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     if tensors and tensors[0].device.type == "cpu" and not interpreting():
         raise Unsupported("CPU tensors need TRITON_INTERPRET=1")
     if interpreting():
-        import triton.language as tl
+        import triton.language as tl  # Triton's import cost: only once a kernel is made
 
         if type(tl.sum).__name__ != "InterpretedFunction":
             raise Unsupported("TRITON_INTERPRET=1 was set after triton was imported; set it "
@@ -58,6 +80,17 @@ def _generate(group: GraphModule, inputs: list[Any], name: str, libdevice: bool 
     return plan, src
 
 
-def _identifier(name: str) -> str:
+def why_unsupported(group_gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:
+    """Why ``generate_kernel`` returns None for this group, or None if it would not."""
+    try:
+        generate_source(group_gm, list(example_inputs), None)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+
+def identifier(name: str) -> str:
+    """``name`` with every character that may not stand in an identifier replaced by
+    ``_`` (and ``k_`` before a leading digit): ``"layer-norm.1"`` -> ``"layer_norm_1"``."""
     out = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
     return out if out and not out[0].isdigit() else f"k_{out}"

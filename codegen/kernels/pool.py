@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from fxlite.codegen.kernels.generate import interpreting
 
 from fxlite.graph_module import GraphModule
 
@@ -120,8 +121,6 @@ def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
     def fallback() -> Any:
         return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode,
                             return_indices)
-
-    from fxlite.codegen.runtime.kernel import interpreting
 
     k = _pair(kernel_size)
     s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \

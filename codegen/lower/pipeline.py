@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.kernels.pool import use_pool_kernels
 from fxlite.codegen.lower.accuracy import (
     HALF_TOLERANCE,
@@ -61,13 +62,6 @@ REGIONS = os.environ.get("FXLITE_REGIONS", "1") != "0"
 # turns it off. On an H200 it cut resnet50's bf16 forward at batch 32 from 3.7 to 1.85 ms
 # of GPU time, and resnet18's training step from 2.43 to 2.04.
 CHANNELS_LAST = True
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass

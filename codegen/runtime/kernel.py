@@ -67,7 +67,12 @@ from fxlite.codegen.kernels.config import (
     triton_cdiv,
 )
 from fxlite.codegen.kernels.emit import Unsupported
-from fxlite.codegen.kernels.generate import _generate, _identifier, interpreting
+from fxlite.codegen.kernels.generate import (
+    generate_source,
+    identifier,
+    interpreting,
+    why_unsupported,
+)
 from fxlite.codegen.kernels.layout import (
     dense_strides,
     inverse,
@@ -394,7 +399,7 @@ class TritonKernel:
             with self._lock:
                 spec = self._specs.get(key, False)
                 if spec is False:
-                    spec = _build(self.group, list(inputs), self.name, self._libdevice,
+                    spec = _build(self.group, list(inputs), self._libdevice,
                                   self._max_block)
                     self._specs[key] = spec
                     self.compilations += spec is not None
@@ -539,17 +544,12 @@ def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
     return False
 
 
-def _build(group: GraphModule, inputs: list[Any], name: str, libdevice: bool | None,
+def _build(group: GraphModule, inputs: list[Any], libdevice: bool | None,
            max_block: int) -> _Spec | None:
     try:
-        return _make_spec(group, inputs, name, libdevice, max_block)
+        plan, src = generate_source(group, inputs, libdevice)
     except Unsupported:
         return None
-
-
-def _make_spec(group: GraphModule, inputs: list[Any], name: str, libdevice: bool | None,
-               max_block: int) -> _Spec:
-    plan, src = _generate(group, inputs, name, libdevice)
     return _Spec(plan, src, max_block)
 
 
@@ -578,17 +578,9 @@ def generate_kernel(group_gm: GraphModule, example_inputs: Sequence[Any], name: 
         torch.testing.assert_close(kernel(x), gm(x))
     """
     inputs = list(example_inputs)
-    spec = _build(group_gm, inputs, _identifier(name), libdevice, max_block)
+    spec = _build(group_gm, inputs, libdevice, max_block)
     if spec is None:
         return None
-    return TritonKernel(group_gm, spec, name=_identifier(name), libdevice=libdevice,
+    return TritonKernel(group_gm, spec, name=identifier(name), libdevice=libdevice,
                         max_block=max_block)
 
-
-def why_unsupported(group_gm: GraphModule, example_inputs: Sequence[Any]) -> str | None:
-    """Why :func:`generate_kernel` returns None for this group, or None if it would not."""
-    try:
-        _generate(group_gm, list(example_inputs), "probe", None)
-    except Unsupported as e:
-        return str(e)
-    return None

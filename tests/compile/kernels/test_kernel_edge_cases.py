@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _pipeline import Kernels, lower
-from fxlite.codegen.runtime.kernel import generate_kernel, why_unsupported
+from fxlite.codegen.kernels.generate import why_unsupported
+from fxlite.codegen.runtime.kernel import generate_kernel
 from fxlite.passes.decompose import decompose
 from fxlite.passes.normalize import normalize
 from fxlite.passes.shape_prop import ShapeProp
