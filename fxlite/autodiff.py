@@ -211,7 +211,7 @@ def _accumulate(cotangent: dict[Node, Any], node: Node, grad: Any) -> None:
 def _apply_rule(n: Node, cotangent: dict[Node, Any], live: set[Node], tracer: _Recorder,
                 gm: GraphModule) -> None:
     found = resolve(n, gm)
-    rule = found[0].vjp if found is not None else None
+    rule = op_derivatives.VJP.get(found[0].name) if found is not None else None
     if rule is None:
         raise NotDifferentiable(f"no derivative rule for {n.format_node()}")
     if rule is op_derivatives.ZERO:

@@ -32,7 +32,7 @@ import torch
 
 from .graph import Graph
 from .node import Node, _collect_nodes, _format_target
-from .ops import OPS, _same_literal, canonical_args, lookup
+from .ops import OPS, canonical_args, lookup, same_literal
 
 __all__ = ["InternalMatch", "NearMiss", "SubgraphMatcher"]
 
@@ -431,7 +431,7 @@ class _Search:
             elif isinstance(ga, Node):
                 return self.explaining and note(owner, ga, where, f"the pattern has the constant "
                                                 f"{pa!r}, the graph has node %{ga.name}")
-            elif not self.m.ignore_literals and not _same_literal(pa, ga):
+            elif not self.m.ignore_literals and not same_literal(pa, ga):
                 if isinstance(ga, (tuple, list, dict, slice)):
                     return self.explaining and note(owner, ga, where, f"the pattern has {pa!r}, the graph has {ga!r}")
                 return self.explaining and note(owner, ga, where, f"the constant differs: the pattern "
@@ -443,7 +443,7 @@ class _Search:
         bound = p2g.get(pn, _UNBOUND)
         if bound is not _UNBOUND:
             if bound is ga or (not isinstance(bound, Node) and not isinstance(ga, Node)
-                               and _same_literal(bound, ga)):
+                               and same_literal(bound, ga)):
                 return True
             return self.explaining and self._note(pn, ga, where, f"%{pn.name} already matched "
                                                   f"{_describe(bound)} elsewhere, here it meets {_describe(ga)}")

@@ -33,12 +33,12 @@ from fxlite.node import Node, Opcode, describe_value, map_aggregate, map_arg
 from fxlite.ops import (
     OPS,
     OpInfo,
-    _same_literal,
     attribute_at,
     call_args,
     is_impure,
     lookup,
     resolve,
+    same_literal,
 )
 
 from .shape_prop import TensorMetadata, extract_tensor_metadata
@@ -262,7 +262,7 @@ def _module_params(node: Node, info: OpInfo, module: Any) -> dict[str, Any] | No
             value = _Attr(f"{node.target}.{names[id(value)]}", value)
         out[key] = value
     defaults = dict(info.defaults)
-    return {k: v for k, v in out.items() if not (k in defaults and _same_literal(v, defaults[k]))}
+    return {k: v for k, v in out.items() if not (k in defaults and same_literal(v, defaults[k]))}
 
 
 def _get_attr(graph: Graph, user: Node, attr: _Attr, attrs: dict[str, Node],

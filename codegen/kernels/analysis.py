@@ -28,7 +28,7 @@ import torch
 from fxlite.codegen.kernels.emit import Unsupported, compute_dtype
 from fxlite.codegen.kernels.layout import eager_layout, stride_order
 from fxlite.codegen.kernels.meta import meta_values
-from fxlite.codegen.kernels.ops import REDUCTIONS
+from fxlite.codegen.kernels.ops import REDUCTIONS, TRITON_OPS
 
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
@@ -61,7 +61,7 @@ def resolve(node: Node, module: torch.nn.Module | None = None) -> str | None:
     """
     info = op_table.lookup(node, module)
     if info is not None:
-        known = info.triton is not None or info.name in REDUCTIONS or info.name in IDENTITY_VIEWS
+        known = info.name in TRITON_OPS or info.name in REDUCTIONS or info.name in IDENTITY_VIEWS
         return info.name if known else None
     if node.op == "call_method" and node.target == "detach":
         return node.target
@@ -377,7 +377,7 @@ class _Builder:
             self.reduction(node, name)
             return
         info = op_table.lookup(node, self.gm)
-        spec = info.triton
+        spec = TRITON_OPS[info.name]
         bound = self.to_args(node) if name == "to" else _table_args(node, info, self.gm)
         for k in spec.ignore:
             if k == "inplace" and bound.get(k) is True and self.private(bound.get("input"), node):

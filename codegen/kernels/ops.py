@@ -14,9 +14,8 @@ Triton's CPU interpreter lacks libdevice (``tanh``, ``log1p``, ``pow``, ``fmod``
 every op has a portable expression built from core ``tl`` functions; the libdevice form is
 used only when ``Emitter.libdevice`` is set (compiling for a GPU).
 
-TODO(op table): these records belong in the ``triton`` slot of ``fxlite.ops.OpInfo``; until
-that slot is filled, ``triton_common.resolve`` maps nodes to them by canonical name or by
-target.
+:data:`TRITON_OPS` is the op table's Triton column: a dict keyed by the op's name in
+``fxlite.ops.OPS``, read by the kernel generator (``TRITON_OPS[info.name]``).
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ from fxlite.codegen.kernels.emit import (
     promote,
     tl_dtype,
 )
-
-from fxlite import ops as op_table
 
 __all__ = ["REDUCTIONS", "TRITON_OPS", "TritonOp"]
 
@@ -512,9 +509,6 @@ TRITON_OPS: dict[str, TritonOp] = {
     "to": TritonOp(_to),
     "seeded_dropout": TritonOp(_seeded_dropout),
 }
-
-# The op table's Triton column: each record's ``triton`` field (see fxlite.ops.amend).
-op_table.amend({name: {"triton": spec} for name, spec in TRITON_OPS.items()})
 
 # Reductions: canonical name -> (parameters, defaults). Their code lives in the kernel
 # builders, since they shape the kernel rather than one expression.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from fxlite.codegen.kernels.analysis import Plan, Value
 from fxlite.codegen.kernels.emit import Emitter, Operand, compute_dtype, tl_dtype
+from fxlite.codegen.kernels.ops import TRITON_OPS
 
 from fxlite import ops as op_table
 
@@ -327,7 +328,7 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
         if not e.space <= v.span:  # the index names elements of the whole space only
             e.index = None
         try:
-            expr = op_table.OPS[v.op].triton.emit(e, args, ct)
+            expr = TRITON_OPS[v.op].emit(e, args, ct)
         finally:
             e.index = index
     e.lines.append(f"{v.name} = {expr}")

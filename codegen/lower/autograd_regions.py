@@ -40,11 +40,11 @@ from typing import Any
 
 from fxlite.passes.split_module import set_call_meta, unpack_outputs
 
-import fxlite.ops.derivatives  # noqa: F401  (puts the derivative rules on the op table)
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, resolve
+from fxlite.ops.derivatives import VJP
 
 __all__ = ["autograd_regions"]
 
@@ -109,7 +109,7 @@ def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
     autograd; inside a group fuse admits unit and broadcast views only.)"""
     found = resolve(n, gm)
     return found is not None and (views or found[0].kind in GROUP_KINDS or found[0].name == "detach") \
-        and found[0].vjp is not None and not is_impure(n, gm)
+        and found[0].name in VJP and not is_impure(n, gm)
 
 
 def _joins(n: Node, gm: GraphModule) -> bool:

@@ -1,4 +1,4 @@
-"""Derivative rules: the op table's ``vjp`` column, one rule per differentiable op.
+"""Derivative rules: :data:`VJP`, keyed by op name, one rule per differentiable op.
 
 A rule is the op's vector-Jacobian product written with table ops, as autodidax keeps
 its transpose rules next to each primitive. It gets the cotangent ``g`` of the op's
@@ -23,7 +23,7 @@ rules may unsqueeze it at the reduced dims. Rules start from ``g`` (``g * o * o`
 from the forward (``x.size(d)``): Python ints, which the forward computes and saves.
 
 Two markers stand for rules without a formula: :data:`ZERO` (piecewise-constant ops such
-as ``floor``: their gradient is zero, as eager's) and ops absent from :data:`RULES`
+as ``floor``: their gradient is zero, as eager's) and ops absent from :data:`VJP`
 (``floor_divide``, whose derivative eager does not implement either), which autodiff
 refuses. Ops with bool or integer results (comparisons, ``isnan``, bitwise ops) carry
 no gradient and need no rule.
@@ -42,12 +42,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fxlite.ops import OPS, amend
 from fxlite.ops.dropout import seeded_dropout
 from fxlite.passes.shape_prop import MEMORY_FORMATS
 from fxlite.proxy import Proxy
 
-__all__ = ["RULES", "ZERO", "expand_reduced", "reduced_dims"]
+__all__ = ["VJP", "ZERO", "expand_reduced", "reduced_dims"]
 
 Rule = Callable[[Any, dict[str, Any], Any], dict[str, Any]]
 
@@ -435,7 +434,7 @@ def _clone(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 _LN2 = math.log(2.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
-RULES: dict[str, Rule] = {
+VJP: dict[str, Rule] = {
     # arithmetic
     "add": lambda g, a, o: {"input": g, "other": _scale(g, a.get("alpha", 1))},
     "sub": lambda g, a, o: {"input": g, "other": -_scale(g, a.get("alpha", 1))},
@@ -510,5 +509,3 @@ RULES: dict[str, Rule] = {
     "transpose": lambda g, a, o: {"input": g.transpose(a["dim0"], a["dim1"])},
     "t": lambda g, a, o: {"input": g.t()},
 }
-
-amend({name: {"vjp": rule} for name, rule in RULES.items() if name in OPS})

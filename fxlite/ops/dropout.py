@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fxlite.ops.table import resolve
+
 __all__ = ["draw_seed", "philox_uniform", "seed_dropouts", "seeded_dropout"]
 
 _MASK32 = 0xFFFFFFFF
@@ -101,8 +103,6 @@ def seed_dropouts(gm: Any) -> Any:
             return dropout                          seeded_dropout = ...(x, 0.1, draw_seed, 0)
                                                     return seeded_dropout
     """
-    from fxlite.ops import resolve
-
     graph = gm.graph
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)
     for node in list(graph.nodes):

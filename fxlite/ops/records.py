@@ -1,9 +1,9 @@
-"""The rest of the op table: arithmetic, comparisons, casts, reductions, views, composites.
+"""The op table's records: one per op, each complete where it is written.
 
-``fxlite/ops/__init__.py`` holds the mechanism (:class:`~fxlite.ops.OpInfo`, ``lookup``,
-``canonical_args``, ``call_args``, ``result_dtype``) and the first spelling records; this
-module completes the same table and is imported by ``ops.py``, so ``fxlite.ops.OPS``
-always holds every record. Read a record as::
+``fxlite/ops/table.py`` holds the mechanism (:class:`~fxlite.ops.OpInfo`, ``register``,
+``lookup``, ``canonical_args``, ``call_args``, ``result_dtype``); this module registers
+every record, and ``fxlite/ops/__init__.py`` imports it, so ``fxlite.ops.OPS`` always
+holds every record with its kind, spellings, parameters and dtype rule. Read a record as::
 
     _op("maximum", "pointwise", torch.maximum, (T.maximum,), ("maximum",),
         params=_BINARY, positional=2, swapped="maximum", dtype_rule="promote")
@@ -16,7 +16,6 @@ spelling that really means another op onto it (``torch.max(a, b)`` is ``maximum`
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -26,28 +25,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxlite.node import Node
-from fxlite.ops import OPS, OpInfo, dtype_of, promote, register
+from fxlite.ops.dropout import draw_seed, seeded_dropout
+from fxlite.ops.table import OpInfo, attribute_at, dtype_of, lookup, promote, register
 
-__all__: list[str] = []
+__all__ = ["amax_or_empty", "has_side_effect", "is_impure"]
 
 T = torch.Tensor
 _UNARY = ("input",)
 _BINARY = ("input", "other")
 _ALPHA = ("alpha", 1)
+_INPLACE = (("inplace", False),)
 
 
 def _op(name: str, kind: str, torch_fn: Any, functions: tuple = (), methods: tuple = (),
         **fields: Any) -> OpInfo:
     fns = tuple(dict.fromkeys(f for f in (torch_fn, *functions) if f is not None))
     return register(OpInfo(name, kind, torch_fn, functions=fns, methods=methods, **fields))
-
-
-def _amend(name: str, functions: tuple = (), methods: tuple = (), **fields: Any) -> OpInfo:
-    """Add fields (and spellings) to a record defined in ops.py."""
-    old = OPS[name]
-    return register(dataclasses.replace(
-        old, functions=tuple(dict.fromkeys((*old.functions, *functions))),
-        methods=tuple(dict.fromkeys((*old.methods, *methods))), **fields))
 
 
 def _input_dtype(args: dict[str, Any]) -> Any:
@@ -65,22 +58,220 @@ def _float_rule(args: dict[str, Any]) -> Any:
     return torch.get_default_dtype() if d is not None and not d.is_floating_point else d
 
 
+# ---------------------------------------------------------------------- side effects
+_RANDOM_FUNCTIONS = (
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.randperm, torch.bernoulli, torch.multinomial, torch.normal,
+    torch.poisson, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+    F.rrelu, F.gumbel_softmax,
+)  # F.dropout and nn.Dropout (random only in training mode) are records below
+_EFFECT_FUNCTIONS = (
+    operator.setitem, operator.delitem, print, torch._assert, torch.manual_seed,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift,
+)
+_RANDOM_METHODS = ("bernoulli", "multinomial")
+_RANDOM_MODULES = (torch.nn.RReLU,)
+
+for _f in _RANDOM_FUNCTIONS + _EFFECT_FUNCTIONS:
+    register(OpInfo(f"{getattr(_f, '__module__', '') or ''}.{_f.__name__}", "effect", _f,
+                    functions=(_f,), impure=True))
+for _m in _RANDOM_METHODS:
+    register(OpInfo(f"Tensor.{_m}", "effect", getattr(torch.Tensor, _m), methods=(_m,), impure=True))
+for _t in _RANDOM_MODULES:
+    register(OpInfo(f"nn.{_t.__name__}", "effect", None, modules=(_t,), impure=True))
+
+
+def _is_random(info: OpInfo) -> bool:
+    return any(f in _RANDOM_FUNCTIONS for f in info.functions) or any(
+        m in _RANDOM_METHODS for m in info.methods) or any(t in _RANDOM_MODULES for t in info.modules)
+
+
+def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as having a side effect, so dead-code elimination keeps its calls.
+
+    Use it as a decorator, with or after :func:`fxlite.wrap`; it returns ``fn``.
+
+    Example::
+
+        @fxlite.has_side_effect
+        @fxlite.wrap
+        def log(x):
+            print(x)
+    """
+    name = f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', repr(fn))}"
+    register(OpInfo(name, "effect", fn, functions=(fn,), impure=True))
+    return fn
+
+
+def _mutates(target: Any) -> bool:
+    # torch.ops overloads say in their schema whether they write to an argument.
+    schema = getattr(target, "_schema", None)
+    if schema is None and isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+        return any(s.is_mutable for s in schemas)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: bool = True) -> bool:
+    """True if removing ``node`` could change behaviour even when its result is unused.
+
+    That covers placeholders and outputs, in-place ops (``add_``, ``operator.iadd``,
+    ``out=``), random ops (which advance the generator) and side effects (``print``,
+    ``setitem``, ``torch._assert``), and modules marked ``_is_impure``.
+    """
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.meta.get("impure"):  # the capture saw it write, draw random numbers, or act
+        return True
+    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    info = lookup(node, module)
+    if info is not None:  # the table knows (operator.and_ is no in-place op despite its "_")
+        if info.impure and not impure_random and info.kind == "effect" and _is_random(info):
+            return False
+        return info.impure
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            qualified = getattr(node.target, "_qualified_op_name", None) or node.target.name()
+            return _mutates(node.target) or qualified.startswith("profiler::")
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__") or getattr(node.target, "_is_impure", False)
+    if node.op == "call_module" and module is not None:
+        return bool(getattr(attribute_at(module, node.target), "_is_impure", False))
+    return False
+
+
+# ---------------------------------------------------------------------- spellings
+# One record per op, listing every spelling that computes it. The rewriter matches a
+# pattern's `x + y` against `torch.add(x, y)` and `x.add(y)` through these records.
+
+# x + y, torch.add(x, y), x.add(y), torch.Tensor.add(x, y)
+_op("add", "pointwise", torch.add, (operator.add, T.add), ("add",),
+    params=(*_BINARY, "alpha"), defaults=(_ALPHA,), swapped="add", positional=2,
+    dtype_rule="promote")
+_op("sub", "pointwise", torch.sub, (operator.sub, torch.subtract, T.sub, T.subtract),
+    ("sub", "subtract"), params=(*_BINARY, "alpha"), defaults=(_ALPHA,), swapped="rsub",
+    positional=2, dtype_rule="promote")
+_op("mul", "pointwise", torch.mul, (operator.mul, torch.multiply, T.mul, T.multiply),
+    ("mul", "multiply"), params=_BINARY, swapped="mul", positional=2, dtype_rule="promote")
+_op("truediv", "pointwise", torch.div,
+    (operator.truediv, torch.divide, torch.true_divide, T.div, T.divide, T.true_divide),
+    ("div", "divide", "true_divide"), params=(*_BINARY, "rounding_mode"),
+    defaults=(("rounding_mode", None),), positional=2,
+    dtype_rule=lambda a: promote([a.get("input"), a.get("other")])
+    if a.get("rounding_mode") is not None else _float_rule(a))
+_op("floordiv", "pointwise", torch.floor_divide, (operator.floordiv, T.floor_divide),
+    ("floor_divide",), params=_BINARY, positional=2, dtype_rule="promote")
+_op("pow", "pointwise", torch.pow, (operator.pow, T.pow), ("pow",), params=("input", "exponent"),
+    positional=2, dtype_rule="promote")
+_op("matmul", "extern", torch.matmul,
+    (operator.matmul, T.matmul, torch.mm, torch.bmm, T.mm, T.bmm), ("matmul", "mm", "bmm"),
+    params=_BINARY, dtype_rule="promote")
+_op("neg", "pointwise", torch.neg, (operator.neg, torch.negative, T.neg, T.negative),
+    ("neg", "negative"), params=_UNARY, dtype_rule="same")
+_op("abs", "pointwise", torch.abs, (operator.abs, torch.absolute, T.abs, T.absolute),
+    ("abs", "absolute"), params=_UNARY, dtype_rule="same")
+_op("clamp", "pointwise", torch.clamp, (torch.clip, T.clamp, T.clip), ("clamp", "clip"),
+    params=("input", "min", "max"), defaults=(("min", None), ("max", None)),
+    dtype_rule="promote")
+
+# relu(x): torch.relu, F.relu, x.relu(), nn.ReLU(). F.gelu's approximate is keyword-only.
+_op("relu", "pointwise", torch.relu, (F.relu, T.relu), ("relu",), modules=(nn.ReLU,),
+    params=("input", "inplace"), defaults=_INPLACE,
+    module_kwargs=lambda m: {"inplace": m.inplace}, dtype_rule="same")
+_op("gelu", "pointwise", F.gelu, (), (), modules=(nn.GELU,),
+    params=("input", "approximate"), defaults=(("approximate", "none"),),
+    module_kwargs=lambda m: {"approximate": m.approximate}, positional=1, dtype_rule="same")
+_op("silu", "pointwise", F.silu, (), (), modules=(nn.SiLU,),
+    params=("input", "inplace"), defaults=_INPLACE,
+    module_kwargs=lambda m: {"inplace": m.inplace}, dtype_rule="same")
+_op("sigmoid", "pointwise", torch.sigmoid, (F.sigmoid, torch.special.expit, T.sigmoid),
+    ("sigmoid",), modules=(nn.Sigmoid,), params=_UNARY, module_kwargs=lambda m: {},
+    dtype_rule="float")
+_op("tanh", "pointwise", torch.tanh, (F.tanh, T.tanh), ("tanh",), modules=(nn.Tanh,),
+    params=_UNARY, module_kwargs=lambda m: {}, dtype_rule="float")
+for _name in ("exp", "log", "sqrt", "rsqrt"):
+    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=_UNARY, dtype_rule="float")
+
+# Row-wise reductions. F.softmax's `_stacklevel` only affects a warning. nn.Softmax()
+# without a dim picks one from the rank (deprecated): no canonical call.
+_SOFTMAX_DEFAULTS = (("_stacklevel", 3), ("dtype", None))
+_IMPLICIT_DIM = lambda a: ("softmax_implicit_dim", a) if a.get("dim") is None else None
+_op("softmax", "composite", torch.softmax, (F.softmax, torch.special.softmax, T.softmax),
+    ("softmax",), modules=(nn.Softmax,), params=("input", "dim"),
+    defaults=_SOFTMAX_DEFAULTS, module_kwargs=lambda m: {"dim": m.dim}, positional=1,
+    dtype_rule="same", refine=_IMPLICIT_DIM)
+_op("log_softmax", "composite", torch.log_softmax,
+    (F.log_softmax, torch.special.log_softmax, T.log_softmax), ("log_softmax",),
+    modules=(nn.LogSoftmax,), params=("input", "dim"), defaults=_SOFTMAX_DEFAULTS,
+    module_kwargs=lambda m: {"dim": m.dim}, positional=1, dtype_rule="same",
+    refine=_IMPLICIT_DIM)
+_op("layer_norm", "composite", F.layer_norm, (torch.layer_norm,), (),
+    modules=(nn.LayerNorm,), params=("input", "normalized_shape", "weight", "bias", "eps"),
+    defaults=(("weight", None), ("bias", None), ("eps", 1e-5)), dtype_rule="same",
+    module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
+                             "weight": m.weight, "bias": m.bias, "eps": m.eps})
+_op("linear", "extern", F.linear, (), (), modules=(nn.Linear,),
+    params=("input", "weight", "bias"), defaults=(("bias", None),), dtype_rule="promote",
+    module_params=lambda m: {"weight": m.weight, "bias": m.bias})
+_op("cat", "extern", torch.cat, (torch.concat, torch.concatenate), (),
+    params=("tensors", "dim"), defaults=(("dim", 0),), dtype_rule="promote")
+_op("stack", "extern", torch.stack, (), (), params=("tensors", "dim"), defaults=(("dim", 0),),
+    dtype_rule="promote")
+# Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
+_REDUCE_DEFAULTS = (("dim", None), ("keepdim", False), ("dtype", None))
+_op("sum", "reduction", torch.sum, (T.sum,), ("sum",), params=("input", "dim", "keepdim"),
+    defaults=_REDUCE_DEFAULTS, positional=1, dtype_rule=_sum_dtype)
+_op("mean", "reduction", torch.mean, (T.mean,), ("mean",), params=("input", "dim", "keepdim"),
+    defaults=_REDUCE_DEFAULTS, positional=1, dtype_rule="same")
+
+
+def amax_or_empty(input: torch.Tensor, dim: Any = (), keepdim: bool = False) -> torch.Tensor:
+    """``torch.amax``, except that reducing an empty dim gives zeros of the result's shape
+    where amax raises. It is softmax's row max (``decompose``): softmax over an empty dim
+    is empty, so nothing reads those zeros."""
+    dims = range(input.dim()) if dim in ((), []) else [dim] if isinstance(dim, int) else dim
+    if input.numel() == 0 and any(input.size(d) == 0 for d in dims):
+        sizes = [1 if any(d % input.dim() == i for d in dims) and n == 0 else n
+                 for i, n in enumerate(input.shape)]
+        return torch.amax(input.new_zeros(sizes), dim, keepdim)
+    return torch.amax(input, dim, keepdim)
+
+
+_op("amax", "reduction", torch.amax, (T.amax, amax_or_empty), ("amax",),
+    params=("input", "dim", "keepdim"), defaults=(("dim", ()), ("keepdim", False)),
+    positional=1, dtype_rule="same")
+
+# Views. `x.view(2, 3)` and `x.view((2, 3))` are one call (varargs).
+_op("transpose", "view", torch.transpose,
+    (torch.swapaxes, torch.swapdims, T.transpose, T.swapaxes, T.swapdims),
+    ("transpose", "swapaxes", "swapdims"), params=("input", "dim0", "dim1"), dtype_rule="same")
+_op("permute", "view", torch.permute, (T.permute,), ("permute",), params=("input", "dims"),
+    varargs=True, dtype_rule="same")
+_op("view", "view", T.view, (), ("view",), params=("input", "size"), varargs=True,
+    dtype_rule="same")
+_op("reshape", "view", torch.reshape, (T.reshape,), ("reshape",), params=("input", "shape"),
+    varargs=True, dtype_rule="same")
+_op("expand", "view", T.expand, (), ("expand",), params=("input", "size"), varargs=True,
+    dtype_rule="same")
+_op("flatten", "view", torch.flatten, (T.flatten,), ("flatten",),
+    params=("input", "start_dim", "end_dim"), defaults=(("start_dim", 0), ("end_dim", -1)),
+    dtype_rule="same")
+_op("unsqueeze", "view", torch.unsqueeze, (T.unsqueeze,), ("unsqueeze",),
+    params=("input", "dim"), dtype_rule="same")
+_op("squeeze", "view", torch.squeeze, (T.squeeze,), ("squeeze",), params=("input", "dim"),
+    dtype_rule="same")
+_op("contiguous", "view", T.contiguous, (), ("contiguous",),
+    params=("input", "memory_format"), defaults=(("memory_format", torch.contiguous_format),),
+    positional=1, dtype_rule="same")
+
+
 # ---------------------------------------------------------------------- arithmetic
-# The records of ops.py, given their dtype rules and canonical call shapes.
-_amend("add", swapped="add", positional=2, dtype_rule="promote")
-_amend("sub", swapped="rsub", positional=2, dtype_rule="promote")
-_amend("mul", swapped="mul", positional=2, dtype_rule="promote")
-_amend("truediv", positional=2,
-       dtype_rule=lambda a: promote([a.get("input"), a.get("other")])
-       if a.get("rounding_mode") is not None else _float_rule(a))
-_amend("floordiv", positional=2, dtype_rule="promote")
-_amend("pow", positional=2, dtype_rule="promote")
-_amend("neg", dtype_rule="same")
-_amend("abs", dtype_rule="same")
-_amend("clamp", dtype_rule="promote")
-_amend("matmul", (torch.mm, torch.bmm, T.mm, T.bmm), ("mm", "bmm"), dtype_rule="promote")
-
-
 # 1 - x  ->  torch.rsub(x, 1)
 _op("rsub", "pointwise", torch.rsub, (), (), params=(*_BINARY, "alpha"), defaults=(_ALPHA,),
     positional=2, swapped="sub", dtype_rule="promote")
@@ -132,8 +323,6 @@ _op("bitwise_not", "pointwise", torch.bitwise_not, (operator.invert, T.bitwise_n
     ("bitwise_not",), params=_UNARY, dtype_rule="same")
 
 # ---------------------------------------------------------------------- unary math
-for _name in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh"):
-    _amend(_name, dtype_rule="float")
 for _name, _special in (("exp2", torch.special.exp2), ("log1p", torch.special.log1p),
                         ("log2", None), ("sin", None), ("cos", None),
                         ("erf", torch.special.erf), ("reciprocal", None)):
@@ -153,14 +342,10 @@ for _name in ("floor", "ceil", "trunc", "sign"):
 _op("round", "pointwise", torch.round, (T.round,), ("round",), params=_UNARY,
     defaults=(("decimals", 0),), dtype_rule="same")
 
-# Activations. F.gelu's approximate is keyword-only.
-_amend("relu", dtype_rule="same")
-_amend("gelu", positional=1, dtype_rule="same")
-_amend("silu", dtype_rule="same")
+# Activations.
 _op("softplus", "pointwise", F.softplus, (), (), modules=(nn.Softplus,),
     params=("input", "beta", "threshold"), defaults=(("beta", 1), ("threshold", 20)),
     module_kwargs=lambda m: {"beta": m.beta, "threshold": m.threshold}, dtype_rule="same")
-_INPLACE = (("inplace", False),)
 for _fn, _module in ((F.mish, nn.Mish), (F.relu6, nn.ReLU6), (F.hardsigmoid, nn.Hardsigmoid),
                      (F.hardswish, nn.Hardswish)):
     _op(_fn.__name__, "pointwise", _fn, (), (), modules=(_module,), params=("input", "inplace"),
@@ -242,30 +427,12 @@ for _fn, _module in ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
 
 # Training-mode dropout made deterministic (fxlite.ops.dropout.seed_dropouts): the mask
 # is a function of a seed drawn by draw_seed, an effect that advances torch's generator.
-from fxlite.ops import dropout as _random  # noqa: E402  (plain torch functions, no fxlite imports)
-
-_op("seeded_dropout", "pointwise", _random.seeded_dropout, (), (),
+_op("seeded_dropout", "pointwise", seeded_dropout, (), (),
     params=("input", "p", "seed", "offset"), defaults=(("offset", 0),), positional=4,
     dtype_rule="same")
-_op("draw_seed", "effect", _random.draw_seed, (), (), impure=True)
+_op("draw_seed", "effect", draw_seed, (), (), impure=True)
 
 # ---------------------------------------------------------------------- reductions
-# Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
-_amend("sum", positional=1, dtype_rule=_sum_dtype)
-_amend("mean", positional=1, dtype_rule="same")
-def amax_or_empty(input: torch.Tensor, dim: Any = (), keepdim: bool = False) -> torch.Tensor:
-    """``torch.amax``, except that reducing an empty dim gives zeros of the result's shape
-    where amax raises. It is softmax's row max (``decompose``): softmax over an empty dim
-    is empty, so nothing reads those zeros."""
-    dims = range(input.dim()) if dim in ((), []) else [dim] if isinstance(dim, int) else dim
-    if input.numel() == 0 and any(input.size(d) == 0 for d in dims):
-        sizes = [1 if any(d % input.dim() == i for d in dims) and n == 0 else n
-                 for i, n in enumerate(input.shape)]
-        return torch.amax(input.new_zeros(sizes), dim, keepdim)
-    return torch.amax(input, dim, keepdim)
-
-
-_amend("amax", functions=(amax_or_empty,), positional=1, dtype_rule="same")
 _op("amin", "reduction", torch.amin, (T.amin,), ("amin",), params=("input", "dim", "keepdim"),
     defaults=(("dim", ()), ("keepdim", False)), positional=1, dtype_rule="same")
 _op("prod", "reduction", torch.prod, (T.prod,), ("prod",), params=("input", "dim", "keepdim"),
@@ -318,23 +485,12 @@ for _name in ("var", "std"):
 
 # ---------------------------------------------------------------------- views
 # x.view(2, 3) -> torch.Tensor.view(x, (2, 3)); x[:, 0] -> operator.getitem(x, (slice, 0)).
-_amend("view", torch_fn=T.view, dtype_rule="same")
-_amend("expand", torch_fn=T.expand, dtype_rule="same")
-_amend("contiguous", torch_fn=T.contiguous, positional=1, dtype_rule="same")
-for _name in ("transpose", "permute", "reshape", "flatten", "unsqueeze", "squeeze"):
-    _amend(_name, dtype_rule="same")
 _op("t", "view", torch.t, (T.t,), ("t",), params=_UNARY, dtype_rule="same")
 _op("getitem", "view", operator.getitem, (), (), params=("input", "index"), dtype_rule="same")
 
 # ---------------------------------------------------------------------- composites and externs
-# nn.Softmax() without a dim picks one from the rank (deprecated): no canonical call.
+# nn.Softmax() without a dim (softmax's refine): no canonical call.
 register(OpInfo("softmax_implicit_dim", "extern", None))
-_IMPLICIT_DIM = lambda a: ("softmax_implicit_dim", a) if a.get("dim") is None else None
-_amend("softmax", kind="composite", positional=1, dtype_rule="same", refine=_IMPLICIT_DIM)
-_amend("log_softmax", kind="composite", positional=1, dtype_rule="same", refine=_IMPLICIT_DIM)
-_amend("layer_norm", kind="composite", dtype_rule="same",
-       module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
-                                "weight": m.weight, "bias": m.bias, "eps": m.eps})
 _op("rms_norm", "composite", F.rms_norm, (torch.rms_norm,), (), modules=(nn.RMSNorm,),
     params=("input", "normalized_shape", "weight", "eps"),
     defaults=(("weight", None), ("eps", None)), dtype_rule="same",
@@ -345,10 +501,6 @@ _op("group_norm", "extern", F.group_norm, (), (), modules=(nn.GroupNorm,),
     defaults=(("weight", None), ("bias", None), ("eps", 1e-5)), dtype_rule="same",
     module_params=lambda m: {"num_groups": m.num_groups, "weight": m.weight, "bias": m.bias,
                              "eps": m.eps})
-_amend("linear", dtype_rule="promote",
-       module_params=lambda m: {"weight": m.weight, "bias": m.bias})
-_amend("cat", dtype_rule="promote")
-_amend("stack", dtype_rule="promote")
 
 
 def _conv_params(m: Any) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""The op table: one record per op, consulted by DCE, the rewriter and the passes.
+"""The op table's mechanism: the record type, the table keyed by op name, and lookups.
 
 Each :class:`OpInfo` names an op once and lists every spelling that means it::
 
@@ -6,24 +6,26 @@ Each :class:`OpInfo` names an op once and lists every spelling that means it::
            functions=(torch.add, operator.add), methods=("add",))
 
 ``lookup(node)`` maps a node, whichever spelling it uses, to its record, so that passes
-never grow ``if target == ...`` chains.
+never grow ``if target == ...`` chains. The records themselves are in
+``fxlite/ops/records.py``; ``fxlite.ops`` imports both, so its ``OPS`` always holds every
+record, complete. What other layers know about an op lives in their own tables, keyed
+by the same name: derivatives (``fxlite.ops.derivatives.VJP``), decompositions
+(``fxlite.passes.decompose.DECOMPOSITIONS``) and Triton expressions
+(``fxlite.codegen.kernels.ops.TRITON_OPS``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fxlite.node import Node
 
-__all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of", "has_side_effect",
-           "is_impure", "lookup", "lookup_target", "register", "resolve", "result_dtype"]
+__all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of",
+           "lookup", "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal"]
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,6 @@ class OpInfo:
             default float), ``"bool"``, ``"same"`` (the input's dtype), ``"index"`` (int64),
             or a callable ``rule(args) -> dtype`` over canonical args whose tensors are given
             as their dtypes. A ``dtype=`` argument overrides it. None: unknown.
-        triton: how the Triton code generator emits the op (a ``TritonOp``), set by
-            :func:`amend` when ``fxlite.codegen.kernels.ops`` is imported; None for ops it
-            cannot emit and before that import (the core does not import codegen).
         positional: how many leading ``params`` the canonical call passes positionally
             (the rest go by keyword); None for all of them.
         swapped: the op computing this one with ``input`` and ``other`` exchanged (``"add"``
@@ -66,10 +65,6 @@ class OpInfo:
             arguments of the function spelling, with the module's parameters and buffers as
             tensors; returns None when the module has no safe function form (BatchNorm in
             training mode).
-        vjp: the op's derivative rule, set by :func:`amend` when ``fxlite.ops.derivatives``
-            is imported (by ``fxlite.autodiff``): ``vjp(g, args, out) -> {param: grad}``,
-            the cotangents of the tensor parameters given the cotangent ``g`` of the result
-            (see that module). None: no rule (autodiff declines the graph).
     """
 
     name: str
@@ -84,12 +79,10 @@ class OpInfo:
     varargs: bool = False
     module_kwargs: Callable[[Any], dict[str, Any]] | None = None
     dtype_rule: str | Callable[[dict[str, Any]], Any] | None = None
-    triton: Any = None
     positional: int | None = None
     swapped: str | None = None
     refine: Callable[[dict[str, Any]], tuple[str, dict[str, Any]] | None] | None = None
     module_params: Callable[[Any], dict[str, Any] | None] | None = None
-    vjp: Any = None
 
 
 OPS: dict[str, OpInfo] = {}
@@ -108,27 +101,6 @@ def register(info: OpInfo) -> OpInfo:
     for t in info.modules:
         _BY_MODULE[t] = info
     return info
-
-
-def amend(updates: dict[str, dict[str, Any]]) -> None:
-    """Replace fields of registered records; every spelling keeps pointing at its record.
-
-    Code generators fill their column of the table this way: ``fxlite.codegen.kernels.ops``
-    sets each op's ``triton`` emitter when it is imported.
-
-    Example::
-
-        amend({"relu": {"triton": TritonOp(_relu, ("inplace",))}})
-        OPS["relu"].triton.emit  # the emitter
-    """
-    swap: dict[int, OpInfo] = {}
-    for name, fields in updates.items():
-        old = OPS[name]
-        OPS[name] = swap[id(old)] = dataclasses.replace(old, **fields)
-    for index in (_BY_FUNCTION, _BY_METHOD, _BY_MODULE):
-        for key, info in index.items():
-            if id(info) in swap:
-                index[key] = swap[id(info)]
 
 
 def lookup(node: Node, module: torch.nn.Module | None = None) -> OpInfo | None:
@@ -205,193 +177,10 @@ def attribute_at(module: Any, target: str) -> Any:
     return obj
 
 
-# ---------------------------------------------------------------------- side effects
-_RANDOM_FUNCTIONS = (
-    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.randperm, torch.bernoulli, torch.multinomial, torch.normal,
-    torch.poisson, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-    F.rrelu, F.gumbel_softmax,
-)  # F.dropout and nn.Dropout (random only in training mode) are in op_records.py
-_EFFECT_FUNCTIONS = (
-    operator.setitem, operator.delitem, print, torch._assert, torch.manual_seed,
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift,
-)
-_RANDOM_METHODS = ("bernoulli", "multinomial")
-_RANDOM_MODULES = (torch.nn.RReLU,)
-
-for _f in _RANDOM_FUNCTIONS + _EFFECT_FUNCTIONS:
-    register(OpInfo(f"{getattr(_f, '__module__', '') or ''}.{_f.__name__}", "effect", _f,
-                    functions=(_f,), impure=True))
-for _m in _RANDOM_METHODS:
-    register(OpInfo(f"Tensor.{_m}", "effect", getattr(torch.Tensor, _m), methods=(_m,), impure=True))
-for _t in _RANDOM_MODULES:
-    register(OpInfo(f"nn.{_t.__name__}", "effect", None, modules=(_t,), impure=True))
-
-
-def _is_random(info: OpInfo) -> bool:
-    return any(f in _RANDOM_FUNCTIONS for f in info.functions) or any(
-        m in _RANDOM_METHODS for m in info.methods) or any(t in _RANDOM_MODULES for t in info.modules)
-
-
-def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``fn`` as having a side effect, so dead-code elimination keeps its calls.
-
-    Use it as a decorator, with or after :func:`fxlite.wrap`; it returns ``fn``.
-
-    Example::
-
-        @fxlite.has_side_effect
-        @fxlite.wrap
-        def log(x):
-            print(x)
-    """
-    name = f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', repr(fn))}"
-    register(OpInfo(name, "effect", fn, functions=(fn,), impure=True))
-    return fn
-
-
-def _mutates(target: Any) -> bool:
-    # torch.ops overloads say in their schema whether they write to an argument.
-    schema = getattr(target, "_schema", None)
-    if schema is None and isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, o)._schema for o in target.overloads()]
-        return any(s.is_mutable for s in schemas)
-    return bool(schema is not None and schema.is_mutable)
-
-
-def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: bool = True) -> bool:
-    """True if removing ``node`` could change behaviour even when its result is unused.
-
-    That covers placeholders and outputs, in-place ops (``add_``, ``operator.iadd``,
-    ``out=``), random ops (which advance the generator) and side effects (``print``,
-    ``setitem``, ``torch._assert``), and modules marked ``_is_impure``.
-    """
-    if node.op in ("placeholder", "output"):
-        return True
-    if node.meta.get("impure"):  # the capture saw it write, draw random numbers, or act
-        return True
-    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
-        return True
-    info = lookup(node, module)
-    if info is not None:  # the table knows (operator.and_ is no in-place op despite its "_")
-        if info.impure and not impure_random and info.kind == "effect" and _is_random(info):
-            return False
-        return info.impure
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op == "call_function":
-        if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            qualified = getattr(node.target, "_qualified_op_name", None) or node.target.name()
-            return _mutates(node.target) or qualified.startswith("profiler::")
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__") or getattr(node.target, "_is_impure", False)
-    if node.op == "call_module" and module is not None:
-        return bool(getattr(attribute_at(module, node.target), "_is_impure", False))
-    return False
-
-
-# ---------------------------------------------------------------------- spellings
-# One record per op, listing every spelling that computes it. The rewriter matches a
-# pattern's `x + y` against `torch.add(x, y)` and `x.add(y)` through these records.
-T = torch.Tensor
-_BINARY = ("input", "other")
-_ALPHA = (("alpha", 1),)
-
-
-def _spell(name: str, kind: str, torch_fn: Any, functions: tuple = (), methods: tuple = (),
-           **extra: Any) -> OpInfo:
-    fns = tuple(dict.fromkeys(f for f in (torch_fn, *functions) if f is not None))
-    return register(OpInfo(name, kind, torch_fn, functions=fns, methods=methods, **extra))
-
-
-# x + y, torch.add(x, y), x.add(y), torch.Tensor.add(x, y)
-_spell("add", "pointwise", torch.add, (operator.add, T.add), ("add",),
-       params=(*_BINARY, "alpha"), defaults=_ALPHA)
-_spell("sub", "pointwise", torch.sub, (operator.sub, torch.subtract, T.sub, T.subtract),
-       ("sub", "subtract"), params=(*_BINARY, "alpha"), defaults=_ALPHA)
-_spell("mul", "pointwise", torch.mul, (operator.mul, torch.multiply, T.mul, T.multiply),
-       ("mul", "multiply"), params=_BINARY)
-_spell("truediv", "pointwise", torch.div,
-       (operator.truediv, torch.divide, torch.true_divide, T.div, T.divide, T.true_divide),
-       ("div", "divide", "true_divide"), params=(*_BINARY, "rounding_mode"),
-       defaults=(("rounding_mode", None),))
-_spell("floordiv", "pointwise", torch.floor_divide, (operator.floordiv, T.floor_divide),
-       ("floor_divide",), params=_BINARY)
-_spell("pow", "pointwise", torch.pow, (operator.pow, T.pow), ("pow",), params=("input", "exponent"))
-_spell("matmul", "extern", torch.matmul, (operator.matmul, T.matmul), ("matmul",), params=_BINARY)
-_spell("neg", "pointwise", torch.neg, (operator.neg, torch.negative, T.neg, T.negative),
-       ("neg", "negative"), params=("input",))
-_spell("abs", "pointwise", torch.abs, (operator.abs, torch.absolute, T.abs, T.absolute),
-       ("abs", "absolute"), params=("input",))
-_spell("clamp", "pointwise", torch.clamp, (torch.clip, T.clamp, T.clip), ("clamp", "clip"),
-       params=("input", "min", "max"), defaults=(("min", None), ("max", None)))
-
-# relu(x): torch.relu, F.relu, x.relu(), nn.ReLU()
-_INPLACE = (("inplace", False),)
-_spell("relu", "pointwise", torch.relu, (F.relu, T.relu), ("relu",), modules=(torch.nn.ReLU,),
-       params=("input", "inplace"), defaults=_INPLACE,
-       module_kwargs=lambda m: {"inplace": m.inplace})
-_spell("gelu", "pointwise", F.gelu, (), (), modules=(torch.nn.GELU,),
-       params=("input", "approximate"), defaults=(("approximate", "none"),),
-       module_kwargs=lambda m: {"approximate": m.approximate})
-_spell("silu", "pointwise", F.silu, (), (), modules=(torch.nn.SiLU,),
-       params=("input", "inplace"), defaults=_INPLACE,
-       module_kwargs=lambda m: {"inplace": m.inplace})
-_spell("sigmoid", "pointwise", torch.sigmoid, (F.sigmoid, torch.special.expit, T.sigmoid),
-       ("sigmoid",), modules=(torch.nn.Sigmoid,), params=("input",), module_kwargs=lambda m: {})
-_spell("tanh", "pointwise", torch.tanh, (F.tanh, T.tanh), ("tanh",), modules=(torch.nn.Tanh,),
-       params=("input",), module_kwargs=lambda m: {})
-for _name in ("exp", "log", "sqrt", "rsqrt"):
-    _spell(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
-           params=("input",))
-
-# Row-wise reductions. F.softmax's `_stacklevel` only affects a warning.
-_SOFTMAX_DEFAULTS = (("_stacklevel", 3), ("dtype", None))
-_spell("softmax", "reduction", torch.softmax, (F.softmax, torch.special.softmax, T.softmax),
-       ("softmax",), modules=(torch.nn.Softmax,), params=("input", "dim"),
-       defaults=_SOFTMAX_DEFAULTS, module_kwargs=lambda m: {"dim": m.dim})
-_spell("log_softmax", "reduction", torch.log_softmax,
-       (F.log_softmax, torch.special.log_softmax, T.log_softmax), ("log_softmax",),
-       modules=(torch.nn.LogSoftmax,), params=("input", "dim"), defaults=_SOFTMAX_DEFAULTS,
-       module_kwargs=lambda m: {"dim": m.dim})
-_spell("layer_norm", "reduction", F.layer_norm, (torch.layer_norm,), (),
-       modules=(torch.nn.LayerNorm,), params=("input", "normalized_shape", "weight", "bias", "eps"),
-       defaults=(("weight", None), ("bias", None), ("eps", 1e-5)))
-_spell("linear", "extern", F.linear, (), (), modules=(torch.nn.Linear,),
-       params=("input", "weight", "bias"), defaults=(("bias", None),))
-_spell("cat", "extern", torch.cat, (torch.concat, torch.concatenate), (),
-       params=("tensors", "dim"), defaults=(("dim", 0),))
-_spell("stack", "extern", torch.stack, (), (), params=("tensors", "dim"), defaults=(("dim", 0),))
-_REDUCE_DEFAULTS = (("dim", None), ("keepdim", False), ("dtype", None))
-for _name in ("sum", "mean"):
-    _spell(_name, "reduction", getattr(torch, _name), (getattr(T, _name),), (_name,),
-           params=("input", "dim", "keepdim"), defaults=_REDUCE_DEFAULTS)
-_spell("amax", "reduction", torch.amax, (T.amax,), ("amax",), params=("input", "dim", "keepdim"),
-       defaults=(("dim", ()), ("keepdim", False)))
-
-# Views. `x.view(2, 3)` and `x.view((2, 3))` are one call (varargs).
-_spell("transpose", "view", torch.transpose,
-       (torch.swapaxes, torch.swapdims, T.transpose, T.swapaxes, T.swapdims),
-       ("transpose", "swapaxes", "swapdims"), params=("input", "dim0", "dim1"))
-_spell("permute", "view", torch.permute, (T.permute,), ("permute",), params=("input", "dims"),
-       varargs=True)
-_spell("view", "view", None, (T.view,), ("view",), params=("input", "size"), varargs=True)
-_spell("reshape", "view", torch.reshape, (T.reshape,), ("reshape",), params=("input", "shape"),
-       varargs=True)
-_spell("expand", "view", None, (T.expand,), ("expand",), params=("input", "size"), varargs=True)
-_spell("flatten", "view", torch.flatten, (T.flatten,), ("flatten",),
-       params=("input", "start_dim", "end_dim"), defaults=(("start_dim", 0), ("end_dim", -1)))
-_spell("unsqueeze", "view", torch.unsqueeze, (T.unsqueeze,), ("unsqueeze",), params=("input", "dim"))
-_spell("squeeze", "view", torch.squeeze, (T.squeeze,), ("squeeze",), params=("input", "dim"))
-_spell("contiguous", "view", None, (T.contiguous,), ("contiguous",),
-       params=("input", "memory_format"), defaults=(("memory_format", torch.contiguous_format),))
-del T
-
-
-def _same_literal(a: Any, b: Any) -> bool:
-    # `1 == 1.0 == True` in Python, but they are different arguments to a torch op.
+def same_literal(a: Any, b: Any) -> bool:
+    """``a == b`` as arguments of a torch op: ``1``, ``1.0`` and ``True`` differ (Python
+    says they are equal); tensors and other values without a plain truth value compare by
+    identity."""
     if type(a) is not type(b):
         return False
     try:
@@ -439,7 +228,7 @@ def _raw_args(node: Node, info: OpInfo, module: torch.nn.Module | None = None) -
     out.update(node.kwargs)
     out.pop("_stacklevel", None)  # F.softmax's: it only picks a warning's frame
     for key, default in info.defaults:
-        if key in out and _same_literal(out[key], default):
+        if key in out and same_literal(out[key], default):
             del out[key]
     return out
 
@@ -579,6 +368,3 @@ def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dty
     if higher == torch.bool or lower.is_floating_point:
         return torch.promote_types(higher, lower)
     return higher
-
-
-from fxlite.ops import records as op_records  # noqa: E402,F401  (registers the rest of the table)

@@ -428,7 +428,8 @@ def _load(gm: Any, saved: dict[str, torch.Tensor]) -> None:
 def records_of(gm: Any) -> set[str]:
     """The op-table records ``gm``'s nodes use: as spelled and as refined, with in-place
     methods (``add_``, ``__iadd__``) counted as their op (and operator.iadd)."""
-    from fxlite.ops import _BY_METHOD, _direct_lookup, lookup
+    from fxlite.ops import lookup
+    from fxlite.ops.table import _BY_METHOD, _direct_lookup
 
     out: set[str] = set()
     for node in gm.graph.nodes:
