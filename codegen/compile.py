@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
+from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
@@ -52,8 +53,10 @@ from fxlite.codegen.lower.pipeline import (
     interpreting,
     set_ambient,
 )
+from fxlite.codegen.options import MODES, resolve
 from fxlite.codegen.report import kernel_report
-from fxlite.codegen.runtime.cudagraphs import side_stream
+from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
+from fxlite.codegen.runtime.straight_line import StraightRunner, fast_key
 from fxlite.codegen.runtime.trial import Trial, choose_runner
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
@@ -66,7 +69,6 @@ Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
 _warned: set[str] = set()
 _EAGER = object()  # a key or read value whose path runs in eager PyTorch
 _NOT_RUN = object()  # what _straight_line returns when it ran nothing
-_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def warn_user(message: str) -> None:
@@ -74,10 +76,8 @@ def warn_user(message: str) -> None:
     if message in _warned:
         return
     _warned.add(message)
-    from fxlite.codegen.capture.records import _LIB_DIRS
-
     level, f = 2, sys._getframe(1)
-    while f is not None and (f.f_code.co_filename.startswith(_LIB_DIRS)
+    while f is not None and (f.f_code.co_filename.startswith(LIB_DIRS)
                              or f.f_code.co_filename.startswith("<")):
         level, f = level + 1, f.f_back
     warnings.warn(message, stacklevel=level)
@@ -119,8 +119,6 @@ class CompiledFunction:
         self._grad_watch: list[torch.Tensor] = []
         self._graphs: Any = None  # GraphReplays, for mode="reduce-overhead" on CUDA
         if mode == "reduce-overhead" and backend == "triton" and torch.cuda.is_available():
-            from fxlite.codegen.runtime.cudagraphs import GraphReplays
-
             self._graphs = GraphReplays()
         # (input layouts, ambient state, Python state) -> (straight-line forward, segment,
         # check of its attributes' layouts) for calls with tensor arguments only whose
@@ -162,8 +160,6 @@ class CompiledFunction:
                                           and not a.is_nested and not a.__dict__ for a in args)
         fkey: Any = (None,)
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
-            from fxlite.codegen.runtime.straight_line import fast_key
-
             fkey = (fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
             if found is not None and found[2]():
@@ -243,8 +239,6 @@ class CompiledFunction:
         """Run the segment through its straight-line runner and keep the forward it used
         for these layouts, so the next such call skips the tree; its result, or
         ``_NOT_RUN`` having run nothing."""
-        from fxlite.codegen.runtime.straight_line import StraightRunner
-
         fast, run = self._fast, seg.run
         if fast is None or fkey[0] is None or len(fast) >= 64 \
                 or not isinstance(run, StraightRunner):
@@ -849,9 +843,9 @@ def _check_options(fn: Any, backend: Any, fullgraph: Any, mode: Any) -> None:
     if not callable(fn):
         raise TypeError(f"fxlite.compile expects a function or an nn.Module, got "
                         f"{type(fn).__name__}")
-    if mode not in _MODES:
+    if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of "
-                         f"{', '.join(repr(m) for m in _MODES)}")
+                         f"{', '.join(repr(m) for m in MODES)}")
     if not (callable(backend) or backend in ("triton", "python")):
         raise ValueError(f"unknown backend {backend!r}; expected 'triton', 'python' or a "
                          "callable backend(gm, example_inputs) (fxlite.compile also takes "
@@ -960,8 +954,6 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         f(torch.randn(8192, 8192, device="cuda"))
         print(f.kernels[0].source)
     """
-    from fxlite.codegen.options import resolve
-
     given = dict(fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
                  options=options, name=name, disable=disable, recompile_limit=recompile_limit,
                  isolate_recompiles=isolate_recompiles, shapes_spec=shapes_spec)

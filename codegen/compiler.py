@@ -27,12 +27,16 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from fxlite.codegen.capture.records import recording_thread
+
 __all__ = ["disable", "is_compiling", "reset"]
 
 _LOCK = threading.Lock()
 # id -> (weak reference to a CompiledFunction, its constructor's arguments, what compile()
 # set on it besides): what reset() rebuilds
 _LIVE: dict[int, tuple[weakref.ref, tuple, Callable[[Any], None]]] = {}
+# what reset() calls besides: modules above this one forgetting what they keep
+_ON_RESET: list[Callable[[], None]] = []
 
 
 def register(compiled: Any, args: tuple, configure: Callable[[Any], None]) -> None:
@@ -47,6 +51,12 @@ def register(compiled: Any, args: tuple, configure: Callable[[Any], None]) -> No
 
     with _LOCK:
         _LIVE[key] = (weakref.ref(target, forget), args, configure)
+
+
+def on_reset(forget: Callable[[], None]) -> None:
+    """Have :func:`reset` call ``forget()`` too: a module above this one (the Dynamo
+    backend's list of the graphs it compiled) drops what it keeps."""
+    _ON_RESET.append(forget)
 
 
 def reset() -> None:
@@ -75,9 +85,8 @@ def reset() -> None:
             compiled.__dict__.clear()
             type(compiled).__init__(compiled, *args)
             configure(compiled)
-    from fxlite.codegen import dynamo_backend
-
-    dynamo_backend.forget()
+    for forget in _ON_RESET:
+        forget()
 
 
 def is_compiling() -> bool:
@@ -91,8 +100,6 @@ def is_compiling() -> bool:
                 print("eager")
             return x + 1
     """
-    from fxlite.codegen.capture.records import recording_thread
-
     rec = recording_thread()
     return rec is not None and not rec.off
 
@@ -124,8 +131,6 @@ def disable(fn: Callable[..., Any] | None = None, recursive: bool = True, *,
 
     @functools.wraps(fn)
     def eager(*args: Any, **kwargs: Any) -> Any:
-        from fxlite.codegen.capture.records import recording_thread
-
         rec = recording_thread()
         if rec is not None and not rec.off:
             why = f"calls {name}, which fxlite.compiler.disable keeps out of compiled code"

@@ -18,12 +18,9 @@ graphs hold. ``backend="fxlite_aot"`` (:data:`fxlite_aot_backend`) goes through
 AOTAutograd with fxlite compiling the forward and backward graphs; it is correct but
 fuses no aten op yet, so it runs no kernels of its own today.
 
-**Dynamo's backends inside fxlite.** ``fxlite.compile(fn, backend="inductor")`` (or any
-name ``torch._dynamo.list_backends()`` knows) gives each of fxlite's segment graphs to
-that backend, converted to a ``torch.fx.GraphModule`` by :func:`to_torch_fx`
-(:func:`dynamo_segment_backend`). A backend that cannot take one raises an error
-naming the backend and why, and fxlite runs that segment's path in eager PyTorch with
-one warning saying so.
+**Dynamo's backends inside fxlite** (``fxlite.compile(fn, backend="inductor")``) are the
+other way round, below ``fxlite.compile``: ``fxlite.codegen.options`` maps such a name to
+a backend for each segment graph (``dynamo_segment_backend``, ``to_torch_fx``).
 
 What ran: :func:`compiled_graphs` lists the compiled functions this module made (each
 has ``kernels`` and ``fallbacks``), and :func:`kernel_count` adds up their kernels.
@@ -33,13 +30,16 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from typing import Any
 
 import torch
+from fxlite.codegen import compiler
+from fxlite.codegen import options as options_module
+from fxlite.codegen.compile import compile as fx_compile
 
-__all__ = ["compiled_graphs", "dynamo_segment_backend", "fxlite_aot_backend", "fxlite_backend",
-           "kernel_count", "known_backends", "to_torch_fx"]
+__all__ = ["compiled_graphs", "fxlite_aot_backend", "fxlite_backend", "kernel_count"]
 
 _LOCK = threading.Lock()
 _MADE: list[weakref.ref] = []  # the compiled graphs of fxlite_backend, oldest first
@@ -63,8 +63,6 @@ def fxlite_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         compiled = torch.compile(model, backend="fxlite")
         compiled(x)
     """
-    from fxlite.codegen.compile import compile as fx_compile
-
     _ready(gm)
     compiled = fx_compile(gm, mode=mode, options=options)
     with _LOCK:
@@ -83,14 +81,14 @@ def _ready(gm: torch.fx.GraphModule) -> None:
 def _aot_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     """AOTAutograd's forward and backward compiler: the graph under ``fxlite.compile``,
     taking AOTAutograd's boxed arguments (a list it may clear)."""
-    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.aot_autograd import make_boxed_func  # here: a slow import
 
     compiled = fxlite_backend(gm, example_inputs)
     return make_boxed_func(lambda *args: compiled(*args))
 
 
 def _make_aot() -> Any:
-    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.common import aot_autograd  # here: a slow import
 
     return aot_autograd(fw_compiler=_aot_compiler, bw_compiler=_aot_compiler)
 
@@ -138,79 +136,17 @@ def forget() -> None:
         _MADE.clear()
 
 
-# ---------------------------------------------------------------------- the other way
-def known_backends() -> list[str]:
-    """Every name ``torch._dynamo`` knows, debug and experimental ones included."""
-    import torch._dynamo
+compiler.on_reset(forget)
 
-    return list(torch._dynamo.list_backends(exclude_tags=()))
-
-
-def to_torch_fx(gm: Any) -> torch.fx.GraphModule:
-    """A ``torch.fx.GraphModule`` with the same nodes as fxlite's ``gm``.
-
-    Targets, names and arguments are kept; ``get_attr`` and ``call_module`` targets are
-    copied from ``gm`` as ``torch.fx.GraphModule`` copies them from a root module.
-
-    Example::
-
-        tgm = to_torch_fx(fxlite.symbolic_trace(model))
-        torch.testing.assert_close(tgm(x), model(x))
-    """
-    from fxlite.node import map_arg
-
-    graph = torch.fx.Graph()
-    env: dict[Any, torch.fx.Node] = {}
-    for node in gm.graph.nodes:
-        args = map_arg(node.args, env.__getitem__)
-        kwargs = map_arg(node.kwargs, env.__getitem__)
-        op = str(node.op)
-        if op == "output":
-            graph.output(args[0])
-            continue
-        made = graph.create_node(op, node.target, tuple(args), dict(kwargs), name=node.name)
-        env[node] = made
-    return torch.fx.GraphModule(gm, graph, type(gm).__name__)
+# moved to fxlite.codegen.options (below fxlite.compile, which uses them); the old names
+# go in the release after next
+_MOVED = ("dynamo_segment_backend", "known_backends", "to_torch_fx")
 
 
-def dynamo_segment_backend(name: str, *, mode: str | None = None,
-                           options: dict[str, Any] | None = None,
-                           dynamic: bool | None = None) -> Any:
-    """``backend(gm, example_inputs)`` for ``fxlite.compile``: each of fxlite's segment
-    graphs, converted by :func:`to_torch_fx`, given to the Dynamo backend ``name``.
-
-    ``mode`` and ``options`` go to it as ``torch.compile`` gives them: for
-    ``"inductor"``, the mode's settings and the options as its config patches; for
-    another backend, as ``mode=`` and ``options=`` when given.
-
-    Raises (when a segment compiles) a ``RuntimeError`` naming the backend and the
-    reason, which ``fxlite.compile`` turns into one warning and eager PyTorch.
-    """
-    import torch._dynamo
-
-    compiler = torch._dynamo.lookup_backend(name)
-    kwargs: dict[str, Any] = {}
-    if name == "inductor":
-        import torch._inductor
-
-        patches = dict(torch._inductor.list_mode_options(mode or "default", dynamic))
-        patches.update(options or {})
-        if patches:
-            kwargs["config_patches"] = patches
-    else:
-        if mode and mode != "default":
-            kwargs["mode"] = mode
-        if options:
-            kwargs["options"] = options
-
-    def backend(gm: Any, example_inputs: list[Any]) -> Any:
-        try:
-            tgm = to_torch_fx(gm)
-            return compiler(tgm, list(example_inputs), **kwargs)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise RuntimeError(f"backend {name!r} cannot compile fxlite's segment graph: "
-                               f"{type(e).__name__}: {first}") from e
-
-    backend.__name__ = backend.__qualname__ = f"dynamo_{name}"
-    return backend
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(f"fxlite.codegen.dynamo_backend.{name} moved to "
+                      f"fxlite.codegen.options.{name}; import it from there (the old path "
+                      "goes in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(options_module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

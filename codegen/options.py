@@ -19,7 +19,7 @@ argument                    what fxlite does with it
                             (regenerated Python), ``"eager"`` (the function itself, not
                             compiled), a name ``torch._dynamo.list_backends()`` knows
                             (``"inductor"``, ``"aot_eager"``, ...; given each of fxlite's
-                            segment graphs, see ``dynamo_backend.dynamo_segment_backend``),
+                            segment graphs, see :func:`dynamo_segment_backend`),
                             or a callable ``backend(gm, example_inputs)`` given each segment
 ``mode``                    see :data:`MODES`
 ``options``                 see :data:`OPTIONS` (with fxlite's backends); with a Dynamo
@@ -34,6 +34,13 @@ argument                    what fxlite does with it
 ==========================  ================================================================
 
 ``mode`` and ``options`` together are an error, as in ``torch.compile``.
+
+**Dynamo's backends inside fxlite.** ``fxlite.compile(fn, backend="inductor")`` (or any
+name ``torch._dynamo.list_backends()`` knows) gives each of fxlite's segment graphs to
+that backend, converted to a ``torch.fx.GraphModule`` by :func:`to_torch_fx`
+(:func:`dynamo_segment_backend`). A backend that cannot take one raises an error
+naming the backend and why, and fxlite runs that segment's path in eager PyTorch with
+one warning saying so. (fxlite *as* a Dynamo backend is ``dynamo_backend.py``.)
 """
 
 from __future__ import annotations
@@ -41,7 +48,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MODES", "OPTIONS", "Settings", "resolve"]
+import torch
+from fxlite.codegen.compiler import register
+
+from fxlite.node import map_arg
+
+__all__ = ["MODES", "OPTIONS", "Settings", "dynamo_segment_backend", "known_backends",
+           "resolve", "to_torch_fx"]
 
 MODES: dict[Any, str] = {
     None: "the default",
@@ -89,7 +102,6 @@ class Settings:
     def apply(self, compiled: Any, fn: Any, fullgraph: bool) -> None:
         """Set what ``CompiledFunction``'s constructor does not take, and register the
         compiled function for ``fxlite.reset()``."""
-        from fxlite.codegen.compiler import register
 
         def configure(cf: Any) -> None:
             if self.recompile_limit is not None:
@@ -142,8 +154,6 @@ def resolve(fn: Any, *, fullgraph: Any = False, dynamic: Any = None, backend: An
         own = _own_mode(mode, _own_options(options))
         return Settings(disable or marked, backend, own, recompile_limit, name, dynamic)
     if isinstance(backend, str):
-        from fxlite.codegen.dynamo_backend import dynamo_segment_backend, known_backends
-
         known = known_backends()
         if backend not in known:
             raise ValueError(
@@ -191,3 +201,78 @@ def _own_mode(mode: str | None, options: dict[str, bool]) -> str | None:
         return "max-autotune"
     return mode
 
+
+# ------------------------------------------------- Dynamo's backends inside fxlite
+def known_backends() -> list[str]:
+    """Every name ``torch._dynamo`` knows, debug and experimental ones included."""
+    import torch._dynamo  # here: a slow import that only a Dynamo backend's name needs
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def to_torch_fx(gm: Any) -> torch.fx.GraphModule:
+    """A ``torch.fx.GraphModule`` with the same nodes as fxlite's ``gm``.
+
+    Targets, names and arguments are kept; ``get_attr`` and ``call_module`` targets are
+    copied from ``gm`` as ``torch.fx.GraphModule`` copies them from a root module.
+
+    Example::
+
+        tgm = to_torch_fx(fxlite.symbolic_trace(model))
+        torch.testing.assert_close(tgm(x), model(x))
+    """
+    graph = torch.fx.Graph()
+    env: dict[Any, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        args = map_arg(node.args, env.__getitem__)
+        kwargs = map_arg(node.kwargs, env.__getitem__)
+        op = str(node.op)
+        if op == "output":
+            graph.output(args[0])
+            continue
+        made = graph.create_node(op, node.target, tuple(args), dict(kwargs), name=node.name)
+        env[node] = made
+    return torch.fx.GraphModule(gm, graph, type(gm).__name__)
+
+
+def dynamo_segment_backend(name: str, *, mode: str | None = None,
+                           options: dict[str, Any] | None = None,
+                           dynamic: bool | None = None) -> Any:
+    """``backend(gm, example_inputs)`` for ``fxlite.compile``: each of fxlite's segment
+    graphs, converted by :func:`to_torch_fx`, given to the Dynamo backend ``name``.
+
+    ``mode`` and ``options`` go to it as ``torch.compile`` gives them: for
+    ``"inductor"``, the mode's settings and the options as its config patches; for
+    another backend, as ``mode=`` and ``options=`` when given.
+
+    Raises (when a segment compiles) a ``RuntimeError`` naming the backend and the
+    reason, which ``fxlite.compile`` turns into one warning and eager PyTorch.
+    """
+    import torch._dynamo  # as in known_backends
+
+    compiler = torch._dynamo.lookup_backend(name)
+    kwargs: dict[str, Any] = {}
+    if name == "inductor":
+        import torch._inductor
+
+        patches = dict(torch._inductor.list_mode_options(mode or "default", dynamic))
+        patches.update(options or {})
+        if patches:
+            kwargs["config_patches"] = patches
+    else:
+        if mode and mode != "default":
+            kwargs["mode"] = mode
+        if options:
+            kwargs["options"] = options
+
+    def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        try:
+            tgm = to_torch_fx(gm)
+            return compiler(tgm, list(example_inputs), **kwargs)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise RuntimeError(f"backend {name!r} cannot compile fxlite's segment graph: "
+                               f"{type(e).__name__}: {first}") from e
+
+    backend.__name__ = backend.__qualname__ = f"dynamo_{name}"
+    return backend

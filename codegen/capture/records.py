@@ -23,7 +23,7 @@ __all__ = ["Read", "Recording", "Slot", "Step", "format_site", "recording_thread
            "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
-_LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
+LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
     torch.__file__, os.path.dirname(os.path.abspath(__file__)), sys.modules["fxlite"].__file__,
     sys.modules["fxlite.graph"].__file__))
 _LOCAL = threading.local()
@@ -39,7 +39,7 @@ def user_site() -> tuple[str, int, str, str] | None:
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if not (name.startswith(_LIB_DIRS) or name.startswith("<fxlite")
+        if not (name.startswith(LIB_DIRS) or name.startswith("<fxlite")
                 or name.startswith("<frozen")):
             return (name, f.f_lineno, f.f_code.co_name,
                     linecache.getline(name, f.f_lineno).strip())

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.capture.records import _LIB_DIRS, format_site
+from fxlite.codegen.capture.records import LIB_DIRS, format_site
 from fxlite.codegen.capture.structure import flatten
 
 __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large", "user_class",
@@ -61,7 +61,7 @@ __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large",
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
-_TRUSTED = (*_LIB_DIRS, "<fxlite", "<frozen importlib")
+_TRUSTED = (*LIB_DIRS, "<fxlite", "<frozen importlib")
 _FROZEN = "<frozen "  # a frozen standard-library module: "<frozen os>"
 # Standard-library modules whose functions act on the world or on hidden state.
 _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random numbers",

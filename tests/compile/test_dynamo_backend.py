@@ -19,7 +19,7 @@ if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch._dynamo
-from fxlite.codegen import dynamo_backend
+from fxlite.codegen import dynamo_backend, options
 
 import fxlite
 from fxlite.logs import kernel_listener
@@ -130,7 +130,14 @@ def test_to_torch_fx_keeps_the_program():
     model = Net().eval()
     x = torch.randn(3, 8)
     gm = fxlite.symbolic_trace(torch.nn.Sequential(model.fc1, torch.nn.ReLU(), model.fc2))
-    tgm = dynamo_backend.to_torch_fx(gm)
+    tgm = options.to_torch_fx(gm)
     assert isinstance(tgm, torch.fx.GraphModule)
     assert [n.name for n in tgm.graph.nodes] == [n.name for n in gm.graph.nodes]
     torch.testing.assert_close(tgm(x), gm(x))
+
+
+def test_the_old_paths_of_dynamos_backends_inside_fxlite_warn():
+    with pytest.warns(DeprecationWarning, match="fxlite.codegen.options.to_torch_fx"):
+        assert dynamo_backend.to_torch_fx is options.to_torch_fx
+    with pytest.raises(AttributeError):
+        dynamo_backend.no_such_name  # noqa: B018
