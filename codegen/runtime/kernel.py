@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from fxlite.codegen.kernels.analysis import (
     Plan,
-    computed_outputs,
     guard_key,
     iteration_space,
     key_and_shape,
@@ -74,16 +73,22 @@ from fxlite.codegen.kernels.generate import (
     why_unsupported,
 )
 from fxlite.codegen.kernels.layout import (
-    dense_strides,
     inverse,
     memory_order,
     merges,
     permute_inputs,
 )
-from fxlite.codegen.kernels.source import KernelSource, division_magic
+from fxlite.codegen.kernels.source import KernelSource
 from fxlite.codegen.runtime.binaries import binary_key, load_binary, save_binary
 from fxlite.codegen.runtime.cache import kernel_dir, load_module
-from fxlite.codegen.runtime.launch import SLOT, Binary, _DirectLaunch, _fingerprint
+from fxlite.codegen.runtime.launch import (
+    BINARIES,
+    SLOT,
+    Binary,
+    DirectLaunch,
+    LaunchPlan,
+    fingerprint,
+)
 
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
@@ -92,12 +97,9 @@ __all__ = ["DEFAULT_MAX_BLOCK", "TritonKernel", "candidate_configs", "generate_k
            "guard_key", "interpreting", "launch_config", "why_unsupported"]
 
 
-# ------------------------------------------------------------------------------ loading
-_BINARIES: dict[str, Binary] = {}  # binary_key -> Binary, for this process
-_INTERPRETER_LOCK = threading.Lock()
+_INTERPRETER_LOCK = threading.Lock()  # see _Spec._launch
 
 
-# ------------------------------------------------------------------------------ kernels
 def _aliasing(view: torch.Tensor) -> torch.Tensor:
     """A tensor that is not a view (no ``_base``) over ``view``'s memory and strides."""
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(
@@ -114,7 +116,7 @@ def _no_storage(t: Any) -> Any:
 
 
 class _Spec:
-    """One specialization: a plan, its source and the launcher's recipe."""
+    """One specialization: a plan, its source, its loaded functions and its launches."""
 
     def __init__(self, plan: Plan, src: KernelSource, max_block: int) -> None:
         self.plan = plan
@@ -123,80 +125,24 @@ class _Spec:
         module = load_module(src.text, plan.name)  # plan.name holds a digest of the text
         self.source_id = module.__name__  # carries a digest of the source text
         self.fns = {v: getattr(module, f) for v, f in src.functions.items()}
-        self.outs = computed_outputs(plan)
-        slot = {id(v): j for j, v in self.outs}
-        self.results = [("in", v.index) if v.kind == "input" else ("out", slot[id(v)])
-                        for v in plan.outputs]
-        nt = [d for d in range(plan.rank) if d not in plan.trivial]
-        self.inner = nt[-1] if nt else 0  # a pointwise rows launch runs along this dim
-        self.red = [d for d in nt if d in plan.reduced]
-        self.kept = [d for d in range(plan.rank) if d not in plan.reduced]
-        kept_nt = [d for d in nt if d not in plan.reduced]
-        self.trailing = not kept_nt or not self.red or max(kept_nt) < min(self.red)
-        # Launch as row kernels also when the innermost dim is reduced (a batch norm's
-        # sums over N, H, W): kept rows are then far apart in memory, and packing many per
-        # program (the config for reductions over leading dims) starves the GPU: on an
-        # H200 these sums took 0.26 ms each, 75% of resnet18's training-step kernel time.
-        self.row_config = (self.trailing or (bool(nt) and nt[-1] in self.red)) and not \
-            _kept_innermost(plan, kept_nt)
-        # tensors read whole (every row and column): they set the registers a row needs
-        self.row_inputs = sum(1 for p in plan.patterns if p is not None and nt and all(
-            p[d] == "s" for d in nt))
-        self.needs_nonempty = any(v.kind == "reduce" and v.op in ("max", "min")
-                                  and not v.empty_ok for v in plan.values)
-        self.pointwise = plan.kind == "pointwise"
-        self.out_layout = [(tuple(v.dims), v.span, v.dtype, v.layout) for _, v in self.outs]
+        self.launch = LaunchPlan.of(plan, src)
         self.tuned: dict[Any, dict[str, Any]] = {}
         # (binary, grid, every argument value, SLOT for each tensor) of the latest GPU
         # launch, for direct launches
         self.last_launch: tuple[Binary, tuple[int, int, int], list[Any]] | None = None
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
-    def allocate(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
-        outs = []
-        for dims, span, dtype, layout in self.out_layout:
-            size = [shape[d] if d in span else 1 for d in dims]
-            if layout is None:
-                outs.append(torch.empty(size, dtype=dtype, device=device))
-            else:  # eager's layout for these inputs (triton_layout.eager_layout)
-                outs.append(torch.empty_strided(size, dense_strides(size, layout),
-                                                dtype=dtype, device=device))
-        return outs
-
-    def args(self, inputs: Sequence[Any], outs: list[torch.Tensor], shape: tuple[int, ...],
-             counts: dict[str, int]) -> list[Any]:
-        r = len(shape)
-        vals: list[Any] = []
-        for desc in self.src.args:
-            tag = desc[0]
-            if tag == "in" or tag == "scalar":
-                vals.append(inputs[desc[1]])
-            elif tag == "out":
-                vals.append(outs[desc[1]])
-            elif tag == "size":
-                vals.append(max(shape[desc[1]], 1))
-            elif tag in ("size_m", "size_s"):
-                vals.append(division_magic(max(shape[desc[1]], 1))[tag == "size_s"])
-            elif tag == "stride":
-                t = inputs[desc[1]]
-                vals.append(t.stride(desc[2] - (r - t.dim())))
-            elif tag == "ostride":
-                dims = self.out_layout[desc[1]][0]
-                vals.append(outs[desc[1]].stride(dims.index(desc[2])))
-            else:
-                vals.append(counts[tag])
-        return vals
-
     def config(self, shape: tuple[int, ...]) -> tuple[dict[str, int], dict[str, Any]]:
         """Row/element counts and the launch config for ``shape`` (memoized)."""
         found = self._configs.get(shape)
         if found is not None:
             return found
-        if self.pointwise:
+        lp = self.launch
+        if lp.pointwise:
             n = math.prod(shape)
-            cols = shape[self.inner] if "rows" in self.fns and n else 1
+            cols = shape[lp.inner] if "rows" in lp.variants and n else 1
             counts = {"numel": n, "cols": cols}
-            tile = self.src.tile
+            tile = lp.tile
             if tile is not None:
                 counts["lena"] = math.prod(shape[d] for d in tile[0])
                 counts["lenb"] = math.prod(shape[d] for d in tile[1])
@@ -204,11 +150,11 @@ class _Spec:
                 tile_config(counts["lena"], counts["lenb"]) if tile is not None
                 else launch_config("pointwise", n, cols))
         else:
-            rows = math.prod(shape[d] for d in self.kept)
-            cols = math.prod(shape[d] for d in self.red)
+            rows = math.prod(shape[d] for d in lp.kept)
+            cols = math.prod(shape[d] for d in lp.red)
             found = {"rows": rows, "cols": cols}, self.tuned.get(np2(cols)) or launch_config(
-                "reduction", rows, cols, trailing=self.row_config, max_block=self.max_block,
-                row_inputs=self.row_inputs)
+                "reduction", rows, cols, trailing=lp.row_config, max_block=self.max_block,
+                row_inputs=lp.row_inputs)
         if len(self._configs) > 256:
             self._configs.clear()
         self._configs[shape] = found
@@ -220,11 +166,12 @@ class _Spec:
         and outputs, or None when there is nothing to compute (an empty tensor)."""
         counts, heuristic = self.config(shape)
         cfg = cfg or heuristic
-        if self.pointwise:
+        lp = self.launch
+        if lp.pointwise:
             n = counts["numel"]
             if not n:
                 return None
-            if cfg["variant"] == "transpose" and not merges(inputs, self.src.tile):
+            if cfg["variant"] == "transpose" and not merges(inputs, lp.tile):
                 cfg = launch_config("pointwise", n, counts["cols"])
             if cfg["variant"] == "rows":
                 grid = (triton_cdiv(n // counts["cols"], cfg["ROWS"])
@@ -238,26 +185,13 @@ class _Spec:
             else:
                 grid = (triton_cdiv(n, cfg["BLOCK"]),)
                 constexprs = {"BLOCK": cfg["BLOCK"]}
-            return (cfg["variant"], grid, self.args(inputs, outs, shape, counts), constexprs,
-                    cfg["num_warps"])
+            return (cfg["variant"], grid, lp.arguments(inputs, outs, shape, counts),
+                    constexprs, cfg["num_warps"])
         if not counts["rows"]:
             return None
         return (cfg["variant"], (triton_cdiv(counts["rows"], cfg["ROWS"]),),
-                self.args(inputs, outs, shape, counts),
+                lp.arguments(inputs, outs, shape, counts),
                 {"ROWS": cfg["ROWS"], "BLOCK_C": cfg["BLOCK_C"]}, cfg["num_warps"])
-
-    def skips_outputs(self, shape: tuple[int, ...]) -> bool:
-        """Whether a launch for iteration space ``shape`` would compute nothing though an
-        output has elements: a 0-dim output of a group whose other tensors became empty
-        (``b.sub_(b)`` next to ``clamp(b, x, x)`` for an empty ``x``). Such calls run the
-        group's ops instead, or that output would hold whatever memory it was given."""
-        if math.prod(shape) != 0:
-            return False
-        if not self.pointwise and math.prod(
-                n for d, n in enumerate(shape) if d not in self.red) != 0:
-            return False  # rows to reduce (over nothing): every output is written
-        return any(math.prod(shape[d] for d in dims if d in span) != 0
-                   for dims, span, _, _ in self.out_layout)
 
     def run(self, inputs: Sequence[Any], shape: tuple[int, ...],
             cfg: dict[str, Any] | None = None) -> list[torch.Tensor]:
@@ -269,9 +203,10 @@ class _Spec:
                     f"but the inputs now have shape {list(shape)} (eager raises, or "
                     "squeezes the dim, here)")
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        outs = self.allocate(shape, device)
-        empty = not self.pointwise and math.prod(shape[d] for d in self.red) == 0
-        if empty and self.needs_nonempty:
+        lp = self.launch
+        outs = lp.allocate(shape, device)
+        empty = not lp.pointwise and math.prod(shape[d] for d in lp.red) == 0
+        if empty and lp.needs_nonempty:
             raise IndexError("amax()/amin(): expected the reduced dims to have non-zero size, "
                              "as eager does")
         # nothing to reduce: no load may touch an empty input's storage
@@ -297,14 +232,14 @@ class _Spec:
             return
         # A binary compiled before (maybe by another process) skips Triton's JIT.
         key = binary_key(self.source_id, variant, args, constexprs, num_warps)
-        binary = _BINARIES.get(key)
+        binary = BINARIES.get(key)
         if binary is None:
             found = load_binary(kernel_dir(), key, fn)
             if found is None:  # compile only: launching through Triton would build its launcher
                 compiled = fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps)
                 save_binary(kernel_dir(), key, compiled)
                 found = compiled, False
-            binary = _BINARIES[key] = Binary(*found, key=key)
+            binary = BINARIES[key] = Binary(*found, key=key)
         values = list(args) + [constexprs[n] for n in list(fn.arg_names)[len(args):]]
         device = next(a.device.index or 0 for a in args if isinstance(a, torch.Tensor))
         grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the launchers want all 3 dims
@@ -363,8 +298,8 @@ class TritonKernel:
         self._current = spec
         self._lock = threading.Lock()
         self.compilations = 1
-        # fingerprint of the inputs -> a prepared launch (GPU only; see _DirectLaunch)
-        self._direct: dict[tuple, _DirectLaunch] | None = (
+        # fingerprint of the inputs -> a prepared launch (GPU only; see DirectLaunch)
+        self._direct: dict[tuple, DirectLaunch] | None = (
             None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
         # A group of pointwise ops only may iterate in its inputs' memory order
         # (triton_layout): nothing in it depends on the order of the dims. Not a clone
@@ -420,7 +355,7 @@ class TritonKernel:
                 key, shape = key_and_shape(ordered)
                 spec = self._spec_for(ordered, key)
                 if spec is not None and all(len(d) == spec.plan.rank
-                                            for d, *_ in spec.out_layout):
+                                            for d, *_ in spec.launch.out_layout):
                     return spec, ordered, shape, order
             key, shape = key_and_shape(inputs)
         except RuntimeError:
@@ -433,11 +368,11 @@ class TritonKernel:
     def __call__(self, *inputs: Any) -> Any:
         """Allocate the outputs and launch; returns what the group returns."""
         if self._direct is not None:
-            launch = self._direct.get(_fingerprint(inputs))
+            launch = self._direct.get(fingerprint(inputs))
             if launch is not None:
                 return launch.fast(inputs)
         spec, ordered, shape, order = self.select(inputs)
-        if spec is None or spec.skips_outputs(shape):
+        if spec is None or spec.launch.skips_outputs(shape):
             return self.group(*inputs)
         spec.last_launch = None
         outs = spec.run(ordered, shape)
@@ -447,19 +382,15 @@ class TritonKernel:
             # Function may not return views that the caller then writes in place
             outs = [_aliasing(o.permute(back)) for o in outs]
         if self._direct is not None:
-            direct = _DirectLaunch.build(spec, inputs, outs)
+            direct = DirectLaunch.build(spec.launch, spec.last_launch, inputs, outs)
             # A binary checked before (this process or an earlier one) had its direct
             # launch compared then; the comparison costs a first call tens of ms.
-            if direct is not None and (direct.binary.checked or _DirectLaunch.agrees(
-                    direct, inputs, spec, outs)):
+            if direct is not None and (direct.binary.checked or DirectLaunch.agrees(
+                    direct, inputs, outs)):
                 if len(self._direct) > 64:
                     self._direct.clear()
-                self._direct[_fingerprint(inputs)] = direct
-        results = [inputs[i] if tag == "in" else outs[i] for tag, i in spec.results]
-        structure = spec.plan.structure
-        if structure == "single":
-            return results[0]
-        return tuple(results) if structure == "tuple" else results
+                self._direct[fingerprint(inputs)] = direct
+        return spec.launch.returned(inputs, outs)
 
     @property
     def checked(self) -> bool:
@@ -491,9 +422,9 @@ class TritonKernel:
         spec = self._spec_for(inputs)
         if spec is not None:
             shape = iteration_space(list(inputs))
-            for _, v in spec.outs:
-                n = math.prod(shape[d] if d in v.span else 1 for d in v.dims)
-                total += n * v.dtype.itemsize
+            for dims, span, dtype, _ in spec.launch.out_layout:
+                n = math.prod(shape[d] if d in span else 1 for d in dims)
+                total += n * dtype.itemsize
         return total
 
     def autotune(self, *inputs: Any, configs: list[dict[str, Any]] | None = None
@@ -517,7 +448,7 @@ class TritonKernel:
         if configs is None:
             rows = counts.get("numel", counts.get("rows", 1))
             configs = candidate_configs(self.kind, rows, counts.get("cols", 1),
-                                        trailing=spec.row_config, max_block=self._max_block,
+                                        trailing=spec.launch.row_config, max_block=self._max_block,
                                         tiles="lena" in counts)
         best, best_ms = base, float("inf")
         for cfg in configs:
@@ -532,16 +463,6 @@ class TritonKernel:
         if self._direct is not None:
             self._direct.clear()  # prepared launches carry the old configuration
         return best
-
-
-def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
-    """Whether a full-size input lies with a kept dim innermost in memory (a channels-last
-    tensor summed over H and W): its rows are then adjacent, its columns strided."""
-    for entry in plan.key[1]:  # per input: (dtype, pattern, dense, stride order) or a type
-        if isinstance(entry, tuple) and entry[3] and all(
-                entry[1][d] == "s" for d in range(plan.rank) if d not in plan.trivial):
-            return entry[3][-1] in kept
-    return False
 
 
 def _build(group: GraphModule, inputs: list[Any], libdevice: bool | None,

@@ -1,4 +1,9 @@
-"""Launching compiled kernels: :class:`Binary` and the direct launches built on it.
+"""Launching compiled kernels: the :class:`LaunchPlan` of a specialization, the
+:class:`Binary` it compiles to, and the direct launches built on it.
+
+A :class:`LaunchPlan` is what a launch needs to know about a generated kernel, fixed when
+it is generated: its arguments, its outputs' layout, what the group returns, and which
+dims a launch runs over. It allocates the outputs and computes every argument for a call.
 
 A :class:`Binary` is one compiled kernel. It is launched through torch's own C++ launcher
 (``torch._C._StaticCudaLauncher``, what inductor uses) when that can take it: Triton's
@@ -9,7 +14,7 @@ Otherwise, or while a Triton launch hook (a profiler) is installed, Triton launc
 Triton's JIT dispatcher re-binds and re-hashes every argument on each call (about 14 us
 of host time on an H200 host). For an input fingerprint seen before, every integer
 argument and the grid are known, so fxlite generates a straight-line launcher
-(:class:`_DirectLaunch`) that allocates the outputs and calls the binary with only the
+(:class:`DirectLaunch`) that allocates the outputs and calls the binary with only the
 tensors changing. Each one is checked once against the general launch before it is used.
 """
 
@@ -18,17 +23,22 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from fxlite.codegen.kernels.analysis import Plan, computed_outputs
+from fxlite.codegen.kernels.layout import dense_strides
+from fxlite.codegen.kernels.source import KernelSource, division_magic
 
-if TYPE_CHECKING:
-    from fxlite.codegen.runtime.kernel import _Spec
+__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "LaunchPlan",
+           "fingerprint"]
 
-__all__ = ["DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "_DirectLaunch", "_fingerprint"]
-
-# A tensor's place in a remembered launch (_Spec.last_launch): the launch keeps no tensor.
+# A tensor's place in a remembered launch (``_Spec.last_launch``): the launch keeps no tensor.
 SLOT = object()
+
+# binary_key -> Binary, for this process (binaries.py keeps the index on disk)
+BINARIES: dict[str, Binary] = {}
 
 # Why the last attempt at a direct launch fell back to Triton's dispatcher, if one did.
 DIRECT_LAUNCH_PROBLEM: str | None = None
@@ -39,7 +49,7 @@ _ARG_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I
               "f32": "f", "fp64": "d"}
 
 
-def _fingerprint(inputs: Sequence[Any]) -> tuple:
+def fingerprint(inputs: Sequence[Any]) -> tuple:
     """Everything a launch's arguments and Triton's specialization depend on.
 
     Exact sizes and strides fix every integer argument; dtype and device fix the
@@ -55,6 +65,148 @@ def _fingerprint(inputs: Sequence[Any]) -> tuple:
         else:
             fp.append(type(t))
     return tuple(fp)
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchPlan:
+    """How to launch one generated specialization, read once from its plan and source.
+
+    Attributes:
+        args: the kernel's runtime arguments, in signature order (``KernelSource.args``).
+        variants: the kernel's functions (``"pointwise"``, ``"rows"``, ``"transpose"``,
+            ``"persistent"``, ``"looped"``).
+        tile: the dims a ``"transpose"`` variant's tiles run along (``KernelSource.tile``).
+        results: what the group returns, in order: ``("in", i)`` (input ``i`` itself) or
+            ``("out", j)`` (the kernel's output ``j``).
+        structure: ``"single"``, ``"tuple"`` or ``"list"``: how the results are returned.
+        out_layout: per output, ``(dims, span, dtype, layout)``: the iteration dims it
+            occupies, those it varies along, its dtype and eager's layout (None: contiguous).
+        pointwise: a pointwise kernel (else a reduction).
+        inner: the dim a pointwise rows launch runs along.
+        red: the reduced dims that are not size 1 for every input.
+        kept: the dims not reduced.
+        row_config: a reduction launches as row kernels (see ``_Spec.config``).
+        row_inputs: the tensors read whole (every row and column): they set the
+            registers a row needs.
+        needs_nonempty: an ``amax``/``amin`` that raises on an empty reduction, as eager.
+    """
+
+    args: list[tuple[Any, ...]]
+    variants: frozenset[str]
+    tile: tuple[tuple[int, ...], tuple[int, ...]] | None
+    results: list[tuple[str, int]]
+    structure: str
+    out_layout: list[tuple[tuple[int, ...], frozenset[int], torch.dtype, Any]]
+    pointwise: bool
+    inner: int
+    red: list[int]
+    kept: list[int]
+    row_config: bool
+    row_inputs: int
+    needs_nonempty: bool
+
+    @classmethod
+    def of(cls, plan: Plan, src: KernelSource) -> LaunchPlan:
+        """The launch plan of ``plan``'s kernel ``src``."""
+        outs = computed_outputs(plan)
+        slot = {id(v): j for j, v in outs}
+        nt = [d for d in range(plan.rank) if d not in plan.trivial]
+        red = [d for d in nt if d in plan.reduced]
+        kept_nt = [d for d in nt if d not in plan.reduced]
+        trailing = not kept_nt or not red or max(kept_nt) < min(red)
+        return cls(
+            args=src.args, variants=frozenset(src.functions), tile=src.tile,
+            results=[("in", v.index) if v.kind == "input" else ("out", slot[id(v)])
+                     for v in plan.outputs],
+            structure=plan.structure,
+            out_layout=[(tuple(v.dims), v.span, v.dtype, v.layout) for _, v in outs],
+            pointwise=plan.kind == "pointwise",
+            inner=nt[-1] if nt else 0,
+            red=red,
+            kept=[d for d in range(plan.rank) if d not in plan.reduced],
+            # Launch as row kernels also when the innermost dim is reduced (a batch norm's
+            # sums over N, H, W): kept rows are then far apart in memory, and packing many
+            # per program (the config for reductions over leading dims) starves the GPU: on
+            # an H200 these sums took 0.26 ms each, 75% of resnet18's training-step kernel
+            # time.
+            row_config=(trailing or (bool(nt) and nt[-1] in red))
+            and not _kept_innermost(plan, kept_nt),
+            row_inputs=sum(1 for p in plan.patterns if p is not None and nt and all(
+                p[d] == "s" for d in nt)),
+            needs_nonempty=any(v.kind == "reduce" and v.op in ("max", "min")
+                               and not v.empty_ok for v in plan.values))
+
+    def allocate(self, shape: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+        """The outputs for iteration space ``shape``, each in eager's layout."""
+        outs = []
+        for dims, span, dtype, layout in self.out_layout:
+            size = [shape[d] if d in span else 1 for d in dims]
+            if layout is None:
+                outs.append(torch.empty(size, dtype=dtype, device=device))
+            else:  # eager's layout for these inputs (kernels/layout.eager_layout)
+                outs.append(torch.empty_strided(size, dense_strides(size, layout),
+                                                dtype=dtype, device=device))
+        return outs
+
+    def arguments(self, inputs: Sequence[Any], outs: list[torch.Tensor],
+                  shape: tuple[int, ...], counts: dict[str, int]) -> list[Any]:
+        """Every runtime argument's value, in signature order, for one launch."""
+        r = len(shape)
+        vals: list[Any] = []
+        for desc in self.args:
+            tag = desc[0]
+            if tag == "in" or tag == "scalar":
+                vals.append(inputs[desc[1]])
+            elif tag == "out":
+                vals.append(outs[desc[1]])
+            elif tag == "size":
+                vals.append(max(shape[desc[1]], 1))
+            elif tag in ("size_m", "size_s"):
+                vals.append(division_magic(max(shape[desc[1]], 1))[tag == "size_s"])
+            elif tag == "stride":
+                t = inputs[desc[1]]
+                vals.append(t.stride(desc[2] - (r - t.dim())))
+            elif tag == "ostride":
+                dims = self.out_layout[desc[1]][0]
+                vals.append(outs[desc[1]].stride(dims.index(desc[2])))
+            else:
+                vals.append(counts[tag])
+        return vals
+
+    def skips_outputs(self, shape: tuple[int, ...]) -> bool:
+        """Whether a launch for iteration space ``shape`` would compute nothing though an
+        output has elements: a 0-dim output of a group whose other tensors became empty
+        (``b.sub_(b)`` next to ``clamp(b, x, x)`` for an empty ``x``). Such calls run the
+        group's ops instead, or that output would hold whatever memory it was given."""
+        if math.prod(shape) != 0:
+            return False
+        if not self.pointwise and math.prod(
+                n for d, n in enumerate(shape) if d not in self.red) != 0:
+            return False  # rows to reduce (over nothing): every output is written
+        return any(math.prod(shape[d] for d in dims if d in span) != 0
+                   for dims, span, _, _ in self.out_layout)
+
+    def returned(self, inputs: Sequence[Any], outs: Sequence[Any]) -> Any:
+        """What the group returns, given its inputs and the kernel's outputs."""
+        return _returned(self.results, self.structure, inputs, outs)
+
+
+def _returned(results: list[tuple[str, int]], structure: str, inputs: Sequence[Any],
+              outs: Sequence[Any]) -> Any:
+    values = [inputs[i] if tag == "in" else outs[i] for tag, i in results]
+    if structure == "single":
+        return values[0]
+    return tuple(values) if structure == "tuple" else values
+
+
+def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
+    """Whether a full-size input lies with a kept dim innermost in memory (a channels-last
+    tensor summed over H and W): its rows are then adjacent, its columns strided."""
+    for entry in plan.key[1]:  # per input: (dtype, pattern, dense, stride order) or a type
+        if isinstance(entry, tuple) and entry[3] and all(
+                entry[1][d] == "s" for d in range(plan.rank) if d not in plan.trivial):
+            return entry[3][-1] in kept
+    return False
 
 
 def _hooks() -> tuple[Any, Any]:
@@ -156,7 +308,7 @@ class Binary:
         self.compiled[grid](*values)
 
 
-class _DirectLaunch:
+class DirectLaunch:
     """A launch prepared for one input fingerprint: allocate outputs, call the binary.
 
     Why: Triton's JIT dispatcher re-binds and re-hashes every argument on each call
@@ -168,9 +320,11 @@ class _DirectLaunch:
                  "out_specs", "results", "structure", "hooks", "fast", "like")
 
     @classmethod
-    def build(cls, spec: _Spec, inputs: Sequence[Any], outs: list[torch.Tensor]
-              ) -> _DirectLaunch | None:
-        record = spec.last_launch
+    def build(cls, plan: LaunchPlan, record: tuple[Binary, tuple[int, int, int], list[Any]]
+              | None, inputs: Sequence[Any], outs: list[torch.Tensor]) -> DirectLaunch | None:
+        """The direct launch repeating ``record`` (a specialization's latest GPU launch:
+        binary, grid, argument values with :data:`SLOT` for each tensor) for these inputs'
+        fingerprint, or None where the general path must run."""
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
         if record is None or not tensors or not tensors[0].is_cuda:
             return None
@@ -192,7 +346,7 @@ class _DirectLaunch:
         # counts are fixed by the fingerprint.
         self.template = values
         self.tensor_slots = [(k, "in" if desc[0] in ("in", "scalar") else "out", desc[1])
-                             for k, desc in enumerate(spec.src.args)
+                             for k, desc in enumerate(plan.args)
                              if desc[0] in ("in", "scalar", "out")]
         slots = {k for k, _, _ in self.tensor_slots}
         if any(v is SLOT for k, v in enumerate(values) if k not in slots):
@@ -210,8 +364,8 @@ class _DirectLaunch:
                         and _dense(t)):
                     self.like[j] = i
                     break
-        self.results = spec.results
-        self.structure = spec.plan.structure
+        self.results = plan.results
+        self.structure = plan.structure
         self.fast = self._generate()
         return self
 
@@ -282,8 +436,7 @@ class _DirectLaunch:
         return env["launch"]
 
     @staticmethod
-    def agrees(direct: _DirectLaunch, inputs: Sequence[Any], spec: _Spec,
-               outs: list[torch.Tensor]) -> bool:
+    def agrees(direct: DirectLaunch, inputs: Sequence[Any], outs: list[torch.Tensor]) -> bool:
         """Run the direct launch once and compare it with the general launch's result.
 
         Why: it inlines what the general launch computed per call; a mismatch or an
@@ -296,7 +449,7 @@ class _DirectLaunch:
             DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return False
         got = got if isinstance(got, (tuple, list)) else [got]
-        want = [inputs[i] if tag == "in" else outs[i] for tag, i in spec.results]
+        want = [inputs[i] if tag == "in" else outs[i] for tag, i in direct.results]
         same = all(torch.equal(g, w) or (g.is_floating_point() and torch.allclose(
             g, w, equal_nan=True, rtol=0, atol=0)) for g, w in zip(got, want))
         if not same:
@@ -312,10 +465,7 @@ class _DirectLaunch:
             values[k] = inputs[i] if tag == "in" else outs[i]
         if self.grid[0]:
             self.binary.launch(self.grid, values, self.device)
-        results = [inputs[i] if tag == "in" else outs[i] for tag, i in self.results]
-        if self.structure == "single":
-            return results[0]
-        return tuple(results) if self.structure == "tuple" else results
+        return _returned(self.results, self.structure, inputs, outs)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from fxlite.codegen.runtime.binaries import binary_key, has_binary
 from fxlite.codegen.runtime.cache import kernel_dir
-from fxlite.codegen.runtime.kernel import _BINARIES, generate_kernel, interpreting
+from fxlite.codegen.runtime.kernel import generate_kernel, interpreting
+from fxlite.codegen.runtime.launch import BINARIES
 
 from fxlite.graph_module import GraphModule
 
@@ -99,7 +100,8 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
             spec, ordered, shape, _ = kernel.select(inputs)
             if spec is None:
                 continue
-            launch = spec.launch_for(ordered, spec.allocate(shape, torch.device("meta")), shape)
+            outs = spec.launch.allocate(shape, torch.device("meta"))
+            launch = spec.launch_for(ordered, outs, shape)
         except Exception:  # a plan that fails here fails (and falls back) at run time
             continue
         kernels += 1
@@ -120,7 +122,7 @@ def _known(key: tuple, job: tuple, cache: Path | None) -> bool:
     its own sources: 0.4 s in a new process)."""
     fn, args, grid, constexprs, warps = job
     found = binary_key(key[0], key[1], args, constexprs, warps)
-    return found in _BINARIES or has_binary(cache, found)
+    return found in BINARIES or has_binary(cache, found)
 
 
 def precompile(gm: GraphModule, device: torch.device | str | None = None, *,

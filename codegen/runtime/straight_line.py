@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from fxlite.codegen.capture.guards import tensor_guard
-from fxlite.codegen.runtime.launch import _fingerprint
+from fxlite.codegen.runtime.launch import fingerprint
 
 from fxlite.interpreter import freed_after
 from fxlite.node import Node
@@ -383,7 +383,7 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
             break
         elif _kernel_call(node):
             inputs = [w.value(a) for a in node.args]
-            launch = node.target._direct.get(_fingerprint(inputs)) if w.all_fixed(node) \
+            launch = node.target._direct.get(fingerprint(inputs)) if w.all_fixed(node) \
                 else None
             joined = ", ".join(w.expr(a) for a in node.args)
             if launch is not None:

@@ -446,8 +446,8 @@ def test_launch_heuristic():
     ln = fxlite.compile(lambda a, c: F.layer_norm(a, (16,), c, c))
     add_ln = fxlite.compile(lambda a, b, c: F.layer_norm(a + b, (16,), c, c))
     ln(x, w), add_ln(x, r, w)
-    assert ln.kernels[0]._current.row_inputs == 1  # x (w is one row for all)
-    assert add_ln.kernels[0]._current.row_inputs == 2  # x and r
+    assert ln.kernels[0]._current.launch.row_inputs == 1  # x (w is one row for all)
+    assert add_ln.kernels[0]._current.launch.row_inputs == 2  # x and r
     assert launch_config("reduction", 8, 100_000)["variant"] == "looped"
     assert launch_config("reduction", 8, 100, max_block=16)["variant"] == "looped"
     # rows of 65 to 512 run one warp a program over 1024 elements (H200 measurements in

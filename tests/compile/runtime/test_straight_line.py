@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 from fxlite.codegen.lower.batch_norm import per_channel
-from fxlite.codegen.runtime.launch import _fingerprint
+from fxlite.codegen.runtime.launch import fingerprint
 from fxlite.codegen.runtime.straight_line import (
     AttrCheck,
     StraightRunner,
@@ -35,7 +35,7 @@ class _Kernel:
             self.prepare(inputs)
 
     def prepare(self, inputs):
-        self._direct[_fingerprint(inputs)] = types.SimpleNamespace(fast=self._fast)
+        self._direct[fingerprint(inputs)] = types.SimpleNamespace(fast=self._fast)
 
     def _fast(self, inputs):
         self.fast_calls += 1

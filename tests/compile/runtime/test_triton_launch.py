@@ -10,8 +10,8 @@ import torch
 from fxlite.codegen.runtime.binaries import binary_key
 from fxlite.codegen.runtime.launch import (
     Binary,
-    _DirectLaunch,
-    _fingerprint,
+    DirectLaunch,
+    fingerprint,
 )
 
 
@@ -47,12 +47,12 @@ class _StaticStandIn:
 
 
 def _launch(structure: str, results: list, template: list, slots: list,
-            static: bool = False) -> tuple[_DirectLaunch, list]:
+            static: bool = False) -> tuple[DirectLaunch, list]:
     calls: list[tuple] = []
     binary = object.__new__(Binary)
     binary.compiled, binary.checked, binary.key = _Compiled(calls), False, "k"
     binary.static = _StaticStandIn(calls) if static else None
-    d = _DirectLaunch()
+    d = DirectLaunch()
     d.binary, d.hooks = binary, (None, None)
     d.grid, d.device, d.stream_of = (8, 1, 1), 0, lambda device: 1234
     d.template, d.tensor_slots = template, slots
@@ -143,14 +143,14 @@ def test_hooks_take_the_general_path(monkeypatch) -> None:
         assert calls[0][:2] == ("triton", (8, 1, 1)) and calls[0][2] is x
 
 
-def test_fingerprint_tracks_what_specialization_depends_on() -> None:
+def testfingerprint_tracks_what_specialization_depends_on() -> None:
     x = torch.randn(8, 8)
-    assert _fingerprint([x, 1.0]) == _fingerprint([torch.randn(8, 8), 2.0])
-    assert _fingerprint([x]) != _fingerprint([x.t()])           # strides
-    assert _fingerprint([x]) != _fingerprint([torch.randn(8, 9)])  # sizes
-    assert _fingerprint([x.flatten()[1:]]) != _fingerprint([x.flatten()[:-1]])  # alignment
-    assert _fingerprint([x, 5]) == _fingerprint([x, 6])
-    assert _fingerprint([x, 5]) != _fingerprint([x, 2**40])     # 32- vs 64-bit int
+    assert fingerprint([x, 1.0]) == fingerprint([torch.randn(8, 8), 2.0])
+    assert fingerprint([x]) != fingerprint([x.t()])           # strides
+    assert fingerprint([x]) != fingerprint([torch.randn(8, 9)])  # sizes
+    assert fingerprint([x.flatten()[1:]]) != fingerprint([x.flatten()[:-1]])  # alignment
+    assert fingerprint([x, 5]) == fingerprint([x, 6])
+    assert fingerprint([x, 5]) != fingerprint([x, 2**40])     # 32- vs 64-bit int
 
 
 def test_binary_key_changes_with_specialization_not_with_float_values() -> None:
