@@ -25,6 +25,7 @@ from fxlite.codegen.capture.records import result_leaves
 from fxlite.codegen.capture.run import record
 from fxlite.codegen.capture.segments import split
 from fxlite.codegen.capture.structure import flatten, unflatten
+from fxlite.codegen.compile import CompiledFunction, CompiledModule
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, _format_target
@@ -134,8 +135,6 @@ def _op_name(node: Node) -> str:
 
 
 def _unwrap(fn: Any) -> Any:
-    from fxlite.codegen.compile import CompiledFunction, CompiledModule
-
     if isinstance(fn, CompiledModule):
         return fn._orig_mod
     if isinstance(fn, CompiledFunction):

@@ -342,7 +342,7 @@ class Proxy:
         if isinstance(orig_method, torch._C.ScriptMethod):  # a TorchScript submodule's method
             return tracer.create_proxy("call_method", orig_method.name,
                                        (orig_method.owner, *args), kwargs)
-        if _is_tensor_method(orig_method):
+        if is_tensor_method(orig_method):
             return tracer.create_proxy("call_method", orig_method.__name__, args, kwargs)
         return tracer.create_proxy("call_function", orig_method, args, kwargs)
 
@@ -350,7 +350,7 @@ class Proxy:
 _TENSOR_METHOD: dict[Any, bool] = {}
 
 
-def _is_tensor_method(fn: Any) -> bool:
+def is_tensor_method(fn: Any) -> bool:
     # Cached: torch's check wraps every call in warnings.catch_warnings, which cost about
     # a tenth of tracing time on big graphs, and its first call builds a table of every
     # overridable function (about 13 ms). The answer never changes for a given function.

@@ -110,7 +110,7 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.hooks import installed, opaque_methods
 from fxlite.codegen.capture.kinds import SIZE_FANOUT, UNSUPPORTED, classify, state_name
-from fxlite.codegen.capture.records import _LOCAL, Recording, Step, tensor_meta
+from fxlite.codegen.capture.records import Recording, Step, recording_in_thread, tensor_meta
 from fxlite.codegen.capture.rules import map_tensors, same_func, spelling
 from fxlite.codegen.capture.structure import flatten
 from torch.overrides import TorchFunctionMode
@@ -257,13 +257,9 @@ class Follow:
         for leaf, name in zip(leaves, self.rec.placeholders):
             if name is not None:
                 follower.bind(leaf, name)
-        outer = getattr(_LOCAL, "recorder", None)
-        _LOCAL.recorder = follower
-        try:
-            with installed(), opaque_methods([*leaves, *bound]), follower:
-                result = self.fn(*args, **kwargs)
-        finally:
-            _LOCAL.recorder = outer
+        with recording_in_thread(follower), installed(), \
+                opaque_methods([*leaves, *bound]), follower:
+            result = self.fn(*args, **kwargs)
         self.diverged = self.diverged + 1 if follower.diverged else 0
         self.completed += not follower.diverged
         left = follower.left if follower.diverged else None

@@ -54,8 +54,8 @@ from fxlite.codegen.capture.watch import (
     users_object,
 )
 
-__all__ = ["LayoutCheck", "StateGuard", "ambient_key", "argument_key", "identity", "input_key",
-           "tensor_guard"]
+__all__ = ["CODE_TYPES", "LayoutCheck", "StateGuard", "ambient_key", "argument_key", "identity",
+           "input_key", "tensor_guard"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             torch.layout, torch.memory_format, torch.Size, enum.Enum, range, slice)
@@ -273,7 +273,7 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
         for name in code.co_names:
             value = glob.get(name, _EMPTY)
             if isinstance(value, (*_SCALARS, torch.Tensor, torch.nn.Module)) or not (
-                    value is _EMPTY or isinstance(value, _CODE)) or isinstance(
+                    value is _EMPTY or isinstance(value, CODE_TYPES)) or isinstance(
                     value, type) and user_class(value):  # a dict, a state object, a class
                 out.append((f"{prefix}{name}", functools.partial(dict.get, glob, name, _EMPTY)))
         if getattr(f, "__defaults__", None):
@@ -281,10 +281,10 @@ def _getters(fn: Any) -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
-# Globals that are code, not state: the functions, classes and Python modules a function
-# calls.
-_CODE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-         functools.partial, type)
+CODE_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.MethodType, functools.partial, type)
+"""Globals that are code, not state: the functions, classes and Python modules a function
+calls."""
 
 
 def _context_value(var: Any) -> Any:
@@ -454,7 +454,7 @@ class StateGuard:
         added = False
         for glob, name in pairs:
             value = glob.get(name, _EMPTY)
-            if (id(glob), name) in known or value is _EMPTY or isinstance(value, _CODE) \
+            if (id(glob), name) in known or value is _EMPTY or isinstance(value, CODE_TYPES) \
                     and not (isinstance(value, type) and user_class(value)):
                 continue
             known.add((id(glob), name))

@@ -25,13 +25,12 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from fxlite.codegen.capture.records import recording_thread
 
-__all__ = ["installed", "opaque_methods"]
+__all__ = ["installed", "opaque_methods", "opaque_names"]
 
 
 def _active() -> Any:
-    from fxlite.codegen.capture.records import recording_thread
-
     rec = recording_thread()
     return rec if rec is not None and not rec.off else None
 
@@ -196,8 +195,11 @@ def _opaque_classes() -> list[tuple[type, tuple[str, ...]]]:
     return found
 
 
-def _opaque_names(obj: Any, classes: list[tuple[type, tuple[str, ...]]] | None = None
-                  ) -> tuple[str, ...]:
+def opaque_names(obj: Any, classes: list[tuple[type, tuple[str, ...]]] | None = None
+                 ) -> tuple[str, ...]:
+    """The names of ``obj``'s methods that a recording records as single calls (an
+    optimizer's ``step``, a scheduler's, a grad scaler's; see ``_OPAQUE``), or ``()``;
+    ``classes`` is the table to look in, by default those classes imported so far."""
     for cls, names in _opaque_classes() if classes is None else classes:
         if isinstance(obj, cls):
             return names
@@ -228,7 +230,7 @@ def _opaque_methods(objects: list[Any],
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        for name in _opaque_names(obj, classes):
+        for name in opaque_names(obj, classes):
             own = obj.__dict__.get(name, _NOTHING)
             if own is not _NOTHING and not getattr(own, "_wrapped_by_lr_sched", False):
                 continue  # an instance attribute someone else set: leave it alone

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fxlite.codegen.capture.cond import CondOp
 from fxlite.codegen.capture.kinds import (
     DYNAMIC_SHAPE,
     SIZE_FANOUT,
@@ -593,8 +594,6 @@ class Recorder(TorchFunctionMode):
 
     def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
         """``torch.cond``: both branches become graphs of their own, the call one node."""
-        from fxlite.codegen.capture.cond import CondOp
-
         if self._at < len(self._prefix):
             return self._fast_forward(CondOp, (pred, *operands), {})
         self._sync_state()

@@ -7,11 +7,13 @@ is cut and replayed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import linecache
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +21,8 @@ import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["Read", "Recording", "Slot", "Step", "format_site", "recording_thread",
-           "result_leaves", "tensor_meta", "user_site"]
+__all__ = ["LIB_DIRS", "Read", "Recording", "Slot", "Step", "format_site", "recording_in_thread",
+           "recording_thread", "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -32,6 +34,18 @@ _LOCAL = threading.local()
 def recording_thread() -> Any:
     """The recorder active in this thread, or None (used by fxlite's call hooks)."""
     return getattr(_LOCAL, "recorder", None)
+
+
+@contextlib.contextmanager
+def recording_in_thread(recorder: Any) -> Iterator[None]:
+    """Make ``recorder`` (a ``Recorder`` or a followed call's ``Follower``) what
+    :func:`recording_thread` returns while the block runs, then the outer one again."""
+    outer = getattr(_LOCAL, "recorder", None)
+    _LOCAL.recorder = recorder
+    try:
+        yield
+    finally:
+        _LOCAL.recorder = outer
 
 
 def user_site() -> tuple[str, int, str, str] | None:

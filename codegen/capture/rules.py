@@ -13,6 +13,8 @@ import torch
 from fxlite.codegen.capture.kinds import state_name
 from fxlite.codegen.capture.records import format_site, tensor_meta
 
+from fxlite.proxy import is_tensor_method
+
 __all__ = ["Diverged", "bool_index", "break_message", "func_name", "has_tensor",
            "rng_state_of", "same_func", "spelling", "structure", "tensors_in"]
 
@@ -126,18 +128,12 @@ def spelling(func: Any, args: tuple) -> tuple[Any, str, tuple]:
         if name == "__get__":
             return getattr, "call_function", (args[0], attr)
         return setattr, "call_function", (args[0], attr, args[1])
-    if isinstance(name, str) and name in _DUNDER_OPS and _is_tensor_method(func):
+    if isinstance(name, str) and name in _DUNDER_OPS and is_tensor_method(func):
         op, swap = _DUNDER_OPS[name]
         return op, "call_function", ((args[1], args[0], *args[2:]) if swap else args)
-    if isinstance(name, str) and _is_tensor_method(func) and name != "__call__":
+    if isinstance(name, str) and is_tensor_method(func) and name != "__call__":
         return name, "call_method", args
     return func, "call_function", args
-
-
-def _is_tensor_method(func: Any) -> bool:
-    from fxlite.proxy import _is_tensor_method as check
-
-    return check(func)
 
 
 def rng_state_of(devices: list[int]) -> Any:

@@ -43,16 +43,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from fxlite.codegen.capture.guards import _CODE
+from fxlite.codegen.capture.guards import CODE_TYPES
+from fxlite.codegen.capture.hooks import installed, opaque_methods, opaque_names
 from fxlite.codegen.capture.kinds import autocast_state
 from fxlite.codegen.capture.recorder import Recorder
 from fxlite.codegen.capture.records import (
-    _LOCAL,
     Read,
     Recording,
     Slot,
     Step,
     format_site,
+    recording_in_thread,
     recording_thread,
     result_leaves,
     tensor_meta,
@@ -85,8 +86,6 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     their ``step``-like methods recorded as single calls.
     Python between those calls runs again as it did the first time.
     """
-    from fxlite.codegen.capture.hooks import installed, opaque_methods
-
     leaves, in_spec = flatten((args, kwargs))
     if prefix is None:
         rec = Recording(Graph(), torch.nn.Module(), in_spec, [])
@@ -117,24 +116,21 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     if prefix is None:
         rec.rng_state = rng_state_of(recorder.devices)
         rec.ambient = (torch.is_grad_enabled(), autocast_state())
-    outer = getattr(_LOCAL, "recorder", None)
-    _LOCAL.recorder = recorder
-    objects = [x for x in leaves if _plain_object(x)]
-    before = [_object_state(x) for x in objects]
-    reached = _reached_objects(roots, [*bound, *args, *kwargs.values()], objects)
-    held = [_object_state(x, tensors_only=True) for x in reached]
-    watch = Watch(None if isinstance(fn, torch.nn.Module) else fn, recorder)
-    for x in reached:  # what the modules hold (self.calls = {...}) and the bound values
-        watch.hold(x, type(x).__name__)
-    try:
-        with installed(), opaque_methods([*leaves, *bound]), recorder:
-            with watch:
-                result = fn(*args, **kwargs)
-            recorder.finish()
-    except Diverged as e:
-        raise RuntimeError(f"fxlite: {e}") from None
-    finally:
-        _LOCAL.recorder = outer
+    with recording_in_thread(recorder):
+        objects = [x for x in leaves if _plain_object(x)]
+        before = [_object_state(x) for x in objects]
+        reached = _reached_objects(roots, [*bound, *args, *kwargs.values()], objects)
+        held = [_object_state(x, tensors_only=True) for x in reached]
+        watch = Watch(None if isinstance(fn, torch.nn.Module) else fn, recorder)
+        for x in reached:  # what the modules hold (self.calls = {...}) and the bound values
+            watch.hold(x, type(x).__name__)
+        try:
+            with installed(), opaque_methods([*leaves, *bound]), recorder:
+                with watch:
+                    result = fn(*args, **kwargs)
+                recorder.finish()
+        except Diverged as e:
+            raise RuntimeError(f"fxlite: {e}") from None
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
     rec.effect = rec.effect or watch.effect or watch.changed() or \
@@ -193,10 +189,8 @@ def _unreplayable(leaves: list[Any], result: Any, rec: Recording) -> str | None:
 def _plain_object(x: Any) -> bool:
     """An argument whose attributes the function might set: not a tensor, number, string,
     module (guarded state) or optimizer-like object (its steps are recorded calls)."""
-    from fxlite.codegen.capture.hooks import _opaque_names
-
     return not (x is None or isinstance(x, (*_NUMBERS, torch.Tensor, type, torch.nn.Module,
-                                            torch.dtype, torch.device)) or _opaque_names(x))
+                                            torch.dtype, torch.device)) or opaque_names(x))
 
 
 def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any, ...],
@@ -211,7 +205,7 @@ def _reached_objects(roots: list[tuple[str, torch.nn.Module]], bound: tuple[Any,
     found = [v for _, root in roots for m in root.modules()
              for k, v in vars(m).items() if not k.startswith("_")]
     for v in [*found, *bound]:
-        if id(v) in seen or not _plain_object(v) or isinstance(v, _CODE):
+        if id(v) in seen or not _plain_object(v) or isinstance(v, CODE_TYPES):
             continue
         seen.add(id(v))
         out.append(v)
