@@ -28,7 +28,7 @@ from fxlite.codegen.capture.structure import flatten, unflatten
 from fxlite.codegen.compile import CompiledFunction, CompiledModule
 
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node, _format_target
+from fxlite.node import Node, format_target
 from fxlite.proxy import TraceError
 
 __all__ = ["BreakReason", "Explanation", "explain", "export"]
@@ -131,7 +131,7 @@ def _op_name(node: Node) -> str:
         return f"Tensor.{node.target}"
     if node.op == "call_module":
         return str(node.target)
-    return _format_target(node.target)
+    return format_target(node.target)
 
 
 def _unwrap(fn: Any) -> Any:

@@ -12,36 +12,43 @@ and iterating while erasing is safe. ``str(graph)`` prints one node per line::
 Node names are unique within a graph, are valid Python identifiers, and never shadow a
 keyword or a builtin (``sum`` becomes ``sum_1``), so generated code can use them as-is.
 Candidates are folded with NFKC first, as Python folds identifiers (``ｓｕｍ`` is ``sum``).
-Code generation lives in ``fxlite.python_code``, not here.
+Code generation lives in ``fxlite.python_code``, not here, and so does the ``Namespace``
+that hands out those names. The displays (``print_tabular``, the HTML view) live in
+``fxlite.viz``; none of these modules imports this one.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
 import gc
 import inspect
 import keyword
-import re
 import sys
-import unicodedata
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .graph_pickle import _NodeRef, _shallow, _TorchOp
-from .node import _OPCODES, Argument, Node, Target, _as_args, _as_kwargs, describe_value, map_arg
+from .graph_pickle import NodeRef, TorchOp, shallow
+from .node import (
+    OPCODES,
+    Argument,
+    Node,
+    Target,
+    as_args,
+    as_kwargs,
+    describe_value,
+    map_aggregate,
+    map_arg,
+)
+from .ops import is_impure
+from .python_code import Namespace, PythonCode, generate
+from .viz.html import graph_html
+from .viz.tabular import tabular
 
 __all__ = ["Graph", "map_arg"]
-
-_RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", "nan", "fxlite"}
-_NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
-_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
-_SUFFIX = re.compile(r"^(.*)_(\d+)$")
-_SPLIT: dict[str, tuple[str, int]] = {}
 
 
 @contextlib.contextmanager
@@ -59,55 +66,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-class _Namespace:
-    """Hands out unique identifiers: ``add``, ``add_1``, ``add_2``..."""
-
-    __slots__ = ("_used", "_next_suffix", "_cache")
-
-    def __init__(self) -> None:
-        self._used: set[str] = set()
-        self._next_suffix: dict[str, int] = {}
-        self._cache: dict[str, str] = {}
-
-    def _sanitize(self, candidate: str) -> str:
-        name = self._cache.get(candidate)
-        if name is None:
-            # NFKC first, as Python folds identifiers: "ｇｅｔａｔｔｒ" is "getattr" (reserved)
-            folded = unicodedata.normalize("NFKC", candidate)
-            name = _NOT_IDENT.sub("_", _CAMEL.sub(r"_\1", folded)).lower() or "_"
-            if name[0].isdigit():
-                name = "_" + name
-            self._cache[candidate] = name
-        return name
-
-    def create_name(self, candidate: str) -> str:
-        name = self._sanitize(candidate)
-        if name not in self._used and name not in _RESERVED:
-            self._used.add(name)
-            return name
-        split = _SPLIT.get(name)
-        if split is None:  # "add_12" -> ("add", 12); cached: the same hints recur constantly
-            m = _SUFFIX.match(name)
-            split = (m.group(1), int(m.group(2))) if m else (name, 1)
-            if len(_SPLIT) > 100_000:
-                _SPLIT.clear()
-            _SPLIT[name] = split
-        base, n = split
-        n = max(n, self._next_suffix.get(base, 1))
-        while f"{base}_{n}" in self._used:
-            n += 1
-        name = f"{base}_{n}"
-        self._next_suffix[base] = n + 1
-        self._used.add(name)
-        return name
-
-    def reserve(self, name: str) -> None:
-        self._used.add(name)
-
-    def release(self, name: str) -> None:
-        self._used.discard(name)
 
 
 def _name_hint(op: str, target: Target) -> str:
@@ -162,7 +120,7 @@ class Graph:
         self._root = Node(self, "", "placeholder", "_root", (), {})
         self._root.op = "root"  # the sentinel is no real node
         self._len = 0
-        self._namespace = _Namespace()
+        self._namespace = Namespace()
         self._insert_before = self._root
         self.owning_module = owning_module
         self._tracer_cls = tracer_cls
@@ -251,8 +209,8 @@ class Graph:
             type_expr: an optional type annotation, kept in generated code.
         """
         _check_fields(op, target, name, "create_node", "target")
-        args = () if args is None else _as_args(args, "Graph.create_node: args")
-        kwargs = {} if kwargs is None else _as_kwargs(kwargs, "Graph.create_node: kwargs")
+        args = () if args is None else as_args(args, "Graph.create_node: args")
+        kwargs = {} if kwargs is None else as_kwargs(kwargs, "Graph.create_node: kwargs")
         # Named only once built: a refused node (one reading an erased node) takes no name.
         n = Node(self, name or _name_hint(op, target), op, target, args, kwargs, type_expr)
         n.name = self._namespace.create_name(n.name)
@@ -389,15 +347,17 @@ class Graph:
         if is_impure_node is not None and not callable(is_impure_node):
             raise TypeError(f"Graph.eliminate_dead_code: is_impure_node must be a function "
                             f"Node -> bool (or None), not {describe_value(is_impure_node)}")
-        from .ops import is_impure
-
-        impure = is_impure_node or (lambda n: is_impure(n, self.owning_module))
+        impure = is_impure_node or self._is_impure
         changed = False
         for node in reversed(self.nodes):
             if not node.users and node.op not in ("placeholder", "output") and not impure(node):
                 self.erase_node(node)
                 changed = True
         return changed
+
+    def _is_impure(self, node: Node, impure_random: bool = True) -> bool:
+        """The op table's ``is_impure`` for a node of this graph (``Node.is_impure`` asks here)."""
+        return is_impure(node, self.owning_module, impure_random=impure_random)
 
     def lint(self) -> None:
         """Check the graph is well formed; raise RuntimeError naming the first bad node.
@@ -493,19 +453,13 @@ class Graph:
 
         When ShapeProp has stored ``meta['tensor_meta']``, shape and dtype columns follow.
         """
-        from fxlite.viz.tabular import tabular
-
         print(tabular(self))
 
     def _repr_html_(self) -> str:
-        from fxlite.viz.html import graph_html  # a table, and a drawing when Graphviz is installed
+        return graph_html(self)  # a table, and a drawing when Graphviz is installed
 
-        return graph_html(self)
-
-    def python_code(self, root_module: str = "self") -> Any:
+    def python_code(self, root_module: str = "self") -> PythonCode:
         """Generate the source of ``forward`` for this graph (see ``fxlite.python_code``)."""
-        from fxlite.python_code import generate
-
         return generate(self, root_module)
 
     # ------------------------------------------------------------------ copying
@@ -534,9 +488,9 @@ class Graph:
         records = []
         with gc_paused():  # allocating a record per node would trigger superlinear collections
             for n in self.nodes:
-                ref = _lookup_defined(index, n, "cannot pickle the graph", _NodeRef)
-                records.append((n.name, str(n.op), _TorchOp.wrap(n.target),
-                                _shallow(map_arg(n.args, ref)), _shallow(map_arg(n.kwargs, ref)),
+                ref = _lookup_defined(index, n, "cannot pickle the graph", NodeRef)
+                records.append((n.name, str(n.op), TorchOp.wrap(n.target),
+                                shallow(map_arg(n.args, ref)), shallow(map_arg(n.kwargs, ref)),
                                 n.type, n.meta))
                 index[n] = len(index)
         # The tracer class is informational; a local class (not importable) is left out, so
@@ -552,18 +506,16 @@ class Graph:
         made: list[Node] = []
 
         def unref(r: Any) -> Any:
-            if not isinstance(r, _NodeRef):
+            if not isinstance(r, NodeRef):
                 return r
             if not 0 <= r.index < len(made):
                 raise RuntimeError(f"unpickling a Graph: node {name!r} reads node #{r.index}, "
                                    f"which is not defined before it (the data is damaged)")
             return made[r.index]
 
-        from .node import map_aggregate
-
         with gc_paused():  # as in __deepcopy__: collections during the rebuild are superlinear
             for name, op, target, args, kwargs, type_expr, meta in state["records"]:
-                n = self.create_node(op, _TorchOp.unwrap(target), map_aggregate(args, unref),
+                n = self.create_node(op, TorchOp.unwrap(target), map_aggregate(args, unref),
                                      map_aggregate(kwargs, unref), name, type_expr)
                 n.meta = meta
                 made.append(n)
@@ -582,10 +534,10 @@ def _check_fields(op: Any, target: Any, name: Any, where: str, target_arg: str) 
     make a node: checked before the node is named or linked, so nothing changes."""
     if not isinstance(op, str):
         raise TypeError(f"Graph.{where}: op must be an opcode string, not {describe_value(op)}; "
-                        f"expected one of {sorted(_OPCODES)}")
-    if op not in _OPCODES:
+                        f"expected one of {sorted(OPCODES)}")
+    if op not in OPCODES:
         raise ValueError(f"Graph.{where}: op {op!r} is not an opcode; expected one of "
-                         f"{sorted(_OPCODES)}")
+                         f"{sorted(OPCODES)}")
     kind = _TARGET_KINDS.get(op)
     if kind is not None and not isinstance(target, str):
         raise TypeError(f"Graph.{where}: {target_arg} of a {op} node must be a str ({kind}), "

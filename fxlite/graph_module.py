@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxlite.python_code import PythonCode, _is_ident, generate, import_spelling
+from fxlite.python_code import PythonCode, generate, import_spelling, is_ident
 
 from .graph import Graph, gc_paused
 from .node import describe_value
@@ -318,7 +318,7 @@ class GraphModule(torch.nn.Module):
         if not isinstance(folder, (str, os.PathLike)):
             raise TypeError(f"to_folder: folder must be a path (a str or os.PathLike), not "
                             f"{describe_value(folder)}")
-        if not _is_ident(module_name):
+        if not is_ident(module_name):
             raise ValueError(f"to_folder: module_name must be a Python identifier, not {module_name!r}")
         os.makedirs(folder, exist_ok=True)
         tensors = {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
@@ -432,7 +432,7 @@ def _import_lines(code: PythonCode) -> list[str]:
     for name, obj in code.globals.items():
         mod_name = getattr(obj, "__name__", None) if isinstance(obj, types.ModuleType) else None
         if mod_name is not None and sys.modules.get(mod_name) is obj and all(
-                _is_ident(a) for a in mod_name.split(".")):
+                is_ident(a) for a in mod_name.split(".")):
             lines.append(f"import {mod_name}" if name == mod_name else f"import {mod_name} as {name}")
             continue
         spelling = import_spelling(obj)
@@ -448,10 +448,10 @@ def _import_lines(code: PythonCode) -> list[str]:
 
 def _class_name(name: str) -> str:
     """``name`` if it can follow ``class`` in source (``<lambda>`` cannot), else a cleaned-up one."""
-    if _is_ident(name):
+    if is_ident(name):
         return name
     cleaned = re.sub(r"\W+", "_", str.__str__(name) if isinstance(name, str) else "").strip("_")
-    return cleaned if _is_ident(cleaned) else f"GraphModule_{cleaned}" if cleaned else "GraphModule"
+    return cleaned if is_ident(cleaned) else f"GraphModule_{cleaned}" if cleaned else "GraphModule"
 
 
 # Callers under which a failing generated line is not printed: registered from above

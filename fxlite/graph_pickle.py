@@ -11,20 +11,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["_Flat", "_NodeRef", "_TorchOp", "_shallow"]
+__all__ = ["NodeRef", "TorchOp", "shallow"]
 
 
-class _NodeRef:
+class NodeRef:
+    """A reference to the node at ``index`` in a graph's list of records."""
+
     __slots__ = ("index",)
 
     def __init__(self, index: int) -> None:
         self.index = index
 
     def __reduce__(self) -> tuple:
-        return (_NodeRef, (self.index,))
+        return (NodeRef, (self.index,))
 
 
-class _TorchOp:
+class TorchOp:
     """A picklable stand-in for a ``torch.ops`` target (``torch.ops.aten.add.Tensor``),
     which torch cannot pickle itself: the op is looked up again by name on load."""
 
@@ -34,19 +36,21 @@ class _TorchOp:
         self.name, self.overload = name, overload
 
     def __reduce__(self) -> tuple:
-        return (_TorchOp, (self.name, self.overload))
+        return (TorchOp, (self.name, self.overload))
 
     @staticmethod
     def wrap(target: Any) -> Any:
+        """A TorchOp for a ``torch.ops`` target; any other target as it is."""
         if isinstance(target, torch._ops.OpOverload):
-            return _TorchOp(target._schema.name, target._overloadname)
+            return TorchOp(target._schema.name, target._overloadname)
         if isinstance(target, torch._ops.OpOverloadPacket):
-            return _TorchOp(target._qualified_op_name, None)
+            return TorchOp(target._qualified_op_name, None)
         return target
 
     @staticmethod
     def unwrap(target: Any) -> Any:
-        if not isinstance(target, _TorchOp):
+        """The ``torch.ops`` target a TorchOp names; any other target as it is."""
+        if not isinstance(target, TorchOp):
             return target
         namespace, _, op = target.name.partition("::")
         packet = getattr(getattr(torch.ops, namespace), op)
@@ -56,7 +60,7 @@ class _TorchOp:
 _DEEP = 200  # nesting beyond which an argument pickles as a flat program (pickle recurses)
 
 
-def _shallow(a: Any) -> Any:
+def shallow(a: Any) -> Any:
     """``a``, or a :class:`_Flat` of it when it nests too deep for pickle's recursion."""
     if not isinstance(a, (tuple, list, dict)):
         return a
@@ -115,3 +119,7 @@ def _unflatten(program: list[Any]) -> Any:
         else:
             values.append(item)
     return values[0]
+
+
+# The names pickles made before 0.1 refer to.
+_NodeRef, _TorchOp = NodeRef, TorchOp

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .graph import Graph
-from .node import Node, _collect_nodes, _format_target
+from .node import Node, collect_nodes, format_target
 from .ops import OPS, canonical_args, lookup, same_literal
 
 __all__ = ["InternalMatch", "NearMiss", "SubgraphMatcher"]
@@ -98,7 +98,7 @@ def _describe(node: Any) -> str:
         return repr(node)
     if node.op in ("placeholder", "output"):
         return f"%{node.name} ({node.op})"
-    return f"%{node.name} ({node.op} {_format_target(node.target)})"
+    return f"%{node.name} ({node.op} {format_target(node.target)})"
 
 
 def _where(w: Any) -> str:
@@ -550,7 +550,7 @@ class _Search:
             pos = self.pos
             inputs: dict[Node, None] = {}
             for p in m.placeholders:
-                _collect_nodes(p2g[p], inputs)
+                collect_nodes(p2g[p], inputs)
             last_input = max((pos[n] for n in inputs), default=-1.0)
             for r in m.returning:
                 for u in p2g[r].users:
@@ -591,6 +591,6 @@ def _fetch(module: Any, target: str) -> Any:
 
 def _op_differs(pn: Node, gn: Node, pkey: Any, gkey: Any) -> str:
     def name(node: Node, key: Any) -> str:
-        return key if isinstance(key, str) else f"{node.op} {_format_target(node.target)}"
+        return key if isinstance(key, str) else f"{node.op} {format_target(node.target)}"
 
     return f"the op differs: the pattern computes {name(pn, pkey)}, graph node %{gn.name} computes {name(gn, gkey)}"

@@ -14,6 +14,9 @@ six opcodes, and what ``target``, ``args`` and ``kwargs`` mean depends on it::
 Arguments may be Nodes, constants, or lists/tuples/dicts/slices of them. Every Node
 keeps the set of Nodes it reads (``all_input_nodes``) and the set of Nodes that read it
 (``users``); assigning ``args`` or ``kwargs`` keeps both in sync.
+
+The printed form is written here (:func:`format_target`, :func:`format_arg`), and so are
+the argument checks every node-making function shares (:func:`as_args`, :func:`as_kwargs`).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
-if TYPE_CHECKING:
-    from .graph import Graph
-
-__all__ = ["Argument", "Node", "Opcode", "Target", "describe_value", "map_aggregate", "map_arg",
-           "safe_repr", "unprintable"]
+# This module imports nothing of fxlite: a Node's ``graph`` is typed Any because the Graph
+# that owns it sits above, in fxlite.graph.
+__all__ = ["OPCODES", "Argument", "Node", "Opcode", "Target", "as_args", "as_kwargs",
+           "collect_nodes", "describe_value", "format_arg", "format_target", "map_aggregate",
+           "map_arg", "safe_repr", "unprintable"]
 
 
 class Opcode(str, enum.Enum):
@@ -47,7 +50,8 @@ class Opcode(str, enum.Enum):
     __format__ = str.__format__
 
 
-_OPCODES = {o.value: o for o in Opcode}
+OPCODES = {o.value: o for o in Opcode}
+"""Opcode by name: ``OPCODES["output"] is Opcode.OUTPUT``."""
 
 Target = Union[Callable[..., Any], str]
 Argument = Any  # a Node, a constant, or a list/tuple/dict/slice of Arguments
@@ -114,7 +118,12 @@ def map_arg(a: Argument, fn: Callable[[Node], Argument]) -> Argument:
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
-def _collect_nodes(a: Argument, out: dict[Node, None]) -> None:
+def collect_nodes(a: Argument, out: dict[Node, None]) -> None:
+    """Add every Node inside ``a`` to ``out`` (a dict used as an ordered set), in order.
+
+    Why not ``map_arg``: this builds nothing and is iterative, for the hot paths of node
+    bookkeeping and matching.
+    """
     # Iterative walk: arguments can be long lists (torch.cat of many tensors).
     stack = [a]
     while stack:
@@ -145,17 +154,17 @@ class Node:
         "type", "meta", "_prev", "_next", "_erased", "__dict__", "__weakref__",
     )
 
-    def __init__(self, graph: Graph, name: str, op: str, target: Target,
+    def __init__(self, graph: Any, name: str, op: str, target: Target,
                  args: tuple, kwargs: dict, type: Any = None) -> None:
-        if op not in _OPCODES:
-            raise ValueError(f"unknown opcode {op!r}; expected one of {sorted(_OPCODES)}")
+        if op not in OPCODES:
+            raise ValueError(f"unknown opcode {op!r}; expected one of {sorted(OPCODES)}")
         if op in ("call_method", "call_module", "get_attr") and not isinstance(target, str):
             raise ValueError(f"{op} node {name!r} needs a string target, got {target!r}")
         if op == "call_function" and not callable(target):
             raise ValueError(f"call_function node {name!r} needs a callable target, got {target!r}")
         self.graph = graph
         self.name = name
-        self.op = _OPCODES[op]
+        self.op = OPCODES[op]
         self.target = target
         self._input_nodes: dict[Node, None] = {}
         self.users: dict[Node, None] = {}
@@ -175,7 +184,7 @@ class Node:
 
     @args.setter
     def args(self, a: tuple) -> None:
-        self._update_args_kwargs(_as_args(a, f"node {self.name!r}: args"), self._kwargs)
+        self._update_args_kwargs(as_args(a, f"node {self.name!r}: args"), self._kwargs)
 
     @property
     def kwargs(self) -> dict:
@@ -184,7 +193,7 @@ class Node:
 
     @kwargs.setter
     def kwargs(self, k: dict) -> None:
-        self._update_args_kwargs(self._args, _as_kwargs(k, f"node {self.name!r}: kwargs"))
+        self._update_args_kwargs(self._args, as_kwargs(k, f"node {self.name!r}: kwargs"))
 
     @property
     def all_input_nodes(self) -> list[Node]:
@@ -198,9 +207,9 @@ class Node:
             if t is Node:
                 new[a] = None
             elif t not in _SCALARS:
-                _collect_nodes(a, new)
+                collect_nodes(a, new)
         if kwargs:
-            _collect_nodes(kwargs, new)
+            collect_nodes(kwargs, new)
         for n in new:  # checked before anything changes: a refused assignment keeps the old one
             if n._erased:
                 raise RuntimeError(f"node {self.name!r}: its args or kwargs would read erased node "
@@ -237,9 +246,7 @@ class Node:
         Args:
             impure_random: count random ops (``torch.rand``, dropout) as impure.
         """
-        from .ops import is_impure
-
-        return is_impure(self, self.graph.owning_module, impure_random=impure_random)
+        return self.graph._is_impure(self, impure_random)  # the op table, through the graph
 
     def replace_input_with(self, old_input: Node, new_input: Node) -> None:
         """Replace every use of ``old_input`` in this node's arguments with ``new_input``."""
@@ -325,15 +332,15 @@ class Node:
     def format_node(self) -> str:
         """One line in the ``str(graph)`` format: ``%add : [num_users=1] = call_function[...](...)``."""
         if self.op == "output":
-            return f"return {_format_arg(self._args[0], '') if self._args else None}"
+            return f"return {format_arg(self._args[0], '') if self._args else None}"
         typename = f"{_format_type(self.type)} " if self.type is not None else ""  # as torch.fx
         if self.op == "placeholder":
-            default = f"[default={_format_arg(self._args[0])}]" if self._args else ""
+            default = f"[default={format_arg(self._args[0])}]" if self._args else ""
             return f"%{self.name} : {typename}[num_users={len(self.users)}] = placeholder[target={self.target}]{default}"
-        head = f"%{self.name} : {typename}[num_users={len(self.users)}] = {self.op}[target={_format_target(self.target)}]"
+        head = f"%{self.name} : {typename}[num_users={len(self.users)}] = {self.op}[target={format_target(self.target)}]"
         if self.op == "get_attr":
             return head
-        return f"{head}(args = {_format_arg(self._args)}, kwargs = {_format_arg(self._kwargs)})"
+        return f"{head}(args = {format_arg(self._args)}, kwargs = {format_arg(self._kwargs)})"
 
     def __repr__(self) -> str:
         return self.name
@@ -346,7 +353,7 @@ class Node:
         self.name = self.graph._namespace.create_name(candidate)
 
 
-def _format_target(target: Target) -> str:
+def format_target(target: Target) -> str:
     """``operator.add``, ``torch.sum``, ``my_module.my_fn``: how a target prints in a graph."""
     if isinstance(target, str):
         return target
@@ -368,11 +375,13 @@ _SCALARS_AND_NODE = _SCALARS | {Node}
 def _format_type(t: Any) -> str:
     """``torch.Tensor``, ``list[float]``, ``typing.List[float]``, ``float | None``."""
     if isinstance(t, type) and not getattr(t, "__args__", None):
-        return _format_target(t)
+        return format_target(t)
     return safe_repr(t)
 
 
-def _format_arg(a: Argument, prefix: str = "%") -> str:
+def format_arg(a: Argument, prefix: str = "%") -> str:
+    """How an argument prints in ``str(graph)``: ``(%x, 1.0)``, ``{'dim': 1}``; each Node as
+    ``prefix`` + its name. Never raises on a constant that cannot print itself."""
     def leaf(x: Any) -> str:
         if isinstance(x, Node):
             return f"{prefix}{x.name}"
@@ -461,7 +470,7 @@ def describe_value(value: Any, limit: int = 40) -> str:
     return f"{type(value).__name__} ({first})"
 
 
-def _as_args(a: Any, what: str) -> tuple:
+def as_args(a: Any, what: str) -> tuple:
     """``tuple(a)`` for a node's new ``args``; a TypeError naming ``what`` otherwise."""
     if isinstance(a, tuple):
         return a
@@ -474,7 +483,7 @@ def _as_args(a: Any, what: str) -> tuple:
                     "wrap a single argument in a tuple: (value,)")
 
 
-def _as_kwargs(k: Any, what: str) -> dict:
+def as_kwargs(k: Any, what: str) -> dict:
     """``dict(k)`` for a node's new ``kwargs``; a TypeError naming ``what`` otherwise."""
     if isinstance(k, dict):
         return dict(k)

@@ -35,6 +35,7 @@ import keyword
 import linecache
 import math
 import operator
+import re
 import sys
 import types
 import typing
@@ -46,11 +47,20 @@ from typing import Any
 
 import torch
 
-from fxlite.graph import _RESERVED, Graph, _Namespace
 from fxlite.node import Node
-from fxlite.python_code_hooks import CodeGen
 
-__all__ = ["PythonCode", "generate", "import_spelling"]
+# A graph is typed Any here: fxlite.graph sits above this module (Graph.python_code calls
+# generate, and Graph names its nodes with Namespace).
+__all__ = ["RESERVED", "CodeGen", "Namespace", "PythonCode", "generate", "import_spelling",
+           "is_ident"]
+
+RESERVED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "torch", "inf", "nan", "fxlite"}
+"""Names no node, global or temporary may take: keywords, builtins and the names generated
+code relies on."""
+_NOT_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
+_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
+_SUFFIX = re.compile(r"^(.*)_(\d+)$")
+_SPLIT: dict[str, tuple[str, int]] = {}
 
 _INFIX = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -66,7 +76,7 @@ _NAMED_MODULES = ("torch", "math", "operator", "builtins", "typing", "numpy")
 _MAX_NESTING = 64
 
 
-def _is_ident(s: Any) -> bool:
+def is_ident(s: Any) -> bool:
     """An identifier Python reads as exactly ``s``: the parser folds identifiers with NFKC,
     so ``ｇｅｔａｔｔｒ`` in source means ``getattr`` and must not pass as a fresh name."""
     # type() and not isinstance(): a str subclass could override isidentifier().
@@ -76,12 +86,69 @@ def _is_ident(s: Any) -> bool:
 
 def _is_attr(s: Any) -> bool:
     """An identifier that may follow a dot, even in a class body (where ``__x`` is mangled)."""
-    return _is_ident(s) and not (s.startswith("__") and not s.endswith("__"))
+    return is_ident(s) and not (s.startswith("__") and not s.endswith("__"))
 
 
 def _is_var(s: Any) -> bool:
     """A name generated code may define: an identifier that shadows nothing."""
-    return _is_ident(s) and s not in _RESERVED
+    return is_ident(s) and s not in RESERVED
+
+
+class Namespace:
+    """Hands out unique identifiers: ``add``, ``add_1``, ``add_2``...
+
+    Every name is a valid Python identifier that is not in :data:`RESERVED`, so generated
+    code can use it as it is: a Graph names its nodes with one, the code generator its
+    globals and temporaries with another.
+    """
+
+    __slots__ = ("_used", "_next_suffix", "_cache")
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+        self._next_suffix: dict[str, int] = {}
+        self._cache: dict[str, str] = {}
+
+    def _sanitize(self, candidate: str) -> str:
+        name = self._cache.get(candidate)
+        if name is None:
+            # NFKC first, as Python folds identifiers: "ｇｅｔａｔｔｒ" is "getattr" (reserved)
+            folded = unicodedata.normalize("NFKC", candidate)
+            name = _NOT_IDENT.sub("_", _CAMEL.sub(r"_\1", folded)).lower() or "_"
+            if name[0].isdigit():
+                name = "_" + name
+            self._cache[candidate] = name
+        return name
+
+    def create_name(self, candidate: str) -> str:
+        """A fresh name from ``candidate``: itself if free, else with a number (``add_1``)."""
+        name = self._sanitize(candidate)
+        if name not in self._used and name not in RESERVED:
+            self._used.add(name)
+            return name
+        split = _SPLIT.get(name)
+        if split is None:  # "add_12" -> ("add", 12); cached: the same hints recur constantly
+            m = _SUFFIX.match(name)
+            split = (m.group(1), int(m.group(2))) if m else (name, 1)
+            if len(_SPLIT) > 100_000:
+                _SPLIT.clear()
+            _SPLIT[name] = split
+        base, n = split
+        n = max(n, self._next_suffix.get(base, 1))
+        while f"{base}_{n}" in self._used:
+            n += 1
+        name = f"{base}_{n}"
+        self._next_suffix[base] = n + 1
+        self._used.add(name)
+        return name
+
+    def reserve(self, name: str) -> None:
+        """Mark ``name`` as taken, as it is."""
+        self._used.add(name)
+
+    def release(self, name: str) -> None:
+        """Make ``name`` free again (a node was renamed)."""
+        self._used.discard(name)
 
 
 def _plain(s: str) -> str:
@@ -106,7 +173,7 @@ def import_spelling(obj: Any) -> tuple[str, str] | None:
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not (type(mod) is str and type(qual) is str and mod in sys.modules):
         return None
-    if not all(_is_ident(a) for a in mod.split(".")) or not all(_is_attr(a) for a in qual.split(".")):
+    if not all(is_ident(a) for a in mod.split(".")) or not all(_is_attr(a) for a in qual.split(".")):
         return None
     target: Any = sys.modules[mod]
     for atom in qual.split("."):
@@ -154,8 +221,8 @@ def _forget_source(filename: str, entry: tuple) -> None:
 class _Emitter:
     """Turns values into Python expressions, binding globals for anything without a literal."""
 
-    def __init__(self, graph: Graph, root_module: str = "self", portable: bool = False) -> None:
-        self.names = _Namespace()
+    def __init__(self, graph: Any, root_module: str = "self", portable: bool = False) -> None:
+        self.names = Namespace()
         self.names.reserve(root_module)
         # The name each node has in the code: its own, when that is a safe identifier.
         self.ref: dict[Node, str] = {}
@@ -189,11 +256,11 @@ class _Emitter:
                     and import_spelling(obj) is None:
                 raise _Unspellable
             hint = _plain(hint)
-            if isinstance(obj, types.ModuleType) and hint == obj.__name__ and _is_ident(hint) \
+            if isinstance(obj, types.ModuleType) and hint == obj.__name__ and is_ident(hint) \
                     and hint not in self.names._used:
                 name = hint
                 self.names.reserve(hint)
-            elif _is_ident(hint) and hint not in self.names._used and hint not in _RESERVED:
+            elif is_ident(hint) and hint not in self.names._used and hint not in RESERVED:
                 name = hint  # keep the user's spelling (CustomArgObject), as torch.fx does
                 self.names.reserve(hint)
             else:
@@ -426,7 +493,7 @@ def _torch_op_path(op: Any) -> str | None:
     else:
         namespace, _, name = op._qualified_op_name.partition("::")
         path = f"torch.ops.{namespace}.{name}"
-    ok = all(_is_ident(atom) for atom in path.split(".")) and _resolves(path, op)
+    ok = all(is_ident(atom) for atom in path.split(".")) and _resolves(path, op)
     return path if ok else None
 
 
@@ -498,7 +565,43 @@ def _inplace(node: Node, em: _Emitter) -> str | None:
     return f"{target} {op} {em.operand(node.args[1])};  {em.ref[node]} = {target}"
 
 
-def generate(graph: Graph, root_module: str = "self", *, portable: bool = False) -> PythonCode:
+class CodeGen:
+    """The default signature and return of generated ``forward`` code; subclass to change them.
+
+    Hooks (each optional to override):
+        gen_fn_def(free_vars, maybe_return_annotation): the ``def`` line (and any lines that
+            unpack inputs); ``free_vars`` are the placeholders as written in a signature
+            (``x``, ``y : int = 2``, ``*args``), ``self`` not included.
+        generate_output(output_args): the ``return`` statement for the output node's argument.
+        additional_globals(): ``[(name, object)]`` the generated code may refer to.
+        process_inputs(*args) / process_outputs(out): turn call arguments into placeholder
+            values, and the output node's value into the result (used by ``Interpreter``).
+    """
+
+    _expr: Callable[[Any], str] = repr  # set by the code generator: spells an argument
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
+        """``def forward(self, <free_vars>)<annotation>:``."""
+        return f"def forward({', '.join(['self', *free_vars])}){maybe_return_annotation}:"
+
+    def generate_output(self, output_args: Any) -> str:
+        """``return <output_args>``."""
+        return f"return {self._expr(output_args)}"
+
+    def additional_globals(self) -> list[tuple[str, Any]]:
+        """Extra ``(name, object)`` globals for the generated code."""
+        return []
+
+    def process_inputs(self, *args: Any) -> Any:
+        """The placeholder values for a call with ``args``."""
+        return args
+
+    def process_outputs(self, outputs: Any) -> Any:
+        """The result of a call whose output node produced ``outputs``."""
+        return outputs
+
+
+def generate(graph: Any, root_module: str = "self", *, portable: bool = False) -> PythonCode:
     """Generate ``def forward(self, ...)`` for ``graph``.
 
     Args:

@@ -22,48 +22,16 @@ a structure (``{"x": [PH, PH]}``): ``forward(self, x)`` flattens ``x`` with
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any
 
 import torch.utils._pytree as pytree
 
+from fxlite.proxy import Proxy
+from fxlite.python_code import CodeGen
+
+# CodeGen, the base class, is defined with the code generator that calls it (which sits
+# below fxlite.graph); it is exported here too, where torch.fx users look for it.
 __all__ = ["CodeGen", "PyTreeCodeGen", "tree_flatten_spec"]
-
-
-class CodeGen:
-    """The default signature and return of generated ``forward`` code; subclass to change them.
-
-    Hooks (each optional to override):
-        gen_fn_def(free_vars, maybe_return_annotation): the ``def`` line (and any lines that
-            unpack inputs); ``free_vars`` are the placeholders as written in a signature
-            (``x``, ``y : int = 2``, ``*args``), ``self`` not included.
-        generate_output(output_args): the ``return`` statement for the output node's argument.
-        additional_globals(): ``[(name, object)]`` the generated code may refer to.
-        process_inputs(*args) / process_outputs(out): turn call arguments into placeholder
-            values, and the output node's value into the result (used by ``Interpreter``).
-    """
-
-    _expr: Callable[[Any], str] = repr  # set by the code generator: spells an argument
-
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
-        """``def forward(self, <free_vars>)<annotation>:``."""
-        return f"def forward({', '.join(['self', *free_vars])}){maybe_return_annotation}:"
-
-    def generate_output(self, output_args: Any) -> str:
-        """``return <output_args>``."""
-        return f"return {self._expr(output_args)}"
-
-    def additional_globals(self) -> list[tuple[str, Any]]:
-        """Extra ``(name, object)`` globals for the generated code."""
-        return []
-
-    def process_inputs(self, *args: Any) -> Any:
-        """The placeholder values for a call with ``args``."""
-        return args
-
-    def process_outputs(self, outputs: Any) -> Any:
-        """The result of a call whose output node produced ``outputs``."""
-        return outputs
 
 
 def _children(spec: Any) -> list[Any]:
@@ -80,8 +48,6 @@ def tree_flatten_spec(value: Any, spec: Any) -> list[Any]:
     if spec.is_leaf():
         return [value]
     t, children = spec.type, _children(spec)
-    from fxlite.proxy import Proxy
-
     traced = isinstance(value, Proxy)
     if t is collections.namedtuple or (isinstance(t, type) and issubclass(t, (list, tuple))):
         if not traced and (not isinstance(value, (list, tuple)) or len(value) != len(children)):

@@ -41,7 +41,7 @@ import torch
 from .graph import Graph, gc_paused
 from .graph_module import GraphModule, _copy_attr
 from .matcher import _UNBOUND, InternalMatch, SubgraphMatcher, _fetch, _flatten, _Search
-from .node import Node, _collect_nodes, map_arg
+from .node import Node, collect_nodes, map_arg
 from .proxy import TraceError
 
 __all__ = ["InternalMatch", "Match", "ReplacedPatterns", "SubgraphMatcher", "explain_no_match",
@@ -364,7 +364,7 @@ class _Rewrite:
                 last_input = max(last_input, pos[v])
             else:
                 found: dict[Node, None] = {}
-                _collect_nodes(v, found)
+                collect_nodes(v, found)
                 last_input = max([last_input, *(pos[n] for n in found)])
         last = max(matched, key=pos.__getitem__)
         first_user = min((u for r in m.returning_nodes for u in r.users if u not in mset),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxlite.graph import Graph
-from fxlite.node import Node, _format_arg, describe_value
+from fxlite.node import Node, describe_value, format_arg
 from fxlite.viz.tabular import qualified_name
 
 __all__ = ["GraphDiff", "diff", "describe_node"]
@@ -37,9 +37,9 @@ def describe_node(node: Node) -> str:
         'self.fc1(x)'
     """
     op, target = node.op, node.target
-    args = _format_arg(node.args, prefix="")
+    args = format_arg(node.args, prefix="")
     inner = args[1:-1].rstrip(",")
-    kwargs = ", ".join(f"{k}={_format_arg(v, prefix='')}" for k, v in node.kwargs.items())
+    kwargs = ", ".join(f"{k}={format_arg(v, prefix='')}" for k, v in node.kwargs.items())
     call = ", ".join(p for p in (inner, kwargs) if p)
     if op == "placeholder":
         return "placeholder"
@@ -48,12 +48,12 @@ def describe_node(node: Node) -> str:
     if op == "call_module":
         return f"self.{target}({call})"
     if op == "call_method":
-        receiver = _format_arg(node.args[0], prefix="") if node.args else "?"
-        rest = _format_arg(node.args[1:], prefix="")[1:-1].rstrip(",")
+        receiver = format_arg(node.args[0], prefix="") if node.args else "?"
+        rest = format_arg(node.args[1:], prefix="")[1:-1].rstrip(",")
         parts = ", ".join(p for p in (rest, kwargs) if p)
         return f"{receiver}.{target}({parts})"
     if op == "output":
-        return f"return {_format_arg(node.args[0], prefix='')}" if node.args else "return"
+        return f"return {format_arg(node.args[0], prefix='')}" if node.args else "return"
     return f"{qualified_name(target)}({call})"
 
 

@@ -8,14 +8,15 @@ grouping acyclic (``nx.is_directed_acyclic_graph``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule, expect_graph_or_module
-from fxlite.node import Node, _format_target, map_arg
+from fxlite.node import Node, format_target
 from fxlite.ops import lookup
+from fxlite.viz.dot import node_input_counts, node_shape_dtype, sub_graphmodule
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -23,67 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["node_input_counts", "node_shape_dtype", "to_networkx"]
 
 
-def _structure(meta: Any, field: str) -> Any:
-    """``field`` of a ``tensor_meta`` entry, keeping tuple/list/dict nesting."""
-    if meta is None:
-        return None
-    if hasattr(meta, field) and hasattr(meta, "dtype"):  # one TensorMetadata
-        value = getattr(meta, field)
-        return tuple(value) if field == "shape" else value
-    if isinstance(meta, (tuple, list)):
-        return tuple(_structure(m, field) for m in meta)
-    if isinstance(meta, dict):
-        return {k: _structure(v, field) for k, v in meta.items()}
-    return None
-
-
-def node_shape_dtype(node: Node) -> tuple[Any, Any]:
-    """The shape and dtype ShapeProp recorded for ``node``, or ``(None, None)``.
-
-    Args:
-        node: any node; its ``meta['tensor_meta']`` is read when present.
-
-    Returns:
-        ``(shape, dtype)``: a shape is a tuple of ints and a dtype a ``torch.dtype``. A node
-        whose value is a tuple/list/dict of tensors gives the same nesting of shapes and of
-        dtypes.
-
-    Example::
-
-        >>> ShapeProp(gm).propagate(torch.randn(2, 3))
-        >>> node_shape_dtype(next(iter(gm.graph.nodes)))
-        ((2, 3), torch.float32)
-    """
-    meta = node.meta.get("tensor_meta")
-    return _structure(meta, "shape"), _structure(meta, "dtype")
-
-
-def node_input_counts(arg: Any) -> dict[Node, int]:
-    """How many times each Node occurs in ``arg`` (args, kwargs, or any nesting of them)."""
-    counts: dict[Node, int] = {}
-
-    def note(n: Node) -> Node:
-        counts[n] = counts.get(n, 0) + 1
-        return n
-
-    map_arg(arg, note)
-    return counts
-
-
 def _owner(graph_or_gm: Graph | GraphModule, where: str = "to_networkx"
            ) -> tuple[Graph, torch.nn.Module | None]:
     return expect_graph_or_module(graph_or_gm, where)
-
-
-def sub_graphmodule(node: Node, module: torch.nn.Module | None) -> GraphModule | None:
-    """The GraphModule a ``call_module`` node calls (a fused group, say), or None."""
-    if node.op != "call_module" or module is None:
-        return None
-    try:
-        sub = module.get_submodule(node.target)
-    except AttributeError:
-        return None
-    return sub if isinstance(sub, GraphModule) else None
 
 
 def _fused_kind(node: Node, module: torch.nn.Module | None) -> str | None:
@@ -140,7 +83,7 @@ def to_networkx(graph_or_gm: Graph | GraphModule) -> nx.DiGraph:
     for node in graph.nodes:
         info = lookup(node, module)
         shape, dtype = node_shape_dtype(node)
-        out.add_node(node.name, op=str(node.op), target=_format_target(node.target),
+        out.add_node(node.name, op=str(node.op), target=format_target(node.target),
                      shape=shape, dtype=dtype, kind=info.kind if info is not None else None,
                      fused_kind=_fused_kind(node, module))
         for src, count in node_input_counts((node.args, node.kwargs)).items():

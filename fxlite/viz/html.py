@@ -11,11 +11,12 @@ import html
 import shutil
 import subprocess
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fxlite.graph import Graph
+from fxlite.viz.dot import graph_dot
+from fxlite.viz.tabular import graph_rows
 
+# A graph is typed Any here: fxlite.graph sits above (Graph._repr_html_ calls graph_html).
 __all__ = ["graph_html", "graph_svg", "table_html"]
 
 SVG_MAX_NODES = 300
@@ -78,10 +79,12 @@ def graph_svg(graph_or_gm: Any) -> str | None:
     dot = shutil.which("dot")
     if dot is None or len(graph.nodes) > SVG_MAX_NODES:
         return None
-    from fxlite.passes.draw import to_dot
-
+    if graph is graph_or_gm:
+        text = graph_dot(graph, graph.owning_module)
+    else:
+        text = graph_dot(graph, graph_or_gm, type(graph_or_gm).__name__)
     try:
-        proc = subprocess.run([dot, "-Tsvg"], input=to_dot(graph_or_gm).encode("utf-8"),
+        proc = subprocess.run([dot, "-Tsvg"], input=text.encode("utf-8"),
                               capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -90,7 +93,7 @@ def graph_svg(graph_or_gm: Any) -> str | None:
     return text[start:] if proc.returncode == 0 and start >= 0 else None
 
 
-def graph_html(graph: Graph, svg: bool = True) -> str:
+def graph_html(graph: Any, svg: bool = True) -> str:
     """A graph as an HTML table (targets by qualified name), and its drawing under it.
 
     Args:
@@ -105,8 +108,6 @@ def graph_html(graph: Graph, svg: bool = True) -> str:
         from IPython.display import HTML
         HTML(graph_html(gm.graph))      # what a notebook shows for `gm.graph`
     """
-    from fxlite.viz.tabular import graph_rows
-
     headers, rows = graph_rows(graph, qualified=True)
     caption = f"{len(rows)} nodes"
     body = table_html(headers, rows, caption)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tabulate import tabulate
 
-from fxlite.node import map_aggregate, unprintable
+from fxlite.node import format_target, map_aggregate, unprintable
 
-if TYPE_CHECKING:
-    from fxlite.graph import Graph
+# A graph is typed Any here: fxlite.graph sits above (Graph.print_tabular calls tabular).
 
 _HEADERS = ["opcode", "name", "target", "args", "kwargs"]
 
@@ -80,12 +79,10 @@ def qualified_name(target: Any) -> str:
     name = _namespaces().get(id(target))
     if name is not None:
         return name
-    from fxlite.node import _format_target
-
-    return _format_target(target)
+    return format_target(target)
 
 
-def graph_rows(graph: Graph, qualified: bool = False) -> tuple[list[str], list[list[str]]]:
+def graph_rows(graph: Any, qualified: bool = False) -> tuple[list[str], list[list[str]]]:
     """The headers and rows of a graph table; shape and dtype when any node has tensor_meta.
 
     Args:
@@ -140,7 +137,7 @@ def _cell(value: Any, show: Callable[[Any], str] = str) -> str:
         return unprintable(value)
 
 
-def tabular(graph: Graph, tablefmt: str = "simple", width: int | None = None) -> str:
+def tabular(graph: Any, tablefmt: str = "simple", width: int | None = None) -> str:
     """Render ``graph`` as a table in the torch.fx ``print_tabular`` format.
 
     Shape and dtype columns are added when any node carries ``meta['tensor_meta']``.

@@ -12,7 +12,7 @@ from fxlite.passes import PassError, PassManager, cse, decompose, normalize, spl
 from torch import nn
 
 import fxlite as fx
-from fxlite.graph import _NodeRef
+from fxlite.graph_pickle import NodeRef
 
 
 def _cyclic() -> fx.GraphModule:
@@ -63,7 +63,7 @@ def test_unpickling_damaged_data_names_the_node():
     gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     state = gm.graph.__getstate__()
     name, op, target, args, kwargs, type_expr, meta = state["records"][1]
-    state["records"][1] = (name, op, target, (_NodeRef(7),), kwargs, type_expr, meta)
+    state["records"][1] = (name, op, target, (NodeRef(7),), kwargs, type_expr, meta)
     g = fx.Graph.__new__(fx.Graph)
     with pytest.raises(RuntimeError, match=f"node {name!r} reads node #7"):
         g.__setstate__(state)
