@@ -8,9 +8,10 @@ which records the replacement nodes, as in torch.fx's decomposition example::
     def silu(x, inplace=False):
         return x * torch.sigmoid(x)
 
-Rules live in :data:`DECOMPOSITIONS`, keyed by the op's canonical ``torch_fn``
-(``fxlite.ops``), so a rule registered for ``F.softmax`` also decomposes ``torch.softmax``,
-``x.softmax(-1)`` and ``nn.Softmax``. The defaults cover softmax, log_softmax, layer_norm,
+Rules live in :data:`DECOMPOSITIONS`, keyed by the op's name in the op table
+(``fxlite.ops.OPS``), so a rule registered for ``F.softmax`` is ``DECOMPOSITIONS["softmax"]``
+and also decomposes ``torch.softmax``, ``x.softmax(-1)`` and ``nn.Softmax``; a function the
+table does not know is its own key. The defaults cover softmax, log_softmax, layer_norm,
 rms_norm, gelu (erf and tanh), silu, var, std and mean, and give numerically stable forms
 (softmax subtracts the row max). A rule may return ``NotImplemented`` to keep the node:
 the reductions (softmax, log_softmax, layer_norm, rms_norm, mean, var, std) need
@@ -27,7 +28,7 @@ holding 300 (300**2 > 65504), and a mean of values near 60000 becomes inf::
     ...                               # mean, variance, rsqrt: all fp32
     to_1 = mul_1.to(torch.float16)    # one rounding, as eager's kernel does
 
-The default rules live in ``decompose_rules``. What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomposed again
+The table and the default rules live in ``decompose_rules``. What rules emit is normalized (``x * 2`` becomes ``torch.mul(x, 2)``) and decomposed again
 if it holds composites itself.
 
 Extern ops get rules where that lets their pointwise part fuse: eval-mode ``batch_norm``
@@ -40,76 +41,31 @@ user of the result can join a kernel (so the add joins their kernel: an epilogue
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from fxlite.graph import check_order
 from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node, describe_value, map_arg
-from fxlite.ops import call_args, is_impure, lookup_target, resolve
+from fxlite.ops import call_args, is_impure, resolve
 from fxlite.proxy import GraphAppendingTracer, Proxy
 
-from .normalize import _copy_graph, normalize_graph
+from .decompose_rules import DECOMPOSITIONS, Rule, decomposition_key, register_decomposition
+from .normalize import copy_graph, normalize_graph
 
 __all__ = ["DECOMPOSITIONS", "decompose", "register_decomposition"]
 
-Rule = Callable[..., Any]
-DECOMPOSITIONS: dict[Callable[..., Any], Rule] = {}
 _MAX_DEPTH = 16  # rules that expand into themselves forever are an error, not a hang
 
 
-def register_decomposition(target: Callable[..., Any],
-                           table: dict[Callable[..., Any], Rule] | None = None, *,
-                           when: Callable[[Node, GraphModule], bool] | None = None
-                           ) -> Callable[[Rule], Rule]:
-    """Decorator: make the decorated function the rule for ``target``'s op.
-
-    Args:
-        target: any spelling of the op (``F.gelu``, ``torch.softmax``); the rule is stored
-            under the op's canonical ``torch_fn``.
-        table: the rule table (defaults to :data:`DECOMPOSITIONS`).
-        when: ``when(node, gm)`` says whether the rule applies to this node (its users, say);
-            stored on the rule as ``rule.when``.
-
-    Returns:
-        A decorator that registers the rule and returns it unchanged.
-
-    Example::
-
-        @register_decomposition(torch.relu)
-        def relu(x):
-            return torch.where(x > 0, x, 0.0)
-    """
-    if not callable(target):
-        raise TypeError(f"register_decomposition: target must be the op to decompose (a function "
-                        f"such as torch.relu), not {describe_value(target)}")
-    if table is not None and not isinstance(table, dict):
-        raise TypeError(f"register_decomposition: table must be a dict or None (the default "
-                        f"DECOMPOSITIONS), not {describe_value(table)}")
-    if when is not None and not callable(when):
-        raise TypeError(f"register_decomposition: when must be a function (node, gm) -> bool or "
-                        f"None, not {describe_value(when)}")
-
-    def decorator(rule: Rule) -> Rule:
-        if not callable(rule):
-            raise TypeError(f"register_decomposition: the decorated rule must be a function, not "
-                            f"{describe_value(rule)}")
-        if when is not None:
-            rule.when = when  # type: ignore[attr-defined]
-        (DECOMPOSITIONS if table is None else table)[_canonical(target)] = rule
-        return rule
-    return decorator
-
-
-def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = None) -> GraphModule:
+def decompose(gm: GraphModule, rules: dict[Any, Rule] | None = None) -> GraphModule:
     """Replace every node that has a rule by the nodes its rule records.
 
     Args:
         gm: the module to rewrite; run ``normalize`` first so module spellings with
             parameters (``nn.LayerNorm``) are functional calls, and ``ShapeProp`` if mean,
             var and std should decompose too.
-        rules: the rule table, keyed by any spelling of each op (defaults to
-            :data:`DECOMPOSITIONS`).
+        rules: the rule table, keyed by each op's name or any spelling of it (defaults
+            to :data:`DECOMPOSITIONS`).
 
     Returns:
         ``gm``, recompiled. If a rule raises, the exception propagates and ``gm`` is left
@@ -130,9 +86,9 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     if rules is not None and not isinstance(rules, dict):
         raise TypeError(f"decompose: rules must be a dict {{op: rule}} or None (the default "
                         f"DECOMPOSITIONS), not {describe_value(rules)}")
-    table = DECOMPOSITIONS if rules is None else {_canonical(k): v for k, v in rules.items()}
+    table = DECOMPOSITIONS if rules is None else {decomposition_key(k): v for k, v in rules.items()}
     check_order(gm.graph, "decompose")
-    graph = _copy_graph(gm)
+    graph = copy_graph(gm)
     tracer = GraphAppendingTracer(graph)
     depth: dict[Node, int] = {}
     created: list[Node] = []
@@ -169,7 +125,7 @@ def decompose(gm: GraphModule, rules: dict[Callable[..., Any], Rule] | None = No
     return gm
 
 
-def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule],
+def _match(node: Node, gm: GraphModule, table: dict[Any, Rule],
            final: bool = True) -> tuple[Rule, tuple, dict[str, Any]] | object | None:
     """The rule for ``node`` and the arguments of its canonical call, or None; ``_LATER``
     when the rule's ``when`` declines and this is not the ``final`` round."""
@@ -179,7 +135,7 @@ def _match(node: Node, gm: GraphModule, table: dict[Callable[..., Any], Rule],
     if found is None:
         return None
     info, args = found
-    rule = table.get(info.torch_fn) if info.torch_fn is not None else None
+    rule = table.get(info.name)
     if rule is None or is_impure(node, gm):
         return None
     if node.op == "call_module" and (info.module_params is not None or info.module_kwargs is None):
@@ -221,11 +177,3 @@ def _expand(graph: Any, tracer: GraphAppendingTracer, node: Node, rule: Rule, ar
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return new_nodes
-
-
-def _canonical(target: Callable[..., Any]) -> Callable[..., Any]:
-    info = lookup_target(target)
-    return info.torch_fn if info is not None and info.torch_fn is not None else target
-
-
-from . import decompose_rules  # noqa: E402,F401  (registers the default rules)

@@ -1,8 +1,12 @@
-"""The default rules of ``decompose`` (see its docstring): softmax, log_softmax, the norms,
-gelu, silu, var, std, mean, eval-mode batch_norm, and the bias of linear and conv.
+"""The rule table of ``decompose`` (see its docstring) and its default rules: softmax,
+log_softmax, the norms, gelu, silu, var, std, mean, eval-mode batch_norm, and the bias of
+linear and conv.
 
-Each is registered with :func:`fxlite.passes.decompose.register_decomposition` when
-``decompose`` is imported; helpers here read the ShapeProp metadata of a rule's inputs.
+:data:`DECOMPOSITIONS` is keyed by op name, and holds every default rule once this module
+is imported (``fxlite.passes.decompose`` imports it and re-exports the table). Helpers
+here read the ShapeProp metadata of a rule's inputs; :func:`per_channel` is the graph call
+that shapes batch-norm statistics, here and in training-mode batch norm
+(``codegen/lower/batch_norm.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +17,91 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fxlite.codegen.lower.batch_norm import per_channel
 
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node, map_arg
-from fxlite.ops import is_impure, lookup, resolve, result_dtype
+from fxlite.node import Node, describe_value, map_arg
+from fxlite.ops import is_impure, lookup, lookup_target, resolve, result_dtype
 from fxlite.proxy import Proxy
 
-from .decompose import Rule, register_decomposition
+__all__ = ["DECOMPOSITIONS", "Rule", "decomposition_key", "per_channel", "register_decomposition"]
+
+
+# ---------------------------------------------------------------------- the rule table
+Rule = Callable[..., Any]
+DECOMPOSITIONS: dict[Any, Rule] = {}  # op name (or a function the op table lacks) -> rule
+
+
+def register_decomposition(target: Callable[..., Any],
+                           table: dict[Any, Rule] | None = None, *,
+                           when: Callable[[Node, GraphModule], bool] | None = None
+                           ) -> Callable[[Rule], Rule]:
+    """Decorator: make the decorated function the rule for ``target``'s op.
+
+    Args:
+        target: any spelling of the op (``F.gelu``, ``torch.softmax``); the rule is stored
+            under the op's name (``"gelu"``, ``"softmax"``: :func:`decomposition_key`).
+        table: the rule table (defaults to :data:`DECOMPOSITIONS`).
+        when: ``when(node, gm)`` says whether the rule applies to this node (its users, say);
+            stored on the rule as ``rule.when``.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+
+    Example::
+
+        @register_decomposition(torch.relu)
+        def relu(x):
+            return torch.where(x > 0, x, 0.0)
+    """
+    if not callable(target):
+        raise TypeError(f"register_decomposition: target must be the op to decompose (a function "
+                        f"such as torch.relu), not {describe_value(target)}")
+    if table is not None and not isinstance(table, dict):
+        raise TypeError(f"register_decomposition: table must be a dict or None (the default "
+                        f"DECOMPOSITIONS), not {describe_value(table)}")
+    if when is not None and not callable(when):
+        raise TypeError(f"register_decomposition: when must be a function (node, gm) -> bool or "
+                        f"None, not {describe_value(when)}")
+
+    def decorator(rule: Rule) -> Rule:
+        if not callable(rule):
+            raise TypeError(f"register_decomposition: the decorated rule must be a function, not "
+                            f"{describe_value(rule)}")
+        if when is not None:
+            rule.when = when  # type: ignore[attr-defined]
+        (DECOMPOSITIONS if table is None else table)[decomposition_key(target)] = rule
+        return rule
+    return decorator
+
+
+def decomposition_key(target: Any) -> Any:
+    """The key of ``target``'s rules in a rule table: the name of its op in
+    ``fxlite.ops.OPS`` for any spelling of it (``F.softmax`` and ``torch.softmax`` give
+    ``"softmax"``), else ``target`` itself (an op name, or a function the table lacks)."""
+    info = lookup_target(target)
+    return info.name if info is not None else target
+
+
+def per_channel(values: torch.Tensor, channels: int, rank: int, what: str) -> torch.Tensor:
+    """``values`` (one per channel) as ``(C, 1, ...)``, to broadcast against an input of
+    ``rank`` dims with ``channels`` channels (dim 1); checked as eager checks them.
+
+    Why a call in the graph: a compiled graph is reused for other sizes. Eager raises when
+    the lengths differ, except for an input without channels, which it returns whatever
+    the statistics' length: then the values are an empty view, so the math gives the empty
+    result (a plain reshape broadcasts a length-1 input against them, or raises on 0).
+    """
+    if values.numel() != channels:
+        if channels != 0:
+            raise RuntimeError(f"{what} should contain {channels} elements not {values.numel()}")
+        values = values[:0]
+    # sizes as separate arguments: torch parses them in about half the host time of one
+    # tuple (resnet50 makes 212 of these calls each time it runs)
+    return values.reshape(*_SHAPES[rank]) if rank in _SHAPES else values.reshape(
+        (-1,) + (1,) * (rank - 2))
+
+
+_SHAPES = {rank: (-1,) + (1,) * (rank - 2) for rank in range(2, 6)}
 
 
 # ---------------------------------------------------------------------- the default rules

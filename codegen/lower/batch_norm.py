@@ -35,6 +35,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fxlite.passes.decompose_rules import per_channel
+from fxlite.passes.normalize import normalize_graph
+
+from fxlite.ops import resolve
+from fxlite.proxy import GraphAppendingTracer, Proxy
 
 __all__ = ["batch_norm_train", "per_channel", "update_running_stats"]
 
@@ -105,28 +110,6 @@ def _cumulative(running_mean: Any, running_var: Any, tracked: Any, mean: torch.T
 update_running_stats._is_impure = True  # type: ignore[attr-defined]  # DCE keeps it
 
 
-def per_channel(values: torch.Tensor, channels: int, rank: int, what: str) -> torch.Tensor:
-    """``values`` (one per channel) as ``(C, 1, ...)``, to broadcast against an input of
-    ``rank`` dims with ``channels`` channels (dim 1); checked as eager checks them.
-
-    Why a call in the graph: a compiled graph is reused for other sizes. Eager raises when
-    the lengths differ, except for an input without channels, which it returns whatever
-    the statistics' length: then the values are an empty view, so the math gives the empty
-    result (a plain reshape broadcasts a length-1 input against them, or raises on 0).
-    """
-    if values.numel() != channels:
-        if channels != 0:
-            raise RuntimeError(f"{what} should contain {channels} elements not {values.numel()}")
-        values = values[:0]
-    # sizes as separate arguments: torch parses them in about half the host time of one
-    # tuple (resnet50 makes 212 of these calls each time it runs)
-    return values.reshape(*_SHAPES[rank]) if rank in _SHAPES else values.reshape(
-        (-1,) + (1,) * (rank - 2))
-
-
-_SHAPES = {rank: (-1,) + (1,) * (rank - 2) for rank in range(2, 6)}
-
-
 def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
     """The batch_norm arguments of a training-mode BatchNorm module call, as get_attrs."""
     mod = gm.get_submodule(node.target)
@@ -150,8 +133,6 @@ def _module_args(gm: Any, node: Any) -> dict[str, Any] | None:
 
 
 def _function_args(node: Any) -> dict[str, Any] | None:
-    from fxlite.ops import resolve
-
     found = resolve(node)
     if found is None or found[0].name != "batch_norm":
         return None
@@ -179,10 +160,6 @@ def batch_norm_train(gm: Any) -> Any:
         ``gm``, recompiled. BatchNorms whose input rank is unknown, or with arguments
         that are not plain values, are left as they are.
     """
-    from fxlite.passes.normalize import normalize_graph
-
-    from fxlite.proxy import GraphAppendingTracer, Proxy
-
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
     output = graph.output_node()

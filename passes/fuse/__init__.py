@@ -393,7 +393,7 @@ def _decomposed(gm: GraphModule) -> GraphModule:
 
     def composite(n: Node) -> bool:
         info = lookup(n, gm)
-        return info is not None and info.kind == "composite" and info.torch_fn in DECOMPOSITIONS
+        return info is not None and info.kind == "composite" and info.name in DECOMPOSITIONS
 
     if not any(composite(n) for n in gm.graph.nodes):
         return gm
