@@ -1,14 +1,16 @@
 """The recorder: a ``TorchFunctionMode`` that appends every torch call to a graph.
 
 ``fxlite.codegen.capture.run.record`` runs the user's function under a :class:`Recorder`.
-Each call the mode sees is classified (``capture_kinds``) and either run as it is
+Each call the mode sees is classified (``capture.kinds``) and either run as it is
 (metadata), recorded as a node (ops, effects), or recorded as a read that ends a
 segment. When a recording continues an earlier one from a read, the calls before that
-read are fast-forwarded: their results come from the segments that already ran.
+read are fast-forwarded by a :class:`Prefix`: their results come from the segments that
+already ran, and the recorder records from the read on.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,10 +53,11 @@ from fxlite.codegen.capture.rules import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxlite.graph import Graph
 from fxlite.node import Node
 from fxlite.proxy import TraceError
 
-__all__ = ["Recorder"]
+__all__ = ["Prefix", "Recorder"]
 
 # Formatting a tensor as text reads its values, which a followed call (codegen/capture/follow.py)
 # does for real: such a recording is followed, not stopped.
@@ -86,15 +89,11 @@ class Recorder(TorchFunctionMode):
         self._grad = torch.is_grad_enabled()
         self._autocast = autocast_state()
         self._seed = torch.initial_seed()
-        # fast-forward: replay `prefix` without running it, using `values` from the
-        # segments already run; `read_value` is the new outcome of its last read
-        self._prefix = prefix or []
+        # the calls to fast-forward through before recording (None once they are done)
+        self._prefix = Prefix(prefix, values or {}, read_value, self.graph, self._nodes,
+                              self._bind) if prefix else None
         # every value the prefix made (a step's result, or an item of one: min(...)[1])
-        self._prefix_names = {n.name for n in self.graph.nodes} if self._prefix else set()
-        self._at = 0
-        self._values = values or {}
-        self._read_value = read_value
-        self._versions: dict[str, str] | None = None  # name -> its next in-place version
+        self._prefix_names = {n.name for n in self.graph.nodes} if prefix else set()
         # inference tensors met (inference mode, or an argument made in it): they carry
         # no version counter, so writes are seen through the ops' schemas (_Writes)
         self.inference = False
@@ -188,7 +187,7 @@ class Recorder(TorchFunctionMode):
         if self.off:
             return func(*args, **kwargs)
         try:
-            if self._at < len(self._prefix):
+            if self._prefix is not None:
                 return self._fast_forward(func, args, kwargs)
             return self._record(func, args, kwargs)
         except TraceError:
@@ -563,7 +562,7 @@ class Recorder(TorchFunctionMode):
         ``touches`` lists state the call may write besides its arguments (an optimizer's
         parameters and moments): the call is then an effect on outside state, which
         checks skip, and those tensors are kept as they were before it."""
-        if self._at < len(self._prefix):
+        if self._prefix is not None:
             return self._fast_forward(target, args, kwargs)
         # Called from a hook, outside the mode's handler: the mode would see the
         # recorder's own torch calls, so it looks away for the whole call.
@@ -594,7 +593,7 @@ class Recorder(TorchFunctionMode):
 
     def record_cond(self, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
         """``torch.cond``: both branches become graphs of their own, the call one node."""
-        if self._at < len(self._prefix):
+        if self._prefix is not None:
             return self._fast_forward(CondOp, (pred, *operands), {})
         self._sync_state()
         self.off = True  # called from a hook: the recorder's own torch calls stay unseen
@@ -617,27 +616,67 @@ class Recorder(TorchFunctionMode):
 
     # ------------------------------------------------------------------ fast-forward
     def _fast_forward(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of the prefix, answered by it; after its last call (the read this
+        recording continues from), what follows is recorded."""
+        prefix = self._prefix
+        out = prefix.replay(func, args, kwargs)
+        if prefix.done:
+            self._prefix = None
+            self.rec.steps = list(prefix.steps)
+            self.rec.rng_state = rng_state_of(self.devices)
+            self.rec.ambient = (torch.is_grad_enabled(), autocast_state())
+            self.off = not self.record_rest
+        return out
+
+
+class Prefix:
+    """The calls of a recorded path up to one of its reads, fast-forwarded when a new path
+    is recorded from that read (``capture.run.record`` with a ``prefix``).
+
+    The user's function runs again from the start; each torch call it makes before the
+    read is matched with the next recorded :class:`Step` and answered without running:
+    with its value from the segments that already ran (``values``, by node name), or,
+    for a value no later code can read, an uninitialized tensor of its layout. The read
+    itself is answered with ``read_value``, its new outcome. A call that is not the
+    recorded one raises :class:`Diverged`.
+
+    ``graph``, ``nodes`` and ``bind`` are the recorder's: its graph, that graph's nodes by
+    name, and how a tensor of this call is bound to the node it stands for (so that the
+    recording goes on from it).
+    """
+
+    def __init__(self, steps: list[Step], values: dict[str, Any], read_value: Any,
+                 graph: Graph, nodes: dict[str, Node],
+                 bind: Callable[[torch.Tensor, str], None]) -> None:
+        self.steps = steps
+        self._at = 0
+        self._values = values
+        self._read_value = read_value
+        self._graph = graph
+        self._nodes = nodes
+        self._bind = bind
+        self._versions: dict[str, str] | None = None  # name -> its next in-place version
+
+    @property
+    def done(self) -> bool:
+        """Whether every step has been replayed (the last one is the read)."""
+        return self._at == len(self.steps)
+
+    def replay(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Replay a recorded call of the prefix: return its value from the segments that
         already ran (or a stand-in of the right layout) instead of running it again."""
         kind = classify(func)
         if kind == "meta" or kind == "grad_mode" or kind in UNSUPPORTED:
             return func(*args, **kwargs)
-        step = self._prefix[self._at]
+        step = self.steps[self._at]
         if not (same_func(step.func, func) or isinstance(step.func, type) and func is step.func):
             raise Diverged(f"the call sequence changed: expected {func_name(step.func)}, "
                             f"got {func_name(func)}")
         self._at += 1
-        if not step.node:  # a read of a value the key fixes (see _constant)
+        if not step.node:  # a read of a value the key fixes (see Recorder._constant)
             return step.out[1]
         if step.read:
-            last = self._at == len(self._prefix)
-            value = self._read_value if last else step.out[1]
-            if last:  # the prefix ends here; what follows is recorded
-                self.rec.steps = list(self._prefix)
-                self.rec.rng_state = rng_state_of(self.devices)
-                self.rec.ambient = (torch.is_grad_enabled(), autocast_state())
-                self.off = not self.record_rest
-            return value
+            return self._read_value if self.done else step.out[1]
         node = self._nodes[step.node]
         if node.meta.get("returns_input") and args and isinstance(args[0], torch.Tensor):
             return args[0]  # it returned its input, which keeps its own name
@@ -676,7 +715,7 @@ class Recorder(TorchFunctionMode):
         they are one tensor object, which Python may still hold after the read."""
         if self._versions is None:
             self._versions = {}
-            for node in self.graph.nodes:
+            for node in self._graph.nodes:
                 older = node.meta.get("same_object")
                 if older is not None:
                     self._versions[older] = node.name
@@ -698,8 +737,6 @@ class Recorder(TorchFunctionMode):
                         self._rebind(item, sub)
 
     def _getitem_name(self, name: str | None, i: int) -> str | None:
-        import operator
-
         node = self._nodes.get(name) if name is not None else None
         if node is None:
             return None
