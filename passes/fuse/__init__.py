@@ -59,10 +59,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fxlite.passes.fuse.classes import _BROADCAST_VIEWS, _UNIT_VIEWS, Shape, _classify, _Cls
+from fxlite.passes.decompose import DECOMPOSITIONS, decompose
+from fxlite.passes.fuse.classes import BROADCAST_VIEWS, UNIT_VIEWS, FusionClass, Shape, classify
 from fxlite.passes.fuse.remat import rematerialize
 from fxlite.passes.fuse.size_sources import size_sources
 from fxlite.passes.fuse.split_sums import split_sums
+from fxlite.passes.normalize import normalize
+from fxlite.passes.shape_prop import fill_missing_meta
 from fxlite.passes.sink_views import sink_views
 from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_outputs
 
@@ -104,7 +107,7 @@ def _aligned(shape: Shape, base: Shape) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mapping[Node, str]) -> str | None:
+def _tag(node: Node, cls: FusionClass, g: _Group, members: Container[Node], tags: Mapping[Node, str]) -> str | None:
     """The space of ``node`` inside a group like ``g`` with ``members``, or None if it cannot join."""
     shape, split = g.shape, g.split
     outer = shape if split is None else shape[:split]
@@ -142,9 +145,9 @@ def _tag(node: Node, cls: _Cls, g: _Group, members: Container[Node], tags: Mappi
         a_out = _aligned(cls.shape, bases[tag])
         if a_out is None or a_out not in allowed:
             continue
-        if cls.view in _UNIT_VIEWS and a_out == a_in:
+        if cls.view in UNIT_VIEWS and a_out == a_in:
             return tag
-        if cls.view in _BROADCAST_VIEWS and tag == src_tag and set(a_in) <= set(a_out):
+        if cls.view in BROADCAST_VIEWS and tag == src_tag and set(a_in) <= set(a_out):
             return tag
     return None
 
@@ -191,7 +194,7 @@ class _Partitioner:
         self.max_size = max_group_size
         self.nodes = list(gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
-        self.cls: dict[Node, _Cls] = {}
+        self.cls: dict[Node, FusionClass] = {}
         self.group_of: dict[Node, _Group] = {}
         self.limit = -1
         # Impure nodes (in-place, random, side effects) are barriers: a group never spans
@@ -205,7 +208,7 @@ class _Partitioner:
 
     def run(self) -> list[_Group]:
         for i, n in enumerate(self.nodes):
-            c = _classify(n, self.gm)
+            c = classify(n, self.gm)
             if c is None:
                 continue
             self.cls[n] = c
@@ -227,7 +230,7 @@ class _Partitioner:
         self.group_of[n] = g
         return g
 
-    def _add_view(self, n: Node, c: _Cls) -> None:
+    def _add_view(self, n: Node, c: FusionClass) -> None:
         """Put view ``n`` in the group of the value it views, when it keeps its meaning."""
         g = self.group_of.get(c.source)
         if g is None:
@@ -387,18 +390,12 @@ def _decomposed(gm: GraphModule) -> GraphModule:
     """``gm``, or a normalized and decomposed copy of it when it holds composites that have
     a decomposition rule (softmax, layer_norm...), so they fuse as their primitives do.
     The new nodes get their metadata from their inputs' (no example inputs are needed)."""
-    from fxlite.passes.decompose import DECOMPOSITIONS
-    from fxlite.passes.normalize import normalize
-    from fxlite.passes.shape_prop import fill_missing_meta
-
     def composite(n: Node) -> bool:
         info = lookup(n, gm)
         return info is not None and info.kind == "composite" and info.name in DECOMPOSITIONS
 
     if not any(composite(n) for n in gm.graph.nodes):
         return gm
-    from fxlite.passes.decompose import decompose
-
     work = normalize(GraphModule(gm, copy.deepcopy(gm.graph)))
     fill_missing_meta(work)  # rules use shapes (to count the elements a mean reduces)
     work = decompose(work)

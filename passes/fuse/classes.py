@@ -1,6 +1,6 @@
 """Fusion classes: which ops may join a kernel group, and as what (used by ``fuse``).
 
-Each node gets a :class:`_Cls`, or None when it stays outside every group:
+Each node gets a :class:`FusionClass`, or None when it stays outside every group:
 
 - pointwise: an op-table pointwise op whose inputs broadcast to its output;
 - reduction: a plain reduction (sum, amax...) over trailing dims, one row per program;
@@ -8,8 +8,8 @@ Each node gets a :class:`_Cls`, or None when it stays outside every group:
 
 Example::
 
-    _classify(relu_node, gm)    # _Cls(kind="pointwise", shape=(4, 8))
-    _classify(conv_node, gm)    # None: an extern op
+    classify(relu_node, gm)    # FusionClass(kind="pointwise", shape=(4, 8))
+    classify(conv_node, gm)    # None: an extern op
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
 
-__all__ = ["Shape"]
+__all__ = ["BROADCAST_VIEWS", "UNIT_VIEWS", "FusionClass", "Shape", "classify"]
 
 # Views that only add or drop size-1 dims (or copy), and views that broadcast.
-_UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity",
+UNIT_VIEWS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "identity",
                          "detach"})
-_BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
+BROADCAST_VIEWS = frozenset({"expand", "expand_as"})
 _REDUCTION_KEYS = frozenset({"input", "dim", "keepdim", "dtype"})
 _SCALAR_TYPES = (int, float, bool)
 _FEW_ROWS, _LONG_ROW = 64, 1 << 16
@@ -38,7 +38,7 @@ Shape = tuple[int, ...]
 
 
 @dataclass
-class _Cls:
+class FusionClass:
     """How one node may take part in a group."""
 
     kind: str  # "pointwise" | "reduction" | "view"
@@ -61,7 +61,7 @@ def _plain(tm: TensorMetadata) -> bool:
     return strided and not tm.is_quantized and not tm.dtype.is_complex
 
 
-def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
+def classify(node: Node, module: torch.nn.Module) -> FusionClass | None:
     """The node's fusion class, or None when it must stay outside every group."""
     if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
         return None
@@ -86,7 +86,7 @@ def _classify(node: Node, module: torch.nn.Module) -> _Cls | None:
     if info.kind == "pointwise":
         if not in_shapes or _broadcast(in_shapes) != shape:
             return None
-        return _Cls("pointwise", shape)
+        return FusionClass("pointwise", shape)
     if info.kind == "reduction":
         return _classify_reduction(node, info, module, shape)
     return _classify_view(node, info, module, shape, len(in_shapes))
@@ -128,7 +128,7 @@ def _has_tensor_constant(node: Node) -> bool:
     return found
 
 
-def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape) -> _Cls | None:
+def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape) -> FusionClass | None:
     # Plain reductions only: var/std (a correction parameter) and composites stay outside.
     if "keepdim" not in info.params or not set(info.params) <= _REDUCTION_KEYS:
         return None
@@ -165,12 +165,12 @@ def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape
         # A kernel runs one program per row: a few long rows (x.sum() of a big tensor)
         # would keep a handful of SMs busy, where torch splits each row over many blocks.
         return None
-    return _Cls("reduction", shape, src, in_shape, split, keepdim)
+    return FusionClass("reduction", shape, src, in_shape, split, keepdim)
 
 
 def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Shape,
-                   n_tensors: int) -> _Cls | None:
-    if info.name not in _UNIT_VIEWS | _BROADCAST_VIEWS or n_tensors != 1 and info.name != "expand_as":
+                   n_tensors: int) -> FusionClass | None:
+    if info.name not in UNIT_VIEWS | BROADCAST_VIEWS or n_tensors != 1 and info.name != "expand_as":
         return None
     src = node.args[0] if node.args else node.kwargs.get("input")
     stm = _tensor_meta(src)
@@ -179,4 +179,4 @@ def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Sha
     # A view aliases its input; materializing it in a kernel is only safe when nobody mutates.
     if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users):
         return None
-    return _Cls("view", shape, src, tuple(stm.shape), view=info.name)
+    return FusionClass("view", shape, src, tuple(stm.shape), view=info.name)
