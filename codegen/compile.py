@@ -45,14 +45,9 @@ from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
-from fxlite.codegen.lower.pipeline import (
-    ambient,
-    ambient_restored,
-    compile_segment,
-    expand_kernels,
-    interpreting,
-    set_ambient,
-)
+from fxlite.codegen.kernels.generate import interpreting
+from fxlite.codegen.lower.pipeline import ambient, ambient_restored, set_ambient
+from fxlite.codegen.lower.segment import compile_segment, expand_kernels
 from fxlite.codegen.options import MODES, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream

@@ -30,7 +30,7 @@ MOVED = {
     "fxlite.codegen.cond": "fxlite.codegen.capture.cond",
     "fxlite.codegen.structure": "fxlite.codegen.capture.structure",
     "fxlite.codegen.segments": "fxlite.codegen.capture.segments",
-    "fxlite.codegen.pipeline": "fxlite.codegen.lower.pipeline",
+    "fxlite.codegen.pipeline": "fxlite.codegen.lower.segment",
     "fxlite.codegen.autograd_pipeline": "fxlite.codegen.lower.autograd_pipeline",
     "fxlite.codegen.autograd": "fxlite.codegen.lower.autograd",
     "fxlite.codegen.accuracy": "fxlite.codegen.lower.accuracy",

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fxlite.codegen.lower.pipeline import CompiledSegment, direct_forward
+from fxlite.codegen.lower.segment import CompiledSegment, direct_forward
 from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs, runs_backward
 
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]

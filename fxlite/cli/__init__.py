@@ -22,21 +22,19 @@ the subcommands import torch when they run.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import platform
 import shutil
 import sys
-import textwrap
-import warnings
-from collections.abc import Iterator, Sequence
-from typing import NoReturn, TextIO
+from collections.abc import Sequence
+from importlib import metadata
+from typing import NoReturn
+
+from fxlite import __version__
 
 # Nothing here imports torch: `fxlite --help` and `fxlite --version` answer without it
-# (the subcommands import it when they run).
+# (main imports fxlite.cli.run, and torch with it, when a subcommand runs).
 
 __all__ = ["build_parser", "main"]
-
-_WIDTH = 100  # the most columns a line of the command's output takes
-
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (and exit status 2)."""
@@ -52,18 +50,13 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 def _version() -> str:
     """fxlite's version and those of torch, Triton and Python, read from the installed
     packages' metadata (importing torch would take seconds)."""
-    import platform
-    from importlib import metadata
-
-    import fxlite
-
     def installed(name: str) -> str:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return (f"fxlite {fxlite.__version__} (torch {installed('torch')}, triton "
+    return (f"fxlite {__version__} (torch {installed('torch')}, triton "
             f"{installed('triton')}, Python {platform.python_version()})")
 
 
@@ -167,67 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from fxlite.cli.load import UsageError  # imports torch
+    from fxlite.cli.run import run  # imports torch: --help and --version answer without it
 
-    try:
-        with _fitted_warnings():
-            return _run(args)
-    except UsageError as e:
-        print(f"fxlite {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"fxlite {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `fxlite demo | head`: the reader left; say nothing more
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except Exception as e:  # the user's code failed (or fxlite did): say so briefly
-        if args.traceback:
-            raise
-        from fxlite.proxy import TraceError
-
-        if isinstance(e, TraceError):  # it names the user's file, line and code, and a fix
-            print(f"fxlite {args.command}: cannot trace {args.target}: {e}", file=sys.stderr)
-        else:
-            first = (str(e).splitlines() or [""])[0]
-            print(f"fxlite {args.command}: {type(e).__name__}: {first}\n(add --traceback to "
-                  f"see where)", file=sys.stderr)
-        return 1
-
-
-def _run(args: argparse.Namespace) -> int:
-    """Run the subcommand ``args.command``."""
-    if args.command == "demo":
-        from fxlite.cli.demo import run_demo
-
-        return run_demo(seed=args.seed, compile=not args.no_compile)
-    from fxlite.cli.commands import run_compile, run_explain, run_show
-
-    run = {"show": run_show, "compile": run_compile, "explain": run_explain}[args.command]
     return run(args)
-
-
-@contextlib.contextmanager
-def _fitted_warnings() -> Iterator[None]:
-    """Print warnings as ``warning: ...`` lines on stderr, wrapped to 100 columns (Python's
-    own format starts with the file path and runs on), while a subcommand runs."""
-    shown = warnings.showwarning
-
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
-        stream = file if file is not None else sys.stderr
-        kind = "warning" if category is UserWarning else category.__name__
-        for part in f"{kind}: {message}".splitlines():
-            stream.write(textwrap.fill(part, _WIDTH, subsequent_indent="  ",
-                                       break_long_words=False, break_on_hyphens=False) + "\n")
-
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import fxlite as fx
 from fxlite.cli.load import (
     UsageError,
     check_arity,
@@ -28,6 +30,9 @@ from fxlite.cli.load import (
     parse_input,
 )
 from fxlite.cli.progress import Progress
+from fxlite.logs import kernel_listener
+from fxlite.passes import ShapeProp, draw
+from fxlite.viz.tabular import fit_table, tabular
 
 __all__ = ["WIDTH", "KernelCount", "bench", "run_compile", "run_explain", "run_show", "say", "use_interpreter",
            "wrap_code"]
@@ -116,10 +121,6 @@ def use_interpreter(device: str) -> bool:
 # ---------------------------------------------------------------------- show
 def run_show(args: argparse.Namespace) -> int:
     """``fxlite show``: trace, print the table (with shapes when there are inputs), and more."""
-    import fxlite as fx
-    from fxlite.passes import ShapeProp
-    from fxlite.viz.tabular import tabular
-
     if args.svg:
         _check_drawable(args.svg)
     target = load_target(args.target).with_arity(len(args.input or []))
@@ -147,16 +148,12 @@ def run_show(args: argparse.Namespace) -> int:
         say()
         say(wrap_code(gm.code))
     if args.svg:
-        from fxlite.passes import draw
-
         say(f"\ndrawing written to {draw(gm, args.svg)}")
     return 0
 
 
 def _check_drawable(path: str) -> None:
     """A usage error, before any work, for a drawing that cannot be made."""
-    import shutil
-
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".svg", ".png", ".pdf", ".dot", ".gv"):
         raise UsageError(f"--svg {path}: use a .svg, .png, .pdf or .dot file name")
@@ -208,8 +205,6 @@ def run_compile(args: argparse.Namespace) -> int:
     for spec in args.input or []:  # bad shapes are usage errors, found before any work
         check_size(spec, *parse_input(spec), device)
     interpreting = use_interpreter(device)
-    import fxlite as fx
-
     inputs = make_inputs(args.input or [], device, args.seed)
     if isinstance(target.obj, torch.nn.Module):
         target.obj.to(device)
@@ -218,8 +213,6 @@ def run_compile(args: argparse.Namespace) -> int:
             "slowly: use tiny inputs" if interpreting else
             "on the CPU without TRITON_INTERPRET: fxlite runs its regenerated Python forward")
     compiled = fx.compile(target.obj)
-    from fxlite.logs import kernel_listener
-
     count = KernelCount(compiled)
     with Progress(1, "compile") as bar, kernel_listener(count.add), torch.no_grad():
         with bar.step("first call", count):
@@ -253,8 +246,6 @@ def run_explain(args: argparse.Namespace) -> int:
     target = load_target(args.target).with_arity(len(args.input or []))
     check_arity(target, args.input or [])
     inputs = make_inputs(args.input or [], "cpu", args.seed)
-    import fxlite as fx
-
     with torch.no_grad():
         report = fx.explain(target.obj, *inputs)
     say(f"{target.spec} on input(s) {', '.join(args.input)}")
@@ -301,8 +292,6 @@ def bench(module: Any, compiled: Any, inputs: Sequence[torch.Tensor], device: st
     Returns:
         The table's rows.
     """
-    from fxlite.viz.tabular import fit_table
-
     contenders: list[tuple[str, Callable[..., Any]]] = [
         ("eager", module), ("fxlite", compiled), ("torch.compile", torch.compile(module))]
     rows: list[list[str]] = []

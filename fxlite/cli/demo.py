@@ -24,6 +24,14 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 import torch.nn.functional as F
 
+import fxlite as fx
+from fxlite.cli.commands import KernelCount, say, use_interpreter, wrap_code
+from fxlite.cli.progress import Progress
+from fxlite.examples import example_input, make_example
+from fxlite.logs import kernel_listener
+from fxlite.passes import ShapeProp, diff
+from fxlite.viz.tabular import tabular
+
 if TYPE_CHECKING:
     from fxlite.graph import Graph
 
@@ -81,12 +89,6 @@ def run_demo(seed: int = 0, out: TextIO | None = None, compile: bool = True) -> 
         >>> run_demo()  # doctest: +SKIP
         0
     """
-    import fxlite as fx
-    from fxlite.cli.commands import say, wrap_code
-    from fxlite.examples import example_input, make_example
-    from fxlite.passes import ShapeProp, diff
-    from fxlite.viz.tabular import tabular
-
     out = out if out is not None else sys.stdout
     with contextlib.redirect_stdout(out):
         model = make_example(seed=seed)
@@ -134,11 +136,6 @@ def run_demo(seed: int = 0, out: TextIO | None = None, compile: bool = True) -> 
 
 
 def _compile_step(model: torch.nn.Module, x: torch.Tensor) -> bool:
-    import fxlite as fx
-    from fxlite.cli.commands import KernelCount, say, use_interpreter
-    from fxlite.cli.progress import Progress
-    from fxlite.logs import kernel_listener
-
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         model = model.to("cuda")
