@@ -24,12 +24,14 @@ answered with gradients that silently lack their second-order part.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from fxlite.codegen.lower.autograd_pipeline import CompiledGraph
+from fxlite.codegen.report import kernel_report
 
 from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
 from fxlite.graph_module import GraphModule
@@ -53,8 +55,6 @@ def _signature(args: Sequence[Any]) -> tuple:
 
 
 def _copy(gm: GraphModule) -> GraphModule:
-    import copy
-
     new = GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
@@ -319,8 +319,6 @@ class AutogradGroup:
 
     def report(self) -> str:
         """Print and return the table of forward and backward kernels."""
-        from fxlite.codegen.report import kernel_report
-
         text = kernel_report(self.records)
         print(text)
         return text

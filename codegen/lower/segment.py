@@ -1,7 +1,9 @@
-"""The compile pipeline of one segment: passes, Triton kernels, and the checks around them.
+"""One recorded segment compiled: its passes, Triton kernels, and the checks around them.
 
-    recorded segment ─► metadata from the recording ─► functionalize ─► normalize
-        ─► decompose ─► metadata of the new nodes (on meta tensors) ─► fuse
+    recorded segment ─► rewrites that need no kernels (fused optimizer steps,
+        attention's fast path, padded linears, channels-last convolutions)
+        ─► FORWARD_PASSES (``codegen/lower/pipeline.py``: metadata from the recording,
+           functionalize, normalize, decompose, fuse...)
         ─► one Triton kernel per fused group, each checked against eager on the
            recording's own inputs ─► a Python forward that calls the kernels
         ─► the whole segment's results checked against what eager PyTorch returned
@@ -16,18 +18,17 @@ with the reason in ``fallbacks``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fxlite.codegen.capture.cond import CondOp
 from fxlite.codegen.kernels.generate import interpreting
-from fxlite.codegen.kernels.pool import use_pool_kernels
 from fxlite.codegen.lower.accuracy import (
     HALF_TOLERANCE,
     allclose,
@@ -36,9 +37,12 @@ from fxlite.codegen.lower.accuracy import (
     reproducible,
     versions,
 )
+from fxlite.codegen.lower.autograd import make_autograd_group
 from fxlite.codegen.lower.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.lower.pad_matmul import pad_linears
+from fxlite.codegen.lower.pipeline import FORWARD_PASSES, Lowering, ambient, run_passes, set_ambient
 from fxlite.codegen.report import KernelRecord
+from fxlite.codegen.runtime import kernel as runtime_kernel
 from fxlite.codegen.runtime.straight_line import StraightRunner
 from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
@@ -47,17 +51,12 @@ from fxlite.passes.shape_prop import node_layout
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.logs import log_kernel
-from fxlite.node import Node, Opcode, map_aggregate
-from fxlite.ops.records import amax_or_empty
+from fxlite.node import Node, Opcode
 
-__all__ = ["CompiledSegment", "ambient", "ambient_restored", "assert_same", "compile_segment", "direct_forward",
-           "expand_kernels", "interpreting", "set_ambient"]
+__all__ = ["CHANNELS_LAST", "CompiledSegment", "assert_same", "channels_last_wanted", "compile_segment",
+           "direct_forward", "expand_kernels", "kernel_prefix"]
 
 
-PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
-# training segments: fused groups joined by table ops differentiate as one region
-# (codegen/lower/autograd_regions.py); FXLITE_REGIONS=0 keeps one autograd node per group
-REGIONS = os.environ.get("FXLITE_REGIONS", "1") != "0"
 # Conv inputs in channels-last on CUDA (passes/channels_last.py); FXLITE_CHANNELS_LAST=0
 # turns it off. On an H200 it cut resnet50's bf16 forward at batch 32 from 3.7 to 1.85 ms
 # of GPU time, and resnet18's training step from 2.43 to 2.04.
@@ -224,8 +223,6 @@ def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
 def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
                    warn: Callable[[str], None]) -> list[CompiledSegment]:
     """Compile the branches of each torch.cond node; returns what they became."""
-    from fxlite.codegen.capture.cond import CondOp
-
     made: list[CompiledSegment] = []
 
     def branch(g: GraphModule, example: list[Any]) -> Callable[..., Any]:
@@ -246,43 +243,9 @@ def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,
 
 # ---------------------------------------------------------------------- the Triton path
 def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSegment:
-    from fxlite.codegen.lower.autocast import explicit_autocast
-    from fxlite.codegen.lower.batch_norm import batch_norm_train
-    from fxlite.passes.decompose import decompose
-    from fxlite.passes.functionalize import functionalize
-    from fxlite.passes.fuse import fuse
-    from fxlite.passes.normalize import normalize
-
-    from fxlite.ops.dropout import seed_dropouts
-
-    fill_meta(gm)
-    gm = explicit_autocast(gm)
-    gm = functionalize(gm)
-    gm = batch_norm_train(gm)  # batch statistics as table ops: they fuse
-    seeded = False
-    if _needs_autograd(gm):  # training: dropout masks drawn in the kernels, from seeds
-        before = len(gm.graph.nodes)
-        gm = seed_dropouts(gm)
-        seeded = len(gm.graph.nodes) != before
-    gm = decompose(normalize(gm))
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    propagate_meta(gm)
     cuda = [a.device for a in sample if isinstance(a, torch.Tensor) and a.is_cuda]
-    if cuda and not interpreting():
-        use_pool_kernels(gm)  # max-pools that write no indices
-    fused = fuse(gm)
-    _empty_ok_max(fused)
-    if _needs_autograd(gm) and REGIONS:
-        from fxlite.codegen.lower.autograd_regions import autograd_regions
-
-        fused = autograd_regions(fused)  # groups joined by table ops: one autograd node
-    if cuda and PRECOMPILE and not interpreting():  # every distinct kernel at once, in parallel
-        from fxlite.codegen.runtime.precompile import precompile
-
-        precompile(fused, cuda[0])
-    if any(n.meta.get("autocast") for n in gm.graph.nodes):
-        _groups_without_autocast(fused)
+    lowering = Lowering(sample, cuda[0] if cuda else None)
+    fused = run_passes(FORWARD_PASSES, gm, lowering)
     check = _KernelCheck(fused, mode, kernel_prefix(gm))
     outputs = check.run(*sample)
     _swap_in_kernels(fused, check.kernels)
@@ -291,102 +254,8 @@ def _triton(gm: GraphModule, sample: list[Any], mode: str | None) -> CompiledSeg
     run = StraightRunner(fused)
     compiled = CompiledSegment(run, fused, list(check.kernels.values()),
                                check.records, check.fallbacks, outputs)
-    compiled.seeded = seeded  # its masks are not eager's: no comparison with eager values
+    compiled.seeded = lowering.seeded  # its masks are not eager's: no comparison with eager values
     return compiled
-
-
-class AutocastOff(torch.nn.Module):
-    """A fused group that runs without autocast: ``explicit_autocast`` already spelled out
-    the casts autocast made, and the kernel (which autocast never sees) computes as
-    written; the group's eager ops must too, or they would be cast a second time."""
-
-    def __init__(self, inner: GraphModule) -> None:
-        super().__init__()
-        self.inner = inner
-        self.meta = inner.meta
-
-    def forward(self, *args: Any) -> Any:
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            return self.inner(*args)
-
-
-def _empty_ok_max(fused: GraphModule) -> None:
-    """Softmax's row max (``amax`` marked ``empty_ok`` by decompose) runs as
-    ``amax_or_empty`` wherever it runs eagerly, at the top level or in a group's eager
-    ops: softmax over an empty dim is empty, where ``torch.amax`` raises."""
-    for gm in (fused, *(m for m in fused.children() if isinstance(m, GraphModule))):
-        marked = [n for n in gm.graph.nodes if n.meta.get("empty_ok") and n.target is torch.amax]
-        for n in marked:
-            n.target = amax_or_empty
-        if marked:
-            gm.recompile()
-
-
-def _groups_without_autocast(fused: GraphModule) -> None:
-    for name, sub in list(fused.named_children()):
-        if getattr(sub, "meta", {}).get("fused_kind"):
-            setattr(fused, name, AutocastOff(sub))
-
-
-def fill_meta(gm: GraphModule) -> None:
-    """ShapeProp's ``tensor_meta`` and ``type`` for every node, from the recording."""
-    from fxlite.passes.shape_prop import TensorMetadata, memory_format_of
-
-    for node in gm.graph.nodes:
-        rec = node.meta.get("tensor_meta_rec")
-        if rec is None:
-            continue
-        shape, stride, dtype, device, requires_grad = rec
-        fmt = memory_format_of(shape, stride)
-        node.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, requires_grad,
-                                                  tuple(stride), fmt)
-        node.meta["type"] = torch.Tensor
-        node.meta["device"] = device
-
-
-def propagate_meta(gm: GraphModule) -> None:
-    """Metadata for nodes without any (those passes created), computed on meta tensors.
-
-    Nodes with metadata are not run; their values are meta tensors of their layout. A
-    recorded ``torch.no_grad()`` (``_set_grad_enabled``) among those run changes grad mode
-    here as it did in the program, and no further: the check run after this starts in the
-    mode the segment began in (the clipping of ``clip_grad_norm_(error_if_nonfinite=True)``
-    left it off, and the check's ``backward()`` then found no graph)."""
-    with ambient_restored():
-        _propagate_meta(gm)
-
-
-def _propagate_meta(gm: GraphModule) -> None:
-    from fxlite.passes.shape_prop import extract_tensor_metadata
-
-    env: dict[Node, Any] = {}
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            break
-        tm = node.meta.get("tensor_meta")
-        if tm is not None and hasattr(tm, "shape"):
-            env[node] = torch.empty_strided(tm.shape, tm.stride or (1,) * len(tm.shape),
-                                            dtype=tm.dtype, device="meta")
-            continue
-        if node.op in ("placeholder", "get_attr") or "type" in node.meta:
-            env[node] = None
-            continue
-        args = map_aggregate(node.args, lambda a: env.get(a) if isinstance(a, Node) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: env.get(a) if isinstance(a, Node) else a)
-        if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        elif node.op == "call_function":
-            value = node.target(*args, **kwargs)
-        else:
-            raise RuntimeError(f"cannot infer the metadata of {node.format_node()}")
-        env[node] = value
-        node.meta["type"] = type(value)
-        if isinstance(value, torch.Tensor):
-            node.meta["tensor_meta"] = extract_tensor_metadata(value)
-
-
-def _needs_autograd(gm: GraphModule) -> bool:
-    return any(n.meta.get("requires_grad") and n.meta.get("grad_enabled") for n in gm.graph.nodes)
 
 
 def expand_kernels(kernels: list[Any]) -> list[Any]:
@@ -396,33 +265,6 @@ def expand_kernels(kernels: list[Any]) -> list[Any]:
     for k in kernels:
         out.extend(k.kernels if hasattr(k, "_variants") else [k])
     return out
-
-
-@contextlib.contextmanager
-def ambient_restored() -> Iterator[None]:
-    """Grad mode and autocast as they were, whatever recorded state changes ran.
-
-    Segments pass these on to each other (a read may happen inside ``torch.no_grad()``),
-    so a whole path's check runs go inside one block, not one per segment."""
-    grad, state = ambient()
-    try:
-        yield
-    finally:
-        set_ambient((grad, state))
-
-
-def ambient() -> tuple:
-    """Grad mode and autocast state now (restore them with :func:`set_ambient`)."""
-    from fxlite.codegen.capture.kinds import autocast_state
-
-    return torch.is_grad_enabled(), autocast_state()
-
-
-def set_ambient(state: tuple) -> None:
-    from fxlite.codegen.capture.kinds import set_autocast
-
-    torch._C._set_grad_enabled(state[0])
-    set_autocast(state[1])
 
 
 class _Replay(Interpreter):
@@ -525,10 +367,8 @@ class _KernelCheck(_Replay):
         if sub.meta["fused_kind"] == "region" or torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._autograd_group(target, getattr(sub, "inner", sub), args)
-        from fxlite.codegen.runtime.kernel import generate_kernel
-
-        try:
-            kernel = generate_kernel(getattr(sub, "inner", sub), list(args),
+        try:  # (looked up in its module at each call: tests put in their own generator)
+            kernel = runtime_kernel.generate_kernel(getattr(sub, "inner", sub), list(args),
                                      name=f"{self._prefix}{target}")
         except Exception as e:  # the generator must never break a model: fall back
             kernel, reason = None, f"{type(e).__name__}: {e}"
@@ -563,8 +403,6 @@ class _KernelCheck(_Replay):
     def _autograd_group(self, target: str, sub: GraphModule, args: tuple) -> Any:
         """A group whose inputs need gradients: a Triton forward and a generated Triton
         backward (``codegen/lower/autograd.py``), each checked against eager on first use."""
-        from fxlite.codegen.lower.autograd import make_autograd_group
-
         group = make_autograd_group(sub, args, name=f"{self._prefix}{target}")
         before = versions(args)
         got = group(*args)

@@ -9,7 +9,7 @@ import copy
 import math
 import warnings
 
-import fxlite.codegen.lower.pipeline as pipeline
+import fxlite.codegen.lower.segment as segment
 import pytest
 import torch
 import torch.nn as nn
@@ -154,7 +154,7 @@ def channels_last_on_cpu(monkeypatch):
     def wanted(sample):
         calls.append(1)
         return True
-    monkeypatch.setattr(pipeline, "channels_last_wanted", wanted)
+    monkeypatch.setattr(segment, "channels_last_wanted", wanted)
     return calls
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from fxlite.codegen.lower.pipeline import interpreting
+from fxlite.codegen.kernels.generate import interpreting
 from fxlite.passes.fuse import fuse
 from fxlite.passes.fuse.split_sums import split_sums
 from fxlite.passes.normalize import normalize

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 import fxlite.codegen.runtime.kernel as triton_mod
 from fxlite.codegen.lower.accuracy import float64_problem, versions
-from fxlite.codegen.lower.pipeline import _assert_as_accurate
+from fxlite.codegen.lower.segment import _assert_as_accurate
 from fxlite.codegen.runtime.kernel import interpreting
 from test_compile import FakeKernel
 

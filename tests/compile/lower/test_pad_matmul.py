@@ -177,11 +177,11 @@ def test_the_pass_picks_row_groups_for_many_rows_and_leaves_few_float32_rows_alo
 def test_compiled_the_padded_head_copies_its_columns_in_a_kernel(monkeypatch):
     """The clone of the linear's columns is a graph op: fuse makes it a kernel (here a
     lone copy; the pass runs on CUDA only, so this test says it is on one)."""
-    from fxlite.codegen.lower import pipeline
+    from fxlite.codegen.lower import segment
 
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
     monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)
-    monkeypatch.setattr(pipeline, "_on_gpu", lambda sample: True)
+    monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # conftest interprets on CPU
     torch.manual_seed(0)
     model = Head(37).eval().to(device)
@@ -292,11 +292,11 @@ def _spy_on_padding(monkeypatch):
 def test_a_compiled_training_step_pads_the_head_and_matches_eager(monkeypatch, autocast):
     """Autograd records the padded linear: the backward's matmuls are aligned too, and
     losses, gradients, weights and optimizer state are eager's over several steps."""
-    from fxlite.codegen.lower import pipeline
+    from fxlite.codegen.lower import segment
 
     monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
     monkeypatch.setattr(pad_matmul, "_F32_PAD_ROWS", 0)
-    monkeypatch.setattr(pipeline, "_on_gpu", lambda sample: True)
+    monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
     padded = _spy_on_padding(monkeypatch)
     tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {}
     compiled = _training_matches_eager("cpu", 37, autocast, 4, tol)

@@ -1,0 +1,68 @@
+"""The lowering pipeline's two pass lists (codegen/lower/pipeline.py) and their runner."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from fxlite.codegen.lower import pipeline
+from fxlite.codegen.lower.pipeline import (
+    BACKWARD_PASSES,
+    FORWARD_PASSES,
+    Lowering,
+    Pass,
+    run_passes,
+)
+from fxlite.passes import PassError
+
+import fxlite
+
+
+def _listed(column: int) -> list[str]:
+    """The pass names the module docstring's table shows in one column (0: forward)."""
+    lines = pipeline.__doc__.splitlines()
+    header = next(line for line in lines if "BACKWARD_PASSES (" in line)
+    split = header.index("BACKWARD_PASSES")
+    names = []
+    for line in lines[lines.index(header) + 1:]:
+        if line and not line.startswith("    "):
+            break
+        cell = line[4:split] if column == 0 else line[split:]  # a name, then what it does
+        if re.match(r"[a-z_0-9]+\b", cell):
+            names.append(cell.split()[0])
+    return names
+
+
+def test_the_docstring_shows_both_lists_as_they_are():
+    assert _listed(0) == [p.name for p in FORWARD_PASSES]
+    assert _listed(1) == [p.name for p in BACKWARD_PASSES]
+
+
+def _traced() -> fxlite.GraphModule:
+    return fxlite.symbolic_trace(lambda x: torch.relu(x) + 1)
+
+
+def test_a_pass_that_breaks_the_graph_is_named_under_lint(monkeypatch):
+    def misorder(gm, low):  # relu + 1 moved before the relu it reads
+        relu, add = [n for n in gm.graph.nodes if n.op == "call_function"]
+        relu.prepend(add)
+
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)  # FXLITE_LINT alone turns it on
+    monkeypatch.setenv("FXLITE_LINT", "1")
+    gm = _traced()
+    with pytest.raises(PassError) as err:
+        run_passes([Pass("ok", lambda gm, low: None), Pass("misorder", misorder)], gm,
+                   Lowering([]))
+    assert err.value.pass_name == "misorder"
+
+
+def test_passes_run_in_order_where_wanted_and_adopt_new_modules():
+    seen = []
+    new = _traced()
+    passes = [Pass("first", lambda gm, low: seen.append("first")),
+              Pass("skipped", lambda gm, low: seen.append("skipped"), when=lambda gm, low: False),
+              Pass("replace", lambda gm, low: new),
+              Pass("last", lambda gm, low: seen.append(gm is new))]
+    assert run_passes(passes, _traced(), Lowering([])) is new
+    assert seen == ["first", True]
