@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,10 +25,10 @@ import torch
 from fxlite.codegen.kernels.layout import dense_strides, memory_order
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import OpInfo, is_impure, resolve, result_dtype
-from fxlite.passes.shape_prop import FORMAT_RANKS
+from fxlite.ops import is_impure, resolve, result_dtype
+from fxlite.passes.shape_prop import FORMAT_RANKS, extract_tensor_metadata
 
-__all__ = ["as_meta", "infer", "meta_tensor", "propagate", "record"]
+__all__ = ["VIEW_SHAPES", "as_meta", "infer", "meta_tensor", "propagate", "record"]
 
 _PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                          operator.floordiv, operator.mod, operator.neg, operator.pow, max, min})
@@ -52,8 +52,6 @@ def as_meta(v: Any) -> Any:
 
 def record(node: Node, value: Any) -> None:
     """Store ``value``'s metadata on ``node`` as ShapeProp would."""
-    from fxlite.passes.shape_prop import extract_tensor_metadata
-
     if isinstance(value, torch.Tensor):
         node.meta["tensor_meta"] = extract_tensor_metadata(value)
     else:
@@ -82,22 +80,26 @@ def _dims(dim: Any, rank: int) -> list[int]:
     return sorted({d % rank for d in dims}) if rank else []
 
 
-def _view_shape(info: OpInfo, x: torch.Tensor, a: dict[str, Any]) -> list[int] | None:
-    shape, rank = list(x.shape), x.dim()
-    name = info.name
-    if name in ("contiguous", "identity", "detach"):
-        return shape
-    if name == "unsqueeze":
-        d = a["dim"] % (rank + 1)
-        return shape[:d] + [1] + shape[d:]
-    if name == "squeeze":
-        dims = _dims(a.get("dim"), rank) if a.get("dim") is not None else list(range(rank))
-        return [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
-    if name in ("expand", "view", "reshape"):
-        sizes = list(a["shape"] if name == "reshape" else a["size"])
-        if name == "expand":
-            lead = len(sizes) - rank
-            return [shape[i - lead] if s == -1 else s for i, s in enumerate(sizes)]
+def _squeeze(shape: list[int], a: dict[str, Any]) -> list[int]:
+    dims = _dims(a.get("dim"), len(shape)) if a.get("dim") is not None else list(range(len(shape)))
+    return [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
+
+
+def _unsqueeze(shape: list[int], a: dict[str, Any]) -> list[int]:
+    d = a["dim"] % (len(shape) + 1)
+    return shape[:d] + [1] + shape[d:]
+
+
+def _expand(shape: list[int], a: dict[str, Any]) -> list[int]:
+    sizes = list(a["size"])
+    lead = len(sizes) - len(shape)
+    return [shape[i - lead] if s == -1 else s for i, s in enumerate(sizes)]
+
+
+def _sized(key: str) -> Any:
+    # view(size) and reshape(shape): one -1 takes what the other sizes leave
+    def rule(shape: list[int], a: dict[str, Any]) -> list[int]:
+        sizes = list(a[key])
         if -1 in sizes:
             known = total = 1
             for s in sizes:
@@ -106,21 +108,43 @@ def _view_shape(info: OpInfo, x: torch.Tensor, a: dict[str, Any]) -> list[int] |
                 total *= s
             sizes = [total // known if s == -1 else s for s in sizes]
         return sizes
-    if name in ("permute", "transpose", "t"):
-        order = list(range(rank))
-        if name == "permute":
-            order = [d % rank for d in a["dims"]]
-        elif rank >= 2:
-            i, j = (a["dim0"] % rank, a["dim1"] % rank) if name == "transpose" else (0, 1)
-            order[i], order[j] = order[j], order[i]
-        return [shape[d] for d in order]
-    if name == "flatten":
-        start, end = a.get("start_dim", 0) % max(rank, 1), a.get("end_dim", -1) % max(rank, 1)
-        n = 1
-        for s in shape[start:end + 1]:
-            n *= s
-        return shape[:start] + [n] + shape[end + 1:] if rank else [1]
-    return None
+    return rule
+
+
+def _swap(shape: list[int], i: int, j: int) -> list[int]:
+    order = list(range(len(shape)))
+    if len(shape) >= 2:
+        i, j = i % len(shape), j % len(shape)
+        order[i], order[j] = order[j], order[i]
+    return [shape[d] for d in order]
+
+
+def _flatten(shape: list[int], a: dict[str, Any]) -> list[int]:
+    rank = len(shape)
+    start, end = a.get("start_dim", 0) % max(rank, 1), a.get("end_dim", -1) % max(rank, 1)
+    n = 1
+    for s in shape[start:end + 1]:
+        n *= s
+    return shape[:start] + [n] + shape[end + 1:] if rank else [1]
+
+
+# The shape of a view's result from its input's shape and canonical args, by op name.
+# Pointwise ops broadcast, reductions drop or keep their dims, composites keep their
+# input's shape (_table); other ops run on meta tensors.
+VIEW_SHAPES: dict[str, Callable[[list[int], dict[str, Any]], list[int]]] = {
+    "contiguous": lambda shape, a: shape,
+    "identity": lambda shape, a: shape,
+    "detach": lambda shape, a: shape,
+    "unsqueeze": _unsqueeze,
+    "squeeze": _squeeze,
+    "expand": _expand,
+    "view": _sized("size"),
+    "reshape": _sized("shape"),
+    "permute": lambda shape, a: [shape[d % len(shape)] for d in a["dims"]],
+    "transpose": lambda shape, a: _swap(shape, a["dim0"], a["dim1"]),
+    "t": lambda shape, a: _swap(shape, 0, 1),
+    "flatten": _flatten,
+}
 
 
 def _table(node: Node, values: dict[Node, Any]) -> Any:
@@ -156,10 +180,11 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
     elif info.kind == "view":
         if not isinstance(x, torch.Tensor):
             return NotImplemented
-        shape = _view_shape(info, x, a)
-        dtype = x.dtype
-        if shape is None:
+        rule = VIEW_SHAPES.get(info.name)
+        if rule is None:
             return NotImplemented
+        shape = rule(list(x.shape), a)
+        dtype = x.dtype
     else:
         if not isinstance(x, torch.Tensor) or info.name in ("max", "min") and "dim" in a:
             return NotImplemented  # (values, indices)
