@@ -38,6 +38,8 @@ import torch
 
 from fxlite.ops import derivatives as op_derivatives
 from fxlite.ops.shapes import as_meta, infer, meta_tensor, record
+from fxlite.passes.cse import merge_duplicates
+from fxlite.passes.normalize import normalize_graph
 
 from .graph import Graph
 from .graph_module import GraphModule
@@ -450,8 +452,6 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
         requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs]
     joint = _joint(gm, example_inputs, requires_grad)
     graph = joint.graph
-    from fxlite.passes.normalize import normalize_graph
-
     normalize_graph(graph, None, [n for n in joint.created if not n._erased])
     _forget_detaches(graph, set(joint.outputs))
     graph.eliminate_dead_code()
@@ -498,8 +498,6 @@ def _forget_detaches(graph: Graph, keep: set[Node]) -> None:
     replaced by its input, and the duplicates that leaves are merged. BatchNorm's variance
     reads ``x - mean.detach()`` and its output ``x - mean``; the two become one value, so
     the forward computes it once and the backward reads or recomputes one tensor."""
-    from fxlite.passes.cse import merge_duplicates
-
     dropped = False
     for n in list(graph.nodes):
         if n in keep or n.op not in ("call_function", "call_method") or not _detaches(n, None):

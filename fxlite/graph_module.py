@@ -23,7 +23,7 @@ from fxlite.python_code import PythonCode, generate, import_spelling, is_ident
 from .graph import Graph, gc_paused
 from .node import describe_value
 
-__all__ = ["GraphModule", "expect_graph_module", "expect_graph_or_module"]
+__all__ = ["GraphModule", "attr_at", "copy_attr", "expect_graph_module", "expect_graph_or_module"]
 
 _counter = itertools.count()
 
@@ -51,7 +51,9 @@ def _child(obj: Any, atom: str) -> Any:
     return getattr(obj, atom, _MISSING)
 
 
-def _get(obj: Any, target: str, what: str) -> Any:
+def attr_at(obj: Any, target: str, what: str) -> Any:
+    """The attribute at the dotted path ``target`` of ``obj`` (``obj`` itself for "");
+    a RuntimeError naming ``what`` and the first missing part otherwise."""
     for i, atom in enumerate(target.split(".") if target else []):
         nxt = _child(obj, atom)
         if nxt is _MISSING:
@@ -61,11 +63,11 @@ def _get(obj: Any, target: str, what: str) -> Any:
     return obj
 
 
-def _copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str, what: str) -> None:
+def copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str, what: str) -> None:
     """Copy ``src.<target>`` to ``dst``, creating empty parent modules as needed."""
     prefix, name = _split(target)
-    src_parent = _get(src, prefix, what)
-    value = _get(src_parent, name, what) if prefix else _get(src, name, what)
+    src_parent = attr_at(src, prefix, what)
+    value = attr_at(src_parent, name, what) if prefix else attr_at(src, name, what)
     for atom in prefix.split(".") if prefix else []:
         nxt = _child(dst, atom)
         if nxt is _MISSING:
@@ -157,7 +159,7 @@ class GraphModule(torch.nn.Module):
         if isinstance(root, torch.nn.Module):
             self.training = root.training
             for target in targets:
-                _copy_attr(root, self, target, f"the graph refers to {target!r}")
+                copy_attr(root, self, target, f"the graph refers to {target!r}")
         else:  # a dict {path: value}
             for target in targets:
                 if target not in root:
@@ -170,7 +172,7 @@ class GraphModule(torch.nn.Module):
                     if not hasattr(parent, atom):
                         parent.add_module(atom, torch.nn.Module())
                     parent = getattr(parent, atom)
-                _copy_attr(holder, parent, name, f"the graph refers to {target!r}")
+                copy_attr(holder, parent, name, f"the graph refers to {target!r}")
         self.graph = graph
 
     # ------------------------------------------------------------------ graph and code
@@ -274,7 +276,7 @@ class GraphModule(torch.nn.Module):
                 atoms = n.target.split(".")
                 used.update(".".join(atoms[:i]) for i in range(1, len(atoms) + 1))
                 if n.op == "call_module":  # a called module needs all of its children
-                    used.update(f"{n.target}.{k}" for k, _ in _get(self, n.target, "").named_modules())
+                    used.update(f"{n.target}.{k}" for k, _ in attr_at(self, n.target, "").named_modules())
         for name, _ in sorted(self.named_modules(), key=lambda kv: -len(kv[0])):
             if name not in used:
                 self.delete_submodule(name)

@@ -32,9 +32,9 @@ import torch
 
 from .graph import Graph
 from .node import Node, collect_nodes, format_target
-from .ops import OPS, canonical_args, lookup, same_literal
+from .ops import OPS, canonical_args, is_impure, lookup, same_literal
 
-__all__ = ["InternalMatch", "NearMiss", "SubgraphMatcher"]
+__all__ = ["UNBOUND", "InternalMatch", "NearMiss", "Search", "SubgraphMatcher", "fetch_attr", "flatten"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -191,7 +191,7 @@ class SubgraphMatcher:
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.op_nodes = [n for n in nodes if n.op not in ("placeholder", "output")]
         leaves: list[Any] = []
-        _flatten(out.args[0] if out.args else None, leaves)
+        flatten(out.args[0] if out.args else None, leaves)
         for leaf in leaves:
             if not isinstance(leaf, Node):
                 raise ValueError(f"pattern returns the constant {leaf!r}; it must return computed nodes")
@@ -210,7 +210,6 @@ class SubgraphMatcher:
             if n not in live:
                 live.add(n)
                 stack.extend(n.all_input_nodes)
-        from .ops import is_impure
         for n in self.op_nodes:
             if n not in live and not is_impure(n, self.pattern_module):
                 raise ValueError(f"pattern has dead code: {_describe(n)} does not contribute to the "
@@ -230,7 +229,7 @@ class SubgraphMatcher:
         # say which op it computes: it matches a graph call_module node of the same
         # target, as in torch.fx, whatever op that module computes.
         self._by_target = {n for n in self.op_nodes
-                           if n.op == "call_module" and _fetch(mod, n.target) is _UNBOUND}
+                           if n.op == "call_module" and fetch_attr(mod, n.target) is UNBOUND}
         self._pkey[out] = op_key(out, mod, False)
         self._pargs = {n: self._call_args(n, self._pkey[n], mod) for n in (*self.op_nodes, out)}
 
@@ -281,7 +280,7 @@ class SubgraphMatcher:
 
             matches = SubgraphMatcher(pattern_graph).match(gm.graph)
         """
-        return _Search(self, graph, module).run()
+        return Search(self, graph, module).run()
 
     def explain(self, graph: Graph, module: torch.nn.Module | None = None,
                 accept: Callable[[InternalMatch], bool] | None = None) -> tuple[list[InternalMatch], list[NearMiss]]:
@@ -296,22 +295,27 @@ class SubgraphMatcher:
             matches, misses = SubgraphMatcher(pattern_graph).explain(gm.graph)
             print(misses[0])   # candidate %relu_2 (matched 2 of 3 ...): at ... argument 1: ...
         """
-        search = _Search(self, graph, module, accept=accept, explain=True)
+        search = Search(self, graph, module, accept=accept, explain=True)
         matches = search.run()
         misses = sorted(search.misses, key=lambda m: (-m.matched, search.pos[m.anchor]))
         return matches, misses
 
 
-def _flatten(a: Any, out: list[Any]) -> None:
+def flatten(a: Any, out: list[Any]) -> None:
+    """Append the leaves of ``a`` (nested tuples and lists) to ``out``, in order."""
     if isinstance(a, (tuple, list)):
         for x in a:
-            _flatten(x, out)
+            flatten(x, out)
     else:
         out.append(a)
 
 
-class _Search:
-    """The state of one search of one graph (bindings, the undo trail, overlap set)."""
+class Search:
+    """The state of one search of one graph (bindings, the undo trail, overlap set).
+
+    ``SubgraphMatcher.match`` runs one to the end; ``fxlite.rewrite`` drives one itself,
+    replacing each match as it is found.
+    """
 
     def __init__(self, m: SubgraphMatcher, graph: Graph, module: torch.nn.Module | None,
                  accept: Callable[[InternalMatch], bool] | None = None, explain: bool = False) -> None:
@@ -440,8 +444,8 @@ class _Search:
 
     def _bind(self, pn: Node, ga: Any, owner: Any, where: Any, stack: list) -> bool:
         p2g, g2p, m = self.p2g, self.g2p, self.m
-        bound = p2g.get(pn, _UNBOUND)
-        if bound is not _UNBOUND:
+        bound = p2g.get(pn, UNBOUND)
+        if bound is not UNBOUND:
             if bound is ga or (not isinstance(bound, Node) and not isinstance(ga, Node)
                                and same_literal(bound, ga)):
                 return True
@@ -503,8 +507,8 @@ class _Search:
         return True
 
     def _same_attr(self, pn: Node, gn: Node) -> bool:
-        pv, gv = _fetch(self.m.pattern_module, pn.target), _fetch(self.module, gn.target)
-        if pv is _UNBOUND or gv is _UNBOUND:
+        pv, gv = fetch_attr(self.m.pattern_module, pn.target), fetch_attr(self.module, gn.target)
+        if pv is UNBOUND or gv is UNBOUND:
             return True
         if type(pv) is not type(gv):
             return False
@@ -575,17 +579,19 @@ class _Search:
         return True
 
 
-_UNBOUND: Any = object()
+UNBOUND: Any = object()
+"""What :func:`fetch_attr` returns for a path the module lacks."""
 
 
-def _fetch(module: Any, target: str) -> Any:
+def fetch_attr(module: Any, target: str) -> Any:
+    """The attribute at the dotted path ``target`` of ``module``, or :data:`UNBOUND`."""
     obj = module
     if obj is None:
-        return _UNBOUND
+        return UNBOUND
     for atom in target.split("."):
-        obj = getattr(obj, atom, _UNBOUND)
-        if obj is _UNBOUND:
-            return _UNBOUND
+        obj = getattr(obj, atom, UNBOUND)
+        if obj is UNBOUND:
+            return UNBOUND
     return obj
 
 

@@ -32,8 +32,8 @@ import torch
 from .graph import Graph
 from .node import Argument, Node, Target
 
-__all__ = ["Attribute", "GraphAppendingTracer", "Proxy", "ProxyableClassMeta", "TraceError",
-           "TracerBase"]
+__all__ = ["DEFAULT_CREATE_ARG", "Attribute", "GraphAppendingTracer", "Proxy",
+           "ProxyableClassMeta", "TraceError", "TracerBase", "find_tracer"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -130,7 +130,7 @@ class TracerBase:
     def create_proxy(self, kind: str, target: Target, args: tuple, kwargs: dict,
                      name: str | None = None, type_expr: Any = None) -> Proxy:
         """Record an operation: convert the arguments with ``create_arg``, add a node, wrap it."""
-        if type(self).create_arg in _DEFAULT_CREATE_ARG:
+        if type(self).create_arg in DEFAULT_CREATE_ARG:
             # Same result as create_arg for Proxies and plain values, without the calls.
             args_ = tuple([x.node if type(x) is Proxy else x if type(x) in _ATOMS
                            else self.create_arg(x) for x in args])
@@ -233,9 +233,10 @@ def _binds(schema: Any, n_args: int, kwargs: dict) -> bool:
 
 _ATOMS = frozenset({int, float, bool, str, type(None), complex, bytes, type(...), torch.dtype,
                     torch.device, torch.memory_format, torch.layout, range})
-# create_arg implementations whose answer for Proxies and _ATOMS create_proxy may inline;
-# fxlite.tracer adds Tracer.create_arg.
-_DEFAULT_CREATE_ARG: set[Callable[..., Any]] = set()
+DEFAULT_CREATE_ARG: set[Callable[..., Any]] = set()
+"""The ``create_arg`` implementations whose answer for Proxies and plain constants
+``create_proxy`` may inline (a tracing speed-up); registered from above: fxlite.tracer adds
+``Tracer.create_arg``. A subclass overriding ``create_arg`` is always called."""
 _UNPACK_CACHE: dict[tuple[Any, int], int | None] = {}
 
 
@@ -252,7 +253,7 @@ def _unpack_count(frame: FrameType) -> int | None:
     return _UNPACK_CACHE[key]
 
 
-_DEFAULT_CREATE_ARG.add(TracerBase.create_arg)
+DEFAULT_CREATE_ARG.add(TracerBase.create_arg)
 
 
 class GraphAppendingTracer(TracerBase):
@@ -278,7 +279,7 @@ class ProxyableClassMeta(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         try:
-            tracer = _find_tracer(args, kwargs)
+            tracer = find_tracer(args, kwargs)
         except RuntimeError:  # no traced value among the arguments: build it now
             return super().__call__(*args, **kwargs)
         return tracer.create_proxy("call_function", cls, args, kwargs)
@@ -338,7 +339,7 @@ class Proxy:
     def __torch_function__(cls, orig_method: Callable[..., Any], types: tuple,
                            args: tuple = (), kwargs: dict | None = None) -> Proxy:
         kwargs = kwargs or {}
-        tracer = _find_tracer(args, kwargs)
+        tracer = find_tracer(args, kwargs)
         if isinstance(orig_method, torch._C.ScriptMethod):  # a TorchScript submodule's method
             return tracer.create_proxy("call_method", orig_method.name,
                                        (orig_method.owner, *args), kwargs)
@@ -379,7 +380,9 @@ def _tensor_method_uncached(fn: Any) -> bool:
     return torch.overrides.is_tensor_method_or_property(fn)
 
 
-def _find_tracer(args: Any, kwargs: dict) -> TracerBase:
+def find_tracer(args: Any, kwargs: dict) -> TracerBase:
+    """The tracer of the first Proxy among ``args`` and ``kwargs`` (searched in nested tuples,
+    lists and dicts); RuntimeError if there is none."""
     stack = [args, kwargs]
     while stack:
         x = stack.pop()

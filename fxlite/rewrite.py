@@ -39,10 +39,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .graph import Graph, gc_paused
-from .graph_module import GraphModule, _copy_attr
-from .matcher import _UNBOUND, InternalMatch, SubgraphMatcher, _fetch, _flatten, _Search
+from .graph_module import GraphModule, copy_attr
+from .matcher import UNBOUND, InternalMatch, Search, SubgraphMatcher, fetch_attr, flatten
 from .node import Node, collect_nodes, map_arg
 from .proxy import TraceError
+from .tracer import Tracer
 
 __all__ = ["InternalMatch", "Match", "ReplacedPatterns", "SubgraphMatcher", "explain_no_match",
            "replace_pattern", "replace_pattern_with_filters"]
@@ -154,7 +155,7 @@ def replace_pattern_with_filters(
     if explain:
         print(_report(matcher, graph, module, accept, _name(pattern), 3))
     with gc_paused():  # a rewrite allocates a few objects per node: see gc_paused
-        search = _Search(matcher, graph, module, accept=accept)
+        search = Search(matcher, graph, module, accept=accept)
         matches = search.run()
         if not matches:
             return []
@@ -243,8 +244,6 @@ def _as_graph(obj: Any, role: str) -> tuple[Graph, torch.nn.Module | None]:
         return obj, obj.owning_module
     if not callable(obj):
         raise TypeError(f"the {role} must be a function, Graph or GraphModule, not {type(obj).__name__}")
-    from .tracer import Tracer
-
     tracer = Tracer()  # a Graph is all we need: no GraphModule, no compiled forward
     try:
         graph = tracer.trace(obj)
@@ -279,14 +278,14 @@ class _Replacement:
         if len(outs) != 1:
             raise ValueError(f"the replacement must have exactly one output node, found {len(outs)}")
         self.leaves: list[Any] = []
-        _flatten(outs[0].args[0] if outs[0].args else None, self.leaves)
+        flatten(outs[0].args[0] if outs[0].args else None, self.leaves)
         if len(self.leaves) != len(matcher.returning):
             raise ValueError(f"the pattern returns {len(matcher.returning)} values but the "
                              f"replacement returns {len(self.leaves)}")
         self.attrs = []  # attributes the rewritten module lacks, to copy from the replacement
         for n in self.ops:
-            if n.op in ("get_attr", "call_module") and _fetch(module, n.target) is _UNBOUND:
-                if _fetch(rmod, n.target) is _UNBOUND:
+            if n.op in ("get_attr", "call_module") and fetch_attr(module, n.target) is UNBOUND:
+                if fetch_attr(rmod, n.target) is UNBOUND:
                     raise ValueError(f"the replacement's %{n.name} refers to {n.target!r}, which "
                                      "neither the replacement nor the rewritten module has")
                 self.attrs.append(n.target)
@@ -430,13 +429,13 @@ class _Rewrite:
 
     def _copy_attrs(self, rep: _Replacement) -> None:
         for target in rep.attrs:
-            if _fetch(self.module, target) is not _UNBOUND:  # copied for an earlier match
+            if fetch_attr(self.module, target) is not UNBOUND:  # copied for an earlier match
                 continue
             atoms = target.split(".")
             first_missing = next(".".join(atoms[:i + 1]) for i in range(len(atoms))
-                                 if _fetch(self.module, ".".join(atoms[:i + 1])) is _UNBOUND)
+                                 if fetch_attr(self.module, ".".join(atoms[:i + 1])) is UNBOUND)
             self.added_attrs.append(first_missing)
-            _copy_attr(rep.module, self.module, target, f"the replacement refers to {target!r}")
+            copy_attr(rep.module, self.module, target, f"the replacement refers to {target!r}")
 
     def rollback(self) -> None:
         """Put the graph back exactly as it was before :meth:`apply`."""
@@ -460,8 +459,8 @@ class _Rewrite:
         graph._namespace._next_suffix = self.next_suffix
         for target in reversed(self.added_attrs):
             parent, _, name = target.rpartition(".")
-            holder = _fetch(self.module, parent) if parent else self.module
-            if holder is not _UNBOUND and hasattr(holder, name):
+            holder = fetch_attr(self.module, parent) if parent else self.module
+            if holder is not UNBOUND and hasattr(holder, name):
                 delattr(holder, name)
         if self.created and isinstance(self.module, GraphModule) and self.module.graph is graph:
             self.module.recompile()

@@ -40,16 +40,18 @@ import torch.utils._pytree as pytree
 
 from . import patching
 from .graph import Graph, gc_paused
+from .graph_module import GraphModule
 from .node import Argument, describe_value, safe_repr
 from .proxy import (
-    _DEFAULT_CREATE_ARG,
+    DEFAULT_CREATE_ARG,
     GraphAppendingTracer,
     Proxy,
     ProxyableClassMeta,
     TraceError,
     TracerBase,
-    _find_tracer,
+    find_tracer,
 )
+from .python_code_hooks import PyTreeCodeGen
 
 __all__ = ["PH", "GraphAppendingTracer", "PHBase", "PHWithMeta", "ProxyableClassMeta", "Tracer",
            "symbolic_trace", "wrap"]
@@ -127,7 +129,7 @@ def _make_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         if kwargs and plain_with_kwargs:  # max(..., key=f): f could not be written out
             return orig(*args, **kwargs)
         try:
-            tracer = _find_tracer(args, kwargs)
+            tracer = find_tracer(args, kwargs)
         except RuntimeError:
             return orig(*args, **kwargs)
         if id(orig) not in _GLOBAL_IDS and id(orig) not in getattr(tracer, "_autowrap_ids", ()):
@@ -374,8 +376,6 @@ class Tracer(TracerBase):
                 self._trace_frame = None
         type_expr = _hints(code_fn).get("return")
         if tree is not None:  # outputs are flattened too; the code generator rebuilds them
-            from fxlite.python_code_hooks import PyTreeCodeGen
-
             result, out_spec = pytree.tree_flatten(result)
             self.graph.set_codegen(PyTreeCodeGen(tree[0], tree[1], out_spec))
             type_expr = None
@@ -540,7 +540,7 @@ def _all_positional(fn: types.FunctionType) -> Callable[..., Any]:
     return types.FunctionType(flat, fn.__globals__, fn.__name__, None, fn.__closure__)
 
 
-_DEFAULT_CREATE_ARG.add(Tracer.create_arg)
+DEFAULT_CREATE_ARG.add(Tracer.create_arg)
 
 
 def _check_traceable(root: Any) -> None:
@@ -608,8 +608,6 @@ def symbolic_trace(root: torch.nn.Module | Callable[..., Any],
         gm = fxlite.symbolic_trace(lambda x: torch.relu(x) + 1)
         print(gm.code)
     """
-    from .graph_module import GraphModule
-
     tracer = Tracer()
     graph = tracer.trace(root, concrete_args)
     name = type(root).__name__ if isinstance(root, torch.nn.Module) else root.__name__

@@ -16,6 +16,9 @@ The canonical form of an op in the table (``fxlite.ops``) is ``call_function`` o
 Nodes keep their names and ``meta``. Left as they are: unknown ops, in-place and random
 ops, modules without a safe functional form (BatchNorm in training mode, Conv with
 ``padding_mode="reflect"``), and Python arithmetic on non-tensors (``x.size(0) * 2``).
+
+Every pass that builds a new module the same way shares :func:`copy_graph` (a copy to edit)
+and :func:`copy_module` (the edited copy as a new GraphModule), written here.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from fxlite.ops import (
 
 from .shape_prop import TensorMetadata, extract_tensor_metadata
 
-__all__ = ["normalize", "normalize_graph", "produces_tensor"]
+__all__ = ["copy_graph", "copy_module", "normalize", "normalize_graph", "produces_tensor"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 # Tensor methods whose result is not a tensor; other Tensor methods are assumed to give one.
@@ -289,7 +292,7 @@ def _is_python_operator(target: Any) -> bool:
     return getattr(target, "__module__", None) == "_operator"
 
 
-def _copy_graph(gm: GraphModule) -> Graph:
+def copy_graph(gm: GraphModule) -> Graph:
     """A copy of ``gm.graph`` (names and meta kept) that a pass can edit before swapping it in."""
     old = gm.graph
     graph = Graph(owning_module=gm, tracer_cls=old._tracer_cls)
@@ -301,8 +304,8 @@ def _copy_graph(gm: GraphModule) -> Graph:
     return graph
 
 
-def _copy_module(gm: GraphModule, graph: Graph) -> GraphModule:
-    """A new GraphModule (``gm`` unchanged) of ``graph``, an edited ``_copy_graph(gm)``,
+def copy_module(gm: GraphModule, graph: Graph) -> GraphModule:
+    """A new GraphModule (``gm`` unchanged) of ``graph``, an edited ``copy_graph(gm)``,
     with ``gm``'s class name and meta."""
     graph.lint()
     out = GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -22,6 +22,8 @@ from tabulate import tabulate
 from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import describe_value
 
+from .diff import diff
+
 __all__ = ["NumericsError", "PassError", "PassManager", "PassRecord"]
 
 # A pass takes a GraphModule and returns the transformed module, or None when it worked
@@ -130,8 +132,8 @@ def _compare(ref: Any, got: Any, rtol: float | None, atol: float | None, where: 
             return f"{where} differs", inf
         a, b = ref.detach().double(), got.detach().double()
         nan_mismatch = bool((a.isnan() != b.isnan()).any())
-        diff = (a - b).abs().nan_to_num(nan=0.0, posinf=inf)
-        return f"{where} differs", inf if nan_mismatch else float(diff.max())
+        gap = (a - b).abs().nan_to_num(nan=0.0, posinf=inf)
+        return f"{where} differs", inf if nan_mismatch else float(gap.max())
     if isinstance(ref, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(ref):
             return f"{where} has a different structure", inf
@@ -326,8 +328,6 @@ class PassManager:
             print(f"[PassManager] {name}: {record.time_ms:.2f} ms, "
                   f"{before} -> {record.nodes_after} nodes")
         if self.show_diff:  # `current` is untouched: the pass ran on a copy
-            from .diff import diff
-
             print(f"[PassManager] {name}: ", end="")
             diff(current, result)
         return result

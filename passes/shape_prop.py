@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fxlite.graph_module import attr_at
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, describe_value, map_aggregate
 
@@ -202,8 +203,6 @@ def fill_missing_meta(gm: torch.nn.Module) -> None:
         gm = decompose(gm)      # the new nodes have no meta
         fill_missing_meta(gm)   # now they do
     """
-    from fxlite.graph_module import _get  # only needed here
-
     env: dict[Node, Any] = {}
     unknown = object()
     for n in gm.graph.nodes:
@@ -212,7 +211,7 @@ def fill_missing_meta(gm: torch.nn.Module) -> None:
             env[n] = _meta_values(tm)
             continue
         if n.op == "get_attr":
-            value = _get(gm, n.target, "fill_missing_meta")
+            value = attr_at(gm, n.target, "fill_missing_meta")
             env[n] = value.to("meta") if isinstance(value, torch.Tensor) else value
         elif n.op in ("call_function", "call_method") and not any(
                 env.get(i, unknown) is unknown for i in n.all_input_nodes):

@@ -35,7 +35,7 @@ from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, lookup
 
-from .normalize import _copy_graph, _copy_module
+from .normalize import copy_graph, copy_module
 from .shape_prop import TensorMetadata, extract_tensor_metadata
 
 __all__ = ["sink_views"]
@@ -58,14 +58,14 @@ def sink_views(gm: GraphModule) -> GraphModule:
     expect_graph_module(gm, "sink_views")
     if not any(_sinkable(n, gm) for n in gm.graph.nodes):
         return gm
-    graph = _copy_graph(gm)
+    graph = copy_graph(gm)
     todo = [n for n in graph.nodes if _sinkable(n, gm)]
     while todo:
         view = todo.pop()
         if view._erased or not _sinkable(view, gm):
             continue
         todo.extend(_sink(view, gm))
-    return _copy_module(gm, graph)
+    return copy_module(gm, graph)
 
 
 def tensor_meta(n: Any) -> TensorMetadata | None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fxlite.graph import Graph, check_order
-from fxlite.graph_module import GraphModule, _copy_attr, expect_graph_module
+from fxlite.graph_module import GraphModule, copy_attr, expect_graph_module
 from fxlite.node import Argument, Node, describe_value
 
 __all__ = ["extract_subgraph", "split_module"]
@@ -217,7 +217,7 @@ def split_module(gm: GraphModule, root_m: torch.nn.Module, split_callback: Calla
         unpack_outputs(top, call, outputs, env)
     top.node_copy(out_node, lookup)
     for t in top_attrs:
-        _copy_attr(root_m, holder, t, f"the output reads {t!r}")
+        copy_attr(root_m, holder, t, f"the output reads {t!r}")
     return GraphModule(holder, top, class_name=type(gm).__name__)
 
 

@@ -12,8 +12,6 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tabulate import tabulate
-
 from fxlite.node import format_target, map_aggregate, unprintable
 
 # A graph is typed Any here: fxlite.graph sits above (Graph.print_tabular calls tabular).
@@ -155,6 +153,10 @@ def tabular(graph: Any, tablefmt: str = "simple", width: int | None = None) -> s
         text = _simple_table(headers, rows)
         if text is not None:
             return text
+    # Here, not at import: fxlite.graph imports this module, and tabulate takes longer to
+    # import than fxlite.graph itself; the "simple" layout above rarely needs it.
+    from tabulate import tabulate
+
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
 
 

@@ -70,7 +70,7 @@ from fxlite.passes.sink_views import sink_views
 from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_outputs
 
 from fxlite.graph import Graph
-from fxlite.graph_module import GraphModule, _copy_attr, expect_graph_module
+from fxlite.graph_module import GraphModule, copy_attr, expect_graph_module
 from fxlite.node import Node, describe_value
 from fxlite.ops import is_impure, lookup
 
@@ -464,7 +464,7 @@ def _build(gm: GraphModule, groups: list[_Group], segment: dict[Node, int],
             node = members[0]
             env[node] = parent.node_copy(node, env.__getitem__)
             if node.op in ("get_attr", "call_module"):
-                _copy_attr(gm, holder, node.target, f"node {node.name!r} refers to {node.target!r}")
+                copy_attr(gm, holder, node.target, f"node {node.name!r} refers to {node.target!r}")
             continue
         while f"fused_{next_id}" in taken:
             next_id += 1

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fxlite.passes.normalize import _copy_graph, _copy_module
+from fxlite.passes.normalize import copy_graph, copy_module
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -61,7 +61,7 @@ def rematerialize(gm: GraphModule, groups: list[Any], kinds: Mapping[Node, str]
     plan = _plan(gm, groups, kinds)
     if not plan:
         return None
-    graph = _copy_graph(gm)
+    graph = copy_graph(gm)
     by_name = {n.name: n for n in graph.nodes}
     # the readers' order, read once: copies go in before them and never reorder them
     position = {n: i for i, n in enumerate(graph.nodes)}.__getitem__
@@ -75,7 +75,7 @@ def rematerialize(gm: GraphModule, groups: list[Any], kinds: Mapping[Node, str]
         top = by_name[cone[-1]]
         for r in readers:
             by_name[r].replace_input_with(top, env[top])
-    return _copy_module(gm, graph)
+    return copy_module(gm, graph)
 
 
 def _mapper(env: dict[Node, Node]) -> Any:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fxlite.passes.normalize import _copy_graph, _copy_module
+from fxlite.passes.normalize import copy_graph, copy_module
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -67,7 +67,7 @@ def size_sources(gm: GraphModule) -> GraphModule:
     """
     if not any(_moves(n, gm) for n in gm.graph.nodes):
         return gm
-    graph = _copy_graph(gm)
+    graph = copy_graph(gm)
     for node in list(graph.nodes):
         sources = _moves(node, gm)
         if sources is None:
@@ -77,7 +77,7 @@ def size_sources(gm: GraphModule) -> GraphModule:
         read.meta = dict(node.meta)
         node.replace_all_uses_with(read)
         graph.erase_node(node)
-    return _copy_module(gm, graph)
+    return copy_module(gm, graph)
 
 
 def _moves(node: Node, gm: GraphModule) -> list[Node] | None:

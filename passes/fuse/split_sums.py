@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 import torch
-from fxlite.passes.normalize import _copy_graph, _copy_module
+from fxlite.passes.normalize import copy_graph, copy_module
 from fxlite.passes.sink_views import tensor_meta, with_meta
 
 from fxlite.graph_module import GraphModule
@@ -58,12 +58,12 @@ def split_sums(gm: GraphModule, min_numel: int = MIN_NUMEL) -> GraphModule:
     """
     if not any(_split_dims(n, gm, min_numel) for n in gm.graph.nodes):
         return gm
-    graph = _copy_graph(gm)
+    graph = copy_graph(gm)
     for node in list(graph.nodes):
         found = _split_dims(node, gm, min_numel)
         if found:
             _split(node, *found)
-    return _copy_module(gm, graph)
+    return copy_module(gm, graph)
 
 
 def _split_dims(node: Node, gm: GraphModule, min_numel: int) -> tuple[Any, tuple[int, ...], tuple[int, ...],
