@@ -187,9 +187,9 @@ def _read(f: IO[bytes], size: int, limits: Limits, deadline: float | None) -> tu
     header = parse_json(_read_exactly(f, hsize), limits.max_json_depth, "the header")
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise SerializationError("the header has no __metadata__: this is not a file fxlite.save wrote")
-    meta = header.pop("__metadata__")
-    graph, digest = meta.get("fxlite.graph"), meta.get("fxlite.sha256")
-    if meta.get("format") != "fxlite" or not isinstance(graph, str) or not isinstance(digest, str):
+    info = header.pop("__metadata__")  # (not a node's meta: the file's)
+    graph, digest = info.get("fxlite.graph"), info.get("fxlite.sha256")
+    if info.get("format") != "fxlite" or not isinstance(graph, str) or not isinstance(digest, str):
         raise SerializationError("the header's __metadata__ lacks the fxlite graph: this is a safetensors "
                                  "file, but not one fxlite.save wrote")
     entries = _index(header, size - 8 - hsize)  # checked whole before any tensor byte is read

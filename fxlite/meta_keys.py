@@ -1,0 +1,187 @@
+"""Every ``meta`` key fxlite writes or reads by name, declared once: type, meaning, who
+writes it and who reads it.
+
+:data:`NODE_META` holds the keys of ``Node.meta``; :data:`MODULE_META` those of
+``GraphModule.meta`` (fused groups and regions, and graphs ``fxlite.export`` returns).
+Files are named from the repository root. A key meant for users (``tensor_meta``,
+``stack_trace``, ``nn_module_stack``) keeps torch.fx's name and meaning.
+
+Nodes made in place of others copy their meta whole (``Graph.node_copy``, the rewriters,
+``Node.replace_all_uses_with(propagate_meta=True)``) or, for a node standing for a
+different op, only the provenance keys (``Interpreter``: ``stack_trace``,
+``nn_module_stack``, ``source_fn_stack``, ``from_node``, ``custom``); those copies are
+not listed as writers.
+
+``tests/core/test_meta_keys.py`` scans the source and fails on a key used but not
+declared here, on a writer or reader missing here, and on a file listed here that no
+longer names its key.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["MODULE_META", "NODE_META", "MetaKey"]
+
+
+class MetaKey(NamedTuple):
+    """One declared ``meta`` key."""
+
+    name: str
+    type: str  # the value's type, as written
+    meaning: str
+    written_by: tuple[str, ...]
+    read_by: tuple[str, ...]
+
+
+_CAPTURE = "codegen/capture/recorder.py"
+
+
+def _table(*keys: MetaKey) -> dict[str, MetaKey]:
+    return {k.name: k for k in keys}
+
+
+NODE_META: dict[str, MetaKey] = _table(
+    # ------------------------------------------------------------ torch.fx's own
+    MetaKey("tensor_meta", "TensorMetadata (or a tuple/list/dict of them)",
+            "shape, dtype, requires_grad, stride and memory format of the value, as ShapeProp "
+            "computes them; the one abstract evaluator (fxlite/ops/shapes.py) fills it too",
+            ("codegen/lower/autocast.py", "codegen/lower/pipeline.py", "fxlite/ops/shapes.py",
+             "passes/fold_constants.py", "passes/functionalize.py", "passes/normalize.py",
+             "passes/shape_prop.py", "passes/sink_views.py", "passes/split_module.py"),
+            ("codegen/kernels/meta.py", "codegen/lower/autocast.py",
+             "codegen/lower/autograd_regions.py", "codegen/lower/batch_norm.py",
+             "codegen/lower/pipeline.py", "codegen/runtime/kernel.py",
+             "codegen/runtime/precompile.py", "fxlite/autodiff.py", "fxlite/ops/derivatives.py",
+             "fxlite/ops/shapes.py", "fxlite/viz/dot.py", "fxlite/viz/tabular.py",
+             "passes/decompose_rules.py", "passes/fold_constants.py", "passes/fold_conv_bn.py",
+             "passes/functionalize.py", "passes/fuse/__init__.py", "passes/fuse/classes.py",
+             "passes/fuse/lone_groups.py", "passes/fuse/remat.py", "passes/fuse/size_sources.py",
+             "passes/normalize.py", "passes/shape_prop.py", "passes/sink_views.py",
+             "passes/split_module.py")),
+    MetaKey("type", "type", "the Python type of the node's value (torch.Tensor, tuple, int...)",
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/lower/autocast.py",
+             "codegen/lower/pipeline.py", "fxlite/ops/dropout.py", "fxlite/ops/shapes.py",
+             "passes/attention.py", "passes/functionalize.py", "passes/normalize.py",
+             "passes/shape_prop.py", "passes/sink_views.py", "passes/split_module.py"),
+            ("codegen/capture/follow.py", "codegen/lower/autograd_regions.py",
+             "codegen/lower/pipeline.py", "codegen/runtime/precompile.py", "fxlite/ops/shapes.py",
+             "passes/fuse/__init__.py", "passes/fuse/classes.py", "passes/fuse/lone_groups.py",
+             "passes/fuse/size_sources.py", "passes/normalize.py")),
+    MetaKey("stack_trace", "str",
+            "the user's file, line and code that made the node (messages and logs print it)",
+            (_CAPTURE, "codegen/lower/autocast.py", "fxlite/node.py", "fxlite/proxy.py",
+             "passes/functionalize.py"),
+            (_CAPTURE, "codegen/capture/run.py", "codegen/lower/autocast.py",
+             "codegen/lower/segment.py", "fxlite/logs.py", "fxlite/node.py",
+             "passes/functionalize.py")),
+    MetaKey("nn_module_stack", "dict[str, tuple[str, type]]",
+            "the modules the node was traced inside, outermost first: path -> (path, class)",
+            ("fxlite/proxy.py",), ()),
+    # ------------------------------------------------------------ recorded by capture
+    MetaKey("tensor_meta_rec", "tuple (shape, stride, dtype, device, requires_grad)",
+            "the recorded tensor's layout (codegen/capture/records.py tensor_meta); "
+            "fill_meta turns it into tensor_meta",
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/run.py",
+             "passes/attention.py"),
+            ("codegen/capture/follow.py", "codegen/compile.py", "codegen/lower/pipeline.py",
+             "passes/attention.py", "passes/shape_prop.py")),
+    MetaKey("device", "torch.device", "the recorded result's device (from tensor_meta_rec)",
+            ("codegen/lower/pipeline.py",), ()),
+    MetaKey("requires_grad", "bool", "whether the recorded result required grad",
+            (_CAPTURE, "passes/attention.py"),
+            ("codegen/lower/pad_matmul.py", "codegen/lower/pipeline.py", "passes/attention.py",
+             "passes/functionalize.py")),
+    MetaKey("grad_enabled", "bool", "grad mode when the call was recorded",
+            (_CAPTURE,),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/lower/pad_matmul.py",
+             "codegen/lower/pipeline.py", "passes/attention.py", "passes/functionalize.py")),
+    MetaKey("autocast", "bool (True only)", "the call was recorded under autocast",
+            (_CAPTURE,),
+            ("codegen/lower/autocast.py", "codegen/lower/pad_matmul.py",
+             "codegen/lower/pipeline.py")),
+    MetaKey("site", "tuple (file, line, function, source) | None",
+            "the user's frame that made the call (codegen/capture/records.py user_site)",
+            (_CAPTURE,), (_CAPTURE,)),
+    MetaKey("impure", "bool",
+            "the node has an effect (a write, randomness, an external call, a read of "
+            "state): dead-code elimination keeps it and a replay cannot skip it; "
+            "functionalize clears it on the writes it turns into copies",
+            (_CAPTURE, "passes/functionalize.py"),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py",
+             "codegen/runtime/straight_line.py", "fxlite/ops/records.py", "passes/attention.py")),
+    MetaKey("external", "bool",
+            "the call is recorded whole and runs as recorded, outside kernels and skipped "
+            "by checks (t.backward(), an optimizer's step, GradScaler.unscale_)",
+            (_CAPTURE,),
+            ("codegen/compile.py", "codegen/lower/accuracy.py", "codegen/lower/segment.py")),
+    MetaKey("read", "str",
+            "the call gives Python a value read from tensors (t.item(), bool(t), a tensor's "
+            "address): the call's name; the segment ends after it",
+            (_CAPTURE,),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py", "codegen/explain.py")),
+    MetaKey("mutated", "list[str]", "the names of the tensors the call wrote in place",
+            (_CAPTURE, "passes/functionalize.py"),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/segments.py",
+             "codegen/compile.py", "passes/functionalize.py")),
+    MetaKey("aliased", "bool", "the in-place write went through a view (it writes its base too)",
+            (_CAPTURE, "passes/functionalize.py"), ("passes/functionalize.py",)),
+    MetaKey("same_object", "str",
+            "the name of the tensor this in-place call returned (a later version of it)",
+            (_CAPTURE,), (_CAPTURE, "passes/channels_last.py", "passes/functionalize.py")),
+    MetaKey("returns_input", "bool (True only)",
+            "the call returned its input object unchanged (x.float() of a float tensor)",
+            (_CAPTURE,), ("codegen/capture/follow.py", _CAPTURE, "passes/channels_last.py")),
+    MetaKey("view", "bool (True only)",
+            "the result is a view of its input: a followed call runs it for real",
+            (_CAPTURE,), ("codegen/capture/follow.py",)),
+    # ------------------------------------------------------------ compile and lowering
+    MetaKey("settled", "list[tuple[str, weakref]]",
+            "on an optimizer's step: the tensors it writes that nothing later writes, by name "
+            "and real tensor; a check copies their values after the step",
+            ("codegen/compile.py",), ("codegen/lower/segment.py",)),
+    MetaKey("copies", "list[tuple[weakref, weakref]]",
+            "on GradScaler.unscale_: (the user's tensor, the check's private copy) pairs, so "
+            "the check unscales the copies' gradients",
+            ("codegen/compile.py",), ("codegen/lower/segment.py",)),
+    MetaKey("empty_ok", "bool (True only)",
+            "an amax that may see an empty input: it runs as amax_or_empty, outside kernels",
+            ("passes/decompose_rules.py",),
+            ("codegen/kernels/analysis.py", "codegen/lower/pipeline.py")),
+    MetaKey("no_fuse", "bool",
+            "keep the node out of decompositions and fused groups (nothing in fxlite writes "
+            "it today; a caller may)",
+            (), ("passes/decompose.py", "passes/fuse/classes.py")),
+    MetaKey("fused_space", "str ('full' or 'row')",
+            "inside a fused group: the iteration space of the node (the whole shape, or a row)",
+            ("passes/fuse/__init__.py",), ()),
+    MetaKey("channels_last_of", "str",
+            "on a clone to channels-last: the name of the input or weight it converts",
+            ("passes/channels_last.py",), ()),
+)
+"""The keys of ``Node.meta``."""
+
+MODULE_META: dict[str, MetaKey] = _table(
+    MetaKey("fused_kind", "str ('pointwise', 'reduction', 'region', or an op's kind)",
+            "marks a submodule as a fused group (or an autograd region) and says which",
+            ("codegen/lower/autograd_regions.py", "passes/fuse/__init__.py",
+             "passes/fuse/lone_groups.py"),
+            ("codegen/lower/autograd.py", "codegen/lower/autograd_pipeline.py",
+             "codegen/lower/autograd_regions.py", "codegen/lower/pipeline.py",
+             "codegen/lower/segment.py", "codegen/runtime/precompile.py", "fxlite/viz/dot.py",
+             "passes/fuse/lone_groups.py", "passes/networkx.py")),
+    MetaKey("nodes", "list[str]", "the names of the original nodes a group or region holds",
+            ("codegen/lower/autograd_regions.py", "passes/fuse/__init__.py",
+             "passes/fuse/lone_groups.py"),
+            ("codegen/lower/autograd_pipeline.py", "codegen/lower/autograd_regions.py",
+             "codegen/lower/segment.py", "passes/fuse/lone_groups.py")),
+    MetaKey("iteration_shape", "tuple[int, ...]", "the shape a fused group iterates over",
+            ("passes/fuse/__init__.py",), ()),
+    MetaKey("reduction_dims", "tuple[int, ...]",
+            "the dims of iteration_shape a reduction group reduces", ("passes/fuse/__init__.py",),
+            ()),
+    MetaKey("out_spec", "pytree TreeSpec",
+            "the structure of the exported function's result (fxlite.export)",
+            ("codegen/explain.py",), ()),
+)
+"""The keys of ``GraphModule.meta``."""
