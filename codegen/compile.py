@@ -36,7 +36,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture.follow import Follow
@@ -64,6 +64,46 @@ Backend = str | Callable[[GraphModule, list[Any]], Callable[..., Any]]
 _warned: set[str] = set()
 _EAGER = object()  # a key or read value whose path runs in eager PyTorch
 _NOT_RUN = object()  # what _straight_line returns when it ran nothing
+
+
+class StateKey(NamedTuple):
+    """The Python state a replay depends on (part of a :class:`CallKey`)."""
+
+    guards: Any  # module, closure-cell and global state (``StateGuard.key``)
+    grads: tuple[bool, ...]  # whether each gradient a recording read is None
+
+
+class CallKey(NamedTuple):
+    """What a call's recorded paths are stored under: calls with equal keys replay them.
+
+    A followed plan's key for any values of float arguments is one too, with the floats'
+    entries masked and ``_NUMBERS`` for its state (``_numbers_key``)."""
+
+    structure: Any  # the arguments' structure: positions, keyword names, containers
+    ambient: Any  # grad mode, autocast and the default dtype (``guards.ambient_key``)
+    inputs: tuple  # each argument leaf's dtype, device, layout, ... or value (``input_key``)
+    state: Any  # a StateKey (``_NUMBERS`` in a numbers key)
+    sizes: tuple | None = None  # the tensor arguments' sizes, once a recording read them
+
+
+class FollowKey(NamedTuple):
+    """A followed plan's key: no Python state (its Python runs on every call), and plain
+    objects among the arguments by class, identity and attribute names alone."""
+
+    structure: Any
+    ambient: Any
+    inputs: tuple
+
+
+class FastKey(NamedTuple):
+    """The key of a straight-line forward: calls whose arguments are all tensors."""
+
+    layouts: Any  # ``straight_line.fast_key(args)``: the tensors' layouts
+    ambient: Any
+    state: StateKey
+
+
+_NO_FAST_KEY = FastKey(None, None, None)  # type: ignore[arg-type]  # (no straight line)
 
 
 def warn_user(message: str) -> None:
@@ -95,15 +135,16 @@ class CompiledFunction:
         _check_options(fn, backend, fullgraph, mode)
         self._fn, self._backend, self._fullgraph, self._mode = fn, backend, fullgraph, mode
         self._guard = StateGuard(fn)
-        self._trees: dict[tuple, Any] = {}  # key -> root Segment, or _EAGER
+        self._trees: dict[CallKey, Any] = {}  # key -> root Segment, or _EAGER
         # (structure, ambient state, input layouts) -> the Follow of a recording whose
         # Python must run on every call (no Python state in its key: the Python runs)
-        self._followed: dict[tuple, Any] = {}
+        self._followed: dict[FollowKey | CallKey, Any] = {}
         self._by_numbers = False  # some plan is followed for any value of float arguments
         self._behind_back_warned = False
-        self._sized: set[tuple] = set()  # keys whose recordings read sizes
+        self._sized: set[CallKey] = set()  # keys whose recordings read sizes
         self._recordings = 0
-        self._eager_why: dict[tuple, str] = {}  # key -> why its calls run in eager PyTorch
+        # key -> why its calls run in eager PyTorch
+        self._eager_why: dict[CallKey | FollowKey, str] = {}
         self._last_eager: str | None = None  # why the latest call did, when it did
         self._limit_warned = False
         self._lock = threading.RLock()
@@ -118,7 +159,7 @@ class CompiledFunction:
         # (input layouts, ambient state, Python state) -> (straight-line forward, segment,
         # check of its attributes' layouts) for calls with tensor arguments only whose
         # path is one segment with kernels (codegen/runtime/straight_line.py); None when off
-        self._fast: dict[tuple, tuple[Callable[..., Any], Segment, Any]] | None = None
+        self._fast: dict[FastKey, tuple[Callable[..., Any], Segment, Any]] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
         if not isinstance(fn, torch.nn.Module):
@@ -153,9 +194,9 @@ class CompiledFunction:
         # (a tensor with Python attributes takes the general path: its key holds them)
         tensors_only = not kwargs and all(type(a) is _TENSOR and a.layout is _STRIDED
                                           and not a.is_nested and not a.__dict__ for a in args)
-        fkey: Any = (None,)
+        fkey = _NO_FAST_KEY
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
-            fkey = (fast_key(args), ambient_key(), self._state_key())
+            fkey = FastKey(fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
             if found is not None and found[2]():
                 self._last = [found[1]]
@@ -178,21 +219,21 @@ class CompiledFunction:
             self._last, self._last_eager = [], why
             return self._fn(*args, **kwargs)
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
-        base = (spec, ambient_key(), input_key(leaves, False, self._alias),
-                self._state_key(arg_modules))
-        key = base + (input_key(leaves, True),) if base in self._sized else base
+        base = CallKey(spec, ambient_key(), input_key(leaves, False, self._alias),
+                       self._state_key(arg_modules))
+        key = self._sized_key(base, leaves)
         root = self._trees.get(key)
         if root is None and self._followed:
-            fkey = self._follow_key(base, leaves)
-            plan = self._followed.get(fkey)
+            plan_key: Any = self._follow_key(base, leaves)
+            plan = self._followed.get(plan_key)
             if plan is None and self._by_numbers:
-                fkey = _numbers_key(base, leaves)
-                plan = self._followed.get(fkey) if fkey is not None else None
+                plan_key = _numbers_key(base, leaves)
+                plan = self._followed.get(plan_key) if plan_key is not None else None
             if plan is _EAGER:
-                self._last, self._last_eager = [], self._eager_why.get(fkey)
+                self._last, self._last_eager = [], self._eager_why.get(plan_key)
                 return self._fn(*args, **kwargs)
             if plan is not None:
-                return self._follow(plan, fkey, args, kwargs, leaves)
+                return self._follow(plan, plan_key, args, kwargs, leaves)
         if root is None:
             with self._lock:
                 root = self._trees.get(key)
@@ -230,16 +271,16 @@ class CompiledFunction:
         self._last = []
         return self._fn(*args, **kwargs)
 
-    def _straight_line(self, fkey: tuple, seg: Segment, args: tuple) -> Any:
+    def _straight_line(self, fkey: FastKey, seg: Segment, args: tuple) -> Any:
         """Run the segment through its straight-line runner and keep the forward it used
         for these layouts, so the next such call skips the tree; its result, or
         ``_NOT_RUN`` having run nothing."""
         fast, run = self._fast, seg.run
-        if fast is None or fkey[0] is None or len(fast) >= 64 \
+        if fast is None or fkey.layouts is None or len(fast) >= 64 \
                 or not isinstance(run, StraightRunner):
             return _NOT_RUN
         out = run(*args)
-        entry = run.complete(fkey[0])  # fkey[0] is fast_key(args)
+        entry = run.complete(fkey.layouts)
         if entry is not None:
             fast[fkey] = entry[0], seg, entry[1]
         return out
@@ -286,7 +327,7 @@ class CompiledFunction:
             seg = child
 
     # ------------------------------------------------------------------ recording
-    def _first(self, key: tuple, base: tuple, leaves: list[Any], args: tuple,
+    def _first(self, key: CallKey, base: CallKey, leaves: list[Any], args: tuple,
                kwargs: dict) -> Any:
         fkey = self._follow_key(base, leaves)  # (as the call began: it may add attributes)
         numbers = _numbers_key(base, leaves)
@@ -295,8 +336,8 @@ class CompiledFunction:
             # recorded differ from this one in those alone): one more recording, followed
             # with those floats varying (follow.py), rather than eager
             if numbers is None or numbers in self._followed or sum(
-                    1 for k in (*self._trees, *self._followed) if type(k) is tuple
-                    and len(k) >= 3 and (len(k) == 3 or k[3] == base[3])
+                    1 for k in (*self._trees, *self._followed)
+                    if (isinstance(k, FollowKey) or k.state == base.state)
                     and _numbers_key(k, leaves) == numbers) < 2:
                 self._over_limit(_what_changed(list(self._trees), key, leaves))
                 return self._fn(*args, **kwargs)
@@ -334,18 +375,18 @@ class CompiledFunction:
         # A recording that writes tensors adds storage sharing to keys from now on (see
         # _stays_eager), one that reads gradients their presence, one that reads sizes
         # sizes: store it under its key's new form.
-        pattern = list(base[3][1])  # the gradients' presence as the call began
+        pattern = list(base.state.grads)  # the gradients' presence as the call began
         watched = {id(t) for t in self._grad_watch}
         for t, was_none in rec.grad_reads:
             if id(t) not in watched:
                 watched.add(id(t))
                 self._grad_watch.append(t)
                 pattern.append(was_none)
-        base = (base[0], base[1], input_key(leaves, False, self._alias),
-                (base[3][0], tuple(pattern)))
+        base = base._replace(inputs=input_key(leaves, False, self._alias),
+                             state=base.state._replace(grads=tuple(pattern)))
         if rec.sizes_read:
             self._sized.add(base)
-        key = base + (input_key(leaves, True),) if base in self._sized else base
+        key = self._sized_key(base, leaves)
         self._trees[key] = segments[0]
         self._last = segments
         return result
@@ -367,7 +408,7 @@ class CompiledFunction:
         leaves, spec = flatten_call(args, kwargs)
         if _unusual(leaves) is not None:
             return _NOT_RUN
-        key = (spec, ambient_key(), input_key(leaves, False, self._alias, False))
+        key = FollowKey(spec, ambient_key(), input_key(leaves, False, self._alias, False))
         plan = self._followed.get(key)
         if plan is None:
             return _NOT_RUN
@@ -376,7 +417,7 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         return self._follow(plan, key, args, kwargs, leaves)
 
-    def _follow(self, plan: Follow, key: tuple, args: tuple, kwargs: dict,
+    def _follow(self, plan: Follow, key: FollowKey | CallKey, args: tuple, kwargs: dict,
                 leaves: list[Any]) -> Any:
         """Run the function's Python, its torch calls served by the plan's kernels. After
         two calls in a row that leave the recording at the same step for the same call
@@ -409,23 +450,28 @@ class CompiledFunction:
             self._last, self._last_eager = [], why  # (this call ended eagerly too)
         return out
 
-    def _follow_key(self, base: tuple, leaves: list[Any]) -> tuple:
+    def _follow_key(self, base: CallKey, leaves: list[Any]) -> FollowKey:
         """The key of a followed plan: ``base``'s structure, ambient state and input key,
         plain objects in it by class, identity and attribute names alone (their Python runs
         and reads what they hold on every call: ``guards.argument_key``)."""
         if all(isinstance(x, _PLAIN_LEAVES) for x in leaves):
-            return base[:3]  # (no object: the same input key)
-        return base[:2] + (input_key(leaves, False, self._alias, False),)
+            return FollowKey(base.structure, base.ambient, base.inputs)  # (no object)
+        return FollowKey(base.structure, base.ambient,
+                         input_key(leaves, False, self._alias, False))
+
+    def _sized_key(self, base: CallKey, leaves: list[Any]) -> CallKey:
+        """``base`` with the arguments' sizes where a recording under it read sizes."""
+        return base._replace(sizes=input_key(leaves, True)) if base in self._sized else base
 
     def _graphs_wanted(self) -> bool:
         """Whether segments may be captured in CUDA graphs (``mode="reduce-overhead"``)."""
         return self._mode == "reduce-overhead" and torch.cuda.is_available() and \
             not interpreting()
 
-    def _state_key(self, arg_modules: tuple = ()) -> tuple:
-        """(module and closure state, which watched gradients are None)."""
+    def _state_key(self, arg_modules: tuple = ()) -> StateKey:
+        """Module, closure and global state, and which watched gradients are None."""
         grads = tuple(t.grad is None for t in self._grad_watch) if self._grad_watch else ()
-        key = self._guard.key(arg_modules), grads
+        key = StateKey(self._guard.key(arg_modules), grads)
         if self._guard.behind_back and not self._behind_back_warned:
             self._behind_back_warned = True
             warn_user(
@@ -436,7 +482,7 @@ class CompiledFunction:
                 "with setattr (or register_parameter / register_buffer) to keep it cheap")
         return key
 
-    def _stays_eager(self, rec: Any, base: tuple, arg_modules: tuple, key: tuple) -> bool:
+    def _stays_eager(self, rec: Any, base: CallKey, arg_modules: tuple, key: CallKey) -> bool:
         """Whether a recording cannot be compiled; if so, mark what runs eagerly instead.
         One whose call changed the state its key holds (a module's counter or training
         flag, a rebound buffer) gets ``rec.effect``: it is followed (follow.py), where a
@@ -450,7 +496,7 @@ class CompiledFunction:
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             self._eager(key, why)
             return True
-        if rec.effect is None and self._guard.key(arg_modules) != base[3][0]:
+        if rec.effect is None and self._guard.key(arg_modules) != base.state.guards:
             # a replay would skip the Python that changes it: followed instead (its Python
             # runs on every call, and calls that a changed flag makes differ leave the match)
             rec.effect = _CHANGES_STATE
@@ -458,15 +504,15 @@ class CompiledFunction:
             self._alias = True
         return False
 
-    def _watch_globals(self, rec: Any, base: tuple, arg_modules: tuple) -> tuple:
+    def _watch_globals(self, rec: Any, base: CallKey, arg_modules: tuple) -> CallKey:
         """Guard the globals that the call's other functions read too; ``base`` with its
         state key computed again when that added any."""
         added = self._guard.watch_globals(rec.globals_read)
         if not (self._guard.watch_context(rec.context_read) or added):
             return base
-        return base[:3] + ((self._guard.key(arg_modules), base[3][1]),)
+        return base._replace(state=base.state._replace(guards=self._guard.key(arg_modules)))
 
-    def _eager(self, key: tuple, why: str) -> None:
+    def _eager(self, key: CallKey, why: str) -> None:
         """Calls under ``key`` run in eager PyTorch, for ``why``; this one did too."""
         self._trees[key], self._eager_why[key] = _EAGER, why
         self._last, self._last_eager = [], why
@@ -650,45 +696,46 @@ class CompiledFunction:
 QUIET_CALLERS.add(CompiledFunction.__call__.__code__)
 
 
-def _what_changed(keys: list[tuple], key: tuple, leaves: list[Any]) -> str:
+def _what_changed(keys: list[CallKey], key: CallKey, leaves: list[Any]) -> str:
     """Which guard a new key fails, against the nearest recorded key."""
-    def differs(old: tuple) -> list[str]:
+    def differs(old: CallKey) -> list[str]:
         parts = []
-        if old[0] != key[0]:
+        if old.structure != key.structure:
             parts.append("the arguments' structure (positions, keyword names, containers)")
-        if old[1] != key[1]:
+        if old.ambient != key.ambient:
             parts.append("grad mode, autocast or the default dtype")
-        if len(old[2]) == len(key[2]):
-            for i, (a, b) in enumerate(zip(old[2], key[2])):
+        if len(old.inputs) == len(key.inputs):
+            for i, (a, b) in enumerate(zip(old.inputs, key.inputs)):
                 if a != b:
                     leaf = leaves[i] if i < len(leaves) else None
                     what = (f"argument {i}'s dtype, device, layout or sizes"
                             if isinstance(leaf, torch.Tensor) else f"argument {i}'s value")
                     parts.append(f"{what} (now {_short(leaf)})")
-        if old[3] != key[3]:
+        if old.state != key.state:
             parts.append("the state of a module, closure cell or global it reads")
-        if len(old) != len(key) or old[4:] != key[4:]:
+        if old.sizes != key.sizes:
             parts.append("the sizes of its tensor arguments (the code reads sizes)")
         return parts
 
-    candidates = [differs(k) for k in keys if isinstance(k, tuple) and len(k) >= 4]
+    candidates = [differs(k) for k in keys]
     best = min(candidates, key=len, default=["its inputs or state"])
     return f"this guard keeps failing: {'; '.join(best) or 'its inputs or state'}"
 
 
-def _numbers_key(key: tuple, leaves: list[Any]) -> tuple | None:
+def _numbers_key(key: CallKey | FollowKey, leaves: list[Any]) -> CallKey | None:
     """A key's structure, ambient state and input key with the values of the float
     arguments left out (each one's entry is ``("float",)``): the key of a plan followed
     for any such values; None where no argument is a float, or one is an object (its
     followed key is another, ``_follow_key``). The leaves say which entries are floats
     (another key of the same structure has floats at the same places, or differs)."""
     if not any(type(x) is float for x in leaves) \
-            or not all(isinstance(x, _PLAIN_LEAVES) for x in leaves) or len(key[2]) != len(leaves):
+            or not all(isinstance(x, _PLAIN_LEAVES) for x in leaves) \
+            or len(key.inputs) != len(leaves):
         return None
-    entries = key[2]
+    entries = key.inputs
     masked = tuple(("float",) if type(x) is float and type(k) is tuple and k[:1] == ("float",)
                    else k for x, k in zip(leaves, entries))
-    return (key[0], key[1], masked, _NUMBERS)
+    return CallKey(key.structure, key.ambient, masked, _NUMBERS)
 
 
 _NUMBERS = object()  # marks a key whose float arguments' values are left out

@@ -121,7 +121,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node
 
-__all__ = ["Expect", "Follow", "Follower", "Piece"]
+__all__ = ["Expect", "Follow", "Follower", "Left", "Piece"]
 
 
 @dataclass(eq=False)
@@ -153,6 +153,14 @@ class Expect(NamedTuple):
     passed: bool  # its function's calls run unmatched (a size read that was recorded)
     grad: bool | None  # grad mode as recorded (a piece's values depend on it); None: any
     scalars: tuple = ()  # (position, name) of each varying number it passes (``Follow.scalars``)
+
+
+class Left(NamedTuple):
+    """Where a followed call left the match at a call of another function than the
+    recorded one."""
+
+    at: int  # the recorded step it reached
+    func: Any  # the function it called there instead
 
 
 class Follow:
@@ -187,7 +195,7 @@ class Follow:
         # function than the recorded one (the Python took another path, and keeps to
         # it), not at other arguments of the same; and where the latest one left it
         self.moved = 0
-        self.left: tuple[int, Any] | None = None
+        self.left: Left | None = None
         # recorded at the function's first call, which may differ from all later ones in
         # what it reads and writes (gradients still None, an optimizer making its state);
         # and whether a call left it at another read or write than the recorded one
@@ -267,8 +275,8 @@ class Follow:
             self.moved = 0
         else:
             last = self.left
-            same = last is not None and last[0] == left[0] and (
-                last[1] is left[1] or same_func(last[1], left[1]))
+            same = last is not None and last.at == left.at and (
+                last.func is left.func or same_func(last.func, left.func))
             self.moved = self.moved + 1 if same else 1
         self.left = left
         self.restart = left is not None and follower.left_real and self.first_call \
@@ -339,9 +347,9 @@ class Follower(TorchFunctionMode):
         self.ran = [False] * len(follow.pieces)  # per piece: run in this call
         self.off = False
         self.diverged = False
-        # (step, function) where it left the match at a call of another function than
-        # the recorded one (``Follow.moved``); None otherwise
-        self.left: tuple[int, Any] | None = None
+        # where it left the match at a call of another function than the recorded one
+        # (``Follow.moved``); None otherwise
+        self.left: Left | None = None
         self.left_real = False  # (the recorded step there runs for real: no piece)
         # the call just matched runs for real with other values than the recorded ones:
         # its result must have the recorded layout (``_passes_other_values``)
@@ -369,7 +377,7 @@ class Follower(TorchFunctionMode):
             upcoming = expects[at] if at < len(expects) else None
             if upcoming is None or func is not upcoming.func \
                     and not same_func(upcoming.func, func):
-                self.left = (at, func)
+                self.left = Left(at, func)
                 self.left_real = upcoming is not None and upcoming.piece is None
             return self._diverge(func, args, kwargs)
         done = self.at - 1

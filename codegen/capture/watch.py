@@ -50,7 +50,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture.records import LIB_DIRS, format_site
@@ -125,6 +125,15 @@ class _Code:
         return i >= 0 and self.instructions[i].opname in _CALLS
 
 
+class _Held(NamedTuple):
+    """A container or object the call's Python names or reaches, held for ``changed``."""
+
+    ref: Callable[[], Any]  # a reference to it
+    before: Any  # its contents when held (``contents_key``)
+    name: str
+    site: Any  # where the user's code named it, or None where the call reaches it
+
+
 class Watch:
     """Watches one recording call (a context manager; see the module docstring).
 
@@ -150,8 +159,7 @@ class Watch:
         # lives, so that no other frame has that id meanwhile; see _let_go)
         self._frames: dict[int, Any] = {}
         self._returned: list[int] = []  # of those, ids that returned (maybe for good)
-        # (a reference to the object, its state when named, its name, where it was named)
-        self._containers: list[tuple[Callable[[], Any], Any, str, Any]] = []
+        self._containers: list[_Held] = []
         self._named: dict[int, int] = {}  # id -> its place in _containers
         # id -> (a weak reference to it, its attributes)
         self._tensors: dict[int, tuple[weakref.ref, tuple]] = {}
@@ -312,9 +320,9 @@ class Watch:
         if isinstance(value, (torch.Tensor, list, tuple, dict)):
             self._hold_tensors(value)
         known = self._named.get(id(value))
-        if known is not None and self._containers[known][0]() is not value:
+        if known is not None and self._containers[known].ref() is not value:
             known = None  # (another object, since died, had its id)
-        if known is not None and (frame is None or self._containers[known][3] is not None) \
+        if known is not None and (frame is None or self._containers[known].site is not None) \
                 or not is_stateful(value):
             return
         site = None
@@ -323,11 +331,10 @@ class Watch:
             site = (code.co_filename, code.co_firstlineno, code.co_name,
                     linecache.getline(code.co_filename, code.co_firstlineno).strip())
         if known is not None:  # held as reached; now named by the user's code: say so
-            self._containers[known] = (self._containers[known][0], self._containers[known][1],
-                                       name, site)
+            self._containers[known] = self._containers[known]._replace(name=name, site=site)
             return
         self._named[id(value)] = len(self._containers)
-        self._containers.append((_ref(value), contents_key(value), name, site))
+        self._containers.append(_Held(_ref(value), contents_key(value), name, site))
 
     def _hold_tensors(self, value: Any) -> None:
         """Remember the Python attributes of ``value``'s tensors (it, or its items one
