@@ -19,13 +19,14 @@ Every line fits ``width`` (100) columns.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
+
+from fxlite import config
 
 __all__ = ["Progress"]
 
@@ -60,9 +61,9 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.lines = False  # plain lines instead of the bar
         if enabled is None:
-            forced = os.environ.get("FXLITE_PROGRESS", "")
-            enabled = forced == "1" or (forced != "0" and _isatty(self.stream))
-            self.lines = not enabled and forced != "0"
+            forced = config.progress()  # True, False, or None: decide by the stream
+            enabled = forced is True or (forced is None and _isatty(self.stream))
+            self.lines = not enabled and forced is None
         self.enabled = enabled
         self.done = 0
         self._label = ""
