@@ -1,20 +1,22 @@
 """fxlite.compile: record a function's torch calls, compile them into kernels, replay them.
 
-    call ─► key (guards.py) ─► segment tree (segments.py) ─► compiled segments ─► result
-              │ a new key, or a value read that no path has seen
+    call ─► key (capture/guards.py) ─► segment tree (capture/segments.py) ─► compiled
+              │ a new key, or a value read           segments (runtime/) ─► result
+              │ that no path has seen
               ▼
-           record (capture.py): run the Python for real ─► cut at reads ─► compile each
-           segment (pipeline.py: functionalize, decompose, fuse, Triton, checks)
+           record (capture/run.py): run the Python for real ─► cut at reads ─► compile
+           each segment (lower/: functionalize, decompose, fuse, Triton, checks)
 
 The first call with a new key runs the user's function itself under the recorder, so its
 result is eager PyTorch's own. Later calls with that key take one of three tiers:
 
-1. replay the compiled segments, when the recording watcher (capture_watch.py) saw the
+1. replay the compiled segments, when the recording watcher (capture/watch.py) saw the
    Python do nothing but compute tensors; where Python read a tensor's value
    (``if x.sum() > 0``), the call reads it too and follows the path recorded for that
    value, or records the new path from that point on;
-2. follow (follow.py), when the Python did more (printed, appended, drew random numbers):
-   the Python runs on every call and its torch calls are served by compiled pieces;
+2. follow (capture/follow.py), when the Python did more (printed, appended, drew random
+   numbers): the Python runs on every call and its torch calls are served by compiled
+   pieces;
 3. eager, with one warning, where neither holds (below).
 
 Falls back to eager PyTorch, with one warning naming the user's line, when: the function

@@ -1,6 +1,6 @@
 """Following: the user's Python runs on every call, and kernels serve its torch calls.
 
-A recording whose Python did more than compute tensors (``capture_watch``: it prints,
+A recording whose Python did more than compute tensors (``capture.watch``: it prints,
 appends to a list, draws ``random.random()``...) cannot be replayed without its Python.
 Instead of running such a function in eager PyTorch, :class:`Follow` runs the function
 itself on every call, under a :class:`Follower` (a ``TorchFunctionMode``) that matches

@@ -31,7 +31,7 @@ recorded tensor, so the write cannot be made functional).
 What cannot be replayed stops the recording (the call still finishes in eager PyTorch):
 reading a tensor's address or storage, or reseeding the generator. See
 ``Recording.unsupported``. What a replay would skip but a followed call runs for real
-(printing a tensor, the Python effects that ``capture_watch`` sees, inference mode,
+(printing a tensor, the Python effects that ``capture.watch`` sees, inference mode,
 whose tensors carry no version counter for a replay's checks) is ``Recording.effect``.
 """
 
