@@ -55,6 +55,14 @@ def test_help_and_version_do_not_import_torch(args):
     assert proc.stdout
 
 
+def test_the_subcommands_leave_triton_unimported_until_they_run():
+    # `fxlite compile` on the CPU sets TRITON_INTERPRET (commands.use_interpreter) after
+    # main has imported fxlite.cli.run; Triton reads it once, when imported.
+    proc = _run("-c", "import sys, fxlite.cli.run; assert 'torch' in sys.modules; "
+                      "assert 'triton' not in sys.modules, 'imported'")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_version_names_torch_and_triton_from_their_metadata():
     from importlib import metadata
 
