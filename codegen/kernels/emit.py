@@ -65,7 +65,7 @@ class Emitter:
     _counter: int = 0
     # The element's row-major index in the iteration space, for ops that draw random
     # numbers per element; None where the kernel has no such index (or the value does not
-    # cover the whole space, see ``triton_source.emit_value``).
+    # cover the whole space, see ``source.emit_value``).
     index: str | None = None
     space: frozenset[int] = frozenset()  # the non-trivial dims ``index`` runs over
 

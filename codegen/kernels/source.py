@@ -14,7 +14,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from fxlite.codegen.kernels.analysis import Plan, Value
@@ -23,8 +23,9 @@ from fxlite.codegen.kernels.ops import TRITON_OPS
 
 from fxlite import ops as op_table
 
-__all__ = ["HELPERS", "Access", "KernelSource", "decompose", "division_magic", "emit_value",
-           "header", "load_line", "scalar_dtype", "scalar_lines", "signature", "store_line"]
+__all__ = ["HELPERS", "Access", "ArgKind", "KernelArg", "KernelSource", "decompose",
+           "division_magic", "emit_value", "header", "load_line", "scalar_dtype", "scalar_lines",
+           "signature", "store_line"]
 
 # Helpers broadcast their operands first: Triton's interpreter mistypes a 0-d comparison
 # result once it is splat to a block (the GPU compiler does not).
@@ -388,6 +389,37 @@ def store_line(e: Emitter, ptr: str, v: Value, acc: Access, mask: str, pad: str,
     return f"tl.store({ptr} + {off}{pad}, {val}, mask={mask}{extra})"
 
 
+ArgKind = Literal["in", "scalar", "out", "count", "size", "size_m", "size_s", "stride",
+                  "ostride"]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelArg:
+    """One runtime argument of a kernel: what the launch passes for it.
+
+    Attributes:
+        kind: ``"in"`` (tensor input ``index``), ``"scalar"`` (Python number input
+            ``index``), ``"out"`` (output ``index``), ``"count"`` (the launch's count
+            ``name``: ``numel``, ``rows``, ``cols``, ``lena`` or ``lenb``), ``"size"``
+            (the size of iteration dim ``dim``), ``"size_m"``/``"size_s"`` (its division
+            magic, see :func:`division_magic`), ``"stride"`` (input ``index``'s stride
+            along iteration dim ``dim``), ``"ostride"`` (output ``index``'s stride along
+            iteration dim ``dim``).
+        index: the input or output it belongs to (-1: none).
+        dim: the iteration dim it describes (-1: none).
+        name: a count's name.
+
+    Example::
+
+        KernelArg("stride", index=0, dim=1)  # input 0's stride along dim 1
+    """
+
+    kind: ArgKind
+    index: int = -1
+    dim: int = -1
+    name: str = ""
+
+
 @dataclass
 class KernelSource:
     """Generated kernel text plus what the launcher needs.
@@ -395,24 +427,21 @@ class KernelSource:
     Attributes:
         text: the module source (imports, helpers, kernels).
         functions: variant (``"pointwise"``, ``"persistent"``, ``"looped"``) -> function name.
-        args: one descriptor per runtime argument, in signature order: ``("in", i)``,
-            ``("out", j)``, ``("scalar", i)``, ``("numel",)``, ``("rows",)``, ``("cols",)``,
-            ``("size", d)``, ``("size_m", d)``, ``("size_s", d)`` (its division magic),
-            ``("stride", i, d)``, ``("ostride", j, d)``.
+        args: one :class:`KernelArg` per runtime argument, in signature order.
         tile: for a pointwise kernel with a ``"transpose"`` variant, the dims its tiles
             run along: those contiguous in the input, then those contiguous in the output.
     """
 
     text: str
     functions: dict[str, str]
-    args: list[tuple[Any, ...]]
+    args: list[KernelArg]
     tile: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, Access]],
               stores: list[tuple[int, Value, Access]], counts: list[str]
-              ) -> tuple[list[str], list[tuple[Any, ...]], list[str]]:
-    """Kernel parameter names, their launch descriptors, and those not to specialize on.
+              ) -> tuple[list[str], list[KernelArg], list[str]]:
+    """Kernel parameter names, their :class:`KernelArg`, and those not to specialize on.
 
     Triton specializes integer arguments equal to 1 or divisible by 16. Sizes used only to
     split an index (``size<d>``), ``rows`` and integer scalars are marked
@@ -423,34 +452,34 @@ def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, 
     """
     align = os.environ.get("FXLITE_TRITON_SPECIALIZE", "1") != "0"
     names: list[str] = []
-    args: list[tuple[Any, ...]] = []
+    args: list[KernelArg] = []
     nospec: list[str] = []
 
-    def add(name: str, desc: tuple[Any, ...], integer: bool) -> None:
+    def add(name: str, desc: KernelArg, integer: bool) -> None:
         names.append(name)
         args.append(desc)
         if integer:
             nospec.append(name)
 
     for v, _ in loads:
-        add(f"{v.name}_ptr", ("in", v.index), False)
+        add(f"{v.name}_ptr", KernelArg("in", index=v.index), False)
     for j, _, _ in stores:
-        add(f"out{j}_ptr", ("out", j), False)
+        add(f"out{j}_ptr", KernelArg("out", index=j), False)
     for v in plan.values:
         if v.kind == "scalar" and v in used:
-            add(v.name, ("scalar", v.index), v.pytype is not float)
+            add(v.name, KernelArg("scalar", index=v.index), v.pytype is not float)
     for c in counts:
-        add(c, (c,), c == "rows" or not align)
+        add(c, KernelArg("count", name=c), c == "rows" or not align)
     for d in range(plan.rank):
         if re.search(rf"\bsize{d}\b", body):
-            add(f"size{d}", ("size", d), True)
+            add(f"size{d}", KernelArg("size", dim=d), True)
         if re.search(rf"\bsize{d}_m\b", body):
-            add(f"size{d}_m", ("size_m", d), True)
-            add(f"size{d}_s", ("size_s", d), True)
+            add(f"size{d}_m", KernelArg("size_m", dim=d), True)
+            add(f"size{d}_s", KernelArg("size_s", dim=d), True)
     for v, acc in loads:
         for d, s in acc.strides:
-            add(s, ("stride", v.index, d), not align)
+            add(s, KernelArg("stride", index=v.index, dim=d), not align)
     for j, _, acc in stores:
         for d, s in acc.strides:
-            add(s, ("ostride", j, d), not align)
+            add(s, KernelArg("ostride", index=j, dim=d), not align)
     return names, args, nospec

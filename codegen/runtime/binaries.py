@@ -41,7 +41,7 @@ def binary_key(source_id: str, variant: str, args: Sequence[Any], constexprs: di
     ``source_id`` names the kernel source (its module name, which holds a digest of the
     text), so the source itself is not re-hashed on every launch that reaches here.
     """
-    import triton
+    import triton  # Triton's import cost: only once a kernel launches
 
     parts: list[Any] = [triton.__version__, source_id, variant, num_warps,
                         sorted(constexprs.items())]
@@ -133,7 +133,7 @@ def load_binary(cache_dir: Path | None, key: str, fn: Any) -> tuple[Any, bool] |
     if raw is None:
         return None
     try:
-        from triton.compiler.compiler import CompiledKernel
+        from triton.compiler.compiler import CompiledKernel  # Triton's import cost
 
         record = json.loads(raw)
         group = {}

@@ -2,7 +2,7 @@
 
 Where: ``$FXLITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxlite``, else ``~/.cache/fxlite``.
 It holds kernel sources (``triton/``) and the index of compiled binaries
-(``triton/binaries``, see ``triton_binaries``). Deleting it is always safe.
+(``triton/binaries``, see ``runtime/binaries.py``). Deleting it is always safe.
 
 What it promises (SECURITY.md has the threat model):
 

@@ -10,6 +10,10 @@ metadata) becomes one Triton kernel::
         out = kernel(x, w, b)   # allocates outputs and launches
         print(kernel.source)    # the generated Triton module
 
+The source comes from ``codegen/kernels/generate.py`` (pure: no disk, no launches); this
+module loads it, keeps one specialization per guard key, and launches it through the
+:class:`~fxlite.codegen.runtime.launch.LaunchPlan` and binaries of ``launch.py``.
+
 The kernel is specialized on a guard key (:func:`guard_key`: dtypes, ranks, device type,
 broadcast/stride pattern, density, index width), never on sizes: sizes and strides are
 runtime arguments marked ``do_not_specialize``, so a resize with the same rank reuses it.
@@ -28,7 +32,7 @@ Numerics:
   element, more than the memory time of a long fp16 chain.
 - A half value *is* rounded first where the difference would be discrete: before a
   comparison, ``floor``/``round``/``trunc``/``sign``, a cast, ``//``/``%``, and before it
-  is promoted to fp32 by an op with an fp32 operand (``triton_source.DISCRETE``).
+  is promoted to fp32 by an op with an fp32 operand (``kernels/source.py``'s ``DISCRETE``).
 - Reductions accumulate halves in fp32. The decompositions of softmax, layer_norm,
   rms_norm, mean, var and std cast half inputs to fp32 and the result back, as eager's
   kernels compute them, so a group's eager fallback agrees with its kernel.
@@ -86,6 +90,7 @@ from fxlite.codegen.runtime.launch import (
     SLOT,
     Binary,
     DirectLaunch,
+    LastLaunch,
     LaunchPlan,
     fingerprint,
 )
@@ -127,9 +132,7 @@ class _Spec:
         self.fns = {v: getattr(module, f) for v, f in src.functions.items()}
         self.launch = LaunchPlan.of(plan, src)
         self.tuned: dict[Any, dict[str, Any]] = {}
-        # (binary, grid, every argument value, SLOT for each tensor) of the latest GPU
-        # launch, for direct launches
-        self.last_launch: tuple[Binary, tuple[int, int, int], list[Any]] | None = None
+        self.last_launch: LastLaunch | None = None  # for direct launches
         self._configs: dict[tuple, tuple[dict[str, int], dict[str, Any]]] = {}
 
     def config(self, shape: tuple[int, ...]) -> tuple[dict[str, int], dict[str, Any]]:
@@ -248,8 +251,8 @@ class _Spec:
         # tensors: every tensor is a per-call slot of the direct launch, and keeping them
         # kept each kernel's last inputs and outputs alive between calls (a GPT-2 training
         # step held 8 GiB more than eager's between steps, its logits four times over).
-        self.last_launch = (binary, grid3, [SLOT if isinstance(v, torch.Tensor) else v
-                                            for v in values])
+        self.last_launch = LastLaunch(
+            binary, grid3, [SLOT if isinstance(v, torch.Tensor) else v for v in values])
 
 
 _NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)
@@ -302,7 +305,7 @@ class TritonKernel:
         self._direct: dict[tuple, DirectLaunch] | None = (
             None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
         # A group of pointwise ops only may iterate in its inputs' memory order
-        # (triton_layout): nothing in it depends on the order of the dims. Not a clone
+        # (kernels/layout.py): nothing in it depends on the order of the dims. Not a clone
         # into a memory format: its result's layout is that format, whatever its input's.
         self._reorder = self.kind == "pointwise" and all(
             (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
@@ -345,7 +348,7 @@ class TritonKernel:
     def select(self, inputs: Sequence[Any]) -> tuple[_Spec | None, Sequence[Any],
                                                      tuple[int, ...], tuple[int, ...] | None]:
         """The specialization for ``inputs``, the inputs it runs on, the iteration space and
-        the memory order (None: the logical one; see ``triton_layout``)."""
+        the memory order (None: the logical one; see ``kernels/layout.py``)."""
         try:
             order = memory_order(inputs) if self._reorder else None
             if order is not None and self._least_rank < len(order):
@@ -401,13 +404,13 @@ class TritonKernel:
         Always False under the interpreter (nothing is cached there).
         """
         record = self._current.last_launch
-        return record is not None and record[0].checked
+        return record is not None and record.binary.checked
 
     def mark_checked(self) -> None:
         """Record that the binary of the latest launch matched eager PyTorch."""
         record = self._current.last_launch
-        if record is not None and not record[0].checked:
-            binary = record[0]
+        if record is not None and not record.binary.checked:
+            binary = record.binary
             binary.checked = True
             save_binary(kernel_dir(), binary.key, binary.compiled, checked=True)
 
@@ -443,7 +446,7 @@ class TritonKernel:
             spec.tuned[bucket] = base
             spec._configs.clear()
             return base
-        import triton.testing
+        import triton.testing  # Triton's import cost: only when autotuning on a GPU
 
         if configs is None:
             rows = counts.get("numel", counts.get("rows", 1))

@@ -24,17 +24,17 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.kernels.analysis import Plan, computed_outputs
 from fxlite.codegen.kernels.layout import dense_strides
-from fxlite.codegen.kernels.source import KernelSource, division_magic
+from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magic
 
-__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "LaunchPlan",
-           "fingerprint"]
+__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "LastLaunch",
+           "LaunchPlan", "fingerprint"]
 
-# A tensor's place in a remembered launch (``_Spec.last_launch``): the launch keeps no tensor.
+# A tensor's place in a remembered launch (LastLaunch.values): the launch keeps no tensor.
 SLOT = object()
 
 # binary_key -> Binary, for this process (binaries.py keeps the index on disk)
@@ -91,7 +91,7 @@ class LaunchPlan:
         needs_nonempty: an ``amax``/``amin`` that raises on an empty reduction, as eager.
     """
 
-    args: list[tuple[Any, ...]]
+    args: list[KernelArg]
     variants: frozenset[str]
     tile: tuple[tuple[int, ...], tuple[int, ...]] | None
     results: list[tuple[str, int]]
@@ -153,24 +153,24 @@ class LaunchPlan:
         """Every runtime argument's value, in signature order, for one launch."""
         r = len(shape)
         vals: list[Any] = []
-        for desc in self.args:
-            tag = desc[0]
-            if tag == "in" or tag == "scalar":
-                vals.append(inputs[desc[1]])
-            elif tag == "out":
-                vals.append(outs[desc[1]])
-            elif tag == "size":
-                vals.append(max(shape[desc[1]], 1))
-            elif tag in ("size_m", "size_s"):
-                vals.append(division_magic(max(shape[desc[1]], 1))[tag == "size_s"])
-            elif tag == "stride":
-                t = inputs[desc[1]]
-                vals.append(t.stride(desc[2] - (r - t.dim())))
-            elif tag == "ostride":
-                dims = self.out_layout[desc[1]][0]
-                vals.append(outs[desc[1]].stride(dims.index(desc[2])))
-            else:
-                vals.append(counts[tag])
+        for a in self.args:
+            kind = a.kind
+            if kind == "in" or kind == "scalar":
+                vals.append(inputs[a.index])
+            elif kind == "out":
+                vals.append(outs[a.index])
+            elif kind == "size":
+                vals.append(max(shape[a.dim], 1))
+            elif kind == "size_m" or kind == "size_s":
+                vals.append(division_magic(max(shape[a.dim], 1))[kind == "size_s"])
+            elif kind == "stride":
+                t = inputs[a.index]
+                vals.append(t.stride(a.dim - (r - t.dim())))
+            elif kind == "ostride":
+                dims = self.out_layout[a.index][0]
+                vals.append(outs[a.index].stride(dims.index(a.dim)))
+            else:  # a count
+                vals.append(counts[a.name])
         return vals
 
     def skips_outputs(self, shape: tuple[int, ...]) -> bool:
@@ -210,7 +210,7 @@ def _kept_innermost(plan: Plan, kept: list[int]) -> bool:
 
 
 def _hooks() -> tuple[Any, Any]:
-    from triton import knobs
+    from triton import knobs  # Triton's import cost: only once a kernel launches
 
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
@@ -280,7 +280,7 @@ class Binary:
         static: the torch static launch, or None (Triton launches it).
         checked: its output has matched eager PyTorch (in this process or, through the
             disk index, an earlier one).
-        key: its entry in the disk index (see triton_binaries.py).
+        key: its entry in the disk index (see binaries.py).
     """
 
     __slots__ = ("compiled", "static", "checked", "key")
@@ -308,6 +308,18 @@ class Binary:
         self.compiled[grid](*values)
 
 
+class LastLaunch(NamedTuple):
+    """A specialization's latest GPU launch, what a :class:`DirectLaunch` repeats.
+
+    Not its tensors: each is :data:`SLOT`, filled per call (keeping them kept each
+    kernel's last inputs and outputs alive between calls).
+    """
+
+    binary: Binary
+    grid: tuple[int, int, int]
+    values: list[Any]  # every argument value, constexprs too, SLOT for each tensor
+
+
 class DirectLaunch:
     """A launch prepared for one input fingerprint: allocate outputs, call the binary.
 
@@ -320,11 +332,10 @@ class DirectLaunch:
                  "out_specs", "results", "structure", "hooks", "fast", "like")
 
     @classmethod
-    def build(cls, plan: LaunchPlan, record: tuple[Binary, tuple[int, int, int], list[Any]]
-              | None, inputs: Sequence[Any], outs: list[torch.Tensor]) -> DirectLaunch | None:
-        """The direct launch repeating ``record`` (a specialization's latest GPU launch:
-        binary, grid, argument values with :data:`SLOT` for each tensor) for these inputs'
-        fingerprint, or None where the general path must run."""
+    def build(cls, plan: LaunchPlan, record: LastLaunch | None, inputs: Sequence[Any],
+              outs: list[torch.Tensor]) -> DirectLaunch | None:
+        """The direct launch repeating ``record`` (a specialization's latest GPU launch)
+        for these inputs' fingerprint, or None where the general path must run."""
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
         if record is None or not tensors or not tensors[0].is_cuda:
             return None
@@ -345,9 +356,9 @@ class DirectLaunch:
         # Inputs (tensors and scalars) and outputs change per call; sizes, strides and
         # counts are fixed by the fingerprint.
         self.template = values
-        self.tensor_slots = [(k, "in" if desc[0] in ("in", "scalar") else "out", desc[1])
-                             for k, desc in enumerate(plan.args)
-                             if desc[0] in ("in", "scalar", "out")]
+        self.tensor_slots = [(k, "in" if a.kind in ("in", "scalar") else "out", a.index)
+                             for k, a in enumerate(plan.args)
+                             if a.kind in ("in", "scalar", "out")]
         slots = {k for k, _, _ in self.tensor_slots}
         if any(v is SLOT for k, v in enumerate(values) if k not in slots):
             return None  # a tensor the launch would have to keep: the general path
