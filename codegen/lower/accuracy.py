@@ -1,4 +1,12 @@
-"""A second look at results that round differently from eager's: a float64 run decides.
+"""The one kernel check, for forward and backward groups alike, with its tolerance table,
+and a second look at results that round differently from eager's: a float64 run decides.
+
+:func:`check_group` builds a fused group's kernel, runs it on the group's inputs, runs the
+group's eager ops, and keeps the kernel where :func:`assert_as_accurate` finds the two
+results the same: at the tolerance of ``TOLERANCE`` (of the result's dtype, or of
+``through``, the dtype the values were computed in, if looser), or, failing that, by
+the float64 look below. A recorded segment (``segment.py``) and autodiff's graphs
+(``autograd_pipeline.py``) both judge their groups this way.
 
 A fused kernel keeps its intermediates in float32 registers and rounds once; eager rounds
 every op's result to the tensor's dtype. Over a few ops the two agree at the dtype's
@@ -21,17 +29,41 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture.kinds import random_op, state_name
+from fxlite.codegen.runtime import kernel as runtime_kernel
 
 from fxlite.graph_module import GraphModule
 from fxlite.ops import attribute_at, lookup
 
-# Relative tolerance per dtype, as ``pipeline.assert_same`` uses (float32 on a GPU that
-# allows TF32: as ``pipeline._disagreement``).
-HALF_TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+__all__ = ["HALF", "OTHER", "TF32", "TOLERANCE", "Checked", "Tolerance", "allclose", "assert_as_accurate",
+           "assert_same", "attributes", "check_group", "float64_problem", "reproducible", "versions"]
+
+
+class Tolerance(NamedTuple):
+    """``got`` matches ``expected`` where ``|got - expected| <= atol + rtol * |expected|``."""
+
+    rtol: float
+    atol: float
+
+
+# The one tolerance table, of forward and backward kernels and of a segment's results, by
+# the result's dtype. The two pipelines had agreed on bfloat16, float16 and float32. For
+# float64 the forward kept (1e-5, 1.3e-6), the backward (1e-7, 1e-7): the stricter one is
+# kept. Other floating dtypes (complex; fuse groups none of them) keep the forward's.
+TOLERANCE = {
+    torch.bfloat16: Tolerance(1.6e-2, 1.6e-2),
+    torch.float16: Tolerance(2e-3, 2e-3),
+    torch.float32: Tolerance(1e-5, 1e-5),
+    torch.float64: Tolerance(1e-7, 1e-7),
+}
+OTHER = Tolerance(1e-5, 1.3e-6)
+# float32 results of a segment that ran extern ops (convolutions, matmuls) on a GPU that
+# allows TF32 (cuDNN's default): its algorithms round differently from run to run
+TF32 = Tolerance(2e-3, 2e-3)
+HALF = (torch.bfloat16, torch.float16)  # the least precise first
 _SEEDED = frozenset({"draw_seed", "seeded_dropout"})
 # Effects that only raise or pass (timm checks shapes with torch._assert): running a
 # graph again with them does the same.
@@ -72,6 +104,114 @@ _UNKNOWN = itertools.count(-2, -1)  # stands for the version of an inference ten
 def attributes(gm: GraphModule) -> list[Any]:
     """The values of ``gm``'s ``get_attr`` nodes (its parameters, buffers and constants)."""
     return [attribute_at(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+
+
+class Checked(NamedTuple):
+    """What :func:`check_group` found for one fused group."""
+
+    kernel: Any  # the group's kernel, or None: the group runs its eager ops
+    got: Any  # the kernel's result (None without a kernel)
+    expected: Any  # eager's result (None where the kernel's binary matched eager before)
+    reason: str  # why ``kernel`` is None
+
+
+def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
+                direction: str = "forward", autotune: bool = False,
+                through: torch.dtype | None = None) -> Checked:
+    """Build ``group``'s kernel and check it against ``group``'s eager ops on ``args``.
+
+    Args:
+        group: a fused group (its graph is ``group.inner``'s where it wraps one, as
+            ``AutocastOff`` does; its eager ops are ``group(*args)``).
+        args: its inputs; neither run may write to them for the float64 look to apply.
+        name: the kernel's name.
+        direction: ``"forward"``, or ``"backward"`` for a group of a generated backward.
+        autotune: time candidate block sizes and warps first, and keep the best.
+        through: a dtype the values were computed in, whose tolerance applies if looser
+            (the backward's least precise input: a float32 gradient of bfloat16 values is
+            only as close as bfloat16).
+
+    Returns:
+        The kernel, its result and eager's, or no kernel and the reason.
+    """
+    graph = getattr(group, "inner", group)
+    try:  # (looked up in its module at each call: tests put in their own generator)
+        kernel = runtime_kernel.generate_kernel(graph, list(args), name=name)
+    except Exception as e:  # the generator must never break a model: run eagerly
+        kernel, reason = None, f"{type(e).__name__}: {e}"
+    else:
+        reason = "the kernel generator does not support it"
+    if kernel is None:
+        return Checked(None, None, group(*args), reason)
+    kernel.direction = direction
+    # the kernel first, then eager's reference: the kernel's first call also checks its
+    # direct launch (one more output), which must not meet the reference's outputs too
+    # (three copies of a GPT-2 step's logits at once, 0.8 GiB each)
+    expected = None
+    try:
+        if autotune:
+            kernel.autotune(*args)
+        before = versions(args)
+        got = kernel(*args)
+        if not kernel.checked:  # else it matched eager before (the disk index says)
+            expected = group(*args)
+            assert_as_accurate(graph, args, got, expected, before, through)
+            kernel.mark_checked()
+    except Exception as e:
+        return Checked(None, None, group(*args) if expected is None else expected,
+                       f"its kernel disagreed with eager: {e}")
+    return Checked(kernel, got, expected, "")
+
+
+def assert_same(got: Any, expected: Any, through: torch.dtype | None = None) -> None:
+    """Raise AssertionError unless ``got`` matches ``expected`` at ``TOLERANCE`` of the
+    dtype, or of ``through`` (a dtype the values were computed in) if looser. Integers and
+    bools must be equal; other values compare with ``!=``."""
+    # (torch.testing.assert_close would import torch's meta kernels on first use: seconds)
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise AssertionError("output structure differs")
+        for g, e in zip(got, expected):
+            assert_same(g, e, through)
+        return
+    if not isinstance(expected, torch.Tensor):
+        if got != expected and not (got is None and expected is None):
+            raise AssertionError(f"{got!r} != {expected!r}")
+        return
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"expected a tensor, got {type(got).__name__}")
+    got, expected = got.detach(), expected.detach()
+    if got.shape != expected.shape or got.dtype != expected.dtype or got.device != expected.device:
+        raise AssertionError(f"shape, dtype or device differs: {tuple(got.shape)} {got.dtype} "
+                             f"{got.device}, eager {tuple(expected.shape)} {expected.dtype} "
+                             f"{expected.device}")
+    if not (expected.is_floating_point() or expected.is_complex()):
+        if not torch.equal(got, expected):
+            raise AssertionError("values differ")
+        return
+    tol = TOLERANCE.get(expected.dtype, OTHER)
+    wide = TOLERANCE.get(through, tol) if through is not None else tol
+    rtol, atol = max(tol.rtol, wide.rtol), max(tol.atol, wide.atol)
+    if not allclose(got, expected, rtol, atol):
+        diff = (got - expected).abs().max().item() if got.is_complex() else (
+            got.double() - expected.double()).abs().nan_to_num().max().item()
+        raise AssertionError(f"values differ (max abs difference {diff:.3g}, rtol {rtol:g}, "
+                             f"atol {atol:g})")
+
+
+def assert_as_accurate(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
+                       before: list[int], through: torch.dtype | None = None) -> None:
+    """:func:`assert_same`, with a float64 run of ``gm`` deciding where they differ by
+    rounding and neither run wrote to ``args`` (``before``: their :func:`versions`)."""
+    try:
+        assert_same(got, expected, through)
+    except AssertionError as e:
+        problem = str(e) or "values differ"
+        if versions(args) != before:
+            raise
+        problem = float64_problem(gm, args, got, expected, problem)
+        if problem is not None:
+            raise AssertionError(problem) from None
 
 
 def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
@@ -171,10 +311,10 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
     finite &= torch.isfinite(r)
     g, e, r = g[finite], e[finite], r[finite]
     error, eager_error, scale = (_rms(g - r), _rms(e - r), _rms(r))
-    tolerance = HALF_TOLERANCE.get(expected.dtype, 1.3e-6)
+    tolerance = TOLERANCE[expected.dtype].rtol if expected.dtype in HALF else OTHER.atol
     if expected.dtype == torch.float32 and expected.is_cuda and (
             torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32):
-        tolerance = 2e-3
+        tolerance = TF32.rtol
     if error <= 2 * eager_error + tolerance / 10 * scale:
         return None
     return (f"its error is {error:.3g} (root mean square), eager's is {eager_error:.3g}, "

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from fxlite.codegen.kernels.generate import interpreting
-from fxlite.codegen.lower.accuracy import HALF_TOLERANCE, allclose
+from fxlite.codegen.lower.accuracy import TOLERANCE, check_group
 from fxlite.codegen.lower.pipeline import BACKWARD_PASSES, Lowering, run_passes
 from fxlite.codegen.report import KernelRecord
-from fxlite.codegen.runtime import kernel as runtime_kernel
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
@@ -93,7 +92,7 @@ class CompiledGraph:
 
 class _KernelCheck(Interpreter):
     """Runs the fused graph once, building each group's kernel and checking it on the way
-    (the same check as ``fxlite.compile``'s first call)."""
+    (``accuracy.check_group``, as ``fxlite.compile``'s first call does)."""
 
     def __init__(self, owner: CompiledGraph) -> None:
         super().__init__(owner.gm)
@@ -105,76 +104,27 @@ class _KernelCheck(Interpreter):
         if not getattr(sub, "meta", {}).get("fused_kind") or kwargs:
             return sub(*args, **kwargs)
         owner = self.owner
-        try:  # (looked up in its module at each call: tests put in their own generator)
-            kernel = runtime_kernel.generate_kernel(sub, list(args), name=f"{owner.name}_{target}")
-        except Exception as e:  # the generator must never break a model: run eagerly
-            kernel, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "the kernel generator does not support it"
-        # the kernel first, then eager's reference: the kernel's first call also checks
-        # its direct launch (one more output), which must not meet the reference's
-        # outputs too (three copies of a GPT-2 step's logits at once, 0.8 GiB each)
-        got = failed = None
-        if kernel is not None:
-            kernel.direction = owner.direction
-            try:
-                got = kernel(*args)
-            except Exception as e:
-                failed = e
-        expected = sub(*args)
-        if kernel is not None:
-            try:
-                if failed is not None:
-                    raise failed
-                _assert_same(got, expected, _least_precise(args))
-            except Exception as e:
-                kernel, reason = None, f"its kernel disagreed with eager: {e}"
-        if kernel is None:
+        checked = check_group(sub, args, f"{owner.name}_{target}", direction=owner.direction,
+                              through=_least_precise(args))
+        if checked.kernel is None:
             owner.fallbacks.append(f"{owner.direction} {target} "
                                    f"({', '.join(sub.meta.get('nodes', []))}) runs in eager: "
-                                   f"{reason}")
-            return expected
+                                   f"{checked.reason}")
+            return checked.expected
+        kernel = checked.kernel
         self.kernels[target] = kernel
         owner.kernels.append(kernel)
-        owner.records.append(KernelRecord.of(kernel, args, expected))
+        owner.records.append(KernelRecord.of(
+            kernel, args, checked.got if checked.expected is None else checked.expected))
         log_kernel(kernel)  # a backward kernel is made by the first backward, not the compile
-        return got  # what later calls get from the kernel: the same values on every call
-
-
-_TOL = {**HALF_TOLERANCE, torch.float32: 1e-5, torch.float64: 1e-7}
+        return checked.got  # what later calls get from the kernel: the same values on every call
 
 
 def _least_precise(args: Sequence[Any]) -> torch.dtype | None:
-    """The floating dtype of least precision among the tensor arguments, if any."""
-    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in _TOL]
-    return max(dtypes, key=_TOL.__getitem__, default=None)
-
-
-def _assert_same(got: Any, expected: Any, inputs: torch.dtype | None = None) -> None:
-    """Raise unless ``got`` is ``expected`` up to rounding: at the tolerance of each
-    result's dtype, or of ``inputs`` where that is looser. The eager reference runs the
-    group op by op in its dtypes, rounding every half intermediate (``1 - o * o`` of a
-    bf16 ``o`` near 1 cancels), while the kernel computes in fp32 and rounds once, as
-    eager's own backward kernels do: a float32 gradient of bf16 values is only as close
-    as bf16."""
-    # (torch.testing.assert_close would import torch's meta kernels on first use: seconds)
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError("output structure differs")
-        for g, e in zip(got, expected):
-            _assert_same(g, e, inputs)
-        return
-    if not isinstance(expected, torch.Tensor):
-        if got != expected:
-            raise AssertionError(f"{got!r} != {expected!r}")
-        return
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
-        raise AssertionError("shape or dtype differs")
-    if not expected.is_floating_point():
-        if not torch.equal(got, expected):
-            raise AssertionError("values differ")
-        return
-    tol = max(_TOL.get(expected.dtype, 1e-5), _TOL.get(inputs, 0.0))
-    if not allclose(got, expected, tol, tol):
-        diff = (got.double() - expected.double()).abs().nan_to_num().max().item()
-        raise AssertionError(f"values differ (max abs difference {diff:.3g})")
+    """The floating dtype of least precision among the tensor arguments, if any: the
+    check's ``through``. The eager reference runs the group op by op in its dtypes,
+    rounding every half intermediate (``1 - o * o`` of a bf16 ``o`` near 1 cancels), while
+    the kernel computes in fp32 and rounds once, as eager's own backward kernels do: a
+    float32 gradient of bf16 values is only as close as bf16."""
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in TOLERANCE]
+    return max(dtypes, key=lambda d: TOLERANCE[d].rtol, default=None)

@@ -30,9 +30,12 @@ import torch
 from fxlite.codegen.capture.cond import CondOp
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.accuracy import (
-    HALF_TOLERANCE,
-    allclose,
+    HALF,
+    TF32,
+    assert_as_accurate,
+    assert_same,
     attributes,
+    check_group,
     float64_problem,
     reproducible,
     versions,
@@ -42,7 +45,6 @@ from fxlite.codegen.lower.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.lower.pad_matmul import pad_linears
 from fxlite.codegen.lower.pipeline import FORWARD_PASSES, Lowering, ambient, run_passes, set_ambient
 from fxlite.codegen.report import KernelRecord
-from fxlite.codegen.runtime import kernel as runtime_kernel
 from fxlite.codegen.runtime.straight_line import StraightRunner
 from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
@@ -53,8 +55,8 @@ from fxlite.interpreter import Interpreter
 from fxlite.logs import log_kernel
 from fxlite.node import Node, Opcode
 
-__all__ = ["CHANNELS_LAST", "CompiledSegment", "assert_same", "channels_last_wanted", "compile_segment",
-           "direct_forward", "expand_kernels", "kernel_prefix"]
+__all__ = ["CHANNELS_LAST", "CompiledSegment", "channels_last_wanted", "compile_segment", "direct_forward",
+           "expand_kernels", "kernel_prefix"]
 
 
 # Conv inputs in channels-last on CUDA (passes/channels_last.py); FXLITE_CHANNELS_LAST=0
@@ -367,38 +369,18 @@ class _KernelCheck(_Replay):
         if sub.meta["fused_kind"] == "region" or torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._autograd_group(target, getattr(sub, "inner", sub), args)
-        try:  # (looked up in its module at each call: tests put in their own generator)
-            kernel = runtime_kernel.generate_kernel(getattr(sub, "inner", sub), list(args),
-                                     name=f"{self._prefix}{target}")
-        except Exception as e:  # the generator must never break a model: fall back
-            kernel, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "the kernel generator does not support it"
-        got = expected = None
-        if kernel is not None:
-            try:
-                if self._mode in ("max-autotune", "max-autotune-no-cudagraphs"):
-                    kernel.autotune(*args)  # time candidate block sizes and warps, keep the best
-                before = versions(args)
-                got = kernel(*args)
-                if not kernel.checked:  # else it matched eager before (the disk index says)
-                    expected = sub(*args)
-                    _assert_as_accurate(getattr(sub, "inner", sub), args, got, expected,
-                                        before)
-                    kernel.mark_checked()
-            except Exception as e:
-                kernel, reason = None, f"its kernel disagreed with eager: {e}"
-        if kernel is None:
-            where = _site_of(sub)
+        checked = check_group(sub, args, f"{self._prefix}{target}", autotune=self._mode in (
+            "max-autotune", "max-autotune-no-cudagraphs"))
+        if checked.kernel is None:
             self.fallbacks.append(f"{target} ({', '.join(sub.meta.get('nodes', []))}) runs in "
-                                  f"eager: {reason}{where}")
-            return sub(*args) if expected is None else expected
-        self.kernels[target] = kernel
-        result = got if expected is None else expected
-        self.records.append(KernelRecord.of(kernel, args, result))
-        log_kernel(kernel)
+                                  f"eager: {checked.reason}{_site_of(sub)}")
+            return checked.expected
+        # eager's values go on where they were computed, as the recording's did
+        result = checked.got if checked.expected is None else checked.expected
+        self.kernels[target] = checked.kernel
+        self.records.append(KernelRecord.of(checked.kernel, args, result))
+        log_kernel(checked.kernel)
         return result
-
 
     def _autograd_group(self, target: str, sub: GraphModule, args: tuple) -> Any:
         """A group whose inputs need gradients: a Triton forward and a generated Triton
@@ -408,7 +390,7 @@ class _KernelCheck(_Replay):
         got = group(*args)
         expected = sub(*args)
         try:
-            _assert_as_accurate(sub, args, got, expected, before)
+            assert_as_accurate(sub, args, got, expected, before)
         except AssertionError as e:
             self.fallbacks.append(f"{target} runs in eager: its autograd kernel disagreed "
                                   f"with eager: {e}{_site_of(sub)}")
@@ -424,48 +406,6 @@ def _site_of(sub: Any) -> str:
         if trace:
             return "\n  " + trace.replace("\n", "\n  ")
     return ""
-
-
-def assert_same(got: Any, expected: Any, through: torch.dtype | None = None) -> None:
-    """Raise AssertionError unless ``got`` matches ``expected`` at the dtype's tolerance, or
-    at ``through``'s (a half-precision dtype the values were computed in) if looser."""
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError("output structure differs")
-        for g, e in zip(got, expected):
-            assert_same(g, e, through)
-        return
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"expected a tensor, got {type(got).__name__}")
-        got, expected = got.detach(), expected.detach()
-        if not (expected.is_floating_point() or expected.is_complex()):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)  # integers, bool
-            return
-        tol = max(HALF_TOLERANCE.get(expected.dtype, 1.3e-6), HALF_TOLERANCE.get(through, 0))
-        atol = 1e-5 if expected.dtype == torch.float32 and tol < 1e-5 else tol
-        if got.shape == expected.shape and got.dtype == expected.dtype and \
-                got.device == expected.device and allclose(got, expected, max(tol, 1e-5), atol):
-            return  # (in slices: assert_close's temporaries are the tensors' size)
-        torch.testing.assert_close(got, expected, rtol=max(tol, 1e-5), atol=atol,
-                                   equal_nan=True)
-    elif got != expected and not (got is None and expected is None):
-        raise AssertionError(f"{got!r} != {expected!r}")
-
-
-def _assert_as_accurate(gm: GraphModule, args: tuple, got: Any, expected: Any,
-                        before: list[int]) -> None:
-    """``assert_same``, with a float64 run deciding where they differ by rounding
-    (``codegen/lower/accuracy.py``) and neither run wrote to ``args`` (``before``: their versions)."""
-    try:
-        assert_same(got, expected)
-    except AssertionError as e:
-        problem = str(e) or "values differ"
-        if versions(args) != before:
-            raise
-        problem = float64_problem(gm, args, got, expected, problem)
-        if problem is not None:
-            raise AssertionError(problem) from None
 
 
 def _disagreement(outputs: Any, expected: list[Any] | None,
@@ -488,8 +428,8 @@ def _disagreement(outputs: Any, expected: list[Any] | None,
         try:
             if (tf32 and isinstance(want, torch.Tensor) and want.is_cuda
                     and want.dtype == torch.float32 and isinstance(got, torch.Tensor)):
-                torch.testing.assert_close(got.detach(), want.detach(), rtol=2e-3, atol=2e-3,
-                                           equal_nan=True)
+                torch.testing.assert_close(got.detach(), want.detach(), rtol=TF32.rtol,
+                                           atol=TF32.atol, equal_nan=True)
             else:
                 assert_same(got, want, through)
         except AssertionError as e:
@@ -505,7 +445,7 @@ def _least_precise_float(gm: GraphModule) -> torch.dtype | None:
         layout = node_layout(n)
         if layout is not None:
             seen.add(layout[2])
-    return next((d for d in HALF_TOLERANCE if d in seen), None)
+    return next((d for d in HALF if d in seen), None)
 
 
 def _swap_in_kernels(gm: GraphModule, kernels: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""The lowering pipeline's two pass lists (codegen/lower/pipeline.py) and their runner."""
+"""The lowering pipeline's two pass lists (codegen/lower/pipeline.py), their runner, and the one
+tolerance table of the kernel check (codegen/lower/accuracy.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import pytest
 import torch
 from fxlite.codegen.lower import pipeline
+from fxlite.codegen.lower.accuracy import TOLERANCE, Tolerance, assert_same
 from fxlite.codegen.lower.pipeline import (
     BACKWARD_PASSES,
     FORWARD_PASSES,
@@ -66,3 +68,15 @@ def test_passes_run_in_order_where_wanted_and_adopt_new_modules():
               Pass("last", lambda gm, low: seen.append(gm is new))]
     assert run_passes(passes, _traced(), Lowering([])) is new
     assert seen == ["first", True]
+
+
+def test_one_tolerance_table_judges_a_value_by_its_dtype_or_a_looser_one():
+    x = torch.ones(8)
+    assert_same(x + 5e-6, x)  # float32: 1e-5
+    with pytest.raises(AssertionError, match="max abs difference"):
+        assert_same(x + 1e-3, x)
+    assert_same(x + 1e-3, x, through=torch.bfloat16)  # computed in bfloat16: its tolerance
+    with pytest.raises(AssertionError):
+        assert_same(x.double() + 1e-6, x.double())  # float64: 1e-7
+    assert set(TOLERANCE) == {torch.bfloat16, torch.float16, torch.float32, torch.float64}
+    assert all(isinstance(t, Tolerance) for t in TOLERANCE.values())
