@@ -58,6 +58,7 @@ from fxlite.passes.normalize import normalize
 from fxlite.passes.pass_manager import PassError
 from fxlite.passes.shape_prop import TensorMetadata, extract_tensor_metadata, memory_format_of
 
+from fxlite import config
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_aggregate
 from fxlite.ops.dropout import seed_dropouts
@@ -72,7 +73,7 @@ __all__ = ["BACKWARD_PASSES", "FORWARD_PASSES", "AutocastOff", "Lowering", "Pass
 PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
 # training segments: fused groups joined by table ops differentiate as one region
 # (codegen/lower/autograd_regions.py); FXLITE_REGIONS=0 keeps one autograd node per group
-REGIONS = os.environ.get("FXLITE_REGIONS", "1") != "0"
+REGIONS = config.regions()
 
 
 @dataclass
@@ -106,7 +107,7 @@ def _on_cuda(gm: GraphModule, low: Lowering) -> bool:
 
 def linting() -> bool:
     """Whether :func:`run_passes` lints each pass's result: ``FXLITE_LINT=1``, or in tests."""
-    return os.environ.get("FXLITE_LINT", "0") not in ("", "0") or "PYTEST_CURRENT_TEST" in os.environ
+    return config.lint() or "PYTEST_CURRENT_TEST" in os.environ
 
 
 def run_passes(passes: Sequence[Pass], gm: GraphModule, lowering: Lowering) -> GraphModule:

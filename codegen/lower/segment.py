@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from fxlite.passes.attention import unpack_attention
 from fxlite.passes.channels_last import CONVS, channels_last_convs
 from fxlite.passes.shape_prop import node_layout
 
+from fxlite import config
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
 from fxlite.logs import log_kernel
@@ -110,7 +110,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
     if callable(backend):
         return CompiledSegment(backend(work, list(sample)), work,
                                outputs=_run_checked(work, sample))
-    if os.environ.get("FXLITE_FUSED_OPTIMIZER") != "0":
+    if config.fused_optimizer():
         fused_optimizer_steps(work)
     unpack_attention(work)  # nn.MultiheadAttention's fast path, not its copies
     if _on_gpu(sample):
@@ -152,8 +152,7 @@ def kernel_prefix(gm: GraphModule) -> str:
 def channels_last_wanted(sample: list[Any]) -> bool:
     """Whether a segment run on ``sample`` gets channels-last convolutions (CUDA only:
     cuDNN's kernels there are NHWC; see ``passes/channels_last.py``)."""
-    wanted = os.environ.get("FXLITE_CHANNELS_LAST", "1" if CHANNELS_LAST else "0") == "1"
-    return wanted and _on_gpu(sample)
+    return config.channels_last(CHANNELS_LAST) and _on_gpu(sample)
 
 
 def _on_gpu(sample: list[Any]) -> bool:
