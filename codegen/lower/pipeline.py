@@ -92,7 +92,7 @@ class Pass(NamedTuple):
     else: it changed ``gm`` in place); it runs only where ``when(gm, lowering)``."""
 
     name: str
-    run: Callable[[GraphModule, Lowering], GraphModule | None]
+    run: Callable[[GraphModule, Lowering], Any]
     when: Callable[[GraphModule, Lowering], bool] = lambda gm, low: True
 
 
@@ -129,8 +129,9 @@ def run_passes(passes: Sequence[Pass], gm: GraphModule, lowering: Lowering) -> G
         gm = out if isinstance(out, GraphModule) else gm
         if lint:
             try:
-                for g in (gm, *(m for m in gm.modules() if isinstance(m, GraphModule))):
-                    g.graph.lint()
+                for g in gm.modules():  # gm first, then its groups
+                    if isinstance(g, GraphModule):
+                        g.graph.lint()
             except Exception as e:
                 raise PassError(p.name, f"pass {p.name!r} left a graph that fails lint: {e}") from e
     return gm
