@@ -38,6 +38,7 @@ MOVED = {
     "fxlite.passes.autocast": "fxlite.codegen.lower.autocast",
     "fxlite.passes.autograd_regions": "fxlite.codegen.lower.autograd_regions",
     "fxlite.passes.pad_matmul": "fxlite.codegen.lower.pad_matmul",
+    "fxlite.autodiff": "fxlite.codegen.lower.autodiff",
     "fxlite.autodiff_batch_norm": "fxlite.codegen.lower.batch_norm",
     "fxlite.codegen.triton_common": "fxlite.codegen.kernels.analysis",
     "fxlite.codegen.triton_config": "fxlite.codegen.kernels.config",

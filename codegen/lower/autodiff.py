@@ -35,17 +35,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from fxlite.ops import derivatives as op_derivatives
-from fxlite.ops.shapes import as_meta, infer, meta_tensor, record
 from fxlite.passes.cse import merge_duplicates
 from fxlite.passes.normalize import normalize_graph
 
-from .graph import Graph
-from .graph_module import GraphModule
-from .node import Node, map_arg
-from .ops import lookup, resolve
-from .proxy import GraphAppendingTracer, Proxy
+from fxlite.graph import Graph
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node, map_arg
+from fxlite.ops import derivatives as op_derivatives
+from fxlite.ops import lookup, resolve
+from fxlite.ops.shapes import as_meta, infer, meta_tensor, record
+from fxlite.proxy import GraphAppendingTracer, Proxy
 
 __all__ = ["GroupGrad", "NotDifferentiable", "differentiate", "without_tangents"]
 

@@ -30,10 +30,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.lower.autodiff import (
+    GroupGrad,
+    NotDifferentiable,
+    differentiate,
+    without_tangents,
+)
 from fxlite.codegen.lower.autograd_pipeline import CompiledGraph
 from fxlite.codegen.report import kernel_report
 
-from fxlite.autodiff import GroupGrad, NotDifferentiable, differentiate, without_tangents
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, Opcode, map_arg
 from fxlite.ops import lookup

@@ -8,7 +8,8 @@ result ``out``, and returns the cotangents of its tensor parameters by name::
 
     "mul": lambda g, a, out: {"input": g * a["other"], "other": g * a["input"]}
 
-Running a rule on Proxies records the backward nodes (``fxlite.autodiff`` does that).
+Running a rule on Proxies records the backward nodes (the compiler's
+``fxlite.codegen.lower.autodiff`` does that).
 What rules leave to autodiff:
 
 * **broadcasting**: a rule may return a cotangent larger than its parameter (``g * y``

@@ -518,7 +518,7 @@ def test_batch_norm_with_one_channel_raises_like_eager():
 def test_unused_group_output_with_a_nan_backward_leaves_other_gradients_finite():
     # Found by the gradient check on an H200 (seed 7989), reproduced on the CPU: the
     # unused output's zero tangent met the infinity (0 * inf); its terms are now dropped
-    # from the backward (fxlite.autodiff.without_tangents).
+    # from the backward (fxlite.codegen.lower.autodiff.without_tangents).
     def f(x):
         v0 = torch.sin(x)
         v5 = F.log_softmax(v0, dim=-1).clip(max=0)

@@ -448,7 +448,7 @@ def test_an_op_without_a_rule_runs_under_eager_autograd():
 def test_without_tangents_drops_the_terms_of_unused_outputs():
     # y = exp(x) and z = x * w: with z's tangent unused, x's gradient is g_y * exp(x)
     # alone, and w's gradient (reached only through z) reads nothing but the zero tangent
-    from fxlite.autodiff import differentiate, without_tangents
+    from fxlite.codegen.lower.autodiff import differentiate, without_tangents
 
     gm = normalize(fxlite.symbolic_trace(lambda x, w: (torch.exp(x), x * w)))
     x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
@@ -466,7 +466,7 @@ def test_without_tangents_drops_the_terms_of_unused_outputs():
 
 def test_a_detached_copy_of_a_value_is_the_value_once_the_rules_have_run():
     # x - m.detach() and x - m differ only for autodiff: the forward computes one of them
-    from fxlite.autodiff import differentiate
+    from fxlite.codegen.lower.autodiff import differentiate
 
     def f(x):
         m = x.sum(1, keepdim=True) / 5
