@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from fxlite import config
+
 __all__ = ["LOGS", "enabled", "format_graph", "kernel_listener", "log_break", "log_graph",
            "log_kernel", "set_logs"]
 
@@ -238,5 +240,5 @@ def kernel_listener(callback: Callable[[Any], None]) -> Iterator[None]:
         _kernel_listeners.remove(callback)
 
 
-if os.environ.get("FXLITE_LOGS"):
-    _from_env(os.environ["FXLITE_LOGS"])
+if config.logs():
+    _from_env(config.logs())

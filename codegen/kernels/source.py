@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from fxlite.codegen.kernels.analysis import Plan, Value
 from fxlite.codegen.kernels.emit import Emitter, Operand, compute_dtype, tl_dtype
 from fxlite.codegen.kernels.ops import TRITON_OPS
 
+from fxlite import config
 from fxlite import ops as op_table
 
 __all__ = ["HELPERS", "Access", "ArgKind", "KernelArg", "KernelSource", "decompose",
@@ -450,7 +450,7 @@ def signature(plan: Plan, body: str, used: set[Value], loads: list[tuple[Value, 
     that they are multiples of 16 is what lets it vectorize masked loads and stores (4x
     the bandwidth for fp32 rows); a resize that changes that compiles one more variant.
     """
-    align = os.environ.get("FXLITE_TRITON_SPECIALIZE", "1") != "0"
+    align = config.triton_specialize()
     names: list[str] = []
     args: list[KernelArg] = []
     nospec: list[str] = []

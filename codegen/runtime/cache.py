@@ -33,6 +33,8 @@ import types
 import warnings
 from pathlib import Path
 
+from fxlite import config
+
 __all__ = ["cache_root", "kernel_dir", "load_module", "private_dir", "read_file",
            "write_atomic"]
 
@@ -55,7 +57,7 @@ def cache_root() -> Path:
 
     A relative ``$XDG_CACHE_HOME`` is ignored, as the XDG specification asks.
     """
-    root = os.environ.get("FXLITE_CACHE_DIR")
+    root = config.cache_dir()
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME", "")

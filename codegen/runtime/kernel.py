@@ -49,7 +49,6 @@ interpreter) is used only when compiling for a GPU.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -95,6 +94,7 @@ from fxlite.codegen.runtime.launch import (
     fingerprint,
 )
 
+from fxlite import config
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 
@@ -303,7 +303,7 @@ class TritonKernel:
         self.compilations = 1
         # fingerprint of the inputs -> a prepared launch (GPU only; see DirectLaunch)
         self._direct: dict[tuple, DirectLaunch] | None = (
-            None if interpreting() or os.environ.get("FXLITE_DIRECT_LAUNCH") == "0" else {})
+            None if interpreting() or not config.direct_launch() else {})
         # A group of pointwise ops only may iterate in its inputs' memory order
         # (kernels/layout.py): nothing in it depends on the order of the dims. Not a clone
         # into a memory format: its result's layout is that format, whatever its input's.

@@ -21,7 +21,6 @@ tensors changing. Each one is checked once against the general launch before it 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,6 +29,8 @@ import torch
 from fxlite.codegen.kernels.analysis import Plan, computed_outputs
 from fxlite.codegen.kernels.layout import dense_strides
 from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magic
+
+from fxlite import config
 
 __all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "LastLaunch",
            "LaunchPlan", "fingerprint"]
@@ -230,7 +231,7 @@ class _Static:
     def make(cls, compiled: Any) -> _Static | None:
         """The static launch of ``compiled``, or None when torch's launcher cannot take it."""
         launcher = getattr(torch._C, "_StaticCudaLauncher", None)
-        if launcher is None or os.environ.get("FXLITE_STATIC_LAUNCH") == "0":
+        if launcher is None or not config.static_launch():
             return None
         try:
             md = compiled.metadata

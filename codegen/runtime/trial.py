@@ -31,7 +31,6 @@ the recorded ops win, the segment's kernels are dropped and ``fallbacks`` says w
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +39,8 @@ from typing import Any
 import torch
 from fxlite.codegen.lower.segment import CompiledSegment, direct_forward
 from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs, runs_backward
+
+from fxlite import config
 
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]
 
@@ -95,7 +96,7 @@ def choose_runner(seg: Any, cuda: bool, graphed: bool) -> Callable[..., Any]:
     its kernels' host cost (an autograd node a group) is gone there.
     """
     compiled = seg.compiled
-    on_trial = bool(compiled.kernels) and cuda and os.environ.get("FXLITE_TRIAL") != "0"
+    on_trial = bool(compiled.kernels) and cuda and config.trial()
     if graphed and _trains(seg, compiled):
         if on_trial:
             return _graphed_trial(seg)
