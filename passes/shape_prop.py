@@ -5,64 +5,34 @@ After ``ShapeProp(gm).propagate(x)`` every node whose value holds tensors carrie
 tuple/list/dict structure of them for a nested value. Every node gets
 ``node.meta['type']``, the Python type of its value. ``gm.graph.print_tabular()`` then
 shows shape and dtype columns.
+
+:class:`TensorMetadata`, :func:`extract_tensor_metadata` and the memory-format tables live
+in the core (``fxlite.tensor_meta``), which records metadata without passes; they are
+imported here under their old names.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from fxlite.graph_module import attr_at
 from fxlite.interpreter import Interpreter
-from fxlite.node import Node, describe_value, map_aggregate
+from fxlite.node import Node, map_aggregate
+from fxlite.tensor_meta import (
+    FORMAT_RANKS,
+    MEMORY_FORMATS,
+    TensorMetadata,
+    extract_tensor_metadata,
+    rebuild_tensor_metadata,
+)
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
            "extract_tensor_metadata", "fill_missing_meta"]
 
-# The dense layouts a tensor's metadata names (and a clone may ask for), with the rank
-# each needs (0: any). Checked in this order: a tensor that is several at once (size-1
-# dims) reports the first.
-FORMAT_RANKS = {torch.contiguous_format: 0, torch.channels_last: 4, torch.channels_last_3d: 5}
-MEMORY_FORMATS = tuple(FORMAT_RANKS)
-
-
-class TensorMetadata(NamedTuple):
-    """What ShapeProp records about one tensor.
-
-    Attributes:
-        shape: its ``torch.Size``.
-        dtype: its element type.
-        requires_grad: whether autograd tracks it.
-        stride: its strides (``()`` for non-strided layouts such as sparse).
-        memory_format: ``torch.contiguous_format``, ``torch.channels_last``,
-            ``torch.channels_last_3d``, or None when it is laid out in none of them.
-        is_quantized: whether it is a quantized tensor.
-        qparams: for quantized tensors, ``qscheme`` and ``scale``/``zero_point`` (or
-            per-channel ``scale``, ``zero_point`` and ``axis``); else empty.
-    """
-
-    shape: torch.Size
-    dtype: torch.dtype
-    requires_grad: bool
-    stride: tuple[int, ...]
-    memory_format: torch.memory_format | None
-    is_quantized: bool = False
-    qparams: dict[str, Any] = {}  # shared default; extract_tensor_metadata makes fresh ones
-
-    def __reduce__(self) -> tuple:
-        # torch.memory_format objects do not pickle at protocol 2, torch.save's default:
-        # store the format's name and look it up again on load.
-        fmt = None if self.memory_format is None else str(self.memory_format).rpartition(".")[2]
-        return (_rebuild_tensor_metadata, (self.shape, self.dtype, self.requires_grad,
-                                           self.stride, fmt, self.is_quantized, self.qparams))
-
-
-def _rebuild_tensor_metadata(shape: torch.Size, dtype: torch.dtype, requires_grad: bool,
-                             stride: tuple[int, ...], memory_format: str | None,
-                             is_quantized: bool, qparams: dict[str, Any]) -> TensorMetadata:
-    fmt = None if memory_format is None else getattr(torch, memory_format)
-    return TensorMetadata(shape, dtype, requires_grad, stride, fmt, is_quantized, qparams)
+# The name pickles made before TensorMetadata moved to fxlite.tensor_meta refer to.
+_rebuild_tensor_metadata = rebuild_tensor_metadata
 
 
 def memory_format_of(shape: Any, stride: Any) -> torch.memory_format | None:
@@ -87,46 +57,6 @@ def node_layout(node: Any) -> tuple[tuple, tuple, torch.dtype] | None:
     if tm is None or not hasattr(tm, "shape") or tm.stride is None:
         return None
     return tuple(tm.shape), tuple(tm.stride), tm.dtype
-
-
-def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
-    """Record ``t``'s shape, dtype, strides, memory format and quantization.
-
-    Args:
-        t: any tensor.
-
-    Returns:
-        Its :class:`TensorMetadata`.
-
-    Example::
-
-        >>> extract_tensor_metadata(torch.zeros(2, 3)).stride
-        (3, 1)
-    """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"extract_tensor_metadata: t must be a torch.Tensor, not {describe_value(t)}")
-    strided = t.layout == torch.strided
-    memory_format = None
-    if strided:
-        for fmt in MEMORY_FORMATS:
-            if t.is_contiguous(memory_format=fmt):
-                memory_format = fmt
-                break
-    qparams: dict[str, Any] = {}
-    if t.is_quantized:
-        qscheme = t.qscheme()
-        qparams["qscheme"] = qscheme
-        if qscheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            qparams["scale"] = t.q_scale()
-            qparams["zero_point"] = t.q_zero_point()
-        else:
-            qparams["scale"] = t.q_per_channel_scales().tolist()
-            qparams["zero_point"] = t.q_per_channel_zero_points().tolist()
-            qparams["axis"] = t.q_per_channel_axis()
-    return TensorMetadata(
-        shape=t.shape, dtype=t.dtype, requires_grad=t.requires_grad,
-        stride=tuple(t.stride()) if strided else (), memory_format=memory_format,
-        is_quantized=t.is_quantized, qparams=qparams)
 
 
 def _tensor_meta_of(value: Any) -> Any:

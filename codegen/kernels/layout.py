@@ -8,10 +8,12 @@ then read with a large stride between neighbouring lanes: every load is a transp
 
 Eager's TensorIterator instead orders the dims by the operands' strides (the first
 operand that tells two dims apart decides, broadcast operands abstain) and gives its
-output the same layout. :func:`memory_order` computes that order; the kernel is then
-specialized for and launched on inputs permuted into it (views: no copy), so that its
-loads and stores are linear, and the outputs are permuted back: values as before, and the
-output layout that eager would pick (a channels-last result for channels-last inputs)::
+output the same layout. :func:`memory_order` computes that order (it and
+:func:`dense_strides` live in the core's ``fxlite.tensor_meta``, which the op table's shape
+rules share; imported here); the kernel is then specialized for and launched on inputs
+permuted into it (views: no copy), so that its loads and stores are linear, and the outputs
+are permuted back: values as before, and the output layout that eager would pick (a
+channels-last result for channels-last inputs)::
 
     order = memory_order(inputs)         # (0, 2, 3, 1) for channels-last NCHW inputs
     inner = permute_inputs(inputs, order)
@@ -25,68 +27,10 @@ from typing import Any
 
 import torch
 
+from fxlite.tensor_meta import dense_strides, memory_order
+
 __all__ = ["dense_strides", "eager_layout", "inverse", "memory_order", "merges", "permute_inputs",
            "stride_order"]
-
-
-def _votes(t: torch.Tensor, rank: int, a: int, b: int) -> int:
-    """-1: ``t`` wants dim ``a`` outside ``b``; 1: inside; 0: it does not say."""
-    off = rank - t.dim()
-    if a < off or b < off:
-        return 0
-    na, nb = t.shape[a - off], t.shape[b - off]
-    sa, sb = t.stride(a - off), t.stride(b - off)
-    if na == 1 or nb == 1 or sa == 0 or sb == 0 or sa == sb:
-        return 0
-    return -1 if sa > sb else 1
-
-
-def memory_order(inputs: Sequence[Any]) -> tuple[int, ...] | None:
-    """The order of dims (outermost first) that follows the inputs' memory layout.
-
-    Args:
-        inputs: a kernel's inputs (tensors and scalars).
-
-    Returns:
-        A permutation of the iteration space's dims, or None when the logical order is
-        the memory order already (contiguous inputs) or no tensor says otherwise.
-
-    Example::
-
-        x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
-        memory_order([x, 1.0])     # (0, 2, 3, 1)
-        memory_order([x.contiguous()])  # None
-    """
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    rank = max((t.dim() for t in tensors), default=0)
-    if rank < 2:
-        return None
-    # TensorIterator's fast setup first: inputs of one shape, all contiguous (row-major
-    # output) or all channels-last (a channels-last one), whatever their size-1 strides.
-    if all(t.shape == tensors[0].shape for t in tensors):
-        if all(t.is_contiguous() for t in tensors):
-            return None
-        if rank == 4 and all(t.is_contiguous(memory_format=torch.channels_last)
-                             for t in tensors):
-            return (0, 2, 3, 1)
-    # TensorIterator's reorder_dimensions: insertion sort, innermost first. A pair no
-    # tensor tells apart (size 1, broadcast) does not stop the search for a place.
-    perm = list(range(rank - 1, -1, -1))
-    for i in range(1, rank):
-        inner = i
-        for outer in range(i - 1, -1, -1):
-            vote = 0
-            for t in tensors:
-                vote = _votes(t, rank, perm[inner], perm[outer])
-                if vote:
-                    break
-            if vote == 1:  # perm[outer] belongs inside perm[inner]: swap
-                perm[outer], perm[inner] = perm[inner], perm[outer]
-                inner = outer
-            elif vote == -1:
-                break
-    order = perm[::-1]
-    return None if order == sorted(order) else tuple(order)
 
 
 def inverse(order: Sequence[int]) -> tuple[int, ...]:
@@ -166,13 +110,3 @@ def merges(inputs: Sequence[Any], runs: Sequence[Sequence[int]]) -> bool:
     t = next(x for x in inputs if isinstance(x, torch.Tensor))
     return all(t.stride(d) == t.shape[e] * t.stride(e)
                for run in runs for d, e in zip(run, run[1:]))
-
-
-def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
-    """Strides of a dense tensor of ``shape`` whose dims lie in ``order`` (outermost first)."""
-    strides = [0] * len(shape)
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return tuple(strides)

@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from fxlite.ops.dropout import seeded_dropout
-from fxlite.passes.shape_prop import MEMORY_FORMATS
 from fxlite.proxy import Proxy
+from fxlite.tensor_meta import MEMORY_FORMATS
 
 __all__ = ["VJP", "ZERO", "expand_reduced", "reduced_dims"]
 

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from fxlite.codegen.kernels.layout import dense_strides, memory_order
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, resolve, result_dtype
-from fxlite.passes.shape_prop import FORMAT_RANKS, extract_tensor_metadata
+from fxlite.tensor_meta import FORMAT_RANKS, dense_strides, extract_tensor_metadata, memory_order
 
 __all__ = ["VIEW_SHAPES", "as_meta", "infer", "meta_tensor", "propagate", "record"]
 
@@ -37,11 +36,8 @@ _PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.true
 def meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous meta tensor (made by a factory: no meta kernel runs)."""
     shape = tuple(shape)
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return torch.empty_strided(shape, tuple(reversed(stride)), dtype=dtype, device="meta")
+    return torch.empty_strided(shape, dense_strides(shape, range(len(shape))), dtype=dtype,
+                               device="meta")
 
 
 def as_meta(v: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Dict  # noqa: UP035 - the fx.rst example, as written
 
 import pytest
@@ -191,6 +192,18 @@ def test_quantized_tensor_metadata():
     mc = extract_tensor_metadata(qc)
     assert mc.qparams["axis"] == 0 and mc.qparams["zero_point"] == [0, 1]
     assert mc.qparams["scale"] == pytest.approx([0.1, 0.2])
+
+
+def test_metadata_pickled_before_it_moved_to_the_core_still_loads():
+    # TensorMetadata pickles through its rebuild function, which lived in passes/shape_prop.py
+    # until issue 37 moved the class to fxlite/tensor_meta.py; pickles made before name it there.
+    m = extract_tensor_metadata(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    data = pickle.dumps(m, protocol=2)  # torch.save's protocol: globals are plain text
+    old = data.replace(b"cfxlite.tensor_meta\nrebuild_tensor_metadata\n",
+                       b"cfxlite.passes.shape_prop\n_rebuild_tensor_metadata\n")
+    assert old != data
+    assert pickle.loads(old) == pickle.loads(data) == m
+    assert pickle.loads(old).memory_format is torch.channels_last
 
 
 def test_shape_prop_is_an_interpreter(conv_gm):
