@@ -124,6 +124,23 @@ def test_codegen_top_level_is_short() -> None:
     assert len(files) <= MAX_CODEGEN_FILES, sorted(p.name for p in files)
 
 
+def _layer(module: str) -> int:
+    """0: the core (fxlite's own modules), 1: passes, 2: the compiler; 3: the package, its
+    command line and the finder of old paths, which sit above everything."""
+    if module in ("fxlite", "fxlite.__main__", "fxlite._moved") or module.startswith("fxlite.cli"):
+        return 3
+    if module == "fxlite.codegen" or module.startswith("fxlite.codegen."):
+        return 2
+    return 1 if module == "fxlite.passes" or module.startswith("fxlite.passes.") else 0
+
+
+def test_the_core_imports_nothing_above_it() -> None:
+    # DESIGN.md: fxlite/ imports nothing from passes/ or codegen/, and passes/ nothing from
+    # codegen/.
+    upward = [(a, b) for a, b in IMPORTS.graph.edges if _layer(a) < _layer(b) <= 2]
+    assert upward == []
+
+
 if __name__ == "__main__":
     print(f"modules {len(MODULES)}, circles {len(IMPORTS.circles())}, "
           f"in-function {len(IMPORTS.in_function)}, private {len(IMPORTS.private)}")
