@@ -1,7 +1,7 @@
 """The kernel pipeline for autodiff's graphs: decompose, ShapeProp, fuse, Triton.
 
 :class:`CompiledGraph` takes a graph of canonical ops (a group's forward, or its backward
-from ``fxlite.autodiff``) through ``BACKWARD_PASSES`` (``codegen/lower/pipeline.py``)
+from ``codegen/lower/autodiff.py``) through ``BACKWARD_PASSES`` (``codegen/lower/pipeline.py``)
 and the same kernel check as ``fxlite.compile``::
 
     graph ─ decompose ─ ShapeProp (meta tensors) ─ fuse ─ lone ops as groups ─┐

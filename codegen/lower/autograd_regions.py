@@ -7,7 +7,7 @@ its own copies of what its backward needs. A training-mode BatchNorm is five gro
 (sums in two stages, the centred values, the normalization), so resnet18's step made 91
 such additions and 57 autograd nodes. ``autograd_regions`` joins groups that only table
 ops connect into one *region*: a flat graph of table ops that autodiff differentiates as
-a whole (``fxlite.autodiff``) and the kernel pipeline fuses again, forward and backward
+a whole (``codegen/lower/autodiff.py``) and the kernel pipeline fuses again, forward and backward
 (``codegen/lower/autograd_pipeline.py``)::
 
     before                                       after
