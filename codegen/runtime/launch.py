@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from fxlite.codegen.kernels.analysis import Plan, computed_outputs
@@ -32,8 +32,8 @@ from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magi
 
 from fxlite import config
 
-__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "LastLaunch",
-           "LaunchPlan", "fingerprint"]
+__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "GroupResult",
+           "LastLaunch", "LaunchPlan", "TensorSlot", "fingerprint"]
 
 # A tensor's place in a remembered launch (LastLaunch.values): the launch keeps no tensor.
 SLOT = object()
@@ -48,6 +48,24 @@ DIRECT_LAUNCH_PROBLEM: str | None = None
 _ARG_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B",
               "u16": "H", "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f",
               "f32": "f", "fp64": "d"}
+
+
+class GroupResult(NamedTuple):
+    """One value a group returns: input ``index`` itself (``source == "in"``) or the
+    kernel's output ``index`` (``source == "out"``)."""
+
+    source: Literal["in", "out"]
+    index: int
+
+
+class TensorSlot(NamedTuple):
+    """A kernel argument that changes per call in a :class:`DirectLaunch`: argument
+    ``position`` is input ``index`` (``source == "in"``, scalars included) or output
+    ``index`` (``source == "out"``)."""
+
+    position: int
+    source: Literal["in", "out"]
+    index: int
 
 
 def fingerprint(inputs: Sequence[Any]) -> tuple:
@@ -77,8 +95,8 @@ class LaunchPlan:
         variants: the kernel's functions (``"pointwise"``, ``"rows"``, ``"transpose"``,
             ``"persistent"``, ``"looped"``).
         tile: the dims a ``"transpose"`` variant's tiles run along (``KernelSource.tile``).
-        results: what the group returns, in order: ``("in", i)`` (input ``i`` itself) or
-            ``("out", j)`` (the kernel's output ``j``).
+        results: what the group returns, in order (:class:`GroupResult`): an input itself
+            or one of the kernel's outputs.
         structure: ``"single"``, ``"tuple"`` or ``"list"``: how the results are returned.
         out_layout: per output, ``(dims, span, dtype, layout)``: the iteration dims it
             occupies, those it varies along, its dtype and eager's layout (None: contiguous).
@@ -95,7 +113,7 @@ class LaunchPlan:
     args: list[KernelArg]
     variants: frozenset[str]
     tile: tuple[tuple[int, ...], tuple[int, ...]] | None
-    results: list[tuple[str, int]]
+    results: list[GroupResult]
     structure: str
     out_layout: list[tuple[tuple[int, ...], frozenset[int], torch.dtype, Any]]
     pointwise: bool
@@ -117,8 +135,8 @@ class LaunchPlan:
         trailing = not kept_nt or not red or max(kept_nt) < min(red)
         return cls(
             args=src.args, variants=frozenset(src.functions), tile=src.tile,
-            results=[("in", v.index) if v.kind == "input" else ("out", slot[id(v)])
-                     for v in plan.outputs],
+            results=[GroupResult("in", v.index) if v.kind == "input"
+                     else GroupResult("out", slot[id(v)]) for v in plan.outputs],
             structure=plan.structure,
             out_layout=[(tuple(v.dims), v.span, v.dtype, v.layout) for _, v in outs],
             pointwise=plan.kind == "pointwise",
@@ -192,9 +210,9 @@ class LaunchPlan:
         return _returned(self.results, self.structure, inputs, outs)
 
 
-def _returned(results: list[tuple[str, int]], structure: str, inputs: Sequence[Any],
+def _returned(results: list[GroupResult], structure: str, inputs: Sequence[Any],
               outs: Sequence[Any]) -> Any:
-    values = [inputs[i] if tag == "in" else outs[i] for tag, i in results]
+    values = [inputs[i] if source == "in" else outs[i] for source, i in results]
     if structure == "single":
         return values[0]
     return tuple(values) if structure == "tuple" else values
@@ -357,10 +375,10 @@ class DirectLaunch:
         # Inputs (tensors and scalars) and outputs change per call; sizes, strides and
         # counts are fixed by the fingerprint.
         self.template = values
-        self.tensor_slots = [(k, "in" if a.kind in ("in", "scalar") else "out", a.index)
+        self.tensor_slots = [TensorSlot(k, "in" if a.kind in ("in", "scalar") else "out", a.index)
                              for k, a in enumerate(plan.args)
                              if a.kind in ("in", "scalar", "out")]
-        slots = {k for k, _, _ in self.tensor_slots}
+        slots = {s.position for s in self.tensor_slots}
         if any(v is SLOT for k, v in enumerate(values) if k not in slots):
             return None  # a tensor the launch would have to keep: the general path
         # Outputs may be permuted views (a kernel run in its inputs' memory order): the
@@ -414,7 +432,8 @@ class DirectLaunch:
                 env[f"_stride{j}"] = stride
                 lines.append(f"    o{j} = _empty_strided(_shape{j}, _stride{j}, dtype=_dtype{j}, "
                              f"device=_device{j})")
-        slots = {k: (f"inputs[{i}]" if tag == "in" else f"o{i}") for k, tag, i in self.tensor_slots}
+        slots = {k: (f"inputs[{i}]" if source == "in" else f"o{i}")
+                 for k, source, i in self.tensor_slots}
         args = []
         for k, v in enumerate(self.template):
             if k in slots:
@@ -438,7 +457,7 @@ class DirectLaunch:
             env["_packed"] = compiled.packed_metadata
             lines.append(f"    _run({g[0]}, {g[1]}, {g[2]}, _stream({self.device}), _function, "
                          f"_packed, None, None, None, {', '.join(args)})")
-        results = [f"inputs[{i}]" if tag == "in" else f"o{i}" for tag, i in self.results]
+        results = [f"inputs[{i}]" if source == "in" else f"o{i}" for source, i in self.results]
         if self.structure == "single":
             lines.append(f"    return {results[0]}")
         else:
@@ -461,7 +480,7 @@ class DirectLaunch:
             DIRECT_LAUNCH_PROBLEM = f"{type(e).__name__}: {e}"
             return False
         got = got if isinstance(got, (tuple, list)) else [got]
-        want = [inputs[i] if tag == "in" else outs[i] for tag, i in direct.results]
+        want = [inputs[i] if source == "in" else outs[i] for source, i in direct.results]
         same = all(torch.equal(g, w) or (g.is_floating_point() and torch.allclose(
             g, w, equal_nan=True, rtol=0, atol=0)) for g, w in zip(got, want))
         if not same:
@@ -473,8 +492,8 @@ class DirectLaunch:
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype, device in self.out_specs]
         values = list(self.template)
-        for k, tag, i in self.tensor_slots:  # inputs, scalars included, and outputs
-            values[k] = inputs[i] if tag == "in" else outs[i]
+        for k, source, i in self.tensor_slots:  # inputs, scalars included, and outputs
+            values[k] = inputs[i] if source == "in" else outs[i]
         if self.grid[0]:
             self.binary.launch(self.grid, values, self.device)
         return _returned(self.results, self.structure, inputs, outs)

@@ -11,6 +11,8 @@ from fxlite.codegen.runtime.binaries import binary_key
 from fxlite.codegen.runtime.launch import (
     Binary,
     DirectLaunch,
+    GroupResult,
+    TensorSlot,
     fingerprint,
 )
 
@@ -46,8 +48,8 @@ class _StaticStandIn:
         return tuple(values[i] for i in self.keep) + (None,) * self.extra
 
 
-def _launch(structure: str, results: list, template: list, slots: list,
-            static: bool = False) -> tuple[DirectLaunch, list]:
+def _launch(structure: str, results: list[GroupResult], template: list,
+            slots: list[TensorSlot], static: bool = False) -> tuple[DirectLaunch, list]:
     calls: list[tuple] = []
     binary = object.__new__(Binary)
     binary.compiled, binary.checked, binary.key = _Compiled(calls), False, "k"
@@ -64,8 +66,8 @@ def _launch(structure: str, results: list, template: list, slots: list,
 
 def test_generated_launcher_passes_current_inputs_and_fresh_outputs() -> None:
     x, y = torch.randn(4), torch.randn(4)
-    d, calls = _launch("single", [("out", 0)], [x, None, 1024, 7, 2.5, float("inf")],
-                       [(0, "in", 0), (1, "out", 0), (4, "in", 1)])
+    d, calls = _launch("single", [GroupResult("out", 0)], [x, None, 1024, 7, 2.5, float("inf")],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0), TensorSlot(4, "in", 1)])
     first = d.fast([x, 0.5])
     second = d.fast([y, 1.5])
     assert first is not second and first.shape == (4,)
@@ -81,7 +83,8 @@ def test_generated_launcher_allocates_outputs_in_their_layout() -> None:
     """A kernel run in its inputs' memory order returns permuted (channels-last) outputs:
     the prepared launch allocates them with those strides, not contiguous."""
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
-    d, calls = _launch("single", [("out", 0)], [x, None, 1024], [(0, "in", 0), (1, "out", 0)])
+    d, calls = _launch("single", [GroupResult("out", 0)], [x, None, 1024],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
     d.out_specs = [(tuple(x.shape), x.stride(), x.dtype, x.device)]
     d.fast = d._generate()
     out = d.fast([x])
@@ -96,8 +99,8 @@ def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> N
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234,
                         raising=False)
     x, y = torch.randn(4), torch.randn(4)
-    d, calls = _launch("single", [("out", 0)], [x, None, 1024, 256],
-                       [(0, "in", 0), (1, "out", 0)], static=True)
+    d, calls = _launch("single", [GroupResult("out", 0)], [x, None, 1024, 256],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)], static=True)
     first = d.fast([x])
     d.fast([y])
     # function, grid, warps, shared memory, codes, arguments (constexpr BLOCK dropped,
@@ -111,7 +114,8 @@ def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> N
 
 def test_outputs_shaped_like_an_input_use_empty_like() -> None:
     x = torch.randn(4)
-    d, calls = _launch("single", [("out", 0)], [x, None], [(0, "in", 0), (1, "out", 0)])
+    d, calls = _launch("single", [GroupResult("out", 0)], [x, None],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
     d.like = {0: 0}
     d.fast = d._generate()
     out = d.fast([x])
@@ -121,7 +125,8 @@ def test_outputs_shaped_like_an_input_use_empty_like() -> None:
 
 def test_generated_launcher_returns_the_group_structure() -> None:
     x = torch.randn(4)
-    d, _ = _launch("tuple", [("out", 0), ("in", 0)], [x, None], [(0, "in", 0), (1, "out", 0)])
+    d, _ = _launch("tuple", [GroupResult("out", 0), GroupResult("in", 0)], [x, None],
+                   [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
     out, same = d.fast([x])
     assert same is x and out.shape == (4,)
 
@@ -135,8 +140,8 @@ def test_hooks_take_the_general_path(monkeypatch) -> None:
     monkeypatch.setattr(launch_mod, "_hooks", lambda: (Chain(), Chain()))
     x = torch.randn(4)
     for static in (False, True):
-        d, calls = _launch("single", [("out", 0)], [x, None, 1024, 256],
-                           [(0, "in", 0), (1, "out", 0)], static=static)
+        d, calls = _launch("single", [GroupResult("out", 0)], [x, None, 1024, 256],
+                           [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)], static=static)
         d.hooks = (Chain(), Chain())
         d.fast = d._generate()
         d.fast([x])
