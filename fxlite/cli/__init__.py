@@ -36,6 +36,7 @@ from fxlite import __version__
 
 __all__ = ["build_parser", "main"]
 
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (and exit status 2)."""
 
@@ -50,6 +51,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 def _version() -> str:
     """fxlite's version and those of torch, Triton and Python, read from the installed
     packages' metadata (importing torch would take seconds)."""
+
     def installed(name: str) -> str:
         try:
             return metadata.version(name)
