@@ -15,14 +15,15 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["LIB_DIRS", "Read", "Recording", "Slot", "Step", "format_site", "recording_in_thread",
-           "recording_thread", "result_leaves", "tensor_meta", "user_site"]
+__all__ = ["LIB_DIRS", "ConstRef", "NodeRef", "ObjectRef", "Read", "Recording", "ResultRef", "Slot",
+           "Step", "format_site", "recording_in_thread", "recording_thread", "result_leaves",
+           "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -69,7 +70,6 @@ def format_site(site: tuple[str, int, str, str] | None) -> str:
 
 
 @dataclass(eq=False)
-@dataclass(eq=False)
 class Step:
     """One recorded call, as fast-forwarding a new path replays it (see ``segments``)."""
 
@@ -98,9 +98,7 @@ class Recording:
     in_spec: Any
     placeholders: list[str | None]  # per input leaf: its placeholder name, None if not a tensor
     out_spec: Any = None
-    # per result leaf: ("node", i) | ("const", v) | ("object", (template, slots, shared)):
-    # result_leaves
-    out_refs: list[tuple[str, Any]] = field(default_factory=list)
+    out_refs: list[ResultRef] = field(default_factory=list)  # per result leaf: result_leaves
     steps: list[Step] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)
     sizes_read: bool = False
@@ -125,6 +123,30 @@ def tensor_meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
 
+class NodeRef(NamedTuple):
+    """A result leaf that is the graph's flat output ``index``."""
+
+    index: int
+
+
+class ConstRef(NamedTuple):
+    """A result leaf that is the same object on every call."""
+
+    value: Any
+
+
+class ObjectRef(NamedTuple):
+    """A result leaf rebuilt on each call from ``template`` (an object holding tensors,
+    a transformers KV cache): see :class:`Slot`."""
+
+    template: Any
+    slots: list[Slot]  # one per graph output it takes, in order
+    shared: dict[int, Any]  # id -> module it holds, not copied
+
+
+ResultRef = NodeRef | ConstRef | ObjectRef
+
+
 class Slot:
     """Stands for one tensor in the template of a result object (a transformers KV cache):
     the template is the object deep-copied at record time with each tensor swapped for a
@@ -132,23 +154,23 @@ class Slot:
     (the modules it holds, ``shared`` by id, are not copied)."""
 
 
-def result_leaves(out_refs: list[tuple[str, Any]], flat: Any) -> list[Any]:
+def result_leaves(out_refs: list[ResultRef], flat: Any) -> list[Any]:
     """A recording's result leaves for one call, from the graph's flat outputs ``flat``.
 
     Example::
 
-        result_leaves([("node", 0), ("const", 3)], (t,))   # [t, 3]
+        result_leaves([NodeRef(0), ConstRef(3)], (t,))   # [t, 3]
     """
     it = iter(flat)
     leaves: list[Any] = []
-    for kind, value in out_refs:
-        if kind == "node":
+    for ref in out_refs:
+        kind = type(ref)
+        if kind is NodeRef:
             leaves.append(next(it))
-        elif kind == "object":
-            template, slots, shared = value
-            memo = dict(shared)  # modules stay the same objects
-            memo.update((id(s), next(it)) for s in slots)
-            leaves.append(copy.deepcopy(template, memo))
+        elif kind is ObjectRef:
+            memo = dict(ref.shared)  # modules stay the same objects
+            memo.update((id(s), next(it)) for s in ref.slots)
+            leaves.append(copy.deepcopy(ref.template, memo))
         else:
-            leaves.append(value)
+            leaves.append(ref.value)
     return leaves

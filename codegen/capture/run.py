@@ -48,6 +48,9 @@ from fxlite.codegen.capture.hooks import installed, opaque_methods, opaque_names
 from fxlite.codegen.capture.kinds import autocast_state
 from fxlite.codegen.capture.recorder import Recorder
 from fxlite.codegen.capture.records import (
+    ConstRef,
+    NodeRef,
+    ObjectRef,
     Read,
     Recording,
     Slot,
@@ -326,21 +329,21 @@ def _finish_output(recorder: Recorder, result: Any) -> None:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             name = recorder._name_of(leaf) or recorder._external(leaf)
-            rec.out_refs.append(("node", len(outs)))
+            rec.out_refs.append(NodeRef(len(outs)))
             outs.append(recorder._nodes[name])
             continue
         # an object made in the call that holds tensors (a transformers KV cache): each
         # call gets a copy of it that holds that call's tensors
         held = _tensors_in(leaf)
         if held is not None and not held[0]:
-            rec.out_refs.append(("const", leaf))
+            rec.out_refs.append(ConstRef(leaf))
             continue
         made = None if held is None else _template(recorder, leaf, *held)
         if made is None:  # a replay cannot rebuild it: the Python that makes it runs
             if rec.effect is None and rec.unsupported is None:
                 rec.effect = (f"returns a {type(leaf).__name__} that fxlite cannot rebuild "
                               "for each call (it holds tensors, or too much to copy)")
-            rec.out_refs.append(("const", leaf))
+            rec.out_refs.append(ConstRef(leaf))
             continue
         ref, nodes = made
         rec.out_refs.append(ref)
@@ -367,7 +370,7 @@ def _tensors_in(obj: Any) -> tuple[list[torch.Tensor], dict[int, Any]] | None:
 
 
 def _template(recorder: Recorder, obj: Any, tensors: list[torch.Tensor],
-              shared: dict[int, Any]) -> tuple[tuple[str, Any], list[Any]] | None:
+              shared: dict[int, Any]) -> tuple[ObjectRef, list[Any]] | None:
     """The ``out_refs`` entry that rebuilds ``obj`` on each call (``obj`` deep-copied
     with a :class:`Slot` for each of its ``tensors``, the modules in ``shared`` not
     copied) and each tensor's node; None if that cannot be done."""
@@ -376,7 +379,7 @@ def _template(recorder: Recorder, obj: Any, tensors: list[torch.Tensor],
         nodes = [recorder._nodes[recorder._name_of(t) or recorder._external(t)]
                  for t in tensors]
         template = copy.deepcopy(obj, {**shared, **{id(t): s for t, s in zip(tensors, slots)}})
-        ref = ("object", (template, slots, shared))
+        ref = ObjectRef(template, slots, shared)
         result_leaves([ref], tensors)  # the copy each call makes must work
     except Exception:  # an object deepcopy cannot copy, or a tensor without a node
         return None

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxlite.codegen.capture.records import Read, Recording, result_leaves
+from fxlite.codegen.capture.records import NodeRef, Read, Recording, result_leaves
 from fxlite.codegen.capture.structure import unflatten
 
 from fxlite.graph import Graph
@@ -61,7 +61,7 @@ class Segment:
     def result(self, flat: Any) -> Any:
         """The user's result, rebuilt from the last segment's flat outputs."""
         rec = self.recording
-        if rec.out_spec == _ONE and rec.out_refs[0][0] == "node":  # one tensor: common
+        if rec.out_spec == _ONE and type(rec.out_refs[0]) is NodeRef:  # one tensor: common
             return flat[0]
         return unflatten(rec.out_spec, result_leaves(rec.out_refs, flat))
 
