@@ -110,7 +110,16 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.hooks import installed, opaque_methods
 from fxlite.codegen.capture.kinds import SIZE_FANOUT, UNSUPPORTED, classify, state_name
-from fxlite.codegen.capture.records import Recording, Step, recording_in_thread, tensor_meta
+from fxlite.codegen.capture.records import (
+    Out,
+    Recording,
+    SeqOut,
+    Step,
+    TensorOut,
+    ValueOut,
+    recording_in_thread,
+    tensor_meta,
+)
 from fxlite.codegen.capture.rules import map_tensors, same_func, spelling
 from fxlite.codegen.capture.structure import flatten
 from torch.overrides import TorchFunctionMode
@@ -149,7 +158,7 @@ class Expect(NamedTuple):
     piece: Piece | None  # the piece that computes its value; None: it runs for real
     tensor: bool  # its value is the one tensor named ``node`` (no sequence, no constant)
     keeps_name: bool  # it returns its input object, which keeps its own name
-    out: Any  # its result's structure, as recorded (``Step.out``)
+    out: Out  # its result's structure, as recorded (``Step.out``)
     passed: bool  # its function's calls run unmatched (a size read that was recorded)
     grad: bool | None  # grad mode as recorded (a piece's values depend on it); None: any
     scalars: tuple = ()  # (position, name) of each varying number it passes (``Follow.scalars``)
@@ -634,16 +643,17 @@ class Follower(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ values
-    def _value(self, structure: Any, name: str) -> Any:
-        kind = structure[0]
-        if kind == "t":
+    def _value(self, structure: Out, name: str) -> Any:
+        kind = type(structure)
+        if kind is TensorOut:
             return self.env[name]
-        if kind == "seq":
-            items = [self._value(sub, self._getitem(name, i)) if sub[0] != "v" else sub[1]
-                     for i, sub in enumerate(structure[2])]
-            cls = structure[1]
+        if kind is SeqOut:
+            items = [sub.value if type(sub) is ValueOut
+                     else self._value(sub, self._getitem(name, i))
+                     for i, sub in enumerate(structure.items)]
+            cls = structure.cls
             return cls(items) if cls in (tuple, list) or hasattr(cls, "n_fields") else cls(*items)
-        return structure[1]
+        return structure.value
 
     def _getitem(self, name: str, i: int) -> str:
         for user in self.follow.nodes[name].users:
@@ -695,7 +705,7 @@ def _expect(step: Step, piece: Piece | None, nodes: dict[str, Node],
     """``step``'s record for following it: what the follower would otherwise look up on
     every call (its piece, its node's meta, its function's kind, its varying numbers)."""
     node = nodes.get(step.node) if step.node else None
-    return Expect(step.func, step.node, piece, step.out[0] == "t",
+    return Expect(step.func, step.node, piece, type(step.out) is TensorOut,
                   node is not None and bool(node.meta.get("returns_input")), step.out,
                   classify(step.func) in _PASSED,
                   node.meta.get("grad_enabled") if node is not None else None,

@@ -30,9 +30,13 @@ from fxlite.codegen.capture.kinds import (
     state_name,
 )
 from fxlite.codegen.capture.records import (
+    Out,
     Read,
     Recording,
+    SeqOut,
     Step,
+    TensorOut,
+    ValueOut,
     format_site,
     tensor_meta,
     user_site,
@@ -469,7 +473,7 @@ class Recorder(TorchFunctionMode):
         if owner is None and (self._constant(args, kwargs) or self._sized(func, args, kwargs,
                                                                            out)):
             # Its value is fixed by the key (sizes and literals): no segment ends here.
-            self.rec.steps.append(Step(func, "", ("v", out)))
+            self.rec.steps.append(Step(func, "", ValueOut(out)))
             return out
         site = user_site()
         if self.fullgraph:
@@ -481,7 +485,7 @@ class Recorder(TorchFunctionMode):
         live = [name for ref, name in self._env.values()
                 if ref() is not None and self._nodes[name].op not in ("placeholder", "get_attr")]
         self.rec.reads.append(Read(node.name, out, site, sorted(set(live))))
-        self.rec.steps.append(Step(func, node.name, ("v", out), read=True))
+        self.rec.steps.append(Step(func, node.name, ValueOut(out), read=True))
         return out
 
     def _constant(self, args: tuple, kwargs: dict) -> bool:
@@ -674,9 +678,9 @@ class Prefix:
                             f"got {func_name(func)}")
         self._at += 1
         if not step.node:  # a read of a value the key fixes (see Recorder._constant)
-            return step.out[1]
+            return step.out.value
         if step.read:
-            return self._read_value if self.done else step.out[1]
+            return self._read_value if self.done else step.out.value
         node = self._nodes[step.node]
         if node.meta.get("returns_input") and args and isinstance(args[0], torch.Tensor):
             return args[0]  # it returned its input, which keeps its own name
@@ -689,26 +693,26 @@ class Prefix:
         self._rebind(out, step.node)
         return out
 
-    def _stand_in(self, structure: Any, name: str | None) -> Any:
+    def _stand_in(self, structure: Out, name: str | None) -> Any:
         """The value of a recorded result in this call: from the segments already run,
         or, for a value no later code can read, an uninitialized tensor of its layout."""
-        kind = structure[0]
-        if kind == "t":
+        kind = type(structure)
+        if kind is TensorOut:
             value = self._latest_value(name) if name is not None else None
             if value is not None:
                 return value
-            shape, stride, dtype, device, requires_grad = structure[1]
+            shape, stride, dtype, device, requires_grad = structure.meta
             t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             return t.requires_grad_() if requires_grad and (dtype.is_floating_point
                                                             or dtype.is_complex) else t
-        if kind == "seq":
+        if kind is SeqOut:
             items = [self._stand_in(sub, self._getitem_name(name, i) if name else None)
-                     for i, sub in enumerate(structure[2])]
-            cls = structure[1]
+                     for i, sub in enumerate(structure.items)]
+            cls = structure.cls
             # tuple, list and torch.return_types (struct sequences) take one sequence;
             # named tuples take their fields
             return cls(items) if cls in (tuple, list) or hasattr(cls, "n_fields") else cls(*items)
-        return structure[1]
+        return structure.value
 
     def _latest_value(self, name: str) -> Any:
         """This call's value of ``name``, or of a later in-place version of it: in eager

@@ -21,9 +21,9 @@ import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["LIB_DIRS", "ConstRef", "NodeRef", "ObjectRef", "Read", "Recording", "ResultRef", "Slot",
-           "Step", "format_site", "recording_in_thread", "recording_thread", "result_leaves",
-           "tensor_meta", "user_site"]
+__all__ = ["LIB_DIRS", "ConstRef", "NodeRef", "ObjectRef", "Out", "Read", "Recording", "ResultRef",
+           "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site", "recording_in_thread",
+           "recording_thread", "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -69,13 +69,36 @@ def format_site(site: tuple[str, int, str, str] | None) -> str:
     return f'File "{site[0]}", line {site[1]}, in {site[2]}\n    {site[3]}'
 
 
+class TensorOut(NamedTuple):
+    """A recorded call's result that is one tensor: its layout (:func:`tensor_meta`)."""
+
+    meta: tuple
+
+
+class SeqOut(NamedTuple):
+    """A recorded call's result that is a sequence holding tensors (a tuple, a list, a
+    ``torch.return_types`` struct sequence or a named tuple), item by item."""
+
+    cls: type
+    items: list[Out]
+
+
+class ValueOut(NamedTuple):
+    """A recorded call's result that holds no tensor: the value itself."""
+
+    value: Any
+
+
+Out = TensorOut | SeqOut | ValueOut
+
+
 @dataclass(eq=False)
 class Step:
     """One recorded call, as fast-forwarding a new path replays it (see ``segments``)."""
 
     func: Any
     node: str  # the node's name in the graph
-    out: Any  # the result's structure: ("t", meta) | ("seq", type, [...]) | ("v", value)
+    out: Out  # the result's structure
     read: bool = False
 
 

@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 from fxlite.codegen.capture.kinds import state_name
-from fxlite.codegen.capture.records import format_site, tensor_meta
+from fxlite.codegen.capture.records import (
+    Out,
+    SeqOut,
+    TensorOut,
+    ValueOut,
+    format_site,
+    tensor_meta,
+)
 
 from fxlite.proxy import is_tensor_method
 
@@ -84,12 +91,13 @@ def map_tensors(a: Any, node_of: Callable[[torch.Tensor], Any]) -> Any:
     return a
 
 
-def structure(out: Any) -> Any:
+def structure(out: Any) -> Out:
+    """What replaying a call needs of its result ``out`` (``Step.out``)."""
     if isinstance(out, torch.Tensor):
-        return ("t", tensor_meta(out))
+        return TensorOut(tensor_meta(out))
     if isinstance(out, (tuple, list)) and has_tensor(out):
-        return ("seq", type(out), [structure(x) for x in out])
-    return ("v", out)
+        return SeqOut(type(out), [structure(x) for x in out])
+    return ValueOut(out)
 
 
 def bool_index(func: Any, args: tuple) -> bool:

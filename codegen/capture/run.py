@@ -55,6 +55,7 @@ from fxlite.codegen.capture.records import (
     Recording,
     Slot,
     Step,
+    ValueOut,
     format_site,
     recording_in_thread,
     recording_thread,
@@ -280,7 +281,7 @@ def _continue(prefix: Recording, upto: int, read_value: Any) -> Recording:
     steps: list[Step] = []
     for step in prefix.steps:
         if step.node == stop:
-            steps.append(Step(step.func, step.node, ("v", read_value), read=True))
+            steps.append(Step(step.func, step.node, ValueOut(read_value), read=True))
             break
         steps.append(step)
     old = prefix.reads[upto]
