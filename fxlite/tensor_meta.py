@@ -15,6 +15,9 @@ tensor in a given order::
     extract_tensor_metadata(x).memory_format        # torch.channels_last
     order = memory_order([x])                       # (0, 2, 3, 1)
     dense_strides((2, 3, 4, 5), order)              # (60, 1, 15, 3): x.stride()
+
+:func:`reduced_dims` is the one reading of a ``dim`` argument (a reduction's, squeeze's)
+as the dims it names, used by the shape rules, the derivatives, fusion and codegen.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from fxlite.node import describe_value
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "TensorMetadata", "dense_strides",
-           "extract_tensor_metadata", "memory_order", "rebuild_tensor_metadata"]
+           "extract_tensor_metadata", "memory_order", "rebuild_tensor_metadata", "reduced_dims"]
 
 # The dense layouts a tensor's metadata names (and a clone may ask for), with the rank
 # each needs (0: any). Checked in this order: a tensor that is several at once (size-1
@@ -184,3 +187,20 @@ def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]
         strides[d] = step
         step *= max(shape[d], 1)
     return tuple(strides)
+
+
+def reduced_dims(dim: Any, rank: int) -> tuple[int, ...]:
+    """A ``dim`` argument as the sorted, distinct, non-negative dims it names.
+
+    None, ``()`` and ``[]`` name every dim; an int or a sequence of ints is wrapped by
+    ``rank`` (no range check: callers that must reject a dim out of range check first).
+    A 0-d tensor has no dims::
+
+        reduced_dims(None, 3)         # (0, 1, 2)
+        reduced_dims((-1, 0, 2), 3)   # (0, 2)
+        reduced_dims(-1, 0)           # ()
+    """
+    if dim is None or dim == () or dim == []:
+        return tuple(range(rank))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return tuple(sorted({d % rank for d in dims})) if rank else ()

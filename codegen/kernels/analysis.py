@@ -33,6 +33,7 @@ from fxlite.codegen.kernels.ops import REDUCTIONS, TRITON_OPS
 from fxlite import ops as op_table
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
+from fxlite.tensor_meta import reduced_dims
 
 __all__ = ["Plan", "Value", "analyze", "computed_outputs", "guard_key", "iteration_space",
            "key_and_shape", "resolve", "used_values"]
@@ -430,18 +431,12 @@ class _Builder:
             raise Unsupported(f"{node.name}: reduction of a scalar")
         k = len(x.dims)
         dim = bound["dim"]
-        if dim is None or dim == () or dim == []:
-            rdims = set(range(k))
-        else:
-            dims = [dim] if isinstance(dim, int) else list(dim)
-            if k == 0:
-                if any(d not in (0, -1) for d in dims):
-                    raise Unsupported(f"{node.name}: dim {dim} of a 0-d tensor")
-                rdims = set()
-            else:
-                if any(not -k <= d < k for d in dims):
-                    raise Unsupported(f"{node.name}: dim {dim}")
-                rdims = {d % k for d in dims}
+        dims = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
+        if k == 0 and any(d not in (0, -1) for d in dims):
+            raise Unsupported(f"{node.name}: dim {dim} of a 0-d tensor")
+        if k and any(not -k <= d < k for d in dims):
+            raise Unsupported(f"{node.name}: dim {dim}")
+        rdims = reduced_dims(dim, k)
         sdims = frozenset(x.dims[d] for d in rdims)
         nontrivial = sdims - self.trivial
         if self.reduced is None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fxlite.ops.dropout import seeded_dropout
 from fxlite.proxy import Proxy
-from fxlite.tensor_meta import MEMORY_FORMATS
+from fxlite.tensor_meta import MEMORY_FORMATS, reduced_dims
 
 __all__ = ["VJP", "ZERO", "expand_reduced", "reduced_dims"]
 
@@ -72,14 +72,6 @@ def _scale(g: Any, c: Any) -> Any:
 
 def _tensor(v: Any) -> bool:
     return isinstance(v, Proxy)
-
-
-def reduced_dims(dim: Any, rank: int) -> tuple[int, ...]:
-    """A reduction's ``dim`` argument as sorted non-negative dims (None or ``()``: all)."""
-    if dim is None or dim == () or dim == []:
-        return tuple(range(rank))
-    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    return tuple(sorted({d % rank for d in dims})) if rank else ()
 
 
 def expand_reduced(g: Any, a: dict[str, Any], rank: int) -> Any:

@@ -25,7 +25,13 @@ import torch
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, resolve, result_dtype
-from fxlite.tensor_meta import FORMAT_RANKS, dense_strides, extract_tensor_metadata, memory_order
+from fxlite.tensor_meta import (
+    FORMAT_RANKS,
+    dense_strides,
+    extract_tensor_metadata,
+    memory_order,
+    reduced_dims,
+)
 
 __all__ = ["VIEW_SHAPES", "as_meta", "infer", "meta_tensor", "propagate", "record"]
 
@@ -69,15 +75,8 @@ def _broadcast(shapes: list[tuple[int, ...]]) -> list[int]:
     return out
 
 
-def _dims(dim: Any, rank: int) -> list[int]:
-    if dim is None or dim == () or dim == []:
-        return list(range(rank))
-    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    return sorted({d % rank for d in dims}) if rank else []
-
-
 def _squeeze(shape: list[int], a: dict[str, Any]) -> list[int]:
-    dims = _dims(a.get("dim"), len(shape)) if a.get("dim") is not None else list(range(len(shape)))
+    dims = reduced_dims(a.get("dim"), len(shape))
     return [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
 
 
@@ -186,7 +185,7 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
             return NotImplemented  # (values, indices)
         if set(a) - {"input", "dim", "keepdim", "dtype", "correction"}:
             return NotImplemented
-        dims = _dims(a.get("dim"), x.dim())
+        dims = reduced_dims(a.get("dim"), x.dim())
         keep = a.get("keepdim", False)
         shape = [1 if i in dims else s for i, s in enumerate(x.shape)] if keep else [
             s for i, s in enumerate(x.shape) if i not in dims]

@@ -23,6 +23,7 @@ from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 
 from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
+from fxlite.tensor_meta import reduced_dims
 
 __all__ = ["BROADCAST_VIEWS", "UNIT_VIEWS", "FusionClass", "Shape", "classify"]
 
@@ -143,17 +144,10 @@ def _classify_reduction(node: Node, info: OpInfo, module: torch.nn.Module, shape
     dim = args.get("dim")
     if ndim == 0:
         return None
-    if dim is None or dim == () or dim == []:
-        dims = list(range(ndim))
-    elif isinstance(dim, int):
-        dims = [dim]
-    elif isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
-        dims = list(dim)
-    else:
+    named = () if dim is None else dim if isinstance(dim, (tuple, list)) else (dim,)
+    if not all(isinstance(d, int) and -ndim <= d < ndim for d in named):
         return None
-    if any(not -ndim <= d < ndim for d in dims):
-        return None
-    dims = sorted({d % ndim for d in dims})
+    dims = list(reduced_dims(dim, ndim))
     split = ndim - len(dims)
     if dims != list(range(split, ndim)):
         return None  # only trailing dims: one row per program

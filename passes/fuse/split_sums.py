@@ -34,6 +34,7 @@ from fxlite.passes.sink_views import tensor_meta, with_meta
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import canonical_args, is_impure, lookup
+from fxlite.tensor_meta import reduced_dims
 
 __all__ = ["split_sums"]
 
@@ -86,7 +87,7 @@ def _split_dims(node: Node, gm: GraphModule, min_numel: int) -> tuple[Any, tuple
     if not plain or not rank or any(not -rank <= d < rank for d in dim) or 0 in shape \
             or math.prod(shape) < min_numel:
         return None
-    dims = sorted({d % rank for d in dim})
+    dims = reduced_dims(dim, rank)
     start = rank
     while start - 1 in dims:
         start -= 1
