@@ -10,8 +10,8 @@ callable to put in place of a fused group (``fused_<i>``) when gradients are nee
 
 Under grad mode with an input that requires grad, the call runs a
 ``torch.autograd.Function``: its forward is the group's kernel, extended to also store
-the values ``fxlite.autodiff`` chose to save (row statistics such as a layer norm's rstd;
-full-size values are recomputed from the inputs instead), and its backward runs the
+the values autodiff (``lower/autodiff.py``) chose to save (row statistics such as a layer
+norm's rstd; full-size values are recomputed from the inputs instead), and its backward runs the
 backward graph through the same pipeline (``autograd_pipeline.CompiledGraph``). Without
 gradients the call runs the group's plain kernel.
 
@@ -89,7 +89,7 @@ class _Variant:
 
     def backward_for(self, used: Sequence[bool]) -> CompiledGraph:
         """The backward for calls where only the outputs marked ``used`` got gradients: the
-        others' zero tangents contribute nothing (``fxlite.autodiff.without_tangents``)."""
+        others' zero tangents contribute nothing (``autodiff.without_tangents``)."""
         key = tuple(used)
         found = self._backward.get(key)
         if found is None:
