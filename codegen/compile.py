@@ -53,7 +53,7 @@ from fxlite.codegen.lower.segment import compile_segment, expand_kernels
 from fxlite.codegen.options import MODES, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
-from fxlite.codegen.runtime.straight_line import StraightRunner, fast_key
+from fxlite.codegen.runtime.straight_line import AttrCheck, StraightRunner, fast_key
 from fxlite.codegen.runtime.trial import Trial, choose_runner
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
@@ -108,6 +108,14 @@ class FastKey(NamedTuple):
 _NO_FAST_KEY = FastKey(None, None, None)  # type: ignore[arg-type]  # (no straight line)
 
 
+class FastEntry(NamedTuple):
+    """A call's straight-line forward, kept under its :class:`FastKey`."""
+
+    run: Callable[..., Any]  # the segment's forward for these layouts
+    segment: Segment  # the one segment it runs (its result rebuilds the user's)
+    check: AttrCheck  # the attribute tensors still have the layouts it was written for
+
+
 def warn_user(message: str) -> None:
     """Warn once per message, attributed to the innermost frame of the user's code."""
     if message in _warned:
@@ -158,10 +166,9 @@ class CompiledFunction:
         self._graphs: Any = None  # GraphReplays, for mode="reduce-overhead" on CUDA
         if mode == "reduce-overhead" and backend == "triton" and torch.cuda.is_available():
             self._graphs = GraphReplays()
-        # (input layouts, ambient state, Python state) -> (straight-line forward, segment,
-        # check of its attributes' layouts) for calls with tensor arguments only whose
-        # path is one segment with kernels (codegen/runtime/straight_line.py); None when off
-        self._fast: dict[FastKey, tuple[Callable[..., Any], Segment, Any]] | None = None
+        # the straight-line forwards of calls with tensor arguments only whose path is one
+        # segment with kernels (codegen/runtime/straight_line.py); None when off
+        self._fast: dict[FastKey, FastEntry] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
         if not isinstance(fn, torch.nn.Module):
@@ -200,12 +207,13 @@ class CompiledFunction:
         if fast is not None and tensors_only:  # laid out as seen before: launch directly
             fkey = FastKey(fast_key(args), ambient_key(), self._state_key())
             found = fast.get(fkey)
-            if found is not None and found[2]():
-                self._last = [found[1]]
+            if found is not None and found.check():
+                seg = found.segment
+                self._last = [seg]
                 try:
-                    return found[1].result(found[0](*args))
+                    return seg.result(found.run(*args))
                 except Exception:
-                    return self._replay_failed(found[1], args, kwargs)
+                    return self._replay_failed(seg, args, kwargs)
         replay_key = None
         if graphs is not None and tensors_only:  # a CUDA graph captured for these inputs
             replay_key = graphs.key(args, (ambient_key(), self._state_key()))
@@ -282,9 +290,9 @@ class CompiledFunction:
                 or not isinstance(run, StraightRunner):
             return _NOT_RUN
         out = run(*args)
-        entry = run.complete(fkey.layouts)
-        if entry is not None:
-            fast[fkey] = entry[0], seg, entry[1]
+        forward = run.complete(fkey.layouts)
+        if forward is not None:
+            fast[fkey] = FastEntry(forward.run, seg, forward.check)
         return out
 
     def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:

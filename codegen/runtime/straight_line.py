@@ -39,8 +39,8 @@ import keyword
 import math
 import operator
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture.guards import tensor_guard
@@ -49,7 +49,7 @@ from fxlite.codegen.runtime.launch import fingerprint
 from fxlite.interpreter import freed_after
 from fxlite.node import Node
 
-__all__ = ["AttrCheck", "StraightRunner", "attr_key", "fast_key", "straight_line"]
+__all__ = ["AttrCheck", "Forward", "StraightRunner", "attr_key", "fast_key", "straight_line"]
 
 _LOCAL = re.compile(r"v\d+")  # the names of a forward's values (arguments are the caller's)
 # Ops whose output shape depends on tensor values, not only on their inputs' layouts.
@@ -516,6 +516,14 @@ def _only_read_by(user: Node) -> bool:
                                   and not user.meta.get("impure"))
 
 
+class Forward(NamedTuple):
+    """A straight-line forward kept for one layout of a segment's arguments."""
+
+    run: Callable[..., Any]
+    check: AttrCheck  # the attribute tensors still have the layouts it was written for
+    rewrites: int  # times it is written again if incomplete; 0 once complete
+
+
 class StraightRunner:
     """Runs a compiled segment's graph through its straight-line forwards, one per layout
     of the arguments (made on first use), or through ``gm.forward`` where none can be.
@@ -534,8 +542,7 @@ class StraightRunner:
     def __init__(self, gm: Any) -> None:
         self.gm = gm
         self.plain = type(gm).forward.__get__(gm)  # gm.forward without Module.__call__
-        # layout -> (forward, attribute check, rewrites left: 0 once complete)
-        self.lines: dict[tuple, tuple[Any, AttrCheck, int]] = {}
+        self.lines: dict[tuple, Forward] = {}  # by the arguments' layouts (fast_key)
         self.off = False
 
     def __call__(self, *args: Any) -> Any:
@@ -545,10 +552,10 @@ class StraightRunner:
         if key is None:
             return self.plain(*args)
         found = self.lines.get(key)
-        if found is not None and found[1]():
-            if not found[2]:
-                return found[0](*args)
-            rewrites = found[2] - 1
+        if found is not None and found.check():
+            if not found.rewrites:
+                return found.run(*args)
+            rewrites = found.rewrites - 1
         else:
             rewrites = self._REWRITES
         made = straight_line(self.gm, args)
@@ -559,11 +566,11 @@ class StraightRunner:
         if forward is None:
             self.off = True  # a value bound once would reach the caller
         elif len(self.lines) < self._LAYOUTS or key in self.lines:
-            self.lines[key] = forward, AttrCheck(attrs), 0 if complete else rewrites
+            self.lines[key] = Forward(forward, AttrCheck(attrs), 0 if complete else rewrites)
         return result
 
-    def complete(self, key: tuple) -> tuple[Any, AttrCheck] | None:
-        """The finished forward for the layout ``key`` (a :func:`fast_key`) and its
-        check, if there is one."""
+    def complete(self, key: tuple) -> Forward | None:
+        """The finished forward for the layout ``key`` (a :func:`fast_key`), if there is
+        one."""
         found = self.lines.get(key) if not self.off else None
-        return found[:2] if found is not None and not found[2] else None
+        return found if found is not None and not found.rewrites else None

@@ -258,7 +258,8 @@ def test_the_runner_keeps_one_forward_per_layout_and_follows_data_swaps() -> Non
     assert len(run.lines) == 1 and mul.general_calls == 0
     small = torch.randn(1, 3, 4, 4)  # another layout: no launch prepared at first
     torch.testing.assert_close(run(small), _want(net, small))
-    assert run.lines[fast_key([small])][2] == run._REWRITES and run.complete(fast_key([small])) is None
+    assert run.lines[fast_key([small])].rewrites == run._REWRITES
+    assert run.complete(fast_key([small])) is None
     small_conv = torch.conv2d(small.contiguous(memory_format=torch.channels_last),
                               net.weight, padding=1)
     mul.prepare([small_conv, net.scale.reshape(-1, 1, 1)])  # as its first call would
