@@ -870,8 +870,8 @@ def _expected(rec: Any, seg: Segment) -> list[Any]:
     out: list[Any] = []
     for i, name in enumerate(seg.outputs):
         found = rec.expected.get(name)
-        value = found[0]() if found is not None and (i > 0 or seg.read is None) else None
-        out.append(value if value is not None and value._version == found[1] else None)
+        value = found.ref() if found is not None and (i > 0 or seg.read is None) else None
+        out.append(value if value is not None and value._version == found.version else None)
     return out
 
 

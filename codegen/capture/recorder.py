@@ -30,6 +30,7 @@ from fxlite.codegen.capture.kinds import (
     state_name,
 )
 from fxlite.codegen.capture.records import (
+    EagerValue,
     Out,
     Read,
     Recording,
@@ -361,7 +362,7 @@ class Recorder(TorchFunctionMode):
             if out._is_view():  # shares memory with another value: followed calls
                 node.meta["view"] = True  # run it for real (codegen/capture/follow.py)
             self._bind(out, node.name)
-            self.rec.expected[node.name] = (weakref.ref(out), _version(out))
+            self.rec.expected[node.name] = EagerValue(weakref.ref(out), _version(out))
             return
         if isinstance(out, (tuple, list)):
             import operator
@@ -410,7 +411,7 @@ class Recorder(TorchFunctionMode):
             self.rec.expected.pop(name, None)  # its recorded value was overwritten
             if out is t:  # later reads see the written tensor through this node
                 self._bind(t, node.name)
-                self.rec.expected[node.name] = (weakref.ref(t), _version(t))
+                self.rec.expected[node.name] = EagerValue(weakref.ref(t), _version(t))
                 node.meta["same_object"] = name  # a later version of the same tensor
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased

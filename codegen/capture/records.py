@@ -13,6 +13,7 @@ import linecache
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -21,9 +22,9 @@ import torch
 
 from fxlite.graph import Graph
 
-__all__ = ["LIB_DIRS", "ConstRef", "NodeRef", "ObjectRef", "Out", "Read", "Recording", "ResultRef",
-           "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site", "recording_in_thread",
-           "recording_thread", "result_leaves", "tensor_meta", "user_site"]
+__all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", "Read", "Recording",
+           "ResultRef", "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site",
+           "recording_in_thread", "recording_thread", "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -112,6 +113,14 @@ class Read:
     live: list[str]  # recorded values still referenced when the read happened
 
 
+class EagerValue(NamedTuple):
+    """The tensor eager PyTorch computed for a node while recording, held weakly, and its
+    version counter then (it is that value only while the counter has not moved)."""
+
+    ref: weakref.ref[torch.Tensor]
+    version: int
+
+
 @dataclass(eq=False)
 class Recording:
     """One path through the user's Python, as a graph plus what replaying it needs."""
@@ -132,7 +141,7 @@ class Recording:
     ambient: Any = None  # grad mode and autocast where the recording (or its new part) began
     pre_state: dict[str, torch.Tensor] = field(default_factory=dict)  # externals before writes
     unknown_pre_state: bool = False  # an external changed without a snapshot: no checks
-    expected: dict[str, Any] = field(default_factory=dict)  # name -> (weakref, version)
+    expected: dict[str, EagerValue] = field(default_factory=dict)  # by node name
     externals: dict[str, Any] = field(default_factory=dict)  # get_attr target -> object
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     dynamic: set[str] = field(default_factory=set)  # nodes whose sizes depend on values
