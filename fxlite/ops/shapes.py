@@ -33,7 +33,7 @@ from fxlite.tensor_meta import (
     reduced_dims,
 )
 
-__all__ = ["VIEW_SHAPES", "as_meta", "infer", "meta_tensor", "propagate", "record"]
+__all__ = ["VIEW_SHAPES", "as_meta", "broadcast_shapes", "infer", "meta_tensor", "propagate", "record"]
 
 _PYTHON_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                          operator.floordiv, operator.mod, operator.neg, operator.pow, max, min})
@@ -61,8 +61,13 @@ def record(node: Node, value: Any) -> None:
     node.meta["type"] = type(value)
 
 
-def _broadcast(shapes: list[tuple[int, ...]]) -> list[int]:
-    # torch.broadcast_shapes would import torch's meta kernels (the cost this avoids)
+def broadcast_shapes(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to, by torch's rules: ``[(2, 1), (3,)]`` gives
+    ``(2, 3)``. (``torch.broadcast_shapes`` would import torch's meta kernels.)
+
+    Raises:
+        ValueError: when they do not broadcast.
+    """
     out: list[int] = []
     for shape in shapes:
         if len(shape) > len(out):
@@ -72,7 +77,7 @@ def _broadcast(shapes: list[tuple[int, ...]]) -> list[int]:
                 if out[i] not in (1, s):
                     raise ValueError(f"shapes {shapes} do not broadcast")
                 out[i] = s
-    return out
+    return tuple(out)
 
 
 def _squeeze(shape: list[int], a: dict[str, Any]) -> list[int]:
@@ -159,7 +164,7 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
     if not tensors or dtype is None and info.kind != "view":
         return NotImplemented
     if info.kind == "pointwise":
-        shape = _broadcast([tuple(t.shape) for t in tensors])
+        shape = broadcast_shapes([tuple(t.shape) for t in tensors])
         fmt = a.get("memory_format")
         if fmt in FORMAT_RANKS and FORMAT_RANKS[fmt] in (0, len(shape)):  # a clone into a layout
             return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)

@@ -23,6 +23,7 @@ from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 
 from fxlite.node import Node, map_aggregate
 from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
+from fxlite.ops.shapes import broadcast_shapes
 from fxlite.tensor_meta import reduced_dims
 
 __all__ = ["BROADCAST_VIEWS", "UNIT_VIEWS", "FusionClass", "Shape", "classify"]
@@ -85,7 +86,11 @@ def classify(node: Node, module: torch.nn.Module) -> FusionClass | None:
         return None
     shape = tuple(tm.shape)
     if info.kind == "pointwise":
-        if not in_shapes or _broadcast(in_shapes) != shape:
+        try:
+            fits = bool(in_shapes) and broadcast_shapes(in_shapes) == shape
+        except ValueError:  # the inputs do not broadcast
+            fits = False
+        if not fits:
             return None
         return FusionClass("pointwise", shape)
     if info.kind == "reduction":
@@ -100,21 +105,6 @@ def _layout_copy(info: OpInfo, fmt: Any) -> bool:
     It fuses: a kernel stores each result in the layout of its metadata, and its readers
     in the group read the value, not memory, so the layout only matters to that store."""
     return info.name == "clone" and fmt in MEMORY_FORMATS
-
-
-def _broadcast(shapes: list[Shape]) -> Shape | None:
-    """The broadcast of ``shapes`` (torch's rules), or None if they do not broadcast."""
-    out = list(shapes[0])
-    for shape in shapes[1:]:
-        if len(shape) > len(out):
-            out = [1] * (len(shape) - len(out)) + out
-        off = len(out) - len(shape)
-        for j, s in enumerate(shape):
-            if out[off + j] == 1:
-                out[off + j] = s
-            elif s != 1 and s != out[off + j]:
-                return None
-    return tuple(out)
 
 
 def _has_tensor_constant(node: Node) -> bool:
