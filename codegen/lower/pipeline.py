@@ -31,7 +31,8 @@ The pipeline works on a copy of the segment's graph, so a pass that fails leaves
 segment's graph as it was (and the segment runs its recorded ops). Under
 ``FXLITE_LINT=1``, and in tests, every pass's result is linted (``Graph.lint``, its groups'
 graphs too), and a pass that leaves a broken graph raises a
-:class:`~fxlite.passes.PassError` naming it.
+:class:`~fxlite.passes.PassError` naming it, which ``compile_segment`` lets through
+(:func:`lint_failure`) where any other failure makes the segment run its recorded ops.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ from fxlite.ops.records import amax_or_empty
 from fxlite.ops.shapes import propagate
 
 __all__ = ["BACKWARD_PASSES", "FORWARD_PASSES", "AutocastOff", "Lowering", "Pass", "ambient",
-           "ambient_restored", "fill_meta", "linting", "propagate_meta", "run_passes",
-           "set_ambient"]
+           "ambient_restored", "fill_meta", "lint_failure", "linting", "propagate_meta",
+           "run_passes", "set_ambient"]
 
 
 PRECOMPILE = True  # compile a segment's kernels on a thread pool before its check run
@@ -108,6 +109,13 @@ def _on_cuda(gm: GraphModule, low: Lowering) -> bool:
 def linting() -> bool:
     """Whether :func:`run_passes` lints each pass's result: ``FXLITE_LINT=1``, or in tests."""
     return config.lint() or "PYTEST_CURRENT_TEST" in os.environ
+
+
+def lint_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a pass's broken graph that :func:`linting` caught: a caller that
+    runs the recorded ops when the pipeline fails re-raises it instead, so that a test
+    fails at the pass rather than passing on the fallback."""
+    return isinstance(e, PassError) and linting()
 
 
 def run_passes(passes: Sequence[Pass], gm: GraphModule, lowering: Lowering) -> GraphModule:

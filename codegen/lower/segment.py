@@ -13,7 +13,8 @@ run on private copies of what the recording wrote, with the random generators se
 where the recording started them, and effects on state outside the graph (``backward``,
 ``p.grad = None``) are skipped in the check run. Anything that fails, or any result that
 disagrees with eager PyTorch, makes the segment run its recorded ops in Python instead,
-with the reason in ``fallbacks``.
+with the reason in ``fallbacks`` (but in tests and under ``FXLITE_LINT=1``, a pass that
+leaves a broken graph raises its ``PassError``: ``pipeline.lint_failure``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from fxlite.codegen.lower.accuracy import (
 from fxlite.codegen.lower.autograd import make_autograd_group
 from fxlite.codegen.lower.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.lower.pad_matmul import pad_linears
-from fxlite.codegen.lower.pipeline import FORWARD_PASSES, Lowering, ambient, run_passes, set_ambient
+from fxlite.codegen.lower.pipeline import (
+    FORWARD_PASSES,
+    Lowering,
+    ambient,
+    lint_failure,
+    run_passes,
+    set_ambient,
+)
 from fxlite.codegen.report import KernelRecord
 from fxlite.codegen.runtime.straight_line import StraightRunner
 from fxlite.passes.attention import unpack_attention
@@ -121,7 +129,9 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
             said: list[str] = []
             try:  # the layout is an optimization: if anything fails with it, go without
                 result = _compile_layout(work, sample, backend, mode, expected, said.append)
-            except Exception:
+            except Exception as e:
+                if lint_failure(e):
+                    raise
                 set_ambient(entry)
                 return _compile_layout(plain, sample, backend, mode, expected, warn)
             for reason in said:
@@ -186,6 +196,8 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
         compiled = _triton(GraphModule(work, copy.deepcopy(work.graph), type(work).__name__),
                            sample, mode)
     except Exception as e:  # the pipeline must never break a model: run the recorded ops
+        if lint_failure(e):  # (in tests, and under FXLITE_LINT=1, a pass broke a graph)
+            raise
         return _recorded_ops(python, work, sample, entry, warn, "the compile pipeline failed "
                              f"({type(e).__name__}: {e}); its ops run in eager")
     for reason in compiled.fallbacks:

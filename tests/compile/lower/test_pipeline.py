@@ -4,10 +4,11 @@ tolerance table of the kernel check (codegen/lower/accuracy.py)."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
-from fxlite.codegen.lower import pipeline
+from fxlite.codegen.lower import pipeline, segment
 from fxlite.codegen.lower.accuracy import TOLERANCE, Tolerance, assert_same
 from fxlite.codegen.lower.pipeline import (
     BACKWARD_PASSES,
@@ -16,6 +17,7 @@ from fxlite.codegen.lower.pipeline import (
     Pass,
     run_passes,
 )
+from fxlite.codegen.lower.segment import compile_segment
 from fxlite.passes import PassError
 
 import fxlite
@@ -45,18 +47,52 @@ def _traced() -> fxlite.GraphModule:
     return fxlite.symbolic_trace(lambda x: torch.relu(x) + 1)
 
 
+def _misorder(gm, low):
+    """A broken pass: relu's ``+ 1`` moved before the relu it reads."""
+    relu, add = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    relu.prepend(add)
+
+
 def test_a_pass_that_breaks_the_graph_is_named_under_lint(monkeypatch):
-    def misorder(gm, low):  # relu + 1 moved before the relu it reads
-        relu, add = [n for n in gm.graph.nodes if n.op == "call_function"]
-        relu.prepend(add)
 
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)  # FXLITE_LINT alone turns it on
     monkeypatch.setenv("FXLITE_LINT", "1")
     gm = _traced()
     with pytest.raises(PassError) as err:
-        run_passes([Pass("ok", lambda gm, low: None), Pass("misorder", misorder)], gm,
+        run_passes([Pass("ok", lambda gm, low: None), Pass("misorder", _misorder)], gm,
                    Lowering([]))
     assert err.value.pass_name == "misorder"
+
+
+def _recorded() -> fxlite.GraphModule:
+    """The segment fxlite.compile records for ``relu(x) + 1``."""
+    fn = fxlite.compile(lambda x: torch.relu(x) + 1, backend="python")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            fn(torch.randn(4))
+    return fn._last[0].gm
+
+
+@pytest.mark.parametrize("lint", [True, False])
+def test_a_segment_whose_pass_breaks_its_graph_fails_under_lint_and_falls_back_without(
+        monkeypatch, lint):
+    # the segment catches the pipeline's failures and runs its recorded ops; a lint
+    # failure it lets through, so that in tests a pass that breaks a graph fails the test
+    monkeypatch.setattr(segment, "FORWARD_PASSES", (Pass("misorder", _misorder), *FORWARD_PASSES))
+    monkeypatch.setenv("FXLITE_LINT", "1" if lint else "0")
+    if not lint:
+        monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    x, said = torch.randn(4), []
+    if lint:
+        with pytest.raises(PassError) as err:
+            compile_segment(_recorded(), [x], warn=said.append)
+        assert err.value.pass_name == "misorder"
+        return
+    compiled = compile_segment(_recorded(), [x], warn=said.append)
+    assert said == compiled.fallbacks and "the compile pipeline failed" in said[0], said
+    assert compiled.kernels == []
+    torch.testing.assert_close(compiled.run(x)[0], torch.relu(x) + 1)
 
 
 def test_passes_run_in_order_where_wanted_and_adopt_new_modules():
