@@ -48,7 +48,7 @@ from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
 from fxlite.codegen.kernels.generate import interpreting
-from fxlite.codegen.lower.pipeline import ambient, ambient_restored, set_ambient
+from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
 from fxlite.codegen.lower.segment import compile_segment, expand_kernels
 from fxlite.codegen.options import MODES, resolve
 from fxlite.codegen.report import kernel_report
@@ -588,6 +588,8 @@ class CompiledFunction:
         try:
             self._compile_path(segments, rec, start, env)
         except Exception as e:  # never a crash where eager works
+            if lint_failure(e):  # a pass broke its graph: in tests, fail there
+                raise
             why = (f"replaying its recording failed ({type(e).__name__}: "
                    f"{str(e).splitlines()[0]})")
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")

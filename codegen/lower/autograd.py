@@ -37,6 +37,7 @@ from fxlite.codegen.lower.autodiff import (
     without_tangents,
 )
 from fxlite.codegen.lower.autograd_pipeline import CompiledGraph
+from fxlite.codegen.lower.pipeline import lint_failure
 from fxlite.codegen.report import kernel_report
 
 from fxlite.graph_module import GraphModule
@@ -318,6 +319,8 @@ class AutogradGroup:
         except NotDifferentiable as e:
             reason = str(e)
         except Exception as e:  # a failure to compile must never break a model
+            if lint_failure(e):  # a pass broke its graph: in tests, fail there
+                raise
             reason = f"{type(e).__name__}: {e}"
         self._fallbacks.append(f"{self.name} runs under eager autograd: {reason}")
         return None

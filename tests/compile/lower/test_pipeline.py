@@ -95,6 +95,16 @@ def test_a_segment_whose_pass_breaks_its_graph_fails_under_lint_and_falls_back_w
     torch.testing.assert_close(compiled.run(x)[0], torch.relu(x) + 1)
 
 
+def test_through_fxlite_compile_a_pass_that_breaks_its_graph_fails_the_test(monkeypatch):
+    # compile.py's own catch-all (a path whose recording cannot be replayed runs in eager)
+    # lets the lint failure through too
+    monkeypatch.setattr(segment, "FORWARD_PASSES", (Pass("misorder", _misorder), *FORWARD_PASSES))
+    fn = fxlite.compile(lambda x: torch.relu(x) + 1)
+    with pytest.raises(PassError) as err:
+        fn(torch.randn(4))
+    assert err.value.pass_name == "misorder"
+
+
 def test_passes_run_in_order_where_wanted_and_adopt_new_modules():
     seen = []
     new = _traced()
