@@ -1,26 +1,7 @@
 """Pictures of graphs: DOT text, and SVG/PNG/PDF through the Graphviz ``dot`` binary.
 
-Each node is a box labelled with its name, opcode, target and (after ShapeProp) shape
-and dtype, filled by its op-table kind. A ``call_module`` node whose target is a
-GraphModule (a fused group from ``fxlite.passes.fuse``) becomes a cluster holding the
-group's own nodes; the group's output box stands for the call_module node, so edges to
-its users leave from there::
-
-    digraph "GraphModule" {
-      "x" [label=<<B>x</B><BR/>placeholder>, shape=ellipse];
-      subgraph "cluster_fused_0" {
-        label=<fused_0 (pointwise)>;
-        "fused_0/x" [label=<...>];  "fused_0/add" [label=<...>];  "fused_0" [label=<...>];
-      }
-      "x" -> "fused_0/x";  "fused_0/x" -> "fused_0/add";  "fused_0/add" -> "fused_0"; ...
-    }
-
-Everything taken from the graph is escaped: IDs are DOT quoted strings, labels are
-Graphviz HTML-like labels with XML entities, so names and targets holding quotes,
-backslashes, newlines or ``<&>`` cannot break the syntax.
-
-The DOT text is written by ``fxlite.viz.dot``, with which the HTML view of a graph draws
-too; this module checks arguments and writes files.
+The DOT text, and what each box and cluster shows, is ``fxlite.viz.dot``'s (the HTML view
+of a graph draws with it too); this module checks arguments and writes files.
 """
 
 from __future__ import annotations
