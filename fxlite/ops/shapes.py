@@ -81,7 +81,9 @@ def broadcast_shapes(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
 
 
 def _squeeze(shape: list[int], a: dict[str, Any]) -> list[int]:
-    dims = reduced_dims(a.get("dim"), len(shape))
+    dim = a.get("dim")
+    # squeeze(()) squeezes nothing, where a reduction's dim=() means every dim
+    dims = () if isinstance(dim, (tuple, list)) and not dim else reduced_dims(dim, len(shape))
     return [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
 
 

@@ -11,6 +11,7 @@ with its reason, fails the test, and so does an exception that is no longer a ho
 
 from __future__ import annotations
 
+import torch
 from fxlite.codegen.kernels.ops import REDUCTIONS, TRITON_OPS
 from fxlite.passes.decompose import DECOMPOSITIONS
 
@@ -130,3 +131,12 @@ def test_records_are_complete_without_the_interpretations():
             "'fxlite.passes.decompose', 'fxlite.codegen.kernels'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_squeeze_rule_agrees_with_eager_on_every_spelling_of_dim():
+    # squeeze(()) squeezes nothing in torch; the rule once read () as every dim, as a
+    # reduction's dim=() is
+    x = torch.ones(1, 2, 1, 3, 1)
+    for dim in (None, (), [], 0, -1, 1, (0, 2), [0, -1], (1,)):
+        eager = x.squeeze() if dim is None else x.squeeze(dim)
+        assert VIEW_SHAPES["squeeze"](list(x.shape), {"dim": dim}) == list(eager.shape), dim
