@@ -426,7 +426,7 @@ class DirectLaunch:
                 lines.append(f"    o{j} = _empty_like(inputs[{self.like[j]}])")
                 continue
             env[f"_shape{j}"], env[f"_dtype{j}"], env[f"_device{j}"] = shape, dtype, device
-            if stride == _contiguous_strides(shape):
+            if stride == dense_strides(shape, range(len(shape))):  # contiguous
                 lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
             else:
                 env[f"_stride{j}"] = stride
@@ -497,14 +497,6 @@ class DirectLaunch:
         if self.grid[0]:
             self.binary.launch(self.grid, values, self.device)
         return _returned(self.results, self.structure, inputs, outs)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _dense(t: torch.Tensor) -> bool:
