@@ -67,7 +67,7 @@ NODE_META: dict[str, MetaKey] = _table(
             ("codegen/capture/follow.py", "codegen/lower/autograd_regions.py",
              "codegen/lower/pipeline.py", "codegen/runtime/precompile.py", "fxlite/ops/shapes.py",
              "passes/fuse/__init__.py", "passes/fuse/classes.py", "passes/fuse/lone_groups.py",
-             "passes/fuse/size_sources.py", "passes/normalize.py")),
+             "passes/fuse/size_sources.py", "passes/normalize.py", "passes/shape_prop.py")),
     MetaKey("stack_trace", "str",
             "the user's file, line and code that made the node (messages and logs print it)",
             (_CAPTURE, "codegen/lower/autocast.py", "fxlite/node.py", "fxlite/proxy.py",

@@ -119,13 +119,35 @@ class ShapeProp(Interpreter):
         return self.run(*args)
 
 
-def fill_missing_meta(gm: torch.nn.Module) -> None:
+def fill_missing_meta(gm: torch.nn.Module, *, strict: bool = False) -> None:
     """Give nodes that lack ShapeProp metadata some, computed from their inputs' metadata.
 
-    For graphs that ShapeProp already ran on and a pass then extended (``decompose``
-    adds ``amax``, ``sub``, ``exp``... for a softmax). Each new ``call_function`` or
-    ``call_method`` node is evaluated on ``meta``-device tensors shaped as its inputs, so
-    no data is computed. Nodes whose inputs are unknown keep no metadata.
+    The one meta-tensor evaluator of graphs: for graphs that ShapeProp or a recording
+    already described and a pass then extended (``decompose`` adds ``amax``, ``sub``,
+    ``exp``... for a softmax). Each node is given a value, so no data is computed:
+
+    - a node with ``tensor_meta`` is not run: its value is a ``meta``-device tensor of
+      that layout (contiguous where no stride was recorded);
+    - a ``get_attr`` is the module's attribute, moved to the meta device;
+    - any other ``call_function`` or ``call_method`` is run on its inputs' values, and
+      gets ``tensor_meta`` (when its value holds tensors) and ``type``;
+    - a node with a ``type`` and no ``tensor_meta`` (a size, a flag) keeps what it has:
+      it is run for the value later nodes need when it is pure, and not run again when it
+      has effects (an in-place ``_foreach_add_`` returns a list on meta tensors where it
+      returned None when recorded);
+    - a placeholder without ``tensor_meta`` has no known value, and neither has a node
+      that needs one.
+
+    Grad mode is as it was before the call, whatever recorded ``torch.no_grad()`` ran.
+
+    Args:
+        gm: the module whose graph gets metadata.
+        strict: raise where a node without metadata cannot be given any (the compiler
+            wants all of a segment's metadata, or none of its kernels). Otherwise such a
+            node keeps no metadata, and neither do the nodes that need its value.
+
+    Raises:
+        RuntimeError: with ``strict``, naming the node that could not be evaluated.
 
     Example::
 
@@ -133,33 +155,53 @@ def fill_missing_meta(gm: torch.nn.Module) -> None:
         gm = decompose(gm)      # the new nodes have no meta
         fill_missing_meta(gm)   # now they do
     """
+    with torch.set_grad_enabled(torch.is_grad_enabled()):  # restores grad mode on exit
+        _evaluate(gm, strict)
+
+
+_UNKNOWN = object()
+
+
+def _evaluate(gm: torch.nn.Module, strict: bool) -> None:
     env: dict[Node, Any] = {}
-    unknown = object()
     for n in gm.graph.nodes:
         tm = n.meta.get("tensor_meta")
         if tm is not None:
             env[n] = _meta_values(tm)
-            continue
-        if n.op == "get_attr":
+        elif n.op == "get_attr":
             value = attr_at(gm, n.target, "fill_missing_meta")
             env[n] = value.to("meta") if isinstance(value, torch.Tensor) else value
-        elif n.op in ("call_function", "call_method") and not any(
-                env.get(i, unknown) is unknown for i in n.all_input_nodes):
-            args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Node) else a)
-            kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Node) else a)
-            try:
-                fn = n.target if n.op == "call_function" else getattr(args[0], n.target)
-                value = fn(*args, **kwargs) if n.op == "call_function" else fn(*args[1:], **kwargs)
-            except Exception:
-                env[n] = unknown  # the op cannot run on meta tensors: leave it unknown
-                continue
-            env[n] = value
-            meta = _tensor_meta_of(value)
-            if meta is not None:
-                n.meta["tensor_meta"] = meta
-            n.meta["type"] = type(value)
+        elif n.op not in ("call_function", "call_method"):
+            env[n] = _UNKNOWN
+        elif "type" in n.meta:  # described already: its value only, and never twice
+            env[n] = _UNKNOWN if n.is_impure() else _run_on_meta(n, env, strict=False)
         else:
-            env[n] = unknown
+            env[n] = value = _run_on_meta(n, env, strict)
+            if value is not _UNKNOWN:
+                meta = _tensor_meta_of(value)
+                if meta is not None:
+                    n.meta["tensor_meta"] = meta
+                n.meta["type"] = type(value)
+
+
+def _run_on_meta(n: Node, env: dict[Node, Any], strict: bool) -> Any:
+    """``n``'s value from its inputs' values in ``env``, or ``_UNKNOWN``."""
+    missing = next((i for i in n.all_input_nodes if env[i] is _UNKNOWN), None)
+    if missing is not None:
+        if strict:
+            raise RuntimeError(f"cannot infer the metadata of {n.format_node()}: "
+                               f"its input {missing.name!r} has none")
+        return _UNKNOWN
+    args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, Node) else a)
+    kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Node) else a)
+    try:
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    except Exception as e:
+        if strict:
+            raise RuntimeError(f"cannot infer the metadata of {n.format_node()}: {e}") from e
+        return _UNKNOWN  # the op cannot run on meta tensors: leave it unknown
 
 
 def _meta_values(m: Any) -> Any:
@@ -175,6 +217,6 @@ def _meta_values(m: Any) -> Any:
 
 
 def _meta_tensor(m: TensorMetadata) -> torch.Tensor:
-    if m.stride:
+    if m.stride:  # recorded; an unknown stride is taken as contiguous
         return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
     return torch.empty(m.shape, dtype=m.dtype, device="meta")

@@ -57,11 +57,14 @@ from fxlite.passes.fuse import fuse
 from fxlite.passes.fuse.lone_groups import lone_groups
 from fxlite.passes.normalize import normalize
 from fxlite.passes.pass_manager import PassError
-from fxlite.passes.shape_prop import TensorMetadata, extract_tensor_metadata, memory_format_of
+from fxlite.passes.shape_prop import (
+    TensorMetadata,
+    fill_missing_meta,
+    memory_format_of,
+)
 
 from fxlite import config
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node, map_aggregate
 from fxlite.ops.dropout import seed_dropouts
 from fxlite.ops.records import amax_or_empty
 from fxlite.ops.shapes import propagate
@@ -173,42 +176,18 @@ def _dead_code(gm: GraphModule) -> None:
 
 
 def propagate_meta(gm: GraphModule) -> None:
-    """Metadata for nodes without any (those passes created), computed on meta tensors.
+    """Metadata for nodes without any (those passes created), computed on meta tensors
+    by the one evaluator, :func:`~fxlite.passes.shape_prop.fill_missing_meta`, strictly:
+    a node it cannot describe fails the pass, and the segment runs its recorded ops.
 
     Nodes with metadata are not run; their values are meta tensors of their layout. A
     recorded ``torch.no_grad()`` (``_set_grad_enabled``) among those run changes grad mode
     here as it did in the program, and no further: the check run after this starts in the
     mode the segment began in (the clipping of ``clip_grad_norm_(error_if_nonfinite=True)``
-    left it off, and the check's ``backward()`` then found no graph)."""
+    left it off, and the check's ``backward()`` then found no graph). Autocast is restored
+    too."""
     with ambient_restored():
-        _propagate_meta(gm)
-
-
-def _propagate_meta(gm: GraphModule) -> None:
-    env: dict[Node, Any] = {}
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            break
-        tm = node.meta.get("tensor_meta")
-        if tm is not None and hasattr(tm, "shape"):
-            env[node] = torch.empty_strided(tm.shape, tm.stride or (1,) * len(tm.shape),
-                                            dtype=tm.dtype, device="meta")
-            continue
-        if node.op in ("placeholder", "get_attr") or "type" in node.meta:
-            env[node] = None
-            continue
-        args = map_aggregate(node.args, lambda a: env.get(a) if isinstance(a, Node) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: env.get(a) if isinstance(a, Node) else a)
-        if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        elif node.op == "call_function":
-            value = node.target(*args, **kwargs)
-        else:
-            raise RuntimeError(f"cannot infer the metadata of {node.format_node()}")
-        env[node] = value
-        node.meta["type"] = type(value)
-        if isinstance(value, torch.Tensor):
-            node.meta["tensor_meta"] = extract_tensor_metadata(value)
+        fill_missing_meta(gm, strict=True)
 
 
 def _needs_autograd(gm: GraphModule) -> bool:

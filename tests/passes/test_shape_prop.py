@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import pickle
 from typing import Dict  # noqa: UP035 - the fx.rst example, as written
 
@@ -238,3 +239,88 @@ def test_repr_html_is_a_table(conv_gm):
     assert html.count("<tr>") == len(conv_gm.graph.nodes) + 1  # header + one row per node
     assert "float32" in html and "<th>shape" in html.replace(" ", "")
     assert conv_gm._repr_html_() == html
+
+
+# ---------------------------------------------------------------- fill_missing_meta
+# The one meta-tensor evaluator: the pass library calls it leniently (fuse, after
+# decompose), the compiler strictly (codegen/lower/pipeline.propagate_meta).
+
+from fxlite.passes.shape_prop import fill_missing_meta  # noqa: E402
+
+
+def _softmax_decomposed(x: torch.Tensor) -> fxlite.GraphModule:
+    from fxlite.passes.decompose import decompose
+    gm = fx.symbolic_trace(lambda x: torch.softmax(x, -1) * x.size(0))
+    ShapeProp(gm).propagate(x)
+    return decompose(gm)
+
+
+def test_new_nodes_get_the_metadata_eager_would_give():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    gm = _softmax_decomposed(x)
+    new = [n for n in gm.graph.nodes if n.op == "call_function" and "tensor_meta" not in n.meta]
+    assert new, "decompose added no node"
+    fill_missing_meta(gm)
+    for n in new:
+        tm = n.meta["tensor_meta"]
+        assert n.meta["type"] is torch.Tensor
+        assert tm.dtype == torch.float64 and tm.shape[0] == 4
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out.meta["tensor_meta"].shape == gm(x).shape
+
+
+def test_a_size_read_is_run_for_its_value_and_an_effect_is_not_repeated():
+    """``x.size(0)`` has a type and no tensor_meta: its value feeds the new ``view``. The
+    in-place ``_foreach_add_`` was recorded returning None (as ``fxlite.compile`` records
+    it) and returns a list on meta tensors; run again it would get a tensor_meta it never
+    had (which made a compiled training step update its weights wrongly)."""
+    def f(x, counters):
+        torch._foreach_add_(counters, 1)
+        return x.view(x.size(0), -1)
+
+    gm = fx.symbolic_trace(f)
+    x, counters = torch.randn(2, 3, 4), [torch.zeros((), dtype=torch.int64)]
+    ShapeProp(gm).propagate(x, counters)
+    foreach = next(n for n in gm.graph.nodes if n.target is torch._foreach_add_)
+    foreach.meta.pop("tensor_meta", None)
+    foreach.meta["type"] = type(None)
+    view = next(n for n in gm.graph.nodes if n.target == "view")
+    del view.meta["tensor_meta"], view.meta["type"]  # as a pass would leave a new node
+    fill_missing_meta(gm, strict=True)
+    assert view.meta["tensor_meta"].shape == (2, 12)
+    assert foreach.meta["type"] is type(None) and "tensor_meta" not in foreach.meta
+
+
+def test_an_op_meta_tensors_cannot_run_is_unknown_or_raises_with_strict():
+    def f(x):
+        return x + x.sum().item()
+
+    gm = fx.symbolic_trace(f)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["tensor_meta"] = extract_tensor_metadata(torch.randn(3))
+    fill_missing_meta(gm)
+    item = next(n for n in gm.graph.nodes if n.target == "item")
+    add = next(n for n in gm.graph.nodes if n.target is operator.add)
+    assert "type" not in item.meta and "tensor_meta" not in add.meta
+    with pytest.raises(RuntimeError, match=r"cannot infer the metadata of .*item"):
+        fill_missing_meta(gm, strict=True)
+
+
+def test_attributes_are_read_and_grad_mode_is_restored():
+    """A recorded ``torch.no_grad()`` changes grad mode for the nodes after it, and for
+    them only: the caller's mode is back afterwards."""
+    root = torch.nn.Module()
+    root.register_buffer("scale", torch.ones(5, dtype=torch.float16))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["tensor_meta"] = extract_tensor_metadata(torch.randn(2, 5, requires_grad=True))
+    graph.call_function(torch._C._set_grad_enabled, (False,))
+    mul = graph.call_function(operator.mul, (x, graph.get_attr("scale")))
+    graph.output(mul)
+    gm = fx.GraphModule(root, graph)
+    assert torch.is_grad_enabled()
+    fill_missing_meta(gm, strict=True)
+    assert torch.is_grad_enabled()
+    tm = mul.meta["tensor_meta"]
+    assert (tm.shape, tm.dtype, tm.requires_grad) == ((2, 5), torch.float32, False)
