@@ -1,30 +1,66 @@
 """Real models: eager vs torch.compile (inductor) vs fxlite.compile, side by side.
 
-On a CUDA machine with torchvision and transformers installed, one model per run (each
-stays under 9 minutes)::
+The project's broad benchmark. On a CUDA machine (one process per command, each under
+the device tool's 10-minute limit)::
 
-    python benchmarks/bench_models.py --list-runs            # the commands of a full run
-    PYTHONPATH=$PWD python benchmarks/bench_models.py --models resnet50 --json out/resnet50.json
-    python benchmarks/bench_models.py --merge out/*.json     # the tables for BENCHMARKS.md
+    python benchmarks/bench_models.py --models all --list-runs   # the commands of a full run
+    PYTHONPATH=$PWD python benchmarks/bench_models.py --models resnet50,swin_t --json out/a.json
+    python benchmarks/bench_models.py --merge out/*.json          # the tables for BENCHMARKS.md
+    python benchmarks/bench_models.py --suites timm --list-models  # names, suite, estimate
+
+``--list-runs`` packs the selected models into commands whose estimated time (a model's
+``ESTIMATE_S``, else its suite's ``SUITE_ESTIMATE_S``, plus ``STARTUP_S`` a command) fits
+``--budget`` (default 480 s); inside a command the same budget stops it from starting a
+case that would end late, and lists what it skipped.
+
+The models are a registry (``REGISTRY``: name -> (suite, builder)), random weights:
+
+- ``torchvision``: one or two models of every classification family (``TORCHVISION_MODELS``:
+  coverage_models.TORCHVISION plus regnet_y_1_6gf, efficientnet_v2_s, wide_resnet50_2),
+  224x224 images (inception_v3: 299x299);
+- ``timm``: coverage_models.TIMM as ``timm_<name>`` (``timm.create_model(name,
+  pretrained=False)``, 224x224; timm is imported only when such a model is built);
+- ``hf`` (transformers, from configs, ``SEQ`` tokens a sequence): ``bert_layer`` (one
+  BertLayer of bert-base), ``bert_base`` (BertModel), ``gpt2_block``, ``gpt2_lm``
+  (GPT2LMHeadModel), ``t5_encoder`` (T5EncoderModel of the default T5Config: t5-small),
+  ``llama_gqa`` (LlamaForCausalLM, a ~155M-parameter Llama with grouped-query attention:
+  hidden 1024, 8 layers, 16 heads, 4 key/value heads, intermediate 2816, vocab 32000),
+  ``hf_vit`` (ViTModel of the default ViTConfig: ViT-B/16, 224x224) and ``wav2vec2``
+  (Wav2Vec2Model of the default Wav2Vec2Config on 1 s of 16 kHz audio).
+
+``--models`` takes names or ``all``; ``--suites torchvision,timm,hf`` takes whole suites
+(with ``--models``, it keeps the named models of those suites). The default is the six
+models of the earlier tables (resnet50, vit_b_16, convnext_tiny, bert_layer, gpt2_block,
+gpt2_lm). timm and transformers (and torchvision) are benchmark extras, not fxlite's
+dependencies: a model whose package is missing is skipped, and said so.
 
 For each model, dtype (f32 with TF32 on, bf16 weights) and batch (1, 32), in eval mode
-under ``torch.no_grad()``: the median ms of each compiler (``triton.testing.do_bench``),
-speedup over eager, fxlite's ratio to inductor (inductor ms / fxlite ms: above 1 is
-faster), the cold compile of each (the first call's wall time, with empty cache folders:
-every compiler starts cold in this process), fxlite's kernel count and fallbacks,
-inductor's generated kernel count, and the max relative error of each against eager
-(max |y - y_eager| / max |y_eager| over every output). ``--profile`` adds where
-fxlite's cold compile spends its time (cProfile, cumulative seconds per pipeline stage).
+under ``torch.no_grad()``, in one process: the median ms of each compiler
+(``triton.testing.do_bench``), speedup over eager, fxlite's ratio to inductor (inductor ms
+/ fxlite ms: above 1 is faster), the cold compile of each (the first call's wall time,
+with empty cache folders: every compiler starts cold in this process), the total wall
+time of each compiler's first ``FIRST_CALLS`` (20) calls, the cold one included
+(``<compiler>_first20_s``; eager's first call is the reference of the errors), the peak
+GPU memory during those calls (``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``, MiB, ``<compiler>_peak_mib``: it counts the weights, the
+inputs, eager's reference outputs and whatever an earlier compiler of the case still
+holds; None on CPU), fxlite's kernel count and fallbacks, inductor's generated kernel
+count, and the max relative error of each against eager (max |y - y_eager| / max |y_eager|
+over every output). After the table: the geometric mean of fxlite's speedups over
+inductor and over eager, per dtype and batch, over the rows that have both times.
+``--profile`` adds where fxlite's cold compile spends its time (cProfile, cumulative
+seconds per pipeline stage).
 
 ``--dynamo-fxlite`` adds a column for ``torch.compile(model, backend="fxlite")``: Dynamo
 captures the graphs and fxlite compiles each one (``fxlite.codegen.dynamo_backend``), with
 the same measures (steady-state ms, speedup, ratio to inductor, cold first call, error
 against eager) plus the number of graphs Dynamo handed over and their kernels. It is off
 by default since it adds a third cold compile to every case (``--list-runs`` does not
-include it: add the flag to a model's command).
+include it: add the flag to a command).
 
-``--quick --device cpu`` is a smoke test of the script itself: scaled-down models, the
-Triton interpreter, no timing worth reporting.
+``--quick --device cpu`` is a smoke test of the script itself: scaled-down models (tiny
+configs; torchvision models without a tiny variant at 64x64, timm ones too), the Triton
+interpreter, no timing worth reporting.
 """
 
 from __future__ import annotations
@@ -34,6 +70,7 @@ import cProfile
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import pstats
@@ -45,7 +82,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+try:
+    from coverage_models import TIMM, TORCHVISION
+except ImportError:  # loaded by path (the tests): benchmarks/ is not on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from coverage_models import TIMM, TORCHVISION
+
+# The default --models: the six of the earlier tables in BENCHMARKS.md.
 MODELS = ("resnet50", "vit_b_16", "convnext_tiny", "bert_layer", "gpt2_block", "gpt2_lm")
+SUITES = ("torchvision", "timm", "hf")
+# coverage_models.TORCHVISION's 19, and the families or sizes it leaves out.
+TORCHVISION_MODELS = TORCHVISION + ("regnet_y_1_6gf", "efficientnet_v2_s", "wide_resnet50_2")
+HF_MODELS = ("bert_layer", "bert_base", "gpt2_block", "gpt2_lm", "t5_encoder", "llama_gqa",
+             "hf_vit", "wav2vec2")
 COMPILERS = ("eager", "inductor", "fxlite")  # the default columns
 # torch.compile(model, backend="fxlite"): with --dynamo-fxlite or --compilers
 EXTRA_COMPILERS = ("dynamo_fxlite",)
@@ -53,6 +102,28 @@ DTYPES = ("f32", "bf16")
 BATCHES = (1, 32)
 SEQ = 128  # tokens per sequence for the transformers models
 ROUNDS = 3  # timing rounds per case, each timing every contender in turn
+FIRST_CALLS = 20  # <compiler>_first20_s and <compiler>_peak_mib cover calls 1..FIRST_CALLS
+
+# Estimated seconds of a model's four cases (f32, bf16 x batch 1, 32) on an H200, for
+# --list-runs. From the H200 runs of the six models (session 18: 18 to 74 s for four cases,
+# inductor's cold compile, 3 to 11 s a case, being most of it), scaled by graph size (the
+# fxlite kernel counts of coverage_models' H200 runs: resnet50 49, densenet121 121,
+# maxvit_t 201) and rounded up; the others take their suite's default.
+SUITE_ESTIMATE_S = {"torchvision": 80.0, "timm": 80.0, "hf": 90.0}
+ESTIMATE_S = {
+    "resnet50": 80.0, "vit_b_16": 60.0, "convnext_tiny": 60.0, "bert_layer": 35.0,
+    "gpt2_block": 25.0, "gpt2_lm": 55.0, "alexnet": 50.0, "squeezenet1_1": 50.0,
+    "resnet18": 60.0, "densenet121": 150.0, "googlenet": 100.0, "inception_v3": 120.0,
+    "mobilenet_v3_large": 100.0, "efficientnet_b0": 100.0, "efficientnet_v2_s": 150.0,
+    "regnet_y_400mf": 100.0, "regnet_y_1_6gf": 120.0, "swin_t": 140.0, "maxvit_t": 200.0,
+    "timm_resnet18": 60.0, "timm_seresnet50": 100.0, "timm_efficientnet_b0": 100.0,
+    "timm_efficientnet_b2": 110.0, "timm_tf_efficientnet_b0": 100.0,
+    "timm_mobilenetv3_large_100": 100.0, "timm_efficientnetv2_rw_t": 150.0,
+    "timm_vit_tiny_patch16_224": 60.0, "timm_deit_small_patch16_224": 60.0,
+    "timm_regnety_004": 100.0, "timm_regnety_016": 120.0, "bert_base": 100.0,
+    "llama_gqa": 120.0, "wav2vec2": 120.0, "hf_vit": 90.0,
+}
+STARTUP_S = 40.0  # a command's imports, CUDA start and first-case warm-up
 
 # cProfile functions whose cumulative time is reported per stage of fxlite's cold compile.
 STAGES = {
@@ -72,8 +143,14 @@ STAGES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated names of REGISTRY, or all (default: "
+                        f"{','.join(MODELS)}; --list-models lists them)")
+    p.add_argument("--suites", default=None,
+                   help=f"comma-separated, from {', '.join(SUITES)}: their models (with "
+                        "--models: the named models of these suites)")
+    p.add_argument("--list-models", action="store_true",
+                   help="print the registry's models, suite and estimate each, and exit")
     p.add_argument("--compilers", default=",".join(COMPILERS),
                    help="comma-separated, from eager, inductor, fxlite, dynamo_fxlite "
                         "(eager always runs)")
@@ -98,11 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "longest case so far); skipped cases are listed. Default: 480 on "
                         "cuda (the device tool's 10-minute limit), none on cpu")
     p.add_argument("--list-runs", action="store_true",
-                   help="print the commands of a full run, one model each, and exit")
+                   help="print the commands that run the selected models, grouped to fit "
+                        "--budget each, and exit")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="print the tables of earlier --json files and exit")
     args = p.parse_args(argv)
-    args.models = _choices(args.models, MODELS, "model")
+    args.suites = _choices(args.suites, SUITES, "suite") if args.suites else None
+    args.models = select_models(args.models, args.suites)
     chosen = set(_choices(args.compilers, COMPILERS + EXTRA_COMPILERS, "compiler"))
     chosen |= {"eager"} | ({"dynamo_fxlite"} if args.dynamo_fxlite else set())
     # always in this order: inductor's torch._dynamo.reset() comes before dynamo_fxlite
@@ -126,10 +205,70 @@ def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return got
 
 
-def list_runs(json_dir: str = "bench-out") -> list[str]:
-    """The commands of a full run: one model each (a few minutes per model)."""
-    return [f"PYTHONPATH=$PWD python benchmarks/bench_models.py --models {m} --profile "
-            f"--json {json_dir}/bench_models_{m}.json" for m in MODELS]
+def select_models(models: str | None, suites: list[str] | None) -> list[str]:
+    """The names ``--models`` and ``--suites`` select, in ``--models``' order (registry
+    order for ``all`` or suites alone); the default is ``MODELS``."""
+    if models is None:
+        if suites is None:
+            return list(MODELS)
+        return [m for m, (suite, _) in REGISTRY.items() if suite in suites]
+    names = list(REGISTRY) if models.strip() == "all" else _choices(models, tuple(REGISTRY),
+                                                                   "model")
+    if suites is not None:
+        names = [m for m in names if REGISTRY[m][0] in suites]
+    if not names:
+        raise SystemExit(f"bench_models.py: no model of {models!r} is in suites {suites}")
+    return names
+
+
+def estimate_s(name: str, cases: int = 4) -> float:
+    """Estimated seconds of ``cases`` cases of model ``name`` (``ESTIMATE_S``, else its
+    suite's ``SUITE_ESTIMATE_S``: both for 4 cases)."""
+    return ESTIMATE_S.get(name, SUITE_ESTIMATE_S[REGISTRY[name][0]]) * cases / 4
+
+
+def group_runs(models: list[str], budget: float, cases: int = 4) -> list[list[str]]:
+    """The models in commands of one suite each: every model, in order, joins the first
+    command of its suite whose estimate (``STARTUP_S`` plus its models' ``estimate_s``)
+    stays within ``budget``, else starts a command (alone, where it is over the budget by
+    itself)."""
+    groups: list[list[str]] = []
+    totals: list[float] = []
+    for name in models:
+        cost = estimate_s(name, cases)
+        for i, group in enumerate(groups):
+            if REGISTRY[group[0]][0] == REGISTRY[name][0] and totals[i] + cost <= budget:
+                group.append(name)
+                totals[i] += cost
+                break
+        else:
+            groups.append([name])
+            totals.append(STARTUP_S + cost)
+    return groups
+
+
+def list_runs(args: argparse.Namespace | None = None, json_dir: str = "bench-out") -> list[str]:
+    """The commands that run ``args``' models (default: ``MODELS``), grouped by
+    ``group_runs`` to fit ``--budget`` (default 480 s); each writes its own JSON."""
+    args = args or parse_args([])
+    budget = args.budget if args.budget is not None else 480.0
+    extra = ""
+    if args.dtypes != list(DTYPES):
+        extra += f" --dtypes {','.join(args.dtypes)}"
+    if args.batches != list(BATCHES):
+        extra += f" --batches {','.join(map(str, args.batches))}"
+    if args.compilers != list(COMPILERS):
+        extra += f" --compilers {','.join(args.compilers)}"
+    if args.budget is not None:
+        extra += f" --budget {args.budget:g}"
+    out, count = [], {}
+    for group in group_runs(args.models, budget, len(args.dtypes) * len(args.batches)):
+        suite = REGISTRY[group[0]][0]
+        count[suite] = count.get(suite, 0) + 1
+        out.append(f"PYTHONPATH=$PWD python benchmarks/bench_models.py --models "
+                   f"{','.join(group)}{extra} --profile "
+                   f"--json {json_dir}/bench_models_{suite}_{count[suite]}.json")
+    return out
 
 
 # ---------------------------------------------------------------------- environment
@@ -145,44 +284,44 @@ def _prepare_environment(device: str) -> str:
 
 
 # ---------------------------------------------------------------------- models
+Builder = Callable[[bool, int], tuple[Any, tuple]]  # (quick, batch) -> model, inputs on CPU
+
+
 def build(name: str, quick: bool, batch: int, device: str) -> tuple[Any, tuple]:
     """The model (eval mode, f32, on ``device``) and its example inputs."""
     import torch
 
     torch.manual_seed(0)
-    if name in ("resnet50", "vit_b_16", "convnext_tiny"):
-        import torchvision
-
-        if quick:
-            model = {"resnet50": lambda: torchvision.models.resnet18(num_classes=10),
-                     "vit_b_16": lambda: torchvision.models.VisionTransformer(
-                         image_size=32, patch_size=16, num_layers=2, num_heads=2,
-                         hidden_dim=32, mlp_dim=64, num_classes=10),
-                     "convnext_tiny": lambda: _tiny_convnext(torchvision)}[name]()
-            size = 32
-        else:
-            model, size = getattr(torchvision.models, name)(), 224
-        inputs = (torch.randn(batch, 3, size, size),)
-    else:
-        import transformers as tf
-
-        seq = 8 if quick else SEQ
-        small = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512} if quick else {}
-        if name == "bert_layer":
-            cfg = tf.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128) \
-                if quick else tf.BertConfig()
-            model = tf.models.bert.modeling_bert.BertLayer(cfg)
-            inputs = (torch.randn(batch, seq, cfg.hidden_size),)
-        elif name == "gpt2_block":
-            cfg = tf.GPT2Config(**small)
-            model = tf.models.gpt2.modeling_gpt2.GPT2Block(cfg, layer_idx=0)
-            inputs = (torch.randn(batch, seq, cfg.n_embd),)
-        else:
-            cfg = tf.GPT2Config(use_cache=False, **small)
-            model = tf.GPT2LMHeadModel(cfg)
-            inputs = (torch.randint(0, cfg.vocab_size, (batch, seq)),)
+    model, inputs = REGISTRY[name][1](quick, batch)
     model = model.eval().to(device)
     return model, tuple(t.to(device) for t in inputs)
+
+
+def _images(batch: int, size: int) -> tuple:
+    import torch
+
+    return (torch.randn(batch, 3, size, size),)
+
+
+def _torchvision(name: str) -> Builder:
+    """torchvision.models.<name>; with ``quick``, a tiny variant of the same family where
+    there is one (32 to 56 pixels), else the model itself on 64x64 images (inception_v3:
+    80) with 10 classes."""
+
+    def builder(quick: bool, batch: int) -> tuple[Any, tuple]:
+        import torchvision
+
+        if quick and name in _TINY_TORCHVISION:
+            model, size = _TINY_TORCHVISION[name](torchvision)
+            return model, _images(batch, size)
+        kwargs: dict[str, Any] = {"num_classes": 10} if quick else {}
+        if name in ("googlenet", "inception_v3"):
+            kwargs.update(aux_logits=False, init_weights=False)
+        model = getattr(torchvision.models, name)(weights=None, **kwargs)
+        size = (80 if quick else 299) if name == "inception_v3" else (64 if quick else 224)
+        return model, _images(batch, size)
+
+    return builder
 
 
 def _tiny_convnext(torchvision: Any) -> Any:
@@ -191,7 +330,113 @@ def _tiny_convnext(torchvision: Any) -> Any:
     return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], num_classes=10)
 
 
+# Scaled-down members of a family, and their image size, for --quick.
+_TINY_TORCHVISION: dict[str, Callable[[Any], tuple[Any, int]]] = {
+    "resnet50": lambda tv: (tv.models.resnet18(num_classes=10), 32),
+    "vit_b_16": lambda tv: (tv.models.VisionTransformer(
+        image_size=32, patch_size=16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+        num_classes=10), 32),
+    "convnext_tiny": lambda tv: (_tiny_convnext(tv), 32),
+    "swin_t": lambda tv: (tv.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=[4, 4],
+        stochastic_depth_prob=0.0, num_classes=10), 32),
+    # 56 pixels: the stem halves them, each of the two blocks halves them again, and every
+    # block's grid (14, 7) must split into 7x7 partitions
+    "maxvit_t": lambda tv: (tv.models.MaxVit(
+        input_size=(56, 56), stem_channels=8, partition_size=7, block_channels=[8, 16],
+        block_layers=[1, 1], head_dim=4, stochastic_depth_prob=0.0, num_classes=10), 56),
+}
+
+
+def _timm(name: str) -> Builder:
+    """``timm.create_model(name, pretrained=False)`` on 224x224 images; with ``quick``,
+    10 classes on 64x64 images (the vision transformers built for 64 pixels)."""
+
+    def builder(quick: bool, batch: int) -> tuple[Any, tuple]:
+        import timm  # a benchmark extra: imported only when a timm model is built
+
+        kwargs: dict[str, Any] = {}
+        if quick:
+            kwargs["num_classes"] = 10
+            if "vit" in name or "deit" in name:  # position tables of a fixed image size
+                kwargs["img_size"] = 64
+        return timm.create_model(name, pretrained=False, **kwargs), _images(
+            batch, 64 if quick else 224)
+
+    return builder
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> tuple:
+    import torch
+
+    return (torch.randint(0, vocab, (batch, seq)),)
+
+
+def _hf(name: str) -> Builder:
+    """A transformers model with random weights from its config (``SEQ`` tokens; tiny
+    configs and 8 tokens with ``quick``)."""
+
+    def builder(quick: bool, batch: int) -> tuple[Any, tuple]:
+        import torch
+        import transformers as tf
+
+        seq = 8 if quick else SEQ
+        if name in ("bert_layer", "bert_base"):
+            cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=512) \
+                if quick else tf.BertConfig()
+            if name == "bert_layer":
+                return (tf.models.bert.modeling_bert.BertLayer(cfg),
+                        (torch.randn(batch, seq, cfg.hidden_size),))
+            return tf.BertModel(cfg), _tokens(batch, seq, cfg.vocab_size)
+        if name in ("gpt2_block", "gpt2_lm"):
+            small = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512} if quick else {}
+            if name == "gpt2_block":
+                cfg = tf.GPT2Config(**small)
+                return (tf.models.gpt2.modeling_gpt2.GPT2Block(cfg, layer_idx=0),
+                        (torch.randn(batch, seq, cfg.n_embd),))
+            cfg = tf.GPT2Config(use_cache=False, **small)
+            return tf.GPT2LMHeadModel(cfg), _tokens(batch, seq, cfg.vocab_size)
+        if name == "t5_encoder":
+            cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                              vocab_size=512) if quick else tf.T5Config()  # t5-small
+            return tf.T5EncoderModel(cfg), _tokens(batch, seq, cfg.vocab_size)
+        if name == "llama_gqa":
+            size = ({"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+                    if quick else
+                    {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+                     "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000})
+            cfg = tf.LlamaConfig(max_position_embeddings=2048, use_cache=False, **size)
+            return tf.LlamaForCausalLM(cfg), _tokens(batch, seq, cfg.vocab_size)
+        if name == "hf_vit":
+            cfg = tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=128, image_size=32, patch_size=8) \
+                if quick else tf.ViTConfig()  # ViT-B/16, 224x224
+            return tf.ViTModel(cfg), _images(batch, cfg.image_size)
+        if name == "wav2vec2":
+            cfg = tf.Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2),
+                                    conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                    num_conv_pos_embedding_groups=4) \
+                if quick else tf.Wav2Vec2Config()  # wav2vec2-base
+            samples = 1600 if quick else 16000  # 0.1 s or 1 s of 16 kHz audio
+            return tf.Wav2Vec2Model(cfg), (torch.randn(batch, samples),)
+        raise KeyError(name)
+
+    return builder
+
+
+# name -> (suite, builder): every model the benchmark knows.
+REGISTRY: dict[str, tuple[str, Builder]] = {
+    **{m: ("torchvision", _torchvision(m)) for m in TORCHVISION_MODELS},
+    **{f"timm_{m}": ("timm", _timm(m)) for m in TIMM},
+    **{m: ("hf", _hf(m)) for m in HF_MODELS},
+}
+
+
 def cast(model: Any, inputs: tuple, dtype: str) -> tuple[Any, tuple]:
+    """The model and its floating-point inputs in ``dtype`` (f32: as they are; bf16)."""
     import torch
 
     if dtype == "f32":
@@ -239,6 +484,7 @@ def _sync(device: str) -> None:
 
 
 def median_ms(fn: Callable[[], Any], device: str, quick: bool) -> float:
+    """The median ms of a call of ``fn`` (``triton.testing.do_bench`` on CUDA)."""
     if device == "cuda":
         import triton.testing
 
@@ -252,12 +498,30 @@ def median_ms(fn: Callable[[], Any], device: str, quick: bool) -> float:
     return statistics.median(times)
 
 
-def first_call(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
+def first_calls(call: Callable[[], Any], device: str, calls: int = FIRST_CALLS,
+                profile: cProfile.Profile | None = None) -> tuple[Any, float, float, float | None]:
+    """Calls 1..``calls`` of ``call``, synchronized: the first call's output, its seconds
+    (``profile`` enabled around it alone), the seconds of all of them, and the peak GPU
+    memory allocated during them in MiB (None on CPU)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     _sync(device)
     start = time.perf_counter()
-    out = fn()
+    if profile is not None:
+        profile.enable()
+    out = call()
     _sync(device)
-    return out, time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+    cold = time.perf_counter() - start
+    for _ in range(calls - 1):
+        call()
+    _sync(device)
+    total = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    return out, cold, total, peak
 
 
 def stage_seconds(profile: cProfile.Profile) -> dict[str, float]:
@@ -274,8 +538,9 @@ def stage_seconds(profile: cProfile.Profile) -> dict[str, float]:
 
 def measure(compiler: str, model: Any, inputs: tuple, args: argparse.Namespace,
             row: dict[str, Any]) -> tuple[Callable[[], Any], Any]:
-    """Compile ``model`` with ``compiler`` and make its first call; adds the cold columns.
-    Returns the call to time and the compiled model."""
+    """Compile ``model`` with ``compiler`` and make its first ``FIRST_CALLS`` calls; adds the
+    cold, first-calls and peak-memory columns. Returns the call to time and the compiled
+    model."""
     import torch
 
     import fxlite
@@ -298,11 +563,9 @@ def measure(compiler: str, model: Any, inputs: tuple, args: argparse.Namespace,
         compiled = fxlite.compile(model, mode=args.mode)
     call = functools.partial(compiled, *inputs)
     profile = cProfile.Profile() if args.profile and compiler == "fxlite" else None
+    _, row[f"{compiler}_cold_s"], row[f"{compiler}_first{FIRST_CALLS}_s"], \
+        row[f"{compiler}_peak_mib"] = first_calls(call, args.device, profile=profile)
     if profile is not None:
-        profile.enable()
-    _, row[f"{compiler}_cold_s"] = first_call(call, args.device)
-    if profile is not None:
-        profile.disable()
         row["fxlite_cold_profile"] = stage_seconds(profile)
     if metrics is not None:
         row["inductor_kernels"] = metrics.generated_kernel_count
@@ -361,14 +624,17 @@ def time_side_by_side(calls: dict[str, Callable[[], Any]], args: argparse.Namesp
 
 
 def run_case(name: str, dtype: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One row: model ``name`` in ``dtype`` at ``batch``, every compiler of ``args``."""
     import torch
 
+    row: dict[str, Any] = {"model": name, "suite": REGISTRY[name][0], "dtype": dtype,
+                           "batch": batch, "mode": args.mode or "default"}
     model, inputs = cast(*build(name, args.quick, batch, args.device), dtype)
-    row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch,
-                           "mode": args.mode or "default"}
     with torch.no_grad():
-        want = model(*inputs)
         calls: dict[str, Callable[[], Any]] = {"eager": functools.partial(model, *inputs)}
+        # eager's first call is the reference of every error below
+        want, row["eager_cold_s"], row[f"eager_first{FIRST_CALLS}_s"], row["eager_peak_mib"] = \
+            first_calls(calls["eager"], args.device)
         compiled: dict[str, Any] = {}
         for compiler in args.compilers:
             if compiler == "eager":
@@ -416,6 +682,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("fxlite ms", "fxlite_ms", ".3f"), ("inductor x", "inductor_speedup", ".2f"),
             ("fxlite x", "fxlite_speedup", ".2f"), ("fxlite/inductor", "fxlite_vs_inductor", ".2f"),
             ("inductor cold s", "inductor_cold_s", ".1f"), ("fxlite cold s", "fxlite_cold_s", ".1f"),
+            (f"first {FIRST_CALLS} s (eager/ind/fx)", "first", ".2f"),
+            ("peak MiB (eager/ind/fx)", "peak", ".0f"),
             ("kernels (fx/ind)", None, ""), ("fallbacks", None, ""),
             ("max rel err (fx/ind)", None, "")]
     if any(k.startswith("dynamo_fxlite_") for r in rows for k in r):  # --dynamo-fxlite
@@ -423,6 +691,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                  ("dynamo+fxlite x", "dynamo_fxlite_speedup", ".2f"),
                  ("dynamo+fxlite/inductor", "dynamo_fxlite_vs_inductor", ".2f"),
                  ("dynamo+fxlite cold s", "dynamo_fxlite_cold_s", ".1f"),
+                 (f"dynamo+fxlite first {FIRST_CALLS} s", f"dynamo_fxlite_first{FIRST_CALLS}_s",
+                  ".2f"),
+                 ("dynamo+fxlite peak MiB", "dynamo_fxlite_peak_mib", ".0f"),
                  ("dynamo+fxlite graphs/kernels/fallbacks", None, ""),
                  ("dynamo+fxlite max rel err", "dynamo_fxlite_max_rel_err", ".1e")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |",
@@ -430,7 +701,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = []
         for title, key, spec in cols:
-            if key is not None:
+            if key in ("first", "peak"):  # eager/inductor/fxlite in one cell
+                suffix = f"_first{FIRST_CALLS}_s" if key == "first" else "_peak_mib"
+                cells.append("/".join(_fmt(r.get(c + suffix), spec) for c in COMPILERS))
+            elif key is not None:
                 cells.append(_fmt(r.get(key), spec))
             elif title.startswith("kernels"):
                 cells.append(f"{_fmt(r.get('fxlite_kernels'), '')}/{_fmt(r.get('inductor_kernels'), '')}")
@@ -446,6 +720,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                 cells.append(f"{_fmt(r.get('fxlite_max_rel_err'), '.1e')}/"
                              f"{_fmt(r.get('inductor_max_rel_err'), '.1e')}")
         lines.append("| " + " | ".join(cells) + " |")
+    means = geomean_lines(rows)
+    if means:
+        lines.append("\ngeometric mean of fxlite's speedups (rows with both times):")
+        lines += means
     errors = [(r["model"], r["dtype"], r["batch"], k, v) for r in rows for k, v in r.items()
               if k.endswith("_error")]
     for model, dtype, batch, k, v in errors:
@@ -457,6 +735,44 @@ def table(rows: list[dict[str, Any]]) -> str:
             stages = ", ".join(f"{k} {v}" for k, v in r["fxlite_cold_profile"].items())
             lines.append(f"- {r['model']} {r['dtype']} b{r['batch']}: {stages}")
     return "\n".join(lines)
+
+
+def geomean(values: list[float]) -> float | None:
+    """The geometric mean of positive ``values`` (None if there are none)."""
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def geomeans(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """fxlite's speedups, per dtype and batch and per dtype over every batch (batch None):
+    the geometric mean of inductor ms / fxlite ms (``vs_inductor``) over the rows with
+    both times, and of eager ms / fxlite ms (``vs_eager``), with the number of rows each."""
+
+    def ratios(group: list[dict[str, Any]], over: str) -> list[float]:
+        return [r[f"{over}_ms"] / r["fxlite_ms"] for r in group
+                if r.get(f"{over}_ms") and r.get("fxlite_ms")]
+
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        same = [r for r in rows if r["dtype"] == dtype]
+        batches = sorted({r["batch"] for r in same}, reverse=True)
+        for batch in batches + ([None] if len(batches) > 1 else []):
+            group = [r for r in same if batch is None or r["batch"] == batch]
+            vs_inductor, vs_eager = ratios(group, "inductor"), ratios(group, "eager")
+            if vs_inductor or vs_eager:
+                out.append({"dtype": dtype, "batch": batch,
+                            "vs_inductor": geomean(vs_inductor), "n_inductor": len(vs_inductor),
+                            "vs_eager": geomean(vs_eager), "n_eager": len(vs_eager)})
+    return out
+
+
+def geomean_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``geomeans`` as markdown list lines."""
+    return [f"- {g['dtype']} {'all batches' if g['batch'] is None else 'b' + str(g['batch'])}: "
+            f"fxlite/inductor {_fmt(g['vs_inductor'], '.3f')} over {g['n_inductor']} rows, "
+            f"fxlite/eager {_fmt(g['vs_eager'], '.3f')} over {g['n_eager']} rows"
+            for g in geomeans(rows)]
 
 
 def facts(args: argparse.Namespace) -> dict[str, Any]:
@@ -480,7 +796,11 @@ def facts(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_runs:
-        print("\n".join(list_runs()))
+        print("\n".join(list_runs(args)))
+        return 0
+    if args.list_models:
+        for name in args.models:
+            print(f"{name} {REGISTRY[name][0]} {estimate_s(name):.0f}")
         return 0
     if args.merge:
         rows, runs = [], []
@@ -511,14 +831,27 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     longest = 0.0
+    missing: set[str] = set()  # models whose package is not installed
     for name in args.models:
         for dtype in args.dtypes:
             for batch in args.batches:
+                if name in missing:
+                    continue
                 if budget is not None and time.perf_counter() - began + longest > budget:
                     skipped.append(f"{name} {dtype} b{batch}")
                     continue
                 start = time.perf_counter()
-                row = run_case(name, dtype, batch, args)
+                try:
+                    row = run_case(name, dtype, batch, args)
+                except ModuleNotFoundError as e:  # timm or another benchmark extra
+                    skipped.append(f"{name} ({e.name} is not installed)")
+                    print(f"{name}: skipped, {e.name} is not installed", file=sys.stderr)
+                    missing.add(name)
+                    continue
+                except Exception as e:  # a model that fails to build or run eagerly: a row
+                    row = {"model": name, "suite": REGISTRY[name][0], "dtype": dtype,
+                           "batch": batch, "model_error": f"{type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
                 row["case_s"] = round(time.perf_counter() - start, 1)
                 longest = max(longest, row["case_s"])
                 rows.append(row)
@@ -527,7 +860,8 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.json, {"facts": facts(args), "rows": rows, "skipped": skipped})
     print(table(rows))
     if skipped:
-        print(f"\nskipped (time budget {budget} s): {', '.join(skipped)}; run them with --models")
+        print(f"\nskipped (time budget {budget} s, or a missing package): {', '.join(skipped)}; "
+              "run them with --models")
     return 0
 
 
