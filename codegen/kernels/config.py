@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BLOCK", "POINTWISE_BLOCK", "candidate_configs", "launch_config",
-           "np2", "tile_config", "triton_cdiv"]
+__all__ = ["DEFAULT_MAX_BLOCK", "POINTWISE_BLOCK", "WIDE_ROW", "candidate_configs",
+           "launch_config", "np2", "tile_config", "triton_cdiv", "wide_row_configs"]
 
 DEFAULT_MAX_BLOCK = 16384  # longest row (elements, power of 2) kept in registers
 POINTWISE_BLOCK = 1024
+WIDE_ROW = 8192  # rows held whole at least this wide: the warps are timed (wide_row_configs)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -130,6 +131,31 @@ def tile_config(lena: int, lenb: int) -> dict[str, Any]:
     if ba < 32:
         bb = min(np2(lenb), max(32, 1024 // ba))
     return {"variant": "transpose", "BA": ba, "BB": bb, "num_warps": 4}
+
+
+def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
+                     max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1
+                     ) -> list[dict[str, Any]]:
+    """The warps a reduction holding rows of at least :data:`WIDE_ROW` elements times on
+    its first GPU call, in every mode (empty for other reductions: the heuristic stands).
+
+    No one count suits every op at these widths. Measured on an H200 at 8192x8192
+    (``benchmarks/sweep_row_configs.py``): layer_norm reached 98.6% of copy with 4 warps
+    in float32 and 68% with the heuristic's 16; softmax in bfloat16 reached 89% with 8,
+    88% with 16 and under 63% with 4; rms_norm in bfloat16 97% with 4 and 90% with 16.
+    Narrower rows are many, cheap and well served by the heuristic; these are few (a wide
+    model's norms and softmaxes), so the cost is a few compiles of the kernels that gain.
+
+    Example::
+
+        [c["num_warps"] for c in wide_row_configs(8192, 8192)]   # [16, 4, 8, 32]
+        wide_row_configs(8192, 1024)                              # []
+    """
+    base = launch_config("reduction", rows, cols, trailing=trailing, max_block=max_block,
+                         row_inputs=row_inputs)
+    if not trailing or base["variant"] != "persistent" or base["BLOCK_C"] < WIDE_ROW:
+        return []
+    return [base] + [{**base, "num_warps": w} for w in (4, 8, 16, 32) if w != base["num_warps"]]
 
 
 def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,

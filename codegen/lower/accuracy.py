@@ -126,7 +126,8 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
         args: its inputs; neither run may write to them for the float64 look to apply.
         name: the kernel's name.
         direction: ``"forward"``, or ``"backward"`` for a group of a generated backward.
-        autotune: time candidate block sizes and warps first, and keep the best.
+        autotune: time candidate block sizes and warps first, and keep the best (without
+            it, only the warps of a reduction over rows at least 8192 wide are timed).
         through: a dtype the values were computed in, whose tolerance applies if looser
             (the backward's least precise input: a float32 gradient of bfloat16 values is
             only as close as bfloat16).
@@ -151,6 +152,8 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
     try:
         if autotune:
             kernel.autotune(*args)
+        else:  # wide rows only: their best warps differ by op (kernels/config.py)
+            kernel.tune_wide_rows(*args)
         before = versions(args)
         got = kernel(*args)
         if not kernel.checked:  # else it matched eager before (the disk index says)

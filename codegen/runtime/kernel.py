@@ -67,6 +67,7 @@ from fxlite.codegen.kernels.config import (
     np2,
     tile_config,
     triton_cdiv,
+    wide_row_configs,
 )
 from fxlite.codegen.kernels.emit import Unsupported
 from fxlite.codegen.kernels.generate import (
@@ -429,6 +430,23 @@ class TritonKernel:
                 n = math.prod(shape[d] if d in span else 1 for d in dims)
                 total += n * dtype.itemsize
         return total
+
+    def tune_wide_rows(self, *inputs: Any) -> dict[str, Any] | None:
+        """On a GPU, time the warps of a reduction over rows of at least
+        :data:`~fxlite.codegen.kernels.config.WIDE_ROW` elements held whole
+        (:func:`~fxlite.codegen.kernels.config.wide_row_configs`) and keep the fastest, as
+        :meth:`autotune` does; None where there is nothing to time (other kernels, or
+        the interpreter)."""
+        if self.kind == "pointwise" or interpreting() or not torch.cuda.is_available():
+            return None
+        spec = self._spec_for(inputs)
+        if spec is None:
+            return None
+        counts, _ = spec.config(iteration_space(list(inputs)))
+        configs = wide_row_configs(counts["rows"], counts["cols"],
+                                   trailing=spec.launch.row_config, max_block=self._max_block,
+                                   row_inputs=spec.launch.row_inputs)
+        return self.autotune(*inputs, configs=configs) if len(configs) > 1 else None
 
     def autotune(self, *inputs: Any, configs: list[dict[str, Any]] | None = None
                  ) -> dict[str, Any]:

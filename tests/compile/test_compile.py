@@ -469,6 +469,9 @@ class FakeKernel:
     def bytes_moved(self, *args):
         return 0
 
+    def tune_wide_rows(self, *args):
+        return None  # nothing to time
+
 
 def fake_generator(offset, made, checked=False):
     def generate(group, example_inputs, name="kernel", **kw):

@@ -458,6 +458,29 @@ def test_launch_heuristic():
     assert launch_config("reduction", 8192, 768)["num_warps"] >= 4
 
 
+def test_wide_rows_time_their_warps_and_narrow_ones_keep_the_heuristic():
+    """Rows held whole from 8192 elements: the first GPU call times 4, 8, 16 and 32 warps
+    (the best differs by op there); others, looped rows and strided ones time nothing."""
+    from fxlite.codegen.kernels.config import WIDE_ROW, wide_row_configs
+    wide = wide_row_configs(64, WIDE_ROW)
+    assert wide[0] == launch_config("reduction", 64, WIDE_ROW)  # the heuristic's first
+    assert sorted(c["num_warps"] for c in wide) == [4, 8, 16, 32]
+    assert all({**c, "num_warps": 0} == {**wide[0], "num_warps": 0} for c in wide)
+    assert wide_row_configs(64, WIDE_ROW // 2) == []
+    assert wide_row_configs(64, WIDE_ROW, trailing=False) == []
+    assert wide_row_configs(4, 100_000) == []  # looped: its chunk's warps were measured
+    if interpreting():  # nothing to time: the heuristic stands
+        x = rand(4, 16)
+        ln = fxlite.compile(lambda a: F.layer_norm(a, (16,)))
+        ln(x)
+        assert ln.kernels[0].tune_wide_rows(x) is None and not ln.kernels[0]._current.tuned
+    else:  # the kernel's check timed the warps and kept one
+        x = rand(4, WIDE_ROW)
+        ln = fxlite.compile(lambda a: F.layer_norm(a, (WIDE_ROW,)))
+        torch.testing.assert_close(ln(x), F.layer_norm(x, (WIDE_ROW,)), rtol=1e-4, atol=1e-4)
+        assert ln.kernels[0]._current.tuned[WIDE_ROW]["num_warps"] in (4, 8, 16, 32)
+
+
 def test_bytes_moved():
     x, b = rand(4, 8), rand(8)
     k = check(lambda a, c: a + c, x, b)
