@@ -86,6 +86,16 @@ def cases(n: int, quick: bool) -> list[tuple[str, object, list[torch.Tensor]]]:
            ("add+layer_norm", add_layer_norm, [t(n, n), t(n, n), t(n), t(n)]),
            ("rms_norm", rms_norm, [t(n, n), t(n)]),
            ("silu(x)*y", silu_mul, [t(n, n), t(n, n)])]
+    # rows twice as wide (16,384 at the default n), a quarter as many: issue 38's targets
+    wide = n // 4, 2 * n
+    out += [(f"{name} {2 * n} wide{tag}", fn, [t(*shape, dtype=dt) for shape in shapes])
+            for dt, tag in ((torch.float32, ""), (torch.bfloat16, " bf16"))
+            for name, fn, shapes in (("layer_norm", layer_norm, (wide, wide[1:], wide[1:])),
+                                     ("rms_norm", rms_norm, (wide, wide[1:])),
+                                     ("softmax", softmax, (wide,)))]
+    out += [(f"{name} bf16", fn, [t(*shape, dtype=torch.bfloat16) for shape in shapes])
+            for name, fn, shapes in (("layer_norm", layer_norm, ((n, n), (n,), (n,))),
+                                     ("rms_norm", rms_norm, ((n, n), (n,))))]
     return out[:4] if quick else out
 
 
