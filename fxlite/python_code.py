@@ -636,6 +636,12 @@ def generate(graph: Any, root_module: str = "self", *, portable: bool = False) -
     for value, user in last_use.items():
         if user.op != "output" and value in em.ref:
             to_free.setdefault(user, []).append(em.ref[value])
+    # A value nothing reads dies where it is made, as torch.fx's code does: a recorded
+    # ``dropout(x, training=False)`` is ``x`` itself, and held to the end of forward it
+    # kept swin_t's activations alive (a peak three times eager's on an H200).
+    for n in nodes:
+        if not n.users and n.op not in ("placeholder", "output") and n in em.ref:
+            to_free.setdefault(n, []).append(em.ref[n])
 
     hooks = getattr(graph, "_codegen", None)
     if type(hooks) is CodeGen:

@@ -184,6 +184,32 @@ def test_generated_code_frees_values_after_last_use():
     assert_close(gm(x, y), f(x, y))
 
 
+def test_a_value_nothing_reads_is_freed_where_it_is_made():
+    """A recorded ``dropout(x, training=False)`` returns ``x`` itself and nothing reads it;
+    held to the end of ``forward``, such values kept swin_t's activations alive (a GPU
+    peak three times eager's). Each later node must find it gone."""
+    import weakref
+
+    made: list[weakref.ref] = []
+
+    def unused_copy(t):
+        out = t * 2
+        made.append(weakref.ref(out))
+        return out
+
+    def gone(t):
+        assert made and made[-1]() is None, "the unused value is still alive"
+        return t + 1
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(unused_copy, (x,))
+    graph.output(graph.call_function(gone, (x,)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert "unused_copy = None" in gm.code
+    assert_close(gm(torch.ones(3)), torch.full((3,), 2.0))
+
+
 # ---------------------------------------------------------------------- submodules
 def test_add_and_delete_submodule():
     gm = fx.symbolic_trace(lambda x: x * 2)
