@@ -261,12 +261,14 @@ def list_runs(args: argparse.Namespace | None = None, json_dir: str = "bench-out
         extra += f" --compilers {','.join(args.compilers)}"
     if args.budget is not None:
         extra += f" --budget {args.budget:g}"
+    if args.profile:  # cProfile slows fxlite's cold compile and first 20 calls: opt in
+        extra += " --profile"
     out, count = [], {}
     for group in group_runs(args.models, budget, len(args.dtypes) * len(args.batches)):
         suite = REGISTRY[group[0]][0]
         count[suite] = count.get(suite, 0) + 1
         out.append(f"PYTHONPATH=$PWD python benchmarks/bench_models.py --models "
-                   f"{','.join(group)}{extra} --profile "
+                   f"{','.join(group)}{extra} "
                    f"--json {json_dir}/bench_models_{suite}_{count[suite]}.json")
     return out
 
