@@ -37,7 +37,6 @@ from fxlite.codegen.lower.accuracy import (
     attributes,
     check_group,
     float64_problem,
-    reproducible,
     versions,
 )
 from fxlite.codegen.lower.autograd import make_autograd_group
@@ -84,9 +83,6 @@ class CompiledSegment:
     fallbacks: list[str] = field(default_factory=list)
     outputs: Any = None  # results of the check run: inputs for checking the next segment
     seeded: bool = False  # dropout draws its masks in kernels (not comparable with eager)
-    # running it again changes nothing (no writes to its inputs, no random numbers, no
-    # effects, no autograd graph): its trial may time several runs back to back
-    pure: bool = False
     # the recorded ops with the rewrites that need no kernels (fused optimizer steps,
     # channels-last convolutions): what runs where the kernels lose their trial
     recorded: GraphModule | None = None
@@ -211,8 +207,6 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
         return _recorded_ops(python, work, sample, entry, warn, "the compiled segment "
                              f"disagreed with eager ({problem}); its ops run in eager")
     compiled.recorded = work
-    compiled.pure = unwritten and reproducible(work) and not any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in sample)
     return compiled
 
 

@@ -2,31 +2,38 @@
 
 Fused kernels usually win, but not always: tiny tensors, many small groups, or a training
 step whose groups each add an autograd node can cost more host time than the kernels save
-on the device. So on a GPU a compiled segment starts on trial::
+on the device. So on a GPU a compiled segment starts on trial, each user call running one
+side once::
 
-    calls 1-4: compiled, recorded, compiled, recorded (warm-ups, not timed)
-    calls 5-10: the two take turns, each timed from a synchronized start to a synchronized end
-    then: the faster one (by median) runs every later call
+    calls 1-5: compiled, recorded, compiled, recorded, compiled (warm-ups, not timed)
+    calls 6-8: recorded, timed as a block      calls 9-11: compiled, timed as a block
+    then: the faster one runs every later call (from call 12); when the two are within
+    10%, one more block each (calls 12-17) decides, on both blocks' times
 
-Two warm-ups a side: the compiled side's first calls also write its straight-line
-forward for the call's layout and write it again once its kernels' launches are
-prepared (``codegen/runtime/straight_line.py``), about 12-16 ms each for convnext_tiny on an H200
-host against 2.8 ms for a later call.
+The compiled side's first calls also write its straight-line forward for the call's
+layout and write it again once its kernels' launches are prepared
+(``codegen/runtime/straight_line.py``): about 12-16 ms each for convnext_tiny on an H200
+host against 2.8 ms for a later call, and the recorded side's first two calls were slow
+too (vit_b_16: 145 and 55 ms against 8). The warm-ups leave all of these out.
 
-A pure segment (it writes none of its inputs, draws no random numbers, has no effects and
-records no autograd graph) runs three times back to back in each timed call, so that the
-host's launches of one run overlap the GPU's work on the last one, as in a loop of calls:
-timed one at a time, with the GPU idle at each start, kernels that save GPU time at some
-host cost lost to the recorded ops (convnext_tiny on an H200: 6.94 ms against 5.99 a call
-in the trial, while in a loop they took 4.50 against eager's 5.55).
+A block is three consecutive calls of one side, timed from a synchronized start to a
+synchronized end, so that the host's launches of one call overlap the GPU's work on the
+last, as in a loop of calls: timed one at a time with the GPU idle at each start, kernels
+that save GPU time at some host cost lost to the recorded ops (convnext_tiny on an H200:
+6.94 ms against 5.99 a call, while in a loop they took 4.50 against eager's 5.55). A
+program that synchronizes between calls (``loss.item()``) gets no such overlap, and its
+blocks measure that too. Nothing runs twice, so no call does more work
+than its side's (an earlier trial ran each timed call three times over, and vit_b_16's
+calls 5-10 did 3.6 times the matmuls of a call). What the program does between calls
+(its other segments, its Python) falls in the blocks of both sides alike.
 
 Under ``mode="reduce-overhead"`` a training segment's two sides both replay from CUDA
 graphs while on trial, one side after the other (``GraphedTrial``), so that GPU time
 decides rather than the kernels' host cost.
 
 Both sides give eager's results (the compiled one was checked; the recorded one is the
-user's own ops), so the trial costs only the synchronizations of its six timed calls. When
-the recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why.
+user's own ops), so the trial costs only the synchronizations of its blocks. When the
+recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from fxlite import config
 
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]
 
-_ROUNDS = 3  # timed calls of each side
-_WARM = 2  # untimed calls of each side first
+_ROUNDS = 3  # timed calls of each side (GraphedTrial)
+_WARM = 5  # untimed calls first, taking turns from the compiled side
+_BLOCK = 3  # consecutive calls of one side: one timed block
+_CLOSE = 1.1  # sides within this ratio after one block each get a second block each
 
 
 class Trial:
@@ -59,32 +68,42 @@ class Trial:
     """
 
     def __init__(self, compiled: Callable[..., Any], recorded: Callable[..., Any],
-                 decide: Callable[[bool, float, float], None], repeat: int = 1) -> None:
+                 decide: Callable[[bool, float, float], None]) -> None:
         self.sides = (compiled, recorded)
-        self.repeat = repeat  # runs per timed call (pure segments only: see the docstring)
-        self.times: tuple[list[float], list[float]] = ([], [])
+        self.times: tuple[list[float], list[float]] = ([], [])  # ms a call, per block
         self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.calls = 0
         self.decide = decide
         self.done = False
+        self._start = 0.0
+        self._winner = 0
 
     def __call__(self, *args: Any) -> Any:
         turn, self.calls = self.calls, self.calls + 1
-        side = turn % 2
-        if turn < 2 * _WARM or self.done:  # warm-ups (caches, allocator) are not timed
-            return self.sides[side](*args)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(self.repeat - 1):
-            self.sides[side](*args)
+        if self.done:  # (decide installs the winner in the trial's place; until then)
+            return self.sides[self._winner](*args)
+        if turn < _WARM:
+            return self.sides[turn % 2](*args)
+        block, place = divmod(turn - _WARM, _BLOCK)
+        side = 1 - block % 2  # the recorded ops' block first: the compiled side just ran
+        if place == 0:
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
         out = self.sides[side](*args)
-        torch.cuda.synchronize()
-        self.times[side].append((time.perf_counter() - start) * 1e3 / self.repeat)
-        if min(len(t) for t in self.times) >= _ROUNDS and not self.done:
-            self.done = True
-            ours, theirs = (statistics.median(t) for t in self.times)
-            self.decide(ours <= theirs, ours, theirs)
+        if place == _BLOCK - 1:
+            torch.cuda.synchronize()
+            self.times[side].append((time.perf_counter() - self._start) * 1e3 / _BLOCK)
+            if side == 0:
+                self._settle()
         return out
+
+    def _settle(self) -> None:
+        """After each pair of blocks: decide, unless the sides are close and this was the
+        first pair."""
+        ours, theirs = (sum(t) / len(t) for t in self.times)
+        if len(self.times[0]) >= 2 or max(ours, theirs) > _CLOSE * min(ours, theirs):
+            self.done, self._winner = True, int(ours > theirs)
+            self.decide(ours <= theirs, ours, theirs)
 
 
 def choose_runner(seg: Any, cuda: bool, graphed: bool) -> Callable[..., Any]:
@@ -119,7 +138,7 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
         seg.run = SegmentGraphs(winner.gm, winner.run, winner.fallbacks) if graphed \
             else winner.run
 
-    return Trial(compiled.run, recorded.run, decide, repeat=3 if compiled.pure else 1)
+    return Trial(compiled.run, recorded.run, decide)
 
 
 def _recorded_side(seg: Any) -> CompiledSegment:
@@ -136,7 +155,7 @@ def _keep(seg: Any, recorded: CompiledSegment, kernels_win: bool, ours: float,
     if not kernels_win:
         recorded.fallbacks.append(
             f"{how}its recorded ops ran faster than its {len(compiled.kernels)} kernels "
-            f"({theirs:.3f} ms against {ours:.3f} ms a call, medians of real calls), so "
+            f"({theirs:.3f} ms against {ours:.3f} ms a call, timed over real calls), so "
             "they run instead")
     seg.compiled = compiled if kernels_win else recorded
     return seg.compiled
