@@ -16,15 +16,19 @@ moves 1.5 copies), the best config, and the next five. The figures behind
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.testing
 from fxlite.codegen.kernels.analysis import iteration_space
 from fxlite.codegen.runtime import kernel as runtime_kernel
 
 import fxlite
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import add_layer_norm, layer_norm, rms_norm, softmax  # noqa: E402
 
 _SEEN: dict[str, tuple] = {}  # kernel name -> the inputs of its latest call
 _CALL = runtime_kernel.TritonKernel.__call__
@@ -33,22 +37,6 @@ _CALL = runtime_kernel.TritonKernel.__call__
 def _recording_call(self, *inputs):
     _SEEN[self.name] = inputs
     return _CALL(self, *inputs)
-
-
-def layer_norm(x, w, b):
-    return F.layer_norm(x, (x.shape[-1],), w, b)
-
-
-def add_layer_norm(x, r, w, b):
-    return F.layer_norm(x + r, (x.shape[-1],), w, b)
-
-
-def rms_norm(x, w):
-    return F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
-
-
-def softmax(x):
-    return torch.softmax(x, -1)
 
 
 def _configs(n: int) -> list[dict]:

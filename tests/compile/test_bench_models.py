@@ -183,24 +183,26 @@ def _quick_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
 
 
-def test_quick_cpu_smoke_run(bench, tmp_path, monkeypatch):
-    pytest.importorskip("torchvision")
-    pytest.importorskip("transformers")
+def _quick_row(bench, tmp_path, monkeypatch, model: str) -> dict:
+    """The one row of a ``--quick --device cpu`` run of ``model`` (fxlite, batch 1, f32)."""
     out = tmp_path / "quick.json"
     _quick_env(tmp_path, monkeypatch)
     assert bench.main(["--quick", "--device", "cpu", "--compilers", "fxlite", "--batches", "1",
-                       "--dtypes", "f32", "--models", "convnext_tiny", "--json", str(out)]) == 0
+                       "--dtypes", "f32", "--models", model, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    return row
+
+
+def test_quick_cpu_smoke_run(bench, tmp_path, monkeypatch):
+    pytest.importorskip("torchvision")
+    pytest.importorskip("transformers")
+    row = _quick_row(bench, tmp_path, monkeypatch, "convnext_tiny")
     assert row["fxlite_max_rel_err"] < 1e-4 and row["fxlite_kernels"] > 0
 
 
 def test_quick_cpu_smoke_run_hf_first_calls(bench, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    out = tmp_path / "quick.json"
-    _quick_env(tmp_path, monkeypatch)
-    assert bench.main(["--quick", "--device", "cpu", "--compilers", "fxlite", "--batches", "1",
-                       "--dtypes", "f32", "--models", "gpt2_block", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    row = _quick_row(bench, tmp_path, monkeypatch, "gpt2_block")
     assert row["suite"] == "hf" and row["fxlite_max_rel_err"] < 1e-4
     for compiler in ("eager", "fxlite"):  # 20 calls take longer than the first alone
         assert row[f"{compiler}_first20_s"] > row[f"{compiler}_cold_s"] > 0
