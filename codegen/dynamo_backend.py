@@ -13,10 +13,15 @@ interpreter on the CPU). Where inputs need gradients, fxlite's autograd gives ea
 group a Triton backward, so ``loss.backward()`` and the optimizer work as in eager.
 
 Why not AOTAutograd by default: its graphs hold ``torch.ops.aten`` overloads, and
-fxlite's op table (and so its fusion) is keyed by torch-level functions, which Dynamo's
-graphs hold. ``backend="fxlite_aot"`` (:data:`fxlite_aot_backend`) goes through
-AOTAutograd with fxlite compiling the forward and backward graphs; it is correct but
-fuses no aten op yet, so it runs no kernels of its own today.
+fxlite's op table (and so its fusion) knows an aten overload only where it is one more
+spelling of a record (its schema lists the record's parameters in order: ``add.Tensor``,
+``mul.Tensor``, ``relu``, ``sum.dim_IntList``, ``view``...). Dynamo's graphs hold the
+torch-level functions, all of which it knows. ``backend="fxlite_aot"``
+(:data:`fxlite_aot_backend`) goes through AOTAutograd with fxlite compiling the forward
+and backward graphs. It is correct, and it fuses those spellings. The aten ops without
+a record (``native_layer_norm``, ``threshold_backward``, ``gelu_backward``) run as they
+are, so it runs fewer kernels than ``backend="fxlite"``. A Linear-GELU-LayerNorm-Linear
+training step runs 1 kernel against 3.
 
 **Dynamo's backends inside fxlite** (``fxlite.compile(fn, backend="inductor")``) are the
 other way round, below ``fxlite.compile``: ``fxlite.codegen.options`` maps such a name to

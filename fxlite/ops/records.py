@@ -31,6 +31,9 @@ from fxlite.ops.table import OpInfo, attribute_at, dtype_of, lookup, promote, re
 __all__ = ["amax_or_empty", "has_side_effect", "is_impure"]
 
 T = torch.Tensor
+# aten overloads are spellings too (AOTAutograd's graphs, ``backend="fxlite_aot"``): only
+# those whose schema lists the record's parameters in its order, so the arguments map.
+A = torch.ops.aten
 _UNARY = ("input",)
 _BINARY = ("input", "other")
 _ALPHA = ("alpha", 1)
@@ -150,52 +153,62 @@ def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: 
 # pattern's `x + y` against `torch.add(x, y)` and `x.add(y)` through these records.
 
 # x + y, torch.add(x, y), x.add(y), torch.Tensor.add(x, y)
-_op("add", "pointwise", torch.add, (operator.add, T.add), ("add",),
+_op("add", "pointwise", torch.add, (operator.add, T.add, A.add.Tensor, A.add.Scalar), ("add",),
     params=(*_BINARY, "alpha"), defaults=(_ALPHA,), swapped="add", positional=2,
     dtype_rule="promote")
-_op("sub", "pointwise", torch.sub, (operator.sub, torch.subtract, T.sub, T.subtract),
+_op("sub", "pointwise", torch.sub,
+    (operator.sub, torch.subtract, T.sub, T.subtract, A.sub.Tensor, A.sub.Scalar),
     ("sub", "subtract"), params=(*_BINARY, "alpha"), defaults=(_ALPHA,), swapped="rsub",
     positional=2, dtype_rule="promote")
-_op("mul", "pointwise", torch.mul, (operator.mul, torch.multiply, T.mul, T.multiply),
+_op("mul", "pointwise", torch.mul,
+    (operator.mul, torch.multiply, T.mul, T.multiply, A.mul.Tensor, A.mul.Scalar),
     ("mul", "multiply"), params=_BINARY, swapped="mul", positional=2, dtype_rule="promote")
 _op("truediv", "pointwise", torch.div,
-    (operator.truediv, torch.divide, torch.true_divide, T.div, T.divide, T.true_divide),
+    (operator.truediv, torch.divide, torch.true_divide, T.div, T.divide, T.true_divide,
+     A.div.Tensor, A.div.Scalar),
     ("div", "divide", "true_divide"), params=(*_BINARY, "rounding_mode"),
     defaults=(("rounding_mode", None),), positional=2,
     dtype_rule=lambda a: promote([a.get("input"), a.get("other")])
     if a.get("rounding_mode") is not None else _float_rule(a))
 _op("floordiv", "pointwise", torch.floor_divide, (operator.floordiv, T.floor_divide),
     ("floor_divide",), params=_BINARY, positional=2, dtype_rule="promote")
-_op("pow", "pointwise", torch.pow, (operator.pow, T.pow), ("pow",), params=("input", "exponent"),
+_op("pow", "pointwise", torch.pow, (operator.pow, T.pow, A.pow.Tensor_Scalar, A.pow.Tensor_Tensor),
+    ("pow",), params=("input", "exponent"),
     positional=2, dtype_rule="promote")
 _op("matmul", "extern", torch.matmul,
     (operator.matmul, T.matmul, torch.mm, torch.bmm, T.mm, T.bmm), ("matmul", "mm", "bmm"),
     params=_BINARY, dtype_rule="promote")
-_op("neg", "pointwise", torch.neg, (operator.neg, torch.negative, T.neg, T.negative),
+_op("neg", "pointwise", torch.neg,
+    (operator.neg, torch.negative, T.neg, T.negative, A.neg.default),
     ("neg", "negative"), params=_UNARY, dtype_rule="same")
-_op("abs", "pointwise", torch.abs, (operator.abs, torch.absolute, T.abs, T.absolute),
+_op("abs", "pointwise", torch.abs,
+    (operator.abs, torch.absolute, T.abs, T.absolute, A.abs.default),
     ("abs", "absolute"), params=_UNARY, dtype_rule="same")
 _op("clamp", "pointwise", torch.clamp, (torch.clip, T.clamp, T.clip), ("clamp", "clip"),
     params=("input", "min", "max"), defaults=(("min", None), ("max", None)),
     dtype_rule="promote")
 
 # relu(x): torch.relu, F.relu, x.relu(), nn.ReLU(). F.gelu's approximate is keyword-only.
-_op("relu", "pointwise", torch.relu, (F.relu, T.relu), ("relu",), modules=(nn.ReLU,),
+_op("relu", "pointwise", torch.relu, (F.relu, T.relu, A.relu.default), ("relu",),
+    modules=(nn.ReLU,),
     params=("input", "inplace"), defaults=_INPLACE,
     module_kwargs=lambda m: {"inplace": m.inplace}, dtype_rule="same")
-_op("gelu", "pointwise", F.gelu, (), (), modules=(nn.GELU,),
+_op("gelu", "pointwise", F.gelu, (A.gelu.default,), (), modules=(nn.GELU,),
     params=("input", "approximate"), defaults=(("approximate", "none"),),
     module_kwargs=lambda m: {"approximate": m.approximate}, positional=1, dtype_rule="same")
-_op("silu", "pointwise", F.silu, (), (), modules=(nn.SiLU,),
+_op("silu", "pointwise", F.silu, (A.silu.default,), (), modules=(nn.SiLU,),
     params=("input", "inplace"), defaults=_INPLACE,
     module_kwargs=lambda m: {"inplace": m.inplace}, dtype_rule="same")
-_op("sigmoid", "pointwise", torch.sigmoid, (F.sigmoid, torch.special.expit, T.sigmoid),
+_op("sigmoid", "pointwise", torch.sigmoid,
+    (F.sigmoid, torch.special.expit, T.sigmoid, A.sigmoid.default),
     ("sigmoid",), modules=(nn.Sigmoid,), params=_UNARY, module_kwargs=lambda m: {},
     dtype_rule="float")
-_op("tanh", "pointwise", torch.tanh, (F.tanh, T.tanh), ("tanh",), modules=(nn.Tanh,),
+_op("tanh", "pointwise", torch.tanh, (F.tanh, T.tanh, A.tanh.default), ("tanh",),
+    modules=(nn.Tanh,),
     params=_UNARY, module_kwargs=lambda m: {}, dtype_rule="float")
 for _name in ("exp", "log", "sqrt", "rsqrt"):
-    _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
+    _op(_name, "pointwise", getattr(torch, _name),
+        (getattr(T, _name), getattr(A, _name).default), (_name,),
         params=_UNARY, dtype_rule="float")
 
 # Row-wise reductions. F.softmax's `_stacklevel` only affects a warning. nn.Softmax()
@@ -225,9 +238,11 @@ _op("stack", "extern", torch.stack, (), (), params=("tensors", "dim"), defaults=
     dtype_rule="promote")
 # Canonical reductions pass their dims by keyword: torch.sum(x, dim=1, keepdim=True).
 _REDUCE_DEFAULTS = (("dim", None), ("keepdim", False), ("dtype", None))
-_op("sum", "reduction", torch.sum, (T.sum,), ("sum",), params=("input", "dim", "keepdim"),
+_op("sum", "reduction", torch.sum, (T.sum, A.sum.dim_IntList), ("sum",),
+    params=("input", "dim", "keepdim"),
     defaults=_REDUCE_DEFAULTS, positional=1, dtype_rule=_sum_dtype)
-_op("mean", "reduction", torch.mean, (T.mean,), ("mean",), params=("input", "dim", "keepdim"),
+_op("mean", "reduction", torch.mean, (T.mean, A.mean.dim), ("mean",),
+    params=("input", "dim", "keepdim"),
     defaults=_REDUCE_DEFAULTS, positional=1, dtype_rule="same")
 
 
@@ -243,7 +258,7 @@ def amax_or_empty(input: torch.Tensor, dim: Any = (), keepdim: bool = False) -> 
     return torch.amax(input, dim, keepdim)
 
 
-_op("amax", "reduction", torch.amax, (T.amax, amax_or_empty), ("amax",),
+_op("amax", "reduction", torch.amax, (T.amax, amax_or_empty, A.amax.default), ("amax",),
     params=("input", "dim", "keepdim"), defaults=(("dim", ()), ("keepdim", False)),
     positional=1, dtype_rule="same")
 
@@ -251,18 +266,21 @@ _op("amax", "reduction", torch.amax, (T.amax, amax_or_empty), ("amax",),
 _op("transpose", "view", torch.transpose,
     (torch.swapaxes, torch.swapdims, T.transpose, T.swapaxes, T.swapdims),
     ("transpose", "swapaxes", "swapdims"), params=("input", "dim0", "dim1"), dtype_rule="same")
-_op("permute", "view", torch.permute, (T.permute,), ("permute",), params=("input", "dims"),
+_op("permute", "view", torch.permute, (T.permute, A.permute.default), ("permute",),
+    params=("input", "dims"),
     varargs=True, dtype_rule="same")
-_op("view", "view", T.view, (), ("view",), params=("input", "size"), varargs=True,
+_op("view", "view", T.view, (A.view.default,), ("view",), params=("input", "size"),
+    varargs=True,
     dtype_rule="same")
 _op("reshape", "view", torch.reshape, (T.reshape,), ("reshape",), params=("input", "shape"),
     varargs=True, dtype_rule="same")
-_op("expand", "view", T.expand, (), ("expand",), params=("input", "size"), varargs=True,
+_op("expand", "view", T.expand, (A.expand.default,), ("expand",), params=("input", "size"),
+    varargs=True,
     dtype_rule="same")
 _op("flatten", "view", torch.flatten, (T.flatten,), ("flatten",),
     params=("input", "start_dim", "end_dim"), defaults=(("start_dim", 0), ("end_dim", -1)),
     dtype_rule="same")
-_op("unsqueeze", "view", torch.unsqueeze, (T.unsqueeze,), ("unsqueeze",),
+_op("unsqueeze", "view", torch.unsqueeze, (T.unsqueeze, A.unsqueeze.default), ("unsqueeze",),
     params=("input", "dim"), dtype_rule="same")
 _op("squeeze", "view", torch.squeeze, (T.squeeze,), ("squeeze",), params=("input", "dim"),
     dtype_rule="same")
@@ -279,14 +297,16 @@ _op("remainder", "pointwise", torch.remainder, (operator.mod, T.remainder), ("re
     params=_BINARY, positional=2, dtype_rule="promote")
 _op("fmod", "pointwise", torch.fmod, (T.fmod,), ("fmod",), params=_BINARY, positional=2,
     dtype_rule="promote")
-_op("maximum", "pointwise", torch.maximum, (T.maximum,), ("maximum",), params=_BINARY,
+_op("maximum", "pointwise", torch.maximum, (T.maximum, A.maximum.default), ("maximum",),
+    params=_BINARY,
     positional=2, swapped="maximum", dtype_rule="promote")
-_op("minimum", "pointwise", torch.minimum, (T.minimum,), ("minimum",), params=_BINARY,
+_op("minimum", "pointwise", torch.minimum, (T.minimum, A.minimum.default), ("minimum",),
+    params=_BINARY,
     positional=2, swapped="minimum", dtype_rule="promote")
 for _name in ("clamp_min", "clamp_max"):
     _op(_name, "pointwise", getattr(torch, _name), (getattr(T, _name),), (_name,),
         params=("input", _name[-3:]), dtype_rule="promote")
-_op("where", "pointwise", torch.where, (), (), params=("condition", *_BINARY),
+_op("where", "pointwise", torch.where, (A.where.self,), (), params=("condition", *_BINARY),
     dtype_rule=lambda a: promote([a.get("input"), a.get("other")]))
 # x.where(c, y) is torch.where(c, x, y): the tensor is the input, not the condition
 _op("Tensor.where", "extern", None, (T.where,), ("where",), params=("input", "condition", "other"),

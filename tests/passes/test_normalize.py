@@ -368,3 +368,23 @@ def test_chained_identities_and_idempotence():
     block = normalize(trace(Block().eval()))
     once = block.code
     assert normalize(block).code == once
+
+
+def test_aten_overloads_that_are_spellings_of_table_ops_normalize_to_them():
+    """AOTAutograd's graphs call aten overloads (``backend="fxlite_aot"``): where the
+    overload lists the record's parameters in order, it is one more spelling, so fusion
+    sees ``torch.add``, ``torch.sum``... Others (``threshold_backward``) stay."""
+    aten = torch.ops.aten
+    graph = fxlite.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    a = graph.call_function(aten.add.Tensor, (x, y), {"alpha": 2})
+    r = graph.call_function(aten.relu.default, (a,))
+    s = graph.call_function(aten.sum.dim_IntList, (r, [1], True))
+    t = graph.call_function(aten.threshold_backward.default, (s, s, 0.0))
+    graph.output(t)
+    gm = fxlite.GraphModule(torch.nn.Module(), graph)
+    out = normalize(gm)
+    targets = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.add, torch.relu, torch.sum, aten.threshold_backward.default]
+    xs = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(out(*xs), gm(*xs))
