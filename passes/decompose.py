@@ -132,18 +132,33 @@ def _match(node: Node, gm: GraphModule, table: dict[Any, Rule],
     if node.op not in ("call_function", "call_method", "call_module") or node.meta.get("no_fuse"):
         return None
     found = resolve(node, gm)
-    if found is None:
+    if found is None:  # a function the op table lacks: its rule is keyed by the function
+        rule = _rule_of_target(node, table)
+        call = None if rule is None else (rule, node.args, dict(node.kwargs))
+    else:
+        info, args = found
+        rule = table.get(info.name)
+        if node.op == "call_module" and (info.module_params is not None
+                                         or info.module_kwargs is None):
+            return None  # its parameters are not arguments yet: normalize first
+        call = None if rule is None else (rule, *call_args(info, args))
+    if call is None or is_impure(node, gm):
         return None
-    info, args = found
-    rule = table.get(info.name)
-    if rule is None or is_impure(node, gm):
-        return None
-    if node.op == "call_module" and (info.module_params is not None or info.module_kwargs is None):
-        return None  # its parameters are not arguments yet: normalize first
     when = getattr(rule, "when", None)
     if when is not None and not when(node, gm):
         return None if final else _LATER
-    return (rule, *call_args(info, args))
+    return call
+
+
+def _rule_of_target(node: Node, table: dict[Any, Rule]) -> Rule | None:
+    """The rule a table keys by ``node``'s function itself (``decomposition_key`` of a
+    function the op table lacks, such as an aten backward op), or None."""
+    if node.op != "call_function":
+        return None
+    try:
+        return table.get(node.target)
+    except TypeError:  # an unhashable target
+        return None
 
 
 _LATER = object()  # _match: a conditional rule declined for now
