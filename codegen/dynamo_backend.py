@@ -18,10 +18,11 @@ spelling of a record (its schema lists the record's parameters in order: ``add.T
 ``mul.Tensor``, ``relu``, ``sum.dim_IntList``, ``view``...). Dynamo's graphs hold the
 torch-level functions, all of which it knows. ``backend="fxlite_aot"``
 (:data:`fxlite_aot_backend`) goes through AOTAutograd with fxlite compiling the forward
-and backward graphs. It is correct, and it fuses those spellings. The aten ops without
-a record (``native_layer_norm``, ``threshold_backward``, ``gelu_backward``) run as they
-are, so it runs fewer kernels than ``backend="fxlite"``. A Linear-GELU-LayerNorm-Linear
-training step runs 1 kernel against 3.
+and backward graphs. It is correct, and it fuses those spellings and the backward ops
+that ``decompose`` has rules for (``threshold_backward``, ``gelu_backward``). Aten ops
+with neither (``native_layer_norm`` and its backward) run as they are, so it runs fewer
+kernels than ``backend="fxlite"``: a Linear-GELU-LayerNorm-Linear training step runs 2
+kernels against 3.
 
 **Dynamo's backends inside fxlite** (``fxlite.compile(fn, backend="inductor")``) are the
 other way round, below ``fxlite.compile``: ``fxlite.codegen.options`` maps such a name to

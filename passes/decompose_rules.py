@@ -1,6 +1,6 @@
 """The rule table of ``decompose`` (see its docstring) and its default rules: softmax,
-log_softmax, the norms, gelu, silu, var, std, mean, eval-mode batch_norm, and the bias of
-linear and conv.
+log_softmax, the norms, gelu, silu, var, std, mean, eval-mode batch_norm, the bias of
+linear and conv, and the aten backward ops of relu and gelu (AOTAutograd's graphs).
 
 :data:`DECOMPOSITIONS` is keyed by op name, and holds every default rule once this module
 is imported (``fxlite.passes.decompose`` imports it and re-exports the table). Helpers
@@ -376,6 +376,27 @@ def _gelu(x: Any, approximate: str = "none") -> Any:
         return _back(x * 0.5 * (torch.tanh(inner) + 1), out)
     # 0.5 * x * (1 + erf(x / sqrt(2)))
     return _back(x * 0.5 * (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1), out)
+
+
+# The backward ops of AOTAutograd's graphs (``backend="fxlite_aot"``), which have no record
+# in the op table: their rules are keyed by the aten overload itself.
+@register_decomposition(torch.ops.aten.threshold_backward.default)
+def _threshold_backward(grad: Any, x: Any, threshold: Any) -> Any:
+    # relu's backward: the gradient where x > threshold, else 0 (in grad's dtype)
+    return torch.where(x <= threshold, 0.0, grad)
+
+
+@register_decomposition(torch.ops.aten.gelu_backward.default)
+def _gelu_backward(grad: Any, x: Any, approximate: str = "none") -> Any:
+    if approximate != "none":
+        return NotImplemented
+    dtype = _dtype(grad)
+    x, out = _opmath(x, _dtype(x))
+    g, _ = _opmath(grad, dtype)
+    # d/dx 0.5 * x * (1 + erf(x / sqrt(2))) = cdf(x) + x * pdf(x)
+    cdf = (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1) * 0.5
+    pdf = torch.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
+    return _back(g * (cdf + x * pdf), out)
 
 
 @register_decomposition(torch.round)

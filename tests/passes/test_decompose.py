@@ -255,3 +255,48 @@ def test_round_with_decimals_runs_as_a_kernel_with_eagers_values(dtype, decimals
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and torch.equal(g, w)
     assert compiled.kernels and not compiled.fallbacks
+
+
+def test_a_rule_keyed_by_a_function_the_op_table_lacks_applies():
+    """``register_decomposition`` keys such a rule by the function itself; ``decompose``
+    found rules through the op table only, so these rules never ran."""
+    def scaled(x, k):
+        return x * k
+
+    table = {}
+
+    @register_decomposition(scaled, table)
+    def _scaled(x, k):
+        return torch.mul(x, k)
+
+    graph = fxlite.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(scaled, (x, 3.0)))
+    gm = fxlite.GraphModule(torch.nn.Module(), graph)
+    out = decompose(gm, rules=table)
+    assert [n.target for n in out.graph.nodes if n.op == "call_function"] == [torch.mul]
+    t = torch.randn(5)
+    torch.testing.assert_close(out(t), t * 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aten_backward_ops_decompose_to_eagers_values(dtype):
+    """AOTAutograd's backward graphs (``backend="fxlite_aot"``) call threshold_backward
+    (relu's) and gelu_backward; their rules give aten's values, at the threshold too."""
+    aten = torch.ops.aten
+    graph = fxlite.Graph()
+    g, x = graph.placeholder("g"), graph.placeholder("x")
+    relu_grad = graph.call_function(aten.threshold_backward.default, (g, x, 0.0))
+    gelu_grad = graph.call_function(aten.gelu_backward.default, (g, x))
+    graph.output((relu_grad, gelu_grad))
+    gm = fxlite.GraphModule(torch.nn.Module(), graph)
+    grad = torch.randn(64, dtype=dtype)
+    x_val = torch.cat([torch.randn(62), torch.zeros(2)]).to(dtype)  # 0: the threshold itself
+    want = gm(grad, x_val)
+    ShapeProp(gm).propagate(grad, x_val)
+    out = decompose(gm)
+    assert not [n for n in out.graph.nodes if "backward" in str(n.target)]
+    got = out(grad, x_val)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
