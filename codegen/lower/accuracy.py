@@ -275,10 +275,14 @@ def _widen(value: Any) -> Any:
 
 def _run_float64(gm: GraphModule, args: Sequence[Any]) -> Any:
     root = {n.target: _widen(attribute_at(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-    wide = GraphModule(root, gm.graph, "Float64Reference")
-    with torch.no_grad(), torch.autocast("cuda", enabled=False), \
-            torch.autocast("cpu", enabled=False):
-        return wide(*[_widen(a) for a in args])
+    owner = gm.graph.owning_module
+    try:  # the float64 module shares gm's graph, which a GraphModule takes as its own
+        wide = GraphModule(root, gm.graph, "Float64Reference")
+        with torch.no_grad(), torch.autocast("cuda", enabled=False), \
+                torch.autocast("cpu", enabled=False):
+            return wide(*[_widen(a) for a in args])
+    finally:  # give it back: else the graph keeps the float64 copies of the weights alive
+        gm.graph.owning_module = owner
 
 
 def _leaves(value: Any) -> list[Any]:
