@@ -86,8 +86,10 @@ NODE_META: dict[str, MetaKey] = _table(
              "passes/attention.py"),
             ("codegen/capture/follow.py", "codegen/compile.py", "codegen/lower/pipeline.py",
              "passes/attention.py", "passes/shape_prop.py")),
-    MetaKey("device", "torch.device", "the recorded result's device (from tensor_meta_rec)",
-            ("codegen/lower/pipeline.py",), ()),
+    MetaKey("device", "torch.device", "the tensor result's device (fill_meta, from "
+            "tensor_meta_rec; ShapeProp)",
+            ("codegen/lower/pipeline.py", "passes/shape_prop.py"),
+            ("passes/decompose_rules.py", "passes/shape_prop.py")),
     MetaKey("requires_grad", "bool", "whether the recorded result required grad",
             (_CAPTURE, "passes/attention.py"),
             ("codegen/lower/pad_matmul.py", "codegen/lower/pipeline.py", "passes/attention.py",

@@ -1,6 +1,7 @@
 """The rule table of ``decompose`` (see its docstring) and its default rules: softmax,
 log_softmax, the norms, gelu, silu, var, std, mean, eval-mode batch_norm, the bias of
-linear and conv, and the aten backward ops of relu and gelu (AOTAutograd's graphs).
+linear and conv, the aten backward ops of relu and gelu (AOTAutograd's graphs), and
+``scaled_dot_product_attention`` where eager takes PyTorch's math path.
 
 :data:`DECOMPOSITIONS` is keyed by op name, and holds every default rule once this module
 is imported (``fxlite.passes.decompose`` imports it and re-exports the table). Helpers
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, describe_value, map_arg
@@ -397,6 +399,78 @@ def _gelu_backward(grad: Any, x: Any, approximate: str = "none") -> Any:
     cdf = (torch.erf(x * (1.0 / math.sqrt(2.0))) + 1) * 0.5
     pdf = torch.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
     return _back(g * (cdf + x * pdf), out)
+
+
+def _sdpa_arguments(node: Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def _on_math_path(node: Node, gm: GraphModule) -> bool:
+    """Whether eager runs this ``scaled_dot_product_attention`` on PyTorch's math path,
+    asked of torch (``_fused_sdp_choice``) with empty tensors of the recorded layouts and
+    device. Only there does the decomposition pay: the math path is separate ops (matmul,
+    add, softmax, and the checks of a fully masked row), and a fused attention kernel
+    (flash, memory-efficient, cuDNN) is left to run."""
+    args, device = _sdpa_arguments(node), node.meta.get("device")
+
+    def empty(value: Any) -> Any:
+        tm = value.meta.get("tensor_meta") if isinstance(value, Node) else None
+        if tm is None or not hasattr(tm, "stride") or device is None:
+            raise LookupError(value)
+        t = torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device=device)
+        return t.requires_grad_() if tm.requires_grad and t.is_floating_point() else t
+
+    try:
+        q, k, v = (empty(args.get(name)) for name in ("query", "key", "value"))
+        mask = args.get("attn_mask")
+        choice = torch._fused_sdp_choice(
+            q, k, v, None if mask is None else empty(mask), args.get("dropout_p", 0.0),
+            args.get("is_causal", False), scale=args.get("scale"),
+            enable_gqa=args.get("enable_gqa", False))
+    except Exception:  # a layout not recorded, a traced argument, an older torch: leave it
+        return False
+    return choice == SDPBackend.MATH.value
+
+
+def _default_scale(head_dim: int) -> float:
+    """``1 / sqrt(E)``, SDPA's scale when none is given (E is read when the graph runs)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+@register_decomposition(F.scaled_dot_product_attention, when=_on_math_path)
+def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                                  dropout_p: Any = 0.0, is_causal: Any = False,
+                                  scale: Any = None, enable_gqa: Any = False) -> Any:
+    # softmax(q @ k^T * scale + mask) @ v, where eager takes PyTorch's math path (a float
+    # bias such as T5's, a mask with strides the fused kernels refuse): as that path does,
+    # halves compute in fp32, a boolean mask keeps the scores where it is True, and a row
+    # masked whole gives zeros, not NaN (_safe_softmax). The scale, mask and softmax then
+    # fuse into one kernel between the two matmuls. Dropout, causal and GQA calls are left.
+    if type(dropout_p) not in (int, float) or dropout_p != 0 or is_causal is not False \
+            or enable_gqa is not False:
+        return NotImplemented
+    dtype, keys = _dtype(query), _shape(key)
+    if dtype is None or not keys or keys[-2] == 0 or {_dtype(key), _dtype(value)} != {dtype}:
+        return NotImplemented
+    q, out = _opmath(query, dtype)
+    k, _ = _opmath(key, dtype)
+    v, _ = _opmath(value, dtype)
+    if scale is None:
+        scale = query.tracer.create_proxy("call_function", _default_scale, (query.size(-1),), {})
+    attn = torch.matmul(q, k.transpose(-2, -1))
+    if not (type(scale) in (int, float) and scale == 1):  # T5's scale is 1
+        attn = attn * scale
+    if attn_mask is not None:
+        attn = torch.where(attn_mask, attn, -math.inf) if _dtype(attn_mask) is torch.bool \
+            else attn + attn_mask
+    # a row masked whole has max -inf: shifted by 0 instead, its exps are 0 and so is its
+    # sum, which becomes 1, so its probabilities are 0, with gradients 0 and not NaN
+    top = _row_max(attn, -1)
+    e = torch.exp(attn - torch.where(top == -math.inf, 0.0, top))
+    total = torch.sum(e, -1, keepdim=True)
+    probs = e / torch.where(total == 0, 1.0, total)
+    return _back(torch.matmul(probs, v), out)
 
 
 @register_decomposition(torch.round)

@@ -104,6 +104,10 @@ class ShapeProp(Interpreter):
             n.meta["tensor_meta"] = meta
         else:
             n.meta.pop("tensor_meta", None)  # a stale record from an earlier run would mislead
+        if isinstance(result, torch.Tensor):
+            n.meta["device"] = result.device
+        else:
+            n.meta.pop("device", None)
         n.meta["type"] = type(result)
         return result
 

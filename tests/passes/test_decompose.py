@@ -300,3 +300,65 @@ def test_aten_backward_ops_decompose_to_eagers_values(dtype):
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------- attention
+def _attention(mask, scale):
+    """A function of q, k, v (and the mask, if any) that calls SDPA with ``scale``."""
+    if mask is None:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+
+
+def _sdpa_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+
+
+@pytest.mark.parametrize("mask", ["float", "bool", None])
+@pytest.mark.parametrize("scale", [None, 1.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_on_the_math_path_decomposes_to_eagers_values(mask, scale, dtype):
+    """Where eager takes PyTorch's math path (forced here; on a GPU, T5's float position
+    bias in a layout the fused kernels refuse), SDPA becomes matmul, one softmax and
+    matmul, with the math path's values: halves in fp32, a boolean mask keeping scores
+    where True, and zeros (not NaN) for a query row masked whole."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inputs = [torch.randn(2, 3, 5, 4, dtype=dtype) for _ in range(3)]
+    if mask == "float":
+        inputs.append(torch.randn(1, 3, 5, 5, dtype=dtype))
+        inputs[-1][..., 1, :] = float("-inf")
+    elif mask == "bool":
+        inputs.append(torch.rand(2, 1, 5, 5) > 0.3)
+        inputs[-1][..., 1, :] = False
+    with sdpa_kernel(SDPBackend.MATH):
+        gm = trace(_attention(mask, scale))
+        want = gm(*inputs)
+        ShapeProp(gm).propagate(*inputs)
+        decompose(gm)
+        assert not _sdpa_nodes(gm)
+        got = gm(*inputs)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if mask is not None:
+        assert got[:, :, 1].eq(0).all()
+
+
+def test_attention_a_fused_kernel_takes_is_left_alone():
+    """Where torch would pick a fused kernel (flash here, on the CPU), or for dropout and
+    causal calls, the SDPA call stays: the decomposition only pays on the math path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 3, 8, 4)
+    gm = trace(_attention(None, None))
+    ShapeProp(gm).propagate(q, q, q)
+    assert torch._fused_sdp_choice(q, q, q) != SDPBackend.MATH.value
+    assert len(_sdpa_nodes(decompose(gm))) == 1
+
+    def causal(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        gm = trace(causal)
+        ShapeProp(gm).propagate(q)
+        assert len(_sdpa_nodes(decompose(gm))) == 1
