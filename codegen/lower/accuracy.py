@@ -28,7 +28,8 @@ but the kernel is the closer of the two to the float64 run, so it is kept.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -83,11 +84,28 @@ def allclose(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool
 
         allclose(torch.ones(3), torch.ones(3) + 1e-7, 1e-5, 1e-5)   # True
     """
-    if a.numel() <= _SLICE or a.dim() == 0:
-        return torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
-    d = max(range(a.dim()), key=a.size)
-    step = max(1, a.size(d) * _SLICE // a.numel())
-    return all(allclose(x, y, rtol, atol) for x, y in zip(a.split(step, d), b.split(step, d)))
+    return all(torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+               for x, y in zip(_slices(a), _slices(b)))
+
+
+def _slices(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views that cover ``t``, each of at most ``_SLICE`` elements (or one element); two
+    tensors of one shape give matching slices."""
+    if t.numel() <= _SLICE or t.dim() == 0:
+        yield t
+        return
+    d = max(range(t.dim()), key=t.size)
+    for piece in t.split(max(1, t.size(d) * _SLICE // t.numel()), d):
+        yield from _slices(piece)
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` in float64 (complex: in ``a``'s dtype), NaN counted as 0, computed a
+    slice at a time."""
+    if a.is_complex():
+        return max(float((x - y).abs().max()) for x, y in zip(_slices(a), _slices(b)) if x.numel())
+    return max((float((x.double() - y.double()).abs().nan_to_num().max())
+                for x, y in zip(_slices(a), _slices(b)) if x.numel()), default=0.0)
 
 
 def versions(tensors: Iterable[Any]) -> list[int]:
@@ -166,16 +184,18 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
     return Checked(kernel, got, expected, "")
 
 
-def assert_same(got: Any, expected: Any, through: torch.dtype | None = None) -> None:
+def assert_same(got: Any, expected: Any, through: torch.dtype | None = None, *,
+                tolerance: Tolerance | None = None) -> None:
     """Raise AssertionError unless ``got`` matches ``expected`` at ``TOLERANCE`` of the
-    dtype, or of ``through`` (a dtype the values were computed in) if looser. Integers and
-    bools must be equal; other values compare with ``!=``."""
+    dtype (or at ``tolerance``), or of ``through`` (a dtype the values were computed in) if
+    looser. Integers and bools must be equal; other values compare with ``!=``. Tensors
+    are compared a slice at a time, so the check's temporaries stay small."""
     # (torch.testing.assert_close would import torch's meta kernels on first use: seconds)
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             raise AssertionError("output structure differs")
         for g, e in zip(got, expected):
-            assert_same(g, e, through)
+            assert_same(g, e, through, tolerance=tolerance)
         return
     if not isinstance(expected, torch.Tensor):
         if got != expected and not (got is None and expected is None):
@@ -192,14 +212,12 @@ def assert_same(got: Any, expected: Any, through: torch.dtype | None = None) -> 
         if not torch.equal(got, expected):
             raise AssertionError("values differ")
         return
-    tol = TOLERANCE.get(expected.dtype, OTHER)
+    tol = tolerance or TOLERANCE.get(expected.dtype, OTHER)
     wide = TOLERANCE.get(through, tol) if through is not None else tol
     rtol, atol = max(tol.rtol, wide.rtol), max(tol.atol, wide.atol)
     if not allclose(got, expected, rtol, atol):
-        diff = (got - expected).abs().max().item() if got.is_complex() else (
-            got.double() - expected.double()).abs().nan_to_num().max().item()
-        raise AssertionError(f"values differ (max abs difference {diff:.3g}, rtol {rtol:g}, "
-                             f"atol {atol:g})")
+        raise AssertionError(f"values differ (max abs difference "
+                             f"{_max_difference(got, expected):.3g}, rtol {rtol:g}, atol {atol:g})")
 
 
 def assert_as_accurate(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
@@ -309,15 +327,19 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
         return "shapes differ"
     if not (expected.is_floating_point() or expected.is_complex()):
         return None if torch.equal(got.detach(), expected.detach()) else "values differ"
-    g, e, r = (t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
-               for t in (got, expected, reference))
-    finite = torch.isfinite(e)
-    if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(
-            g[~finite].nan_to_num(), e[~finite].nan_to_num()):
-        return "its NaN or infinite values are not eager's"
-    finite &= torch.isfinite(r)
-    g, e, r = g[finite], e[finite], r[finite]
-    error, eager_error, scale = (_rms(g - r), _rms(e - r), _rms(r))
+    squares, count = [0.0, 0.0, 0.0], 0  # of the errors, eager's errors and the values
+    for pieces in zip(*(_slices(t.detach()) for t in (got, expected, reference))):
+        g, e, r = (t.to(torch.complex128 if t.is_complex() else torch.float64) for t in pieces)
+        finite = torch.isfinite(e)
+        if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(
+                g[~finite].nan_to_num(), e[~finite].nan_to_num()):
+            return "its NaN or infinite values are not eager's"
+        finite &= torch.isfinite(r)
+        g, e, r = g[finite], e[finite], r[finite]
+        for i, t in enumerate((g - r, e - r, r)):
+            squares[i] += float(t.abs().square().sum())
+        count += r.numel()
+    error, eager_error, scale = (math.sqrt(s / count) if count else 0.0 for s in squares)
     tolerance = TOLERANCE[expected.dtype].rtol if expected.dtype in HALF else OTHER.atol
     if expected.dtype == torch.float32 and expected.is_cuda and (
             torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32):
@@ -327,6 +349,3 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
     return (f"its error is {error:.3g} (root mean square), eager's is {eager_error:.3g}, "
             f"for values of size {scale:.3g}")
 
-
-def _rms(t: torch.Tensor) -> float:
-    return float(t.abs().square().mean().sqrt()) if t.numel() else 0.0

@@ -433,8 +433,7 @@ def _disagreement(outputs: Any, expected: list[Any] | None,
         try:
             if (tf32 and isinstance(want, torch.Tensor) and want.is_cuda
                     and want.dtype == torch.float32 and isinstance(got, torch.Tensor)):
-                torch.testing.assert_close(got.detach(), want.detach(), rtol=TF32.rtol,
-                                           atol=TF32.atol, equal_nan=True)
+                assert_same(got, want, tolerance=TF32)
             else:
                 assert_same(got, want, through)
         except AssertionError as e:
