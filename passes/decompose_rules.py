@@ -433,6 +433,16 @@ def _on_math_path(node: Node, gm: GraphModule) -> bool:
     return choice == SDPBackend.MATH.value
 
 
+def _row_major(x: Any, source: Any) -> Any:
+    """``x`` (``source`` or its fp32 copy) made row-major where ``source`` is not, as a
+    heads' view of a projection is: matmul folds the batch dims and would copy it anyway,
+    in an eager op; as a clone, the copy joins the cast's kernel (halves) or is one."""
+    tm = source.node.meta.get("tensor_meta") if isinstance(source, Proxy) else None
+    if tm is None or getattr(tm, "memory_format", None) == torch.contiguous_format:
+        return x
+    return torch.clone(x, memory_format=torch.contiguous_format)
+
+
 def _default_scale(head_dim: int) -> float:
     """``1 / sqrt(E)``, SDPA's scale when none is given (E is read when the graph runs)."""
     return 1.0 / math.sqrt(head_dim)
@@ -454,8 +464,8 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
     if dtype is None or not keys or keys[-2] == 0 or {_dtype(key), _dtype(value)} != {dtype}:
         return NotImplemented
     q, out = _opmath(query, dtype)
-    k, _ = _opmath(key, dtype)
-    v, _ = _opmath(value, dtype)
+    k, v = (_row_major(_opmath(x, dtype)[0], x) for x in (key, value))
+    q = _row_major(q, query)
     if scale is None:
         scale = query.tracer.create_proxy("call_function", _default_scale, (query.size(-1),), {})
     attn = torch.matmul(q, k.transpose(-2, -1))
