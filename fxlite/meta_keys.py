@@ -89,7 +89,7 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("device", "torch.device", "the tensor result's device (fill_meta, from "
             "tensor_meta_rec; ShapeProp)",
             ("codegen/lower/pipeline.py", "passes/shape_prop.py"),
-            ("passes/decompose_rules.py", "passes/shape_prop.py")),
+            ("passes/decompose_rules.py", "passes/fold_constants.py", "passes/shape_prop.py")),
     MetaKey("requires_grad", "bool", "whether the recorded result required grad",
             (_CAPTURE, "passes/attention.py"),
             ("codegen/lower/pad_matmul.py", "codegen/lower/pipeline.py", "passes/attention.py",

@@ -7,19 +7,35 @@ that a non-constant node reads is computed once, under ``torch.no_grad()``, and 
 on the module as a buffer ``_folded_0``, ``_folded_1``...; a single ``get_attr`` replaces
 the subgraph. Constant Python numbers (``w.size(0)``) are inlined as literals.
 
+Two more kinds of node count as constant:
+- ``x.new_zeros(size)`` and its siblings read only ``x``'s dtype and device (from its
+  value, or its ``tensor_meta`` and ``device`` meta), so they are constant when their
+  other arguments are;
+- a write (``t[i] = v``, ``t.fill_(v)``, ``t.add_(v)``...) into a constant tensor, with
+  constant arguments, is done once, in order, into the folded value: Swin's attention
+  mask is a ``new_zeros`` and nine slice writes, made again in every call. A write into
+  memory that a non-constant node reads first, or writes, or may take a view of, or
+  that the graph returns, is not: that tensor, and every write into it, stays in the
+  graph.
+
+With ``attributes=False`` (what ``fxlite.compile`` uses) a ``get_attr`` is not constant,
+since a compiled module's weights may change between calls: only what the graph builds
+from literals and sizes folds (masks, position indices).
+
 Folded values are detached from the parameters they came from: fold for inference.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any
 
 import torch
 
 from fxlite.graph_module import GraphModule, expect_graph_module
 from fxlite.node import Node, map_arg
-from fxlite.ops import is_impure
+from fxlite.ops import is_impure, lookup
 
 from .shape_prop import extract_tensor_metadata
 
@@ -27,13 +43,23 @@ __all__ = ["fold_constants"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _LITERALS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+# methods that read only their tensor's dtype and device
+_FRESH = frozenset({"new_zeros", "new_ones", "new_full", "new_empty"})
+# writes into their first argument, with no other effect
+_WRITES = frozenset({operator.setitem, torch.Tensor.__setitem__})
+_WRITE_METHODS = frozenset({"__setitem__", "fill_", "zero_", "copy_", "masked_fill_", "add_",
+                            "sub_", "mul_", "div_", "clamp_", "index_fill_"})
 
 
-def fold_constants(gm: GraphModule) -> GraphModule:
+def fold_constants(gm: GraphModule, *, attributes: bool = True,
+                   max_bytes: int | None = None) -> GraphModule:
     """Replace each input-independent subgraph of ``gm`` by one ``get_attr`` of its value.
 
     Args:
         gm: the module to rewrite in place; new buffers are registered on it.
+        attributes: whether ``get_attr`` values (parameters, buffers) count as constant.
+        max_bytes: the largest folded tensor (its storage) kept as a buffer; larger ones
+            are computed when the graph runs, as before (None: no limit).
 
     Returns:
         ``gm``, recompiled. If anything raises, ``gm`` is left as it was.
@@ -49,7 +75,10 @@ def fold_constants(gm: GraphModule) -> GraphModule:
             return mm
     """
     graph = expect_graph_module(gm, "fold_constants").graph
-    values = _constant_values(gm)
+    values = _constant_values(gm, attributes)
+    if max_bytes is not None:
+        values = _without_storages(values, {_storage(v) for v in values.values() if isinstance(
+            v, torch.Tensor) and v.untyped_storage().nbytes() > max_bytes})
     # Each constant read by a non-constant node is materialized; the rest become dead.
     boundary = [n for n in values if n.op in _CALLS and any(u not in values for u in n.users)]
     if not boundary:
@@ -66,6 +95,8 @@ def fold_constants(gm: GraphModule) -> GraphModule:
                 with graph.inserting_before(node):
                     new = graph.get_attr(name)
                 new.meta.update(node.meta)
+                for key in ("impure", "mutated", "aliased", "same_object"):  # (a write's)
+                    new.meta.pop(key, None)
                 if "tensor_meta" in node.meta:
                     new.meta["tensor_meta"] = extract_tensor_metadata(value)
                 node.replace_all_uses_with(new)
@@ -86,26 +117,103 @@ def fold_constants(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def _constant_values(gm: GraphModule) -> dict[Node, Any]:
-    """The constant nodes and their values (tensors and literals only), in graph order."""
+def _constant_values(gm: GraphModule, attributes: bool = True) -> dict[Node, Any]:
+    """The constant nodes and their values (tensors and literals only), in graph order;
+    a folded write's value is what it returns (None for ``t[i] = v``)."""
     values: dict[Node, Any] = {}
+    read: set[int] = set()  # storages of constants that non-constant nodes read
+    kept: set[int] = set()  # ...that they may write or take views of: computed at run time
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                values[node] = _fetch(gm, node.target)
+                if attributes:
+                    values[node] = _fetch(gm, node.target)
                 continue
-            if node.op not in _CALLS or is_impure(node, gm):
+            if node.op == "output":  # a caller may write what it gets: a fresh one each call
+                kept.update(_storage(values[n]) for n in node.all_input_nodes
+                            if n in values and isinstance(values[n], torch.Tensor))
+            if node.op not in _CALLS:
                 continue
-            if any(n not in values for n in node.all_input_nodes):
-                continue
-            if node.op == "call_module" and _fetch(gm, node.target).training:
-                continue  # a training-mode module (BatchNorm) may change from call to call
-            args = map_arg(node.args, values.__getitem__)
-            kwargs = map_arg(node.kwargs, values.__getitem__)
-            value = _run(gm, node, args, kwargs)
-            if isinstance(value, torch.Tensor) or _is_literal(value):
+            value = _value(gm, node, values, read, kept)
+            if value is not _RUNTIME and (isinstance(value, torch.Tensor) or _is_literal(value)):
                 values[node] = value
-    return values
+                continue
+            inputs = [values[n] for n in node.all_input_nodes
+                      if n in values and isinstance(values[n], torch.Tensor)]
+            read.update(_storage(t) for t in inputs)
+            if inputs and (_writes(node) or is_impure(node, gm, impure_random=False)
+                           or _may_alias(node, gm)):
+                kept.update(_storage(t) for t in inputs)
+    return _without_storages(values, kept)
+
+
+_RUNTIME = object()  # _value: the node runs when the graph runs
+
+
+def _value(gm: GraphModule, node: Node, values: dict[Node, Any], read: set[int],
+           kept: set[int]) -> Any:
+    """``node``'s value if it is constant (see the module docstring), else ``_RUNTIME``.
+    ``read`` and ``kept``: storages non-constant nodes read so far, and those they may
+    write (a value read from these is only known when the graph runs)."""
+    fresh = node.op == "call_method" and node.target in _FRESH and bool(node.args) and \
+        isinstance(node.args[0], Node)
+    writes = _writes(node)
+    if not writes and is_impure(node, gm):
+        return _RUNTIME
+    inputs = node.all_input_nodes[1:] if fresh else node.all_input_nodes
+    if any(n not in values for n in inputs):
+        return _RUNTIME
+    if node.op == "call_module" and _fetch(gm, node.target).training:
+        return _RUNTIME  # a training-mode module (BatchNorm) may change from call to call
+    value_of = values.__getitem__
+    if fresh and node.args[0] not in values:
+        like = _like(node.args[0])
+        if like is None:
+            return _RUNTIME
+        value_of = lambda n: like if n is node.args[0] else values[n]  # noqa: E731
+    args, kwargs = map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
+    tensors = [values[n] for n in inputs if isinstance(values[n], torch.Tensor)]
+    if any(_storage(t) in kept for t in tensors):
+        return _RUNTIME
+    if writes and (not isinstance(args[0], torch.Tensor) or _storage(args[0]) in read):
+        return _RUNTIME  # read at run time before this write: it must stay in order
+    return _run(gm, node, args, kwargs)
+
+
+def _writes(node: Node) -> bool:
+    """Whether ``node`` only writes its first argument (``t[i] = v``, ``t.fill_(v)``)."""
+    if node.op == "call_function":
+        return node.target in _WRITES
+    return node.op == "call_method" and node.target in _WRITE_METHODS
+
+
+def _may_alias(node: Node, gm: GraphModule) -> bool:
+    """Whether ``node``'s value may share memory with an input: a view, or an op the table
+    does not know."""
+    info = lookup(node, gm) if node.op != "call_module" else None
+    return info is None or info.kind == "view"
+
+
+def _like(node: Node) -> torch.Tensor | None:
+    """An empty tensor of ``node``'s dtype and device (from its meta), or None."""
+    tm, device = node.meta.get("tensor_meta"), node.meta.get("device")
+    if not hasattr(tm, "dtype") or device is None:
+        return None
+    return torch.empty(0, dtype=tm.dtype, device=device)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _without_storages(values: dict[Node, Any], storages: set[int]) -> dict[Node, Any]:
+    """``values`` less the tensors in ``storages`` and the writes into them."""
+    def kept(node: Node, value: Any) -> bool:
+        if _writes(node):
+            target = node.args[0]
+            return target in values and _storage(values[target]) not in storages
+        return not isinstance(value, torch.Tensor) or _storage(value) not in storages
+    return {n: v for n, v in values.items() if kept(n, v)}
 
 
 def _run(gm: GraphModule, node: Node, args: tuple, kwargs: dict) -> Any:

@@ -322,3 +322,89 @@ def test_fold_conv_bn_keeps_a_batch_norm_still_used_elsewhere():
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv", "bn"]
     x, y = torch.randn(1, 3, 4, 4), torch.randn(1, 3, 4, 4)
     torch.testing.assert_close(gm(x, y), model(x, y))
+
+
+def window_mask(x):
+    """Swin's shifted-window attention mask: made from sizes alone, in every call."""
+    mask = x.new_zeros((8, 8))
+    count = 0
+    for h in ((0, -4), (-4, -2), (-2, None)):
+        for w in ((0, -4), (-4, -2), (-2, None)):
+            mask[h[0]:h[1], w[0]:w[1]] = count
+            count += 1
+    mask = mask.view(2, 4, 2, 4).permute(0, 2, 1, 3).reshape(4, 16)
+    mask = mask.unsqueeze(1) - mask.unsqueeze(2)
+    mask = mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+    return x + mask
+
+
+def folded(fn, *inputs, **options):
+    gm = trace(fn)
+    ShapeProp(gm).propagate(*inputs)
+    return fold_constants(gm, **options)
+
+
+def test_fold_constants_folds_a_mask_made_from_sizes_and_writes():
+    x = torch.randn(4, 16, 16)
+    gm = folded(window_mask, x, attributes=False)
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "get_attr", "call_function", "output"]
+    for _ in range(3):  # the folded buffer is read, never written
+        x = torch.randn(4, 16, 16)
+        torch.testing.assert_close(gm(x), window_mask(x))
+
+
+def test_fold_constants_keeps_writes_that_a_run_reads_in_between():
+    def f(x):
+        t = x.new_zeros(3)
+        y = x + t          # reads t before the write: the write must stay after it
+        t[0] = 5.0
+        return y * t
+
+    gm = folded(f, torch.ones(3), attributes=False)
+    assert any(n.target is operator.setitem for n in gm.graph.nodes)
+    for _ in range(2):
+        x = torch.randn(3)
+        torch.testing.assert_close(gm(x), f(x))
+
+
+def test_fold_constants_never_folds_memory_a_run_writes():
+    def f(x):
+        t = x.new_ones(3)
+        t[1] = 2.0         # a constant write into memory ...
+        t.add_(x)          # ... that the run writes: a fresh t each call
+        return t * t.sum()
+
+    gm = folded(f, torch.ones(3), attributes=False)
+    assert not any(n.op == "get_attr" for n in gm.graph.nodes)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(gm(x), f(x))
+
+
+def test_fold_constants_without_attributes_leaves_weights_and_large_values():
+    model = WithConstants()
+    gm = trace(model)
+    before = gm.code
+    fold_constants(gm, attributes=False)  # weights may change between calls
+    assert gm.code == before
+
+    def big(x):
+        return x + x.new_ones((64, 64)).tril()
+
+    x = torch.randn(64, 64)
+    assert not any(n.op == "get_attr" for n in folded(big, x, max_bytes=1024).graph.nodes)
+    assert any(n.op == "get_attr" for n in folded(big, x, max_bytes=64 * 64 * 4).graph.nodes)
+
+
+def test_fold_constants_never_returns_a_folded_tensor():
+    """Regression: a constant the graph returns was folded into a buffer, so every call
+    returned the same tensor, and a caller's write into it (GradScaler's found_inf, filled
+    by a later op) changed what the next call returned."""
+    def f(x):
+        found = x.new_zeros(1)
+        return x * 2, found
+
+    gm = folded(f, torch.ones(3), attributes=False)
+    first, second = gm(torch.ones(3))[1], gm(torch.ones(3))[1]
+    first.add_(1)
+    assert first is not second and second.item() == 0
