@@ -11,6 +11,7 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     functionalize      writes as new values
     batch_norm_train   batch statistics as ops
     seed_dropouts      training: seeded masks
+    fold_sizes         masks made from sizes
     normalize
     decompose                                     decompose
     dead_code                                     dead_code
@@ -52,6 +53,7 @@ from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
 from fxlite.codegen.runtime.precompile import precompile
 from fxlite.passes.decompose import decompose
+from fxlite.passes.fold_constants import fold_constants
 from fxlite.passes.functionalize import functionalize
 from fxlite.passes.fuse import fuse
 from fxlite.passes.fuse.lone_groups import lone_groups
@@ -70,7 +72,7 @@ from fxlite.ops.records import amax_or_empty
 from fxlite.ops.shapes import propagate
 
 __all__ = ["BACKWARD_PASSES", "FORWARD_PASSES", "AutocastOff", "Lowering", "Pass", "ambient",
-           "ambient_restored", "fill_meta", "lint_failure", "linting", "propagate_meta",
+           "ambient_restored", "fill_meta", "fold_sizes", "lint_failure", "linting", "propagate_meta",
            "run_passes", "set_ambient"]
 
 
@@ -170,6 +172,20 @@ def _seed_dropouts(gm: GraphModule, low: Lowering) -> GraphModule:
     return gm
 
 
+FOLD_BYTES = 16 << 20  # the largest value fold_sizes keeps (a mask, position indices)
+
+
+def fold_sizes(gm: GraphModule) -> None:
+    """Compute once what the graph builds from literals and sizes alone, each call in
+    eager (Swin's window masks, T5's position buckets): ``fold_constants`` without the
+    weights, which may change between calls. If evaluating it fails, the graph is left as
+    it was, and the failure happens where it did, when the graph runs."""
+    try:
+        fold_constants(gm, attributes=False, max_bytes=FOLD_BYTES)
+    except Exception:
+        pass
+
+
 def _dead_code(gm: GraphModule) -> None:
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -242,6 +258,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("batch_norm_train", _on(batch_norm_train)),  # batch statistics as table ops: they fuse
     Pass("seed_dropouts", _seed_dropouts,
          when=lambda gm, low: _needs_autograd(gm)),  # training: dropout masks drawn in kernels
+    Pass("fold_sizes", _on(fold_sizes)),
     Pass("normalize", _on(normalize)),
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),

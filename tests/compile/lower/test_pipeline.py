@@ -126,3 +126,40 @@ def test_one_tolerance_table_judges_a_value_by_its_dtype_or_a_looser_one():
         assert_same(x.double() + 1e-6, x.double())  # float64: 1e-7
     assert set(TOLERANCE) == {torch.bfloat16, torch.float16, torch.float32, torch.float64}
     assert all(isinstance(t, Tolerance) for t in TOLERANCE.values())
+
+
+def shifted_window_scores(scores):
+    """Swin's attention scores plus its shifted-window mask, which eager builds from sizes
+    in every call: a new_zeros, nine slice writes, a permute and two masked_fills."""
+    mask = scores.new_zeros((8, 8))
+    count = 0
+    for h in ((0, -4), (-4, -2), (-2, None)):
+        for w in ((0, -4), (-4, -2), (-2, None)):
+            mask[h[0]:h[1], w[0]:w[1]] = count
+            count += 1
+    mask = mask.view(2, 4, 2, 4).permute(0, 2, 1, 3).reshape(4, 16)
+    mask = mask.unsqueeze(1) - mask.unsqueeze(2)
+    mask = mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+    return torch.softmax(scores + mask, dim=-1)
+
+
+def test_a_mask_made_from_sizes_is_computed_once_and_never_written():
+    c = fxlite.compile(shifted_window_scores)
+    for _ in range(4):  # fresh inputs; the folded mask is read, never written
+        scores = torch.randn(3, 4, 16, 16)
+        torch.testing.assert_close(c(scores), shifted_window_scores(scores))
+    assert "_folded_" in c.code and "setitem" not in c.code and "masked_fill" not in c.code
+    assert c.fallbacks == [] and len(c.kernels) == 1  # the add and the softmax
+
+
+def test_fold_sizes_leaves_the_graph_when_evaluating_fails(monkeypatch):
+    """A failing evaluation is the program's own error: it happens when the graph runs."""
+    def boom(*a, **k):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(pipeline, "fold_constants", boom)
+    c = fxlite.compile(shifted_window_scores)
+    scores = torch.randn(3, 4, 16, 16)
+    for _ in range(2):
+        torch.testing.assert_close(c(scores), shifted_window_scores(scores))
+    assert "setitem" in c.code and c.fallbacks == []
