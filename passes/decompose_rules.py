@@ -1,7 +1,8 @@
 """The rule table of ``decompose`` (see its docstring) and its default rules: softmax,
 log_softmax, the norms, gelu, silu, var, std, mean, eval-mode batch_norm, the bias of
 linear and conv, the aten backward ops of relu and gelu (AOTAutograd's graphs), and
-``scaled_dot_product_attention`` where eager takes PyTorch's math path.
+``scaled_dot_product_attention`` where eager takes PyTorch's math path, and a ``pad`` by
+nothing where its copy cannot be told from its input.
 
 :data:`DECOMPOSITIONS` is keyed by op name, and holds every default rule once this module
 is imported (``fxlite.passes.decompose`` imports it and re-exports the table). Helpers
@@ -481,6 +482,39 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
     total = torch.sum(e, -1, keepdim=True)
     probs = e / torch.where(total == 0, 1.0, total)
     return _back(torch.matmul(probs, v), out)
+
+
+def _pads_nothing(node: Node, gm: GraphModule) -> bool:
+    """Whether this ``F.pad`` adds nothing and may return its input itself: zero pads, a
+    row-major input (the copy would be row-major too), no write anywhere in the graph (so
+    no one can tell an alias from a copy), and the result not returned, itself or through a
+    view (the caller would get an alias where eager gives a copy)."""
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    source = node.args[0] if node.args else None
+    tm = source.meta.get("tensor_meta") if isinstance(source, Node) else None
+    if not isinstance(pad, (list, tuple)) or any(type(p) is not int or p for p in pad) or \
+            getattr(tm, "memory_format", None) != torch.contiguous_format:
+        return False
+    if any(n.op in ("call_function", "call_method", "call_module")
+           and is_impure(n, gm, impure_random=False) for n in gm.graph.nodes):
+        return False
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return False
+            info = lookup(user, gm) if user.op != "output" else None
+            if user not in seen and (info is None or info.kind == "view"):
+                seen.add(user)
+                todo.append(user)
+    return True
+
+
+@register_decomposition(F.pad, when=_pads_nothing)
+def _pad_nothing(x: Any, pad: Any, mode: str = "constant", value: Any = None) -> Any:
+    # F.pad(x, (0, 0, 0, 0)) copies x (Swin pads each block's input by what its windows
+    # need, often nothing): where no one can tell, x itself
+    return x
 
 
 @register_decomposition(torch.round)

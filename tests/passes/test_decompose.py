@@ -362,3 +362,52 @@ def test_attention_a_fused_kernel_takes_is_left_alone():
         gm = trace(causal)
         ShapeProp(gm).propagate(q)
         assert len(_sdpa_nodes(decompose(gm))) == 1
+
+
+def _pads(gm):
+    return [n for n in gm.graph.nodes if n.target is F.pad]
+
+
+def _decomposed(fn, *inputs):
+    gm = trace(fn)
+    ShapeProp(gm).propagate(*inputs)
+    return decompose(gm)
+
+
+def test_a_pad_by_nothing_is_its_input_where_no_one_can_tell():
+    """Swin pads each block's input by what its windows need, often nothing: F.pad then
+    copies. Inside a graph with no writes, whose result is not returned, the copy goes."""
+    def inside(x):
+        return torch.roll(F.pad(x * 2, (0, 0, 0, 0)), 1, 1) + 1
+
+    x = torch.randn(2, 5, 3)
+    gm = _decomposed(inside, x)
+    assert not _pads(gm)
+    torch.testing.assert_close(gm(x), inside(x))
+
+
+@pytest.mark.parametrize("case", ["returned", "returned_view", "pads", "write", "transposed"])
+def test_a_pad_anyone_could_tell_from_its_input_stays(case):
+    def returned(x):
+        return F.pad(x * 2, (0, 0))
+
+    def returned_view(x):
+        return F.pad(x * 2, (0, 0)).view(-1)
+
+    def pads(x):
+        return F.pad(x * 2, (0, 1)) + 1
+
+    def write(x):
+        y = x * 2
+        z = F.pad(y, (0, 0)) + 1
+        y.add_(1)  # an alias of y would see this write
+        return z
+
+    def transposed(x):
+        return F.pad(x.t(), (0, 0)) + 1  # the copy is row-major, x.t() is not
+
+    fn = locals()[case]
+    x = torch.randn(4, 3)
+    gm = _decomposed(fn, x)
+    assert len(_pads(gm)) == 1
+    torch.testing.assert_close(gm(x), fn(x))
