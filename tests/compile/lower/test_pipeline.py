@@ -19,6 +19,7 @@ from fxlite.codegen.lower.pipeline import (
 )
 from fxlite.codegen.lower.segment import compile_segment
 from fxlite.passes import PassError
+from test_cse_fold import window_mask
 
 import fxlite
 
@@ -129,18 +130,8 @@ def test_one_tolerance_table_judges_a_value_by_its_dtype_or_a_looser_one():
 
 
 def shifted_window_scores(scores):
-    """Swin's attention scores plus its shifted-window mask, which eager builds from sizes
-    in every call: a new_zeros, nine slice writes, a permute and two masked_fills."""
-    mask = scores.new_zeros((8, 8))
-    count = 0
-    for h in ((0, -4), (-4, -2), (-2, None)):
-        for w in ((0, -4), (-4, -2), (-2, None)):
-            mask[h[0]:h[1], w[0]:w[1]] = count
-            count += 1
-    mask = mask.view(2, 4, 2, 4).permute(0, 2, 1, 3).reshape(4, 16)
-    mask = mask.unsqueeze(1) - mask.unsqueeze(2)
-    mask = mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
-    return torch.softmax(scores + mask, dim=-1)
+    """Attention scores plus Swin's shifted-window mask (``window_mask``), then softmax."""
+    return torch.softmax(window_mask(scores), dim=-1)
 
 
 def test_a_mask_made_from_sizes_is_computed_once_and_never_written():
