@@ -462,7 +462,8 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
             or enable_gqa is not False:
         return NotImplemented
     dtype, keys = _dtype(query), _shape(key)
-    if dtype is None or not keys or keys[-2] == 0 or {_dtype(key), _dtype(value)} != {dtype}:
+    if dtype is None or not keys or keys[-2] == 0 or {_dtype(key), _dtype(value)} != {dtype} \
+            or attn_mask is not None and _dtype(attn_mask) is None:  # bool or float: unknown
         return NotImplemented
     q, out = _opmath(query, dtype)
     k, v = (_row_major(_opmath(x, dtype)[0], x) for x in (key, value))
