@@ -1,11 +1,11 @@
 """The one kernel check, for forward and backward groups alike, with its tolerance table,
-and a second look at results that round differently from eager's: a float64 run decides.
+and a second look at results that round differently from eager's: a wider run decides.
 
 :func:`check_group` builds a fused group's kernel, runs it on the group's inputs, runs the
 group's eager ops, and keeps the kernel where :func:`assert_as_accurate` finds the two
 results the same: at the tolerance of ``TOLERANCE`` (of the result's dtype, or of
 ``through``, the dtype the values were computed in, if looser), or, failing that, by
-the float64 look below. A recorded segment (``segment.py``) and autodiff's graphs
+the wider look below. A recorded segment (``segment.py``) and autodiff's graphs
 (``autograd_pipeline.py``) both judge their groups this way.
 
 A fused kernel keeps its intermediates in float32 registers and rounds once; eager rounds
@@ -13,17 +13,20 @@ every op's result to the tensor's dtype. Over a few ops the two agree at the dty
 tolerance, but over a deep bfloat16 model (GPT-2's twelve blocks), or after convolutions
 that cuDNN runs with other algorithms (channels-last, TF32), their final values drift apart
 by more than that while neither is wrong. So where the plain comparison fails, both are
-measured against the same graph run in float64: the compiled result passes if its error is
+measured against the same graph run wider: in float64, or in float32 where every floating
+value is a half (bfloat16, float16), whose rounding float32's is as far below, in half the
+memory (the float64 run of a bfloat16 GPT-2 LM at batch 32 took 3.3 GiB on an H200). The
+compiled result passes if its error is
 at most twice eager's, plus a tenth of the dtype's tolerance, the rule PyTorch's own
 benchmark suite applies to compiled models. A wrong kernel (a dropped term, a wrong index)
 is off by far more than eager's rounding and still fails.
 
-Graphs the float64 run cannot reproduce get no second look: ones that draw random numbers,
+Graphs the wider run cannot reproduce get no second look: ones that draw random numbers,
 call submodules, or wrote to their inputs while they were checked (see ``versions``).
 
 Example: ``x`` in bfloat16 through twenty ``x = x * 1.01 + 0.1`` steps. Eager rounds twenty
 times, the fused kernel once; they differ by ~3% at the end, so the plain check fails,
-but the kernel is the closer of the two to the float64 run, so it is kept.
+but the kernel is the closer of the two to the float32 run, so it is kept.
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ from fxlite.graph_module import GraphModule
 from fxlite.ops import attribute_at, lookup
 
 __all__ = ["HALF", "OTHER", "TF32", "TOLERANCE", "Checked", "Tolerance", "allclose", "assert_as_accurate",
-           "assert_same", "attributes", "check_group", "float64_problem", "reproducible", "versions"]
+           "assert_same", "attributes", "check_group", "reference_problem", "reproducible",
+           "versions"]
 
 
 class Tolerance(NamedTuple):
@@ -141,7 +145,7 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
     Args:
         group: a fused group (its graph is ``group.inner``'s where it wraps one, as
             ``AutocastOff`` does; its eager ops are ``group(*args)``).
-        args: its inputs; neither run may write to them for the float64 look to apply.
+        args: its inputs; neither run may write to them for the wider look to apply.
         name: the kernel's name.
         direction: ``"forward"``, or ``"backward"`` for a group of a generated backward.
         autotune: time candidate block sizes and warps first, and keep the best (without
@@ -222,7 +226,7 @@ def assert_same(got: Any, expected: Any, through: torch.dtype | None = None, *,
 
 def assert_as_accurate(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
                        before: list[int], through: torch.dtype | None = None) -> None:
-    """:func:`assert_same`, with a float64 run of ``gm`` deciding where they differ by
+    """:func:`assert_same`, with a wider run of ``gm`` deciding where they differ by
     rounding and neither run wrote to ``args`` (``before``: their :func:`versions`)."""
     try:
         assert_same(got, expected, through)
@@ -230,14 +234,14 @@ def assert_as_accurate(gm: GraphModule, args: Sequence[Any], got: Any, expected:
         problem = str(e) or "values differ"
         if versions(args) != before:
             raise
-        problem = float64_problem(gm, args, got, expected, problem)
+        problem = reference_problem(gm, args, got, expected, problem)
         if problem is not None:
             raise AssertionError(problem) from None
 
 
-def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
-                    problem: str) -> str | None:
-    """None if ``got`` is about as close to ``gm`` run in float64 as ``expected`` is.
+def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
+                      problem: str) -> str | None:
+    """None if ``got`` is about as close to ``gm`` run wider as ``expected`` is.
 
     Args:
         gm: the graph both results came from (not changed).
@@ -247,16 +251,29 @@ def float64_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: An
         problem: why the plain comparison failed.
 
     Returns:
-        None when ``got`` passes, else ``problem`` with what the float64 run found.
+        None when ``got`` passes, else ``problem`` with what the wider run found.
     """
     if not reproducible(gm):
         return problem
+    read = [*args, *attributes(gm)]
+    real, _ = wide = _reference_dtypes(read)
+    name = str(real).removeprefix("torch.")
     try:
-        reference = _run_float64(gm, args)
+        reference = _run_reference(gm, args, wide)
     except Exception as e:  # no float64 kernel for some op, say: the plain verdict stands
-        return f"{problem} (a float64 run to compare with failed: {type(e).__name__})"
+        return f"{problem} (a {name} run to compare with failed: {type(e).__name__})"
     verdict = _compare(got, expected, reference)
-    return None if verdict is None else f"{problem}; against a float64 run, {verdict}"
+    return None if verdict is None else f"{problem}; against a {name} run, {verdict}"
+
+
+def _reference_dtypes(values: Sequence[Any]) -> tuple[torch.dtype, torch.dtype]:
+    """The real and complex dtypes of the wider run: float32 and complex64 where every
+    floating tensor among ``values`` is a half, else float64 and complex128."""
+    kinds = [t.dtype for t in _leaves(list(values)) if isinstance(t, torch.Tensor)
+             and (t.is_floating_point() or t.is_complex())]
+    if kinds and all(d in HALF for d in kinds):
+        return torch.float32, torch.complex64
+    return torch.float64, torch.complex128
 
 
 def reproducible(gm: GraphModule) -> bool:
@@ -278,28 +295,30 @@ def reproducible(gm: GraphModule) -> bool:
     return True
 
 
-def _widen(value: Any) -> Any:
-    """A float64 (complex128) copy of each floating tensor, a copy of other tensors."""
+def _widen(value: Any, wide: tuple[torch.dtype, torch.dtype]) -> Any:
+    """A copy of each tensor: floating ones in ``wide[0]``, complex ones in ``wide[1]``."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            return value.detach().to(torch.float64, copy=True)
+            return value.detach().to(wide[0], copy=True)
         if value.is_complex():
-            return value.detach().to(torch.complex128, copy=True)
+            return value.detach().to(wide[1], copy=True)
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
-        return type(value)(_widen(v) for v in value)
+        return type(value)(_widen(v, wide) for v in value)
     return value
 
 
-def _run_float64(gm: GraphModule, args: Sequence[Any]) -> Any:
-    root = {n.target: _widen(attribute_at(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+def _run_reference(gm: GraphModule, args: Sequence[Any], wide: tuple[torch.dtype, torch.dtype]
+                   ) -> Any:
+    root = {n.target: _widen(attribute_at(gm, n.target), wide)
+            for n in gm.graph.nodes if n.op == "get_attr"}
     owner = gm.graph.owning_module
-    try:  # the float64 module shares gm's graph, which a GraphModule takes as its own
-        wide = GraphModule(root, gm.graph, "Float64Reference")
+    try:  # the wide module shares gm's graph, which a GraphModule takes as its own
+        reference = GraphModule(root, gm.graph, "WideReference")
         with torch.no_grad(), torch.autocast("cuda", enabled=False), \
                 torch.autocast("cpu", enabled=False):
-            return wide(*[_widen(a) for a in args])
-    finally:  # give it back: else the graph keeps the float64 copies of the weights alive
+            return reference(*[_widen(a, wide) for a in args])
+    finally:  # give it back: else the graph keeps the wide copies of the weights alive
         gm.graph.owning_module = owner
 
 

@@ -36,7 +36,7 @@ from fxlite.codegen.lower.accuracy import (
     assert_same,
     attributes,
     check_group,
-    float64_problem,
+    reference_problem,
     versions,
 )
 from fxlite.codegen.lower.autograd import make_autograd_group
@@ -202,7 +202,7 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
     problem = None if compiled.seeded else _disagreement(
         compiled.outputs, expected, _least_precise_float(work))
     if problem is not None and unwritten:  # rounding, or a wrong result?
-        problem = float64_problem(work, sample, compiled.outputs, expected, problem)
+        problem = reference_problem(work, sample, compiled.outputs, expected, problem)
     if problem is not None:
         return _recorded_ops(python, work, sample, entry, warn, "the compiled segment "
                              f"disagreed with eager ({problem}); its ops run in eager")
