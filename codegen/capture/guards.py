@@ -323,6 +323,9 @@ class StateGuard:
         self._roots: list[torch.nn.Module] = []
         self._objects: list[Any] = []
         self._classes: list[tuple[type, tuple[str, ...]]] = []
+        self._held: tuple = ()  # what _find_objects last looked at (_holdings)
+        self._public: list[tuple[dict, tuple[str, ...]]] = []
+        self._types: list[type] = []
         self._epoch = -1
         self._modules_key: int = -1  # a token for the last walk (see _token)
         self._calls = 0
@@ -375,6 +378,20 @@ class StateGuard:
                          if not c.__module__.startswith("torch.") and (names := tuple(
                              k for k, v in c.__dict__.items()
                              if not k.startswith("_") and isinstance(v, _SCALARS)))]
+        self._public = [(m.__dict__, tuple(k for k in m.__dict__ if k[0] != "_"))
+                        for m in self.modules]
+        self._types = [c for c in classes.values() if not c.__module__.startswith("torch.")]
+        self._held = self._holdings()
+
+    def _holdings(self) -> tuple:
+        """What :meth:`_find_objects` reads, cheaply: each module's number of attributes and
+        the identity of its public ones, and of the values in each of its module classes
+        it reads. While these stay the same, so do the objects and class attributes it
+        finds (its is_stateful checks took 1.0 of the 1.3 ms a walk of a 6-layer T5 took on
+        a 2-core CPU, every 16 calls)."""
+        return (tuple([len(d) for d, _ in self._public]),
+                tuple([id(d.get(k)) for d, keys in self._public for k in keys]),
+                tuple([id(v) for c in self._types for v in c.__dict__.values()]))
 
     def key(self, arg_modules: tuple[torch.nn.Module, ...] = ()) -> tuple:
         """The current state, as a tuple equal to an earlier one iff nothing changed.
@@ -486,7 +503,8 @@ class StateGuard:
             for name in attrs:
                 v = d.get(name, _EMPTY)
                 append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
-        self._find_objects()
+        if self._holdings() != self._held:
+            self._find_objects()
         return tuple(out)
 
 

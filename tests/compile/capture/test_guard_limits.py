@@ -120,3 +120,33 @@ def test_a_library_object_it_names_is_guarded_by_its_own_attributes() -> None:
         torch.testing.assert_close(c(x), x * 3)
     finally:
         LOG.setLevel(0)
+
+
+class _Settings:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class _BySettings(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = _Settings(2.0)
+
+    def forward(self, x):
+        return x * self.settings.scale
+
+
+def test_an_object_rebound_behind_the_modules_back_is_found_within_16_calls() -> None:
+    """The walk every 16 calls looks for the plain objects modules hold only when what
+    they hold changed (their is_stateful checks were most of a walk's cost): a settings
+    object swapped through ``__dict__`` is still found, and then read on every call."""
+    m = _BySettings()
+    c = fxlite.compile(m)
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(c(x), x * 2)
+    m.__dict__["settings"] = _Settings(5.0)
+    right = [torch.allclose(c(x), x * 5) for _ in range(16)]
+    assert right[-1] and all(right[right.index(True):]), right
+    m.settings.scale = 7.0  # the new object's attributes are read on every call
+    torch.testing.assert_close(c(x), x * 7)
