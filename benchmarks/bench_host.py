@@ -8,7 +8,10 @@ measures it on four programs, each in one process, the variants taking turns:
   fxlite *follow* it (codegen/capture/follow.py: the user's Python runs on every call and its
   torch calls are matched with the recording and served by compiled pieces);
 - ``mlp20``: a 10-layer MLP (20 torch ops per call: linear and GELU);
-- ``mlp20_logged``: the same, appending to a Python list on every call (followed).
+- ``mlp20_logged``: the same, appending to a Python list on every call (followed);
+- ``t5_small``: a 6-layer transformers T5 encoder (d_model 64) on 8 tokens, where
+  transformers is installed: about 200 torch calls, and the module, config and logger
+  state fxlite's guards read on every call.
 
 Variants: ``eager``, ``fxlite`` (the program compiled with ``fxlite.compile``; on a GPU
 with the Triton backend, on the CPU with ``backend="python"``, which runs the recorded
@@ -60,8 +63,22 @@ def programs(device: str) -> dict[str, tuple]:
         log.append(1)
         return mlp(t)
 
-    return {"tiny": (tiny, x), "tiny_logged": (tiny_logged, x), "mlp20": (mlp20, x),
-            "mlp20_logged": (mlp20_logged, x)}
+    found = {"tiny": (tiny, x), "tiny_logged": (tiny_logged, x), "mlp20": (mlp20, x),
+             "mlp20_logged": (mlp20_logged, x)}
+    try:
+        import transformers
+    except ImportError:  # a benchmark extra
+        return found
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=64, d_ff=128, num_layers=6, num_heads=4, d_kv=16,
+                                   vocab_size=100)
+    t5 = transformers.T5EncoderModel(config).eval().to(device)
+
+    def t5_small(tokens):
+        return t5(tokens).last_hidden_state
+
+    found["t5_small"] = (t5_small, torch.randint(0, 100, (1, 8), device=device))
+    return found
 
 
 def per_call(fn, x, calls: int, rounds: int, sync) -> float:
