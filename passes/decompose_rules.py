@@ -504,7 +504,7 @@ def _pads_nothing(node: Node, gm: GraphModule) -> bool:
         for user in todo.pop().users:
             if user.op == "output":
                 return False
-            info = lookup(user, gm) if user.op != "output" else None
+            info = lookup(user, gm)
             if user not in seen and (info is None or info.kind == "view"):
                 seen.add(user)
                 todo.append(user)
