@@ -378,7 +378,7 @@ class StateGuard:
                          if not c.__module__.startswith("torch.") and (names := tuple(
                              k for k, v in c.__dict__.items()
                              if not k.startswith("_") and isinstance(v, _SCALARS)))]
-        self._public = [(m.__dict__, tuple(k for k in m.__dict__ if k[0] != "_"))
+        self._public = [(m.__dict__, tuple(k for k in m.__dict__ if not k.startswith("_")))
                         for m in self.modules]
         self._types = [c for c in classes.values() if not c.__module__.startswith("torch.")]
         self._held = self._holdings()
