@@ -52,7 +52,7 @@ __all__ = ["AttrCheck", "Forward", "StraightRunner", "attr_key", "fast_key", "st
 
 _LOCAL = re.compile(r"v\d+")  # the names of a forward's values (arguments are the caller's)
 _READ = re.compile(r"\bv\d+\b")  # such a name, as a word of a line
-_ASSIGN = re.compile(r"^\s*v\d+ = ")  # a line's target
+_ASSIGN = re.compile(r"^\s*(v\d+) = ")  # a line's target
 # Ops whose output shape depends on tensor values, not only on their inputs' layouts.
 _DATA_DEPENDENT = frozenset({
     "nonzero", "nonzero_static", "argwhere", "masked_select", "unique", "unique_consecutive",
@@ -426,13 +426,13 @@ def _release(lines: list[str]) -> list[str]:
     last: dict[str, int] = {}
     made: set[str] = set()
     for i, line in enumerate(lines):
-        for n in _READ.findall(_ASSIGN.sub("", line, count=1)):
+        assigned = _ASSIGN.match(line)
+        for n in _READ.findall(line[assigned.end():] if assigned else line):
             if n in made:
                 last[n] = i
-        target = line.strip().split(" = ", 1)[0]
-        if _LOCAL.fullmatch(target):
-            made.add(target)
-            last.setdefault(target, i)  # a value no line reads dies where it is made
+        if assigned:
+            made.add(assigned[1])
+            last.setdefault(assigned[1], i)  # a value no line reads dies where it is made
     dead: dict[int, list[str]] = {}
     for n, i in last.items():
         if not lines[i].lstrip().startswith("return"):
