@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from fxlite.codegen.capture.kinds import random_op, state_name
+from fxlite.codegen.capture.kinds import mutation_candidates, random_op, state_name
 from fxlite.codegen.runtime import kernel as runtime_kernel
 
 from fxlite.graph_module import GraphModule
@@ -278,20 +278,29 @@ def _reference_dtypes(values: Sequence[Any]) -> tuple[torch.dtype, torch.dtype]:
 
 def reproducible(gm: GraphModule) -> bool:
     """Whether running ``gm`` again computes the same from the same inputs: no random
-    numbers, no effects (``print``, external calls) and no submodules (which may hide
-    either). Writes to its inputs are for the caller to rule out (``versions``)."""
+    numbers that a value reads, no effects (``print``, external calls) and no submodules
+    (which may hide either). Writes to its inputs are for the caller to rule out
+    (``versions``). A second run's draws move the generators; the compile runs its checks
+    inside ``fork_rng``."""
     for n in gm.graph.nodes:
-        info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
+        if n.op == "call_module" or n.meta.get("external"):  # the check skips external ones
+            return False
+        if n.op not in ("call_function", "call_method"):
+            continue
+        func = getattr(torch.Tensor, n.target, None) if n.op == "call_method" else n.target
+        args, kwargs = tuple(n.args), dict(n.kwargs)
+        if state_name(func) in _SEEDED:
+            return False
+        if random_op(func, args, kwargs):
+            if n.users or mutation_candidates(func, args, kwargs):
+                return False
+            continue  # a draw nothing reads changes no value: the LayerDrop draw
+            # `torch.rand([])` of transformers' encoders, read only in training
+        info = lookup(n, gm)
         if info is not None and info.kind == "effect" and not all(  # operator writes and
                 getattr(f, "__module__", None) == "_operator" or f in _CHECKS  # assertions:
                 for f in info.functions):  # a second run does the same
             return False  # print, torch.manual_seed, functions marked has_side_effect
-        if n.op == "call_module" or n.meta.get("external"):  # the check skips external ones
-            return False
-        if n.op in ("call_function", "call_method"):
-            func = getattr(torch.Tensor, n.target, None) if n.op == "call_method" else n.target
-            if state_name(func) in _SEEDED or random_op(func, tuple(n.args), dict(n.kwargs)):
-                return False
     return True
 
 
