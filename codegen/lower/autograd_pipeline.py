@@ -7,7 +7,7 @@ and the same kernel check as ``fxlite.compile``::
     graph ─ decompose ─ ShapeProp (meta tensors) ─ fuse ─ lone ops as groups ─┐
     first call: each group's kernel is generated, run and checked against eager;  │
     groups whose kernel is missing or disagrees run eagerly (``fallbacks`` says why) ◄┘
-    later calls: the parent graph calls the kernels directly
+    later calls: a straight-line function per layout calls the kernels directly
 
 Besides fuse's groups, every pointwise or reduction node that fuse leaves alone (a
 reduction over leading dims, such as a bias gradient summed over the batch) becomes a
@@ -17,7 +17,6 @@ reductions over any dims.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.accuracy import TOLERANCE, check_group
 from fxlite.codegen.lower.pipeline import BACKWARD_PASSES, Lowering, run_passes
 from fxlite.codegen.report import KernelRecord
+from fxlite.codegen.runtime.straight_line import StraightRunner
 
 from fxlite.graph_module import GraphModule
 from fxlite.interpreter import Interpreter
@@ -86,7 +86,9 @@ class CompiledGraph:
                 node.op, node.target = Opcode.CALL_FUNCTION, check.kernels[target]
                 self.gm.delete_submodule(target)
         self.gm.recompile()
-        self._run = functools.partial(type(self.gm).forward, self.gm)
+        # one straight-line function per layout of the arguments: the kernels' launches
+        # are prepared, not looked up by fingerprint (codegen/runtime/straight_line.py)
+        self._run = StraightRunner(self.gm)
         return result
 
 

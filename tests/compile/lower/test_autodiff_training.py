@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fxlite.codegen.lower.autograd import swap_in_autograd
 from fxlite.codegen.lower.batch_norm import batch_norm_train
 from fxlite.codegen.runtime.kernel import generate_kernel
+from fxlite.codegen.runtime.straight_line import StraightRunner
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fuse import fuse
 from fxlite.passes.normalize import normalize
@@ -179,6 +180,11 @@ def test_batch_norm_training_matches_eager_over_steps(dtype, directions):
     assert model.bn1.num_batches_tracked.item() == 3
     assert "backward" in directions
     assert not fallbacks(fused)
+    # later steps run each forward and backward graph as one straight-line function
+    parts = [p for g in groups.values() for p in g._parts()]
+    assert {p.direction for p in parts} == {"forward", "backward"}
+    assert all(isinstance(p._run, StraightRunner) and len(p._run.lines) == 1
+               and not p._run.off for p in parts)
 
 
 class SharedNorms(nn.Module):
