@@ -164,6 +164,15 @@ def _trusted(node: Node) -> bool:
     return module.split(".")[0] in _TRUSTED_MODULES
 
 
+def _integer_index(node: Node, args: Any) -> bool:
+    """Whether ``node`` indexes with integer tensors only (MaxViT's relative position
+    bias, ``table[index.view(-1)]``): its result's shape follows from the index's, as a
+    mask's would not."""
+    return node.target is operator.getitem and all(
+        not isinstance(a, torch.Tensor) or not (a.dtype == torch.bool or a.dtype == torch.uint8)
+        for a in _flat(args[1:]))
+
+
 def _flat(a: Any) -> list[Any]:
     if isinstance(a, (tuple, list)):
         return [y for x in a for y in _flat(x)]
@@ -456,8 +465,7 @@ def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
     else:
         out = fn(*args, **kwargs)
     w.env[node] = out
-    trusted = _trusted(node)
-    if trusted and w.all_fixed(node):
+    if (_trusted(node) or _integer_index(node, args)) and w.all_fixed(node):
         w.fixed.add(node)
         op = _name(node)
         bases = [w.env[n] for n in node.all_input_nodes if isinstance(w.env[n], torch.Tensor)]

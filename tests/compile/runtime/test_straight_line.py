@@ -182,6 +182,28 @@ def test_a_kernel_reading_unfixed_values_looks_its_launch_up() -> None:
     torch.testing.assert_close(out[1], torch.nonzero(y) * 2)  # one row, not 32
 
 
+def test_an_index_by_integers_keeps_its_reader_on_its_launch_and_a_mask_does_not() -> None:
+    # MaxViT's relative position bias, table[index.view(-1)]: its shape follows from the
+    # index's. Read as a possible mask, it sent 192 of maxvit_t's 201 kernels a call
+    # through their lookups. A mask's result depends on its values: each call looks up.
+    mul = _Kernel("mul", lambda a: a * 2)
+
+    def build(g):
+        x, index = g.placeholder("x"), g.placeholder("index")
+        g.output(g.call_function(mul, (g.call_function(operator.getitem, (x, index)),)))
+
+    x = torch.randn(6)
+    mask = torch.tensor([True, False, True, True, False, True])
+    for index, fast in [(torch.tensor([5, 0, 2, 2, 1, 3]), True), (mask, False)]:
+        mul.prepare([x[index]])
+        mul.fast_calls = mul.general_calls = 0
+        fn, result, _, _ = straight_line(_module(build), (x, index))
+        torch.testing.assert_close(result, x[index] * 2)
+        torch.testing.assert_close(fn(x, index), x[index] * 2)
+        assert (mul.fast_calls, mul.general_calls) == ((2, 0) if fast else (0, 2))
+    torch.testing.assert_close(fn(x, ~mask), x[~mask] * 2)  # two values, not four
+
+
 def test_it_declines_before_running_anything() -> None:
     ran = []
     k = _Kernel("k", lambda a: ran.append(a) or a)
