@@ -425,7 +425,8 @@ def _laid_out_as(values: Any, like: Any) -> Any:
             and len(values) == len(like):
         return type(values)(_laid_out_as(v, k) for v, k in zip(values, like))
     if isinstance(values, torch.Tensor) and isinstance(like, torch.Tensor) \
-            and values.shape == like.shape and values.stride() != like.stride():
+            and values.shape == like.shape and values.stride() != like.stride() \
+            and all(st or n <= 1 for n, st in zip(like.shape, like.stride())):  # no overlap
         out = torch.empty_strided(like.shape, like.stride(), dtype=values.dtype,
                                   device=values.device)
         return out.copy_(values)
