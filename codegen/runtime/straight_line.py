@@ -169,7 +169,7 @@ def _integer_index(node: Node, args: Any) -> bool:
     bias, ``table[index.view(-1)]``): its result's shape follows from the index's, as a
     mask's would not."""
     return node.target is operator.getitem and all(
-        not isinstance(a, torch.Tensor) or not (a.dtype == torch.bool or a.dtype == torch.uint8)
+        not isinstance(a, torch.Tensor) or a.dtype not in (torch.bool, torch.uint8)
         for a in _flat(args[1:]))
 
 
