@@ -515,10 +515,12 @@ class CompiledFunction:
         return False
 
     def _watch_globals(self, rec: Any, base: CallKey, arg_modules: tuple) -> CallKey:
-        """Guard the globals that the call's other functions read too; ``base`` with its
-        state key computed again when that added any."""
+        """Guard the globals that the call's other functions read too, and the context and
+        environment variables it read; ``base`` with its state key computed again when
+        that added any."""
         added = self._guard.watch_globals(rec.globals_read)
-        if not (self._guard.watch_context(rec.context_read) or added):
+        added = self._guard.watch_context(rec.context_read) or added
+        if not (self._guard.watch_environ(rec.environ_read) or added):
             return base
         return base._replace(state=base.state._replace(guards=self._guard.key(arg_modules)))
 

@@ -36,6 +36,7 @@ import functools
 import hashlib
 import itertools
 import operator
+import os
 import sys
 import types
 import weakref
@@ -461,6 +462,16 @@ class StateGuard:
                  if isinstance(g, functools.partial) and g.func is _context_value}
         new = [v for v in variables if id(v) not in known]
         self._getters += [(v.name, functools.partial(_context_value, v)) for v in new]
+        return bool(new)
+
+    def watch_environ(self, names: list[str]) -> bool:
+        """Also check the environment variables a call read (``os.environ.get(name)``);
+        returns whether any was new."""
+        known = {g.args[0] for _, g in self._getters
+                 if isinstance(g, functools.partial) and g.func == os.environ.get}
+        new = [n for n in dict.fromkeys(names) if n not in known]
+        self._getters += [(f"os.environ[{n!r}]", functools.partial(os.environ.get, n))
+                          for n in new]
         return bool(new)
 
     def watch_globals(self, pairs: list[tuple[dict, str]]) -> bool:

@@ -148,6 +148,7 @@ class Recording:
     # (globals dict, name) pairs that functions other than the compiled one named
     globals_read: list[tuple[dict, str]] = field(default_factory=list)
     context_read: list[Any] = field(default_factory=list)  # context variables it read
+    environ_read: list[str] = field(default_factory=list)  # environment variables it read
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:

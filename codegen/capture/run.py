@@ -137,6 +137,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             raise RuntimeError(f"fxlite: {e}") from None
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
+    rec.environ_read = watch.environ
     rec.effect = rec.effect or watch.effect or watch.changed() or \
         _unreplayable(leaves, result, rec) or _stored(objects, before, reached, held)
     if not recorder.off:

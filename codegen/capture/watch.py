@@ -69,6 +69,9 @@ _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random n
                    "tempfile": "makes a temporary file", "shutil": "changes files",
                    "subprocess": "runs a process", "pprint": "prints",
                    "os": "reads the environment or the file system"}
+# ``os`` functions that read one environment variable: guarded, not effects
+_ENVIRON_READS = frozenset({"__getitem__", "__contains__", "getenv"})
+_OS_FILES = frozenset({os.getenv.__code__.co_filename})  # "<frozen os>" or os.py's path
 # C functions, by module (or, for bound methods, their object's type's module).
 _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
                      "random": "draws Python random numbers", "_io": "reads or writes a file",
@@ -142,6 +145,8 @@ class Watch:
         names: ``(globals, name)`` pairs the user's functions named, beyond the compiled
             function's own, whose values the guards should check.
         context_vars: the context variables the call read, which the guards check too.
+        environ: the names of the environment variables the call read, which the guards
+            check too.
     """
 
     _codes: dict[types.CodeType, _Code] = {}
@@ -153,6 +158,7 @@ class Watch:
         self._recorder = recorder
         self.names: list[tuple[dict, str]] = []
         self.context_vars: list[contextvars.ContextVar] = []  # read: to guard
+        self.environ: list[str] = []  # environment variables read: to guard
         self._own = getattr(own, "__code__", None)
         self._seen: set[types.CodeType] = set()
         # generator frames started during the call, by id (held while their generator
@@ -244,6 +250,8 @@ class Watch:
             module = name[len(_FROZEN):-1] if name.startswith(_FROZEN) else \
                 name[len(_STDLIB):].split(os.sep)[0].removesuffix(".py")
             what = _EFFECT_MODULES.get(module)
+            if module == "os" and (_in_os(frame.f_back) or self._read_environ(frame)):
+                return  # judged with the os call around it; a read of one variable: guarded
             caller = _user_frame(frame)
             if what is not None and caller is not None and not \
                     caller.f_code.co_filename.startswith(_TRUSTED) and not _importing(frame):
@@ -276,6 +284,23 @@ class Watch:
                 for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                     if name in frame.f_locals:
                         self.hold(frame.f_locals[name], name, frame)
+
+    def _read_environ(self, frame: Any) -> bool:
+        """Whether ``frame`` (in ``os``) reads one environment variable
+        (``os.environ.get(k)``, ``os.environ[k]``, ``k in os.environ``, ``os.getenv(k)``); if
+        so its name goes into ``environ``, for the guards. transformers reads
+        ``TRANSFORMERS_SDPA_FORCE_GQA`` in each attention call of a Llama-style model with
+        grouped heads: as an effect, the whole model was followed rather than replayed."""
+        code, local = frame.f_code, frame.f_locals
+        if code.co_name not in _ENVIRON_READS or (
+                code.co_name != "getenv" and local.get("self") is not os.environ):
+            return False
+        key = local.get("key")
+        if type(key) is not str:
+            return False
+        if key not in self.environ:
+            self.environ.append(key)
+        return True
 
     def _c_call(self, frame: Any, fn: Any) -> None:
         caller = frame.f_code.co_filename
@@ -409,6 +434,11 @@ def _random_states() -> tuple:
         return (state,)
     kind, keys, pos, *rest = np.random.get_state()
     return state, pos, keys.tobytes()
+
+
+def _in_os(frame: Any) -> bool:
+    """Whether ``frame`` runs the ``os`` module's own code."""
+    return frame is not None and frame.f_code.co_filename in _OS_FILES
 
 
 def _user_frame(frame: Any) -> Any:

@@ -14,6 +14,7 @@ from test_compile_contract import DEVICE, rand  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
 import dataclasses
+import os
 import threading
 import types
 import warnings
@@ -319,3 +320,48 @@ def test_a_single_result_that_is_no_tensor_comes_back_on_later_calls(returns):
                 torch.testing.assert_close(got.layers[0]["keys"], expected.layers[0]["keys"])
             else:
                 assert got is expected
+
+
+_FLAG = "FXLITE_TEST_ENVIRON_FLAG"
+
+
+@pytest.mark.parametrize("read", [
+    lambda: os.environ.get(_FLAG, "0") == "1",
+    lambda: os.getenv(_FLAG) == "1",
+    lambda: _FLAG in os.environ,
+], ids=["get", "getenv", "contains"])
+def test_an_environment_variable_a_call_reads_is_guarded_and_the_call_replayed(
+        monkeypatch, read):
+    # transformers reads TRANSFORMERS_SDPA_FORCE_GQA in every attention call of a
+    # Llama-style model with grouped heads: taken for an effect, the model was followed
+    # (its Python run on every call) instead of replayed
+    monkeypatch.delenv(_FLAG, raising=False)
+
+    def f(x):
+        return x * 2 if read() else x + 1
+
+    c = fxlite.compile(f)
+    for flag in (None, "1", None, "1"):
+        if flag is None:
+            monkeypatch.delenv(_FLAG, raising=False)
+        else:
+            monkeypatch.setenv(_FLAG, flag)
+        for _ in range(2):
+            x = rand(4)
+            torch.testing.assert_close(c(x), f(x))
+            assert c.tier == "replayed"
+
+
+def test_a_call_that_sets_an_environment_variable_is_followed(monkeypatch):
+    monkeypatch.delenv(_FLAG, raising=False)
+
+    def f(x):
+        os.environ[_FLAG] = str(int(os.environ.get(_FLAG, "0")) + 1)
+        return x + 1
+
+    c = fxlite.compile(f)
+    for calls in range(1, 4):
+        x = rand(4)
+        torch.testing.assert_close(c(x), x + 1)
+        assert os.environ[_FLAG] == str(calls)
+    assert c.tier.startswith("followed")
