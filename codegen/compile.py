@@ -366,6 +366,11 @@ class CompiledFunction:
             if rec.effect is None:
                 rec.effect = ("is given another float on each call, which its kernels take "
                               "as an argument")
+        if rec.effect is not None and self._recordings == 1 and rec.effect.startswith(_ONCE):
+            # a first call's log message or warning is often its only one (transformers'
+            # warning_once, the default filter's once per line): the next call records again
+            self._last, self._last_eager = [], f"it {rec.effect}; the next call records again"
+            return result
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
             # eagerly (follow.py)
@@ -755,6 +760,9 @@ def _numbers_key(key: CallKey | FollowKey, leaves: list[Any]) -> CallKey | None:
 _NUMBERS = object()  # marks a key whose float arguments' values are left out
 # why a recording is followed (a path recorded after a read: runs in eager) whose call
 # changed the state its key holds (``StateGuard.key``)
+# Effects that a first call often makes alone: a function whose first recording made one
+# is recorded again on its second call, and replayed if that one made none.
+_ONCE = ("logs a message", "warns")
 _CHANGES_STATE = "changes Python state that it reads (a module attribute, flag or parameter)"
 
 

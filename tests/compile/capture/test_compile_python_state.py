@@ -14,6 +14,8 @@ from test_compile_contract import DEVICE, rand  # isort: skip
 from test_compile_contract import _fresh_warnings  # noqa: F401  # isort: skip  (autouse fixture)
 
 import dataclasses
+import functools
+import logging
 import os
 import threading
 import types
@@ -365,3 +367,39 @@ def test_a_call_that_sets_an_environment_variable_is_followed(monkeypatch):
         torch.testing.assert_close(c(x), x + 1)
         assert os.environ[_FLAG] == str(calls)
     assert c.tier.startswith("followed")
+
+
+def test_a_message_logged_by_the_first_call_alone_leaves_later_calls_replayed(caplog):
+    # transformers' logger.warning_once (an lru_cache over the message): a standalone
+    # BertLayer logs on its first call only, and was followed on every call after it
+    @functools.lru_cache(None)
+    def warn_once(message):
+        logging.getLogger("fxlite.tests.once").warning(message)
+
+    def f(x):
+        warn_once("built standalone")
+        return x + 1
+
+    c = fxlite.compile(f)
+    with caplog.at_level(logging.WARNING, logger="fxlite.tests.once"):
+        for _ in range(4):
+            x = rand(4)
+            torch.testing.assert_close(c(x), x + 1)
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "fxlite.tests.once"] == ["built standalone"]
+    assert c.tier == "replayed"
+
+
+def test_a_message_logged_by_every_call_is_logged_by_every_call(caplog):
+    def f(x):
+        logging.getLogger("fxlite.tests.every").warning("step")
+        return x + 1
+
+    c = fxlite.compile(f)
+    with caplog.at_level(logging.WARNING, logger="fxlite.tests.every"):
+        for _ in range(4):
+            x = rand(4)
+            torch.testing.assert_close(c(x), x + 1)
+    assert [r.getMessage() for r in caplog.records if r.name == "fxlite.tests.every"] == \
+        ["step"] * 4
+    assert c.tier.startswith("followed: it logs a message")
