@@ -368,8 +368,10 @@ class CompiledFunction:
                               "as an argument")
         if rec.effect is not None and self._recordings == 1 and rec.effect.startswith(_ONCE):
             # a first call's log message or warning is often its only one (transformers'
-            # warning_once, the default filter's once per line): the next call records again
-            self._last, self._last_eager = [], f"it {rec.effect}; the next call records again"
+            # warning_once, an lru_cache over the message): the next call records again
+            what, _, site = rec.effect.partition("\n")
+            self._last = []
+            self._last_eager = f"it {what} (the next call records again)\n{site}".rstrip()
             return result
         if rec.effect is not None:  # its Python runs on every call, served by kernels:
             # Python state needs no guard then, and calls that leave the recording run on
