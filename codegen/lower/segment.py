@@ -407,9 +407,9 @@ class _KernelCheck(_Replay):
         return got
 
 
-def _laid_out_as(values: Any, like: Any) -> Any:
+def _laid_out_as(values: Any, like: Any, _made: dict[int, Any] | None = None) -> Any:
     """``values`` with each tensor whose strides differ from its counterpart in ``like``
-    copied into that layout.
+    copied into that layout (one copy per tensor: one returned twice stays one).
 
     A kernel lays its outputs out as eager did when the program was recorded, which can
     differ from what the group's ops give on the rewritten graph's inputs (two transposes
@@ -421,15 +421,18 @@ def _laid_out_as(values: Any, like: Any) -> Any:
 
         _laid_out_as(torch.ones(2, 3), torch.empty(3, 2).t()).stride() == (1, 2)
     """
+    made = {} if _made is None else _made
     if isinstance(values, (tuple, list)) and isinstance(like, (tuple, list)) \
             and len(values) == len(like):
-        return type(values)(_laid_out_as(v, k) for v, k in zip(values, like))
+        return type(values)(_laid_out_as(v, k, made) for v, k in zip(values, like))
     if isinstance(values, torch.Tensor) and isinstance(like, torch.Tensor) \
             and values.shape == like.shape and values.stride() != like.stride() \
             and all(st or n <= 1 for n, st in zip(like.shape, like.stride())):  # no overlap
-        out = torch.empty_strided(like.shape, like.stride(), dtype=values.dtype,
-                                  device=values.device)
-        return out.copy_(values)
+        if id(values) not in made:
+            out = torch.empty_strided(like.shape, like.stride(), dtype=values.dtype,
+                                      device=values.device)
+            made[id(values)] = out.copy_(values)
+        return made[id(values)]
     return values
 
 

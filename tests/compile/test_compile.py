@@ -255,6 +255,18 @@ def test_second_call_reuses_the_first_calls_kernels_where_a_rewrite_changed_a_la
     assert built == first > 0
 
 
+def test_eagers_values_take_the_kernels_layout_and_keep_their_aliasing():
+    from fxlite.codegen.lower.segment import _laid_out_as
+
+    value, kernels = rand(2, 3), torch.empty(3, 2).t()
+    first, second, plain = _laid_out_as((value, value, value.t()), (kernels, kernels, value.t()))
+    assert first is second and first.stride() == (1, 2)  # one value returned twice stays one
+    torch.testing.assert_close(first, value)
+    assert plain.stride() == value.t().stride()  # same layout: no copy
+    broadcast = torch.empty(1, 3).expand(2, 3)  # a layout no copy can be written into
+    assert _laid_out_as(value, broadcast) is value
+
+
 def test_element_counts_are_read_at_run_time(traces):
     # mean divides by the row length: it must come from the new shape. These functions
     # read no size in Python, so one recording serves every size; layer_norm here reads
