@@ -324,7 +324,7 @@ def test_a_single_result_that_is_no_tensor_comes_back_on_later_calls(returns):
                 assert got is expected
 
 
-_FLAG = "FXLITE_TEST_ENVIRON_FLAG"
+_FLAG = "ENVIRON_READ_TEST_FLAG"
 
 
 @pytest.mark.parametrize("read", [
