@@ -369,37 +369,23 @@ def test_a_call_that_sets_an_environment_variable_is_followed(monkeypatch):
     assert c.tier.startswith("followed")
 
 
-def test_a_message_logged_by_the_first_call_alone_leaves_later_calls_replayed(caplog):
+@pytest.mark.parametrize("once", [True, False], ids=["first call alone", "every call"])
+def test_a_message_logged_by_the_first_call_alone_leaves_later_calls_replayed(caplog, once):
     # transformers' logger.warning_once (an lru_cache over the message): a standalone
-    # BertLayer logs on its first call only, and was followed on every call after it
-    @functools.lru_cache(None)
-    def warn_once(message):
-        logging.getLogger("fxlite.tests.once").warning(message)
+    # BertLayer logs on its first call only, and was followed on every call after it. A
+    # function that logs on every call is followed, and logs on every call.
+    log = logging.getLogger("fxlite.tests.log")
+    say = functools.lru_cache(None)(log.warning) if once else log.warning
 
     def f(x):
-        warn_once("built standalone")
+        say("built standalone")
         return x + 1
 
     c = fxlite.compile(f)
-    with caplog.at_level(logging.WARNING, logger="fxlite.tests.once"):
+    with caplog.at_level(logging.WARNING, logger=log.name):
         for _ in range(4):
             x = rand(4)
             torch.testing.assert_close(c(x), x + 1)
-    assert [r.getMessage() for r in caplog.records
-            if r.name == "fxlite.tests.once"] == ["built standalone"]
-    assert c.tier == "replayed"
-
-
-def test_a_message_logged_by_every_call_is_logged_by_every_call(caplog):
-    def f(x):
-        logging.getLogger("fxlite.tests.every").warning("step")
-        return x + 1
-
-    c = fxlite.compile(f)
-    with caplog.at_level(logging.WARNING, logger="fxlite.tests.every"):
-        for _ in range(4):
-            x = rand(4)
-            torch.testing.assert_close(c(x), x + 1)
-    assert [r.getMessage() for r in caplog.records if r.name == "fxlite.tests.every"] == \
-        ["step"] * 4
-    assert c.tier.startswith("followed: it logs a message")
+    assert [r.getMessage() for r in caplog.records if r.name == log.name] == \
+        ["built standalone"] * (1 if once else 4)
+    assert c.tier == "replayed" if once else c.tier.startswith("followed: it logs a message")
