@@ -165,12 +165,16 @@ def _trusted(node: Node) -> bool:
 
 
 def _integer_index(node: Node, args: Any) -> bool:
-    """Whether ``node`` indexes with integer tensors only (MaxViT's relative position
-    bias, ``table[index.view(-1)]``): its result's shape follows from the index's, as a
-    mask's would not."""
-    return node.target is operator.getitem and all(
-        not isinstance(a, torch.Tensor) or a.dtype not in (torch.bool, torch.uint8)
-        for a in _flat(args[1:]))
+    """Whether ``node`` indexes with integer tensors of at least one dim (MaxViT's relative
+    position bias, ``table[index.view(-1)]``): its result is a new tensor whose shape
+    follows from the indices', as a mask's would not. Without such a tensor, an index by
+    a number the graph computed (or by a 0-dim tensor) selects: a view whose address
+    depends on that number's value."""
+    if node.target is not operator.getitem:
+        return False
+    tensors = [a for a in _flat(args[1:]) if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.dim() > 0 and t.dtype not in (torch.bool, torch.uint8)
+                                 for t in tensors)
 
 
 def _flat(a: Any) -> list[Any]:

@@ -182,26 +182,32 @@ def test_a_kernel_reading_unfixed_values_looks_its_launch_up() -> None:
     torch.testing.assert_close(out[1], torch.nonzero(y) * 2)  # one row, not 32
 
 
-def test_an_index_by_integers_keeps_its_reader_on_its_launch_and_a_mask_does_not() -> None:
-    # MaxViT's relative position bias, table[index.view(-1)]: its shape follows from the
-    # index's. Read as a possible mask, it sent 192 of maxvit_t's 201 kernels a call
-    # through their lookups. A mask's result depends on its values: each call looks up.
+@pytest.mark.parametrize("index, fast, other", [
+    (torch.tensor([3, 0, 1, 1]), True, torch.tensor([2, 2, 0, 3])),
+    (torch.tensor([True, False, True, True]), False, torch.tensor([False, True, False, False])),
+    (torch.tensor(1), False, torch.tensor(2)),  # selects: a view at the value's address
+    (1, False, 2),
+], ids=["integers", "mask", "0-dim", "number"])
+def test_an_index_by_integers_keeps_its_reader_on_its_launch_and_others_do_not(
+        index, fast, other) -> None:
+    # MaxViT's relative position bias, table[index.view(-1)]: a new tensor, its shape from
+    # the index's. Read as a possible mask, it sent 192 of maxvit_t's 201 kernels a call
+    # through their lookups. A mask's result depends on its values, and an index by a
+    # number (or a 0-dim tensor) is a view whose alignment depends on the number: each
+    # call looks its launch up.
     mul = _Kernel("mul", lambda a: a * 2)
 
     def build(g):
-        x, index = g.placeholder("x"), g.placeholder("index")
-        g.output(g.call_function(mul, (g.call_function(operator.getitem, (x, index)),)))
+        x, i = g.placeholder("x"), g.placeholder("index")
+        g.output(g.call_function(mul, (g.call_function(operator.getitem, (x, i)),)))
 
-    x = torch.randn(6)
-    mask = torch.tensor([True, False, True, True, False, True])
-    for index, fast in [(torch.tensor([5, 0, 2, 2, 1, 3]), True), (mask, False)]:
-        mul.prepare([x[index]])
-        mul.fast_calls = mul.general_calls = 0
-        fn, result, _, _ = straight_line(_module(build), (x, index))
-        torch.testing.assert_close(result, x[index] * 2)
-        torch.testing.assert_close(fn(x, index), x[index] * 2)
-        assert (mul.fast_calls, mul.general_calls) == ((2, 0) if fast else (0, 2))
-    torch.testing.assert_close(fn(x, ~mask), x[~mask] * 2)  # two values, not four
+    x = torch.randn(4, 3)
+    mul.prepare([x[index]])
+    fn, result, _, _ = straight_line(_module(build), (x, index))
+    torch.testing.assert_close(result, x[index] * 2)
+    torch.testing.assert_close(fn(x, index), x[index] * 2)
+    assert (mul.fast_calls, mul.general_calls) == ((2, 0) if fast else (0, 2))
+    torch.testing.assert_close(fn(x, other), x[other] * 2)
 
 
 def test_it_declines_before_running_anything() -> None:
