@@ -292,7 +292,8 @@ def reproducible(gm: GraphModule) -> bool:
         if state_name(func) in _SEEDED:
             return False
         if random_op(func, args, kwargs):
-            if n.users or mutation_candidates(func, args, kwargs):
+            if n.users or mutation_candidates(func, args, kwargs) or \
+                    kwargs.get("generator") is not None:  # (fork_rng forks the defaults)
                 return False
             continue  # a draw nothing reads changes no value: the LayerDrop draw
             # `torch.rand([])` of transformers' encoders, read only in training
