@@ -366,7 +366,8 @@ class CompiledFunction:
             if rec.effect is None:
                 rec.effect = ("is given another float on each call, which its kernels take "
                               "as an argument")
-        if rec.effect is not None and self._recordings == 1 and rec.effect.startswith(_ONCE):
+        if rec.effect is not None and self._recordings == 1 < self.recompile_limit \
+                and rec.effect.startswith(_ONCE):
             # a first call's log message or warning is often its only one (transformers'
             # warning_once, an lru_cache over the message): the next call records again
             what, _, site = rec.effect.partition("\n")

@@ -389,3 +389,19 @@ def test_a_message_logged_by_the_first_call_alone_leaves_later_calls_replayed(ca
     assert [r.getMessage() for r in caplog.records if r.name == log.name] == \
         ["built standalone"] * (1 if once else 4)
     assert c.tier == "replayed" if once else c.tier.startswith("followed: it logs a message")
+
+
+def test_with_one_recording_allowed_a_first_call_that_logs_is_followed():
+    # recording again on the second call needs a second recording: with one, the first
+    # call's plan is followed, as before, not run in eager
+    say = functools.lru_cache(None)(logging.getLogger("fxlite.tests.limit").warning)
+
+    def f(x):
+        say("built standalone")
+        return x + 1
+
+    c = fxlite.compile(f, recompile_limit=1)
+    for _ in range(3):
+        x = rand(4)
+        torch.testing.assert_close(c(x), x + 1)
+    assert c.tier.startswith("followed: it logs a message"), c.tier
