@@ -761,11 +761,11 @@ def _numbers_key(key: CallKey | FollowKey, leaves: list[Any]) -> CallKey | None:
 
 
 _NUMBERS = object()  # marks a key whose float arguments' values are left out
-# why a recording is followed (a path recorded after a read: runs in eager) whose call
-# changed the state its key holds (``StateGuard.key``)
 # Effects that a first call often makes alone: a function whose first recording made one
 # is recorded again on its second call, and replayed if that one made none.
 _ONCE = ("logs a message", "warns")
+# why a recording is followed (a path recorded after a read: runs in eager) whose call
+# changed the state its key holds (``StateGuard.key``)
 _CHANGES_STATE = "changes Python state that it reads (a module attribute, flag or parameter)"
 
 
