@@ -70,7 +70,8 @@ _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random n
                    "subprocess": "runs a process", "pprint": "prints",
                    "os": "reads the environment or the file system"}
 # ``os`` functions that read one environment variable: guarded, not effects
-_ENVIRON_READS = frozenset({"__getitem__", "__contains__", "getenv"})
+# (``os.environ.get(k)`` and ``k in os.environ`` enter ``os`` through ``__getitem__``)
+_ENVIRON_READS = frozenset({"__getitem__", "getenv"})
 _OS_FILES = frozenset({os.getenv.__code__.co_filename})  # "<frozen os>" or os.py's path
 # C functions, by module (or, for bound methods, their object's type's module).
 _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random numbers",
