@@ -21,8 +21,9 @@ at most twice eager's, plus a tenth of the dtype's tolerance, the rule PyTorch's
 benchmark suite applies to compiled models. A wrong kernel (a dropped term, a wrong index)
 is off by far more than eager's rounding and still fails.
 
-Graphs the wider run cannot reproduce get no second look: ones that draw random numbers,
-call submodules, or wrote to their inputs while they were checked (see ``versions``).
+Graphs the wider run cannot reproduce get no second look: ones that draw random numbers
+a value reads, call submodules, or wrote to their inputs while they were checked (see
+``versions``).
 
 Example: ``x`` in bfloat16 through twenty ``x = x * 1.01 + 0.1`` steps. Eager rounds twenty
 times, the fused kernel once; they differ by ~3% at the end, so the plain check fails,
