@@ -626,11 +626,15 @@ def _feeds_kernels(node: Node, gm: GraphModule) -> bool:
     """Every user of ``node`` can join a kernel (through a permute or transpose, too).
 
     Why: a bias split off a matmul or conv is worth it only when the add joins a kernel
-    that runs anyway; an add that stays alone costs one more pass over the result.
+    that runs anyway; an add that stays alone costs one more pass over the result. A read
+    of its size is no use of its values (a decomposed batch_norm checks the channels; such
+    a read of the add goes back to its operands, see ``size_sources``).
     """
     if not node.users:
         return False
     for user in node.users:
+        if user.op == "call_method" and user.target in ("size", "dim") and user.args[0] is node:
+            continue
         info = lookup(user, gm)
         if info is None or is_impure(user, gm):
             return False
