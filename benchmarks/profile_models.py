@@ -7,17 +7,21 @@ Run on a CUDA machine (torchvision and transformers installed)::
 Each case is ``model:dtype:batch`` with the models and dtypes of ``bench_models.py``.
 Every contender is warmed up (``--warm`` calls, so that fxlite's trial has settled), then
 ``torch.profiler`` records ``--calls`` calls. Printed per contender: the GPU time of one
-call summed over its kernels, the kernel count, and the kernels by GPU time a call.
+call summed over its kernels, the kernel count, and the kernels by GPU time a call. With
+``--wall``, also a call's wall time (``triton.testing.do_bench``, calls back to back): a
+wall time well above the GPU time says the calls are host-bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 
 import torch
+import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +51,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=30, help="calls before profiling")
     p.add_argument("--calls", type=int, default=5, help="profiled calls")
     p.add_argument("--rows", type=int, default=25, help="kernels listed per contender")
+    p.add_argument("--wall", action="store_true", help="also time a call's wall")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -63,10 +68,14 @@ def main() -> None:
                     fn(*inputs)
             print(f"===== {case}")
             for label, fn in contenders.items():
+                wall = ""
+                if args.wall:
+                    ms = triton.testing.do_bench(functools.partial(fn, *inputs), warmup=50, rep=300)
+                    wall = f"wall {ms * 1000:.0f} us, "
                 found = kernels(fn, inputs, args.calls)
                 total = sum(us for us, _ in found.values())
                 count = sum(n for _, n in found.values())
-                print(f"--- {label}: GPU {total:.0f} us a call, {count:.0f} kernels")
+                print(f"--- {label}: {wall}GPU {total:.0f} us a call, {count:.0f} kernels")
                 for key, (us, n) in sorted(found.items(), key=lambda kv: -kv[1][0])[:args.rows]:
                     print(f"  {us:8.1f} us {n:5.0f}x  {key[:110]}")
 
