@@ -332,11 +332,15 @@ def test_a_compiled_model_runs_its_straight_line_and_follows_its_parameters():
         forward = next(iter(run.lines.values()))[0]
         bound = list(forward.__globals__.values())
         assert bn_mod.per_channel not in bound  # its views are bound once, not called
+        # BatchNorm's four per-channel views, and the conv's bias (it joins the kernel)
         views = [v for v in bound if isinstance(v, torch.Tensor) and v.dim() == 3]
-        assert len(views) == 4 and all(
+        assert len(views) == 5 and all(
             v.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in (
-                m[1].weight, m[1].bias, m[1].running_mean, m[1].running_var)} for v in views)
+                m[1].weight, m[1].bias, m[1].running_mean, m[1].running_var, m[0].bias)}
+            for v in views)
         m[1].weight.mul_(-1)                       # in place
+        torch.testing.assert_close(c(x), m(x))
+        m[0].bias.data = torch.randn(4)            # the conv's bias, in the kernel
         torch.testing.assert_close(c(x), m(x))
         m[1].bias.data = torch.randn(4)            # new memory: written again
         torch.testing.assert_close(c(x), m(x))
