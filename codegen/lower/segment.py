@@ -86,6 +86,9 @@ class CompiledSegment:
     # the recorded ops with the rewrites that need no kernels (fused optimizer steps,
     # channels-last convolutions): what runs where the kernels lose their trial
     recorded: GraphModule | None = None
+    # ``recorded`` without its channels-last convolutions, where it has them: what runs
+    # where the recorded ops win and then lose a second trial to it (runtime/trial.py)
+    plain: GraphModule | None = None
 
 
 def direct_forward(gm: GraphModule) -> Callable[..., Any]:
@@ -132,6 +135,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
                 return _compile_layout(plain, sample, backend, mode, expected, warn)
             for reason in said:
                 warn(reason)
+            result.plain = plain
             return result
     return _compile_layout(work, sample, backend, mode, expected, warn)
 

@@ -33,7 +33,9 @@ decides rather than the kernels' host cost.
 
 Both sides give eager's results (the compiled one was checked; the recorded one is the
 user's own ops), so the trial costs only the synchronizations of its blocks. When the
-recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why.
+recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why. Recorded
+ops that carry channels-last convolutions then go on a second trial of the same shape,
+against the same ops without that rewrite (``_layout_trial``; calls 12-22 or later).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from fxlite.codegen.lower.segment import CompiledSegment, direct_forward
 from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs, runs_backward
 
 from fxlite import config
+from fxlite.graph_module import GraphModule
 
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]
 
@@ -135,10 +138,38 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
 
     def decide(kernels_win: bool, ours: float, theirs: float) -> None:
         winner = _keep(seg, recorded, kernels_win, ours, theirs)
+        if not kernels_win and not graphed and compiled.plain is not None:
+            seg.run = _layout_trial(seg, compiled.plain)
+            return
         seg.run = SegmentGraphs(winner.gm, winner.run, winner.fallbacks) if graphed \
             else winner.run
 
     return Trial(compiled.run, recorded.run, decide)
+
+
+def _layout_trial(seg: Any, plain_gm: GraphModule) -> Trial:
+    """After the recorded ops won their trial (``seg.compiled`` is now they): a second
+    trial, between them and the same ops without the channels-last rewrite.
+
+    Why: that rewrite pays for cuDNN's NHWC kernels with a copy of each converted input
+    and weight, a launch each. Where the kernels lose, the calls are host-bound, and there
+    the copies can cost more than they save: alexnet f32 (batch 32, H200) ran its recorded
+    ops at 0.87x eager's speed, with 7 copies and its max pools in NHWC (97 us of GPU time
+    a call against eager's 52 in NCHW). Not under CUDA graphs, where launches cost no host
+    time. The recorded side runs first, as the compiled side does in the first trial."""
+    laid_out = seg.compiled
+    plain = CompiledSegment(direct_forward(plain_gm), plain_gm,
+                            fallbacks=list(laid_out.fallbacks))
+
+    def decide(layout_wins: bool, ours: float, theirs: float) -> None:
+        if not layout_wins:
+            plain.fallbacks.append(
+                f"its recorded ops ran faster without channels-last convolutions ({theirs:.3f} "
+                f"ms against {ours:.3f} ms a call, timed over real calls), so they run so")
+            seg.compiled = plain
+        seg.run = seg.compiled.run
+
+    return Trial(laid_out.run, plain.run, decide)
 
 
 def _recorded_side(seg: Any) -> CompiledSegment:

@@ -223,3 +223,65 @@ def test_close_sides_get_a_second_block_each(monkeypatch):
     for call in range(1, 18):
         trial(1)
         assert bool(decided) == (call >= 17), call
+
+
+@pytest.mark.parametrize("layout_wins", [True, False])
+def test_recorded_ops_that_win_race_again_without_their_channels_last_layout(
+        monkeypatch, layout_wins):
+    # alexnet f32 on an H200: its kernels lost their trial, and its recorded ops, which
+    # keep the channels-last convolutions, ran at 0.87x eager's speed. Where the recorded
+    # ops win, a second trial races them against the same ops without the rewrite.
+    import fxlite.codegen.lower.segment as segment
+    from fxlite.codegen.runtime.trial import Trial, choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    monkeypatch.setattr(segment, "channels_last_wanted", lambda sample: True)  # (CPU)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3)).to(DEVICE).eval()
+    c = fxlite.compile(model)
+    x = rand(2, 3, 9, 9)
+    with torch.no_grad():
+        c(x)
+        seg = c._last[0]
+        laid_out, plain = seg.compiled.recorded, seg.compiled.plain
+        clones = lambda gm: sum(n.kwargs.get("memory_format") == torch.channels_last  # noqa: E731
+                                for n in gm.graph.nodes)
+        assert clones(laid_out) >= 2 and clones(plain) == 0
+        first = choose_runner(seg, cuda=True, graphed=False)
+        assert isinstance(first, Trial)
+        first.decide(False, 2.0, 1.0)  # the recorded ops win: the second trial starts
+        second = seg.run
+        assert isinstance(second, Trial) and not seg.compiled.kernels
+        second.decide(layout_wins, *((1.0, 1.5) if layout_wins else (1.5, 1.0)))
+        assert seg.compiled.gm is (laid_out if layout_wins else plain)
+        assert seg.run is seg.compiled.run
+        said = seg.compiled.fallbacks
+        assert said[0].startswith("its recorded ops ran faster than its")
+        assert any("without channels-last" in f for f in said) is not layout_wins
+        for _ in range(3):  # the winner gives eager's values, on fresh inputs too
+            y = rand(2, 3, 9, 9)
+            torch.testing.assert_close(c(y), model(y))
+        torch.testing.assert_close(c(x), model(x))
+
+
+@pytest.mark.parametrize("layout, graphed", [(False, False), (True, True)])
+def test_no_second_trial_without_the_layout_or_under_graphs(monkeypatch, layout, graphed):
+    # Without the rewrite there is nothing to race; under CUDA graphs its copies cost no
+    # host time, so the recorded ops that won run as they are.
+    import fxlite.codegen.lower.segment as segment
+    from fxlite.codegen.runtime.segment_graphs import SegmentGraphs
+    from fxlite.codegen.runtime.trial import choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    monkeypatch.setattr(segment, "channels_last_wanted", lambda sample: layout)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).to(DEVICE).eval()
+    c = fxlite.compile(model)
+    with torch.no_grad():
+        c(rand(2, 3, 9, 9))
+    seg = c._last[0]
+    assert (seg.compiled.plain is not None) is layout
+    choose_runner(seg, cuda=True, graphed=graphed).decide(False, 2.0, 1.0)
+    if graphed:
+        assert isinstance(seg.run, SegmentGraphs) and seg.run.gm is seg.compiled.gm
+    else:
+        assert seg.run is seg.compiled.run
