@@ -163,4 +163,44 @@ def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Sha
     # A view aliases its input; materializing it in a kernel is only safe when nobody mutates.
     if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users):
         return None
+    # Nor when the graph returns it and what it views is seen outside the graph too (an
+    # input, or a value the graph returns itself or through another view): a later
+    # segment, or the caller, may write one and read the other. The fuzzer's seed
+    # 7107124: ``v1 = v0.squeeze()`` returned, ``v0[::2] = 1e-3`` after a graph break.
+    if _returned(node) and _seen_outside(src, node, module):
+        return None
     return FusionClass("view", shape, src, tuple(stm.shape), view=info.name)
+
+
+def _returned(node: Node) -> bool:
+    return any(u.op == "output" for u in node.users)
+
+
+def _seen_outside(src: Node, view: Node, module: torch.nn.Module) -> bool:
+    """Whether the memory ``view`` shares with ``src`` reaches outside the graph other than
+    through ``view``: ``src``'s root along view ops is an input or attribute, or it or
+    one of its views (all of them, down the view ops) is returned."""
+    root = src
+    while (base := _viewed(root, module)) is not None:
+        root = base
+    if root.op in ("placeholder", "get_attr"):
+        return True
+    family, todo = set(), [root]
+    while todo:
+        n = todo.pop()
+        if n in family:
+            continue
+        family.add(n)
+        if n is not view and _returned(n):
+            return True
+        todo.extend(u for u in n.users if _viewed(u, module) is n)
+    return False
+
+
+def _viewed(node: Node, module: torch.nn.Module) -> Node | None:
+    """The node ``node`` is a view of (an op-table view op's input), or None."""
+    info = lookup(node, module) if node.op in ("call_function", "call_method") else None
+    if info is None or info.kind != "view":
+        return None
+    base = node.args[0] if node.args else node.kwargs.get("input")
+    return base if isinstance(base, Node) else None
