@@ -97,8 +97,9 @@ def fold_constants(gm: GraphModule, *, attributes: bool = True,
                 new.meta.update(node.meta)
                 for key in ("impure", "mutated", "aliased", "same_object"):  # (a write's)
                     new.meta.pop(key, None)
-                if "tensor_meta" in node.meta:
-                    new.meta["tensor_meta"] = extract_tensor_metadata(value)
+                # its metadata is its value's, even where the folded node had none (made
+                # by an earlier rewrite): the passes after need it (fuzzer seed 7205737)
+                new.meta["tensor_meta"] = extract_tensor_metadata(value)
                 node.replace_all_uses_with(new)
             else:
                 for user in list(node.users):

@@ -282,6 +282,26 @@ def test_a_returned_view_of_a_value_written_later_stays_a_view(view):
         assert v.item() == base.item()
 
 
+class FoldedStack(nn.Module):
+    """The fuzzer's seed 7205737: a batch norm in training mode of a value computed from
+    sizes alone, which fold_constants folds into a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(2))
+        self.register_buffer("var", torch.ones(2))
+
+    def forward(self, x):
+        v = x.new_zeros(x.shape[-1:]) + len(x.shape)
+        return F.batch_norm(torch.stack([v, v], dim=-1), self.mean, self.var, training=True)
+
+
+def test_a_value_folded_from_sizes_keeps_its_kernels():
+    # The folded value had no shape metadata, so fuse failed and the segment ran in eager.
+    c = same_as_eager(FoldedStack().to(DEVICE), repeat((rand(3, 3),)))
+    assert not c.fallbacks, c.fallbacks
+
+
 def test_an_input_written_and_returned_keeps_its_identity():
     def bump(x):
         x.add_(1)
