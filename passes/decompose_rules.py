@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, describe_value, map_arg
-from fxlite.ops import is_impure, lookup, lookup_target, resolve, result_dtype
+from fxlite.ops import is_impure, lookup, lookup_target, promote, resolve, result_dtype
 from fxlite.proxy import Proxy
 
 __all__ = ["DECOMPOSITIONS", "Rule", "decomposition_key", "per_channel", "register_decomposition"]
@@ -588,6 +588,55 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
         x = x.to(dtype)
     x, out = _opmath(x, src)
     return _back(torch.sum(x, dims, keepdim=keepdim) / n, out)
+
+
+def _multiply_add(divide: bool) -> Rule:
+    def rule(input: Any, tensor1: Any, tensor2: Any, value: Any = 1) -> Any:
+        # input + value * (tensor1 * tensor2), or (tensor1 / tensor2): each operand cast to
+        # the common dtype first (a 0-dim float32 beside bfloat16 tensors is rounded, as
+        # TensorIterator does), computed in its math dtype and rounded once, as eager's
+        # kernel does
+        operands = (input, tensor1, tensor2)
+        if not all(isinstance(t, Proxy) for t in operands):
+            return NotImplemented
+        common = promote([_operand(t.node, 8) for t in operands])
+        if common is None or not common.is_floating_point:
+            return NotImplemented  # integer addcmul is rare; addcdiv's is an error
+        math_dtype = torch.float32 if common in _HALVES else common
+
+        def cast(t: Any) -> Any:
+            t = t if _dtype(t) == common else t.to(common)
+            return t if math_dtype == common else t.to(math_dtype)
+        a, b, c = (cast(t) for t in operands)
+        y = b / c if divide else b * c
+        if isinstance(value, Proxy) or value != 1:
+            y = value * y if divide else (value * b) * c
+        return _back(a + y, common if common in _HALVES else None)
+    rule.__name__ = "_addcdiv" if divide else "_addcmul"
+    return rule
+
+
+register_decomposition(torch.addcmul)(_multiply_add(divide=False))
+register_decomposition(torch.addcdiv)(_multiply_add(divide=True))
+
+
+@register_decomposition(torch.linalg.vector_norm)
+def _vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False,
+                 dtype: Any = None) -> Any:
+    # the 2-norm: sqrt(sum(x * x)) in the op's math dtype; its gradient is 0 where the norm
+    # is 0, as eager's norm_backward has it (sqrt's own is g / 0 there)
+    shape, src = _shape(x), _dtype(x)
+    if type(ord) not in (int, float) or ord != 2 or dtype is not None or shape is None \
+            or src is None or not src.is_floating_point:
+        return NotImplemented
+    dims = tuple(range(len(shape))) if isinstance(dim, (list, tuple)) and not dim else \
+        _dims(dim, len(shape))
+    if dims is None:
+        return NotImplemented
+    x, out = _opmath(x, src)
+    squares = torch.sum(x * x, dims, keepdim=keepdim)
+    zero = squares == 0
+    return _back(torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, squares))), out)
 
 
 # ---------------------------------------------------------------------- extern ops

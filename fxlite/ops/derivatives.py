@@ -375,6 +375,26 @@ def _rms_norm(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return _norm_backward(g, a, False, torch.finfo(_dtype(a["input"])).eps if eps is None else eps)
 
 
+def _multiply_add(divide: bool) -> Rule:
+    def rule(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+        # input + value * t1 * t2 (or t1 / t2): every cotangent reads g first
+        t1, t2, gv = a["tensor1"], a["tensor2"], _scale(g, a.get("value", 1))
+        if divide:
+            return {"input": g, "tensor1": gv / t2, "tensor2": -(gv * t1 / t2) / t2}
+        return {"input": g, "tensor1": gv * t2, "tensor2": gv * t1}
+    return rule
+
+
+def _vector_norm(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # the 2-norm: x g / norm, and 0 where the norm is 0, as eager's norm_backward
+    ord = a.get("ord", 2)
+    if type(ord) not in (int, float) or ord != 2 or a.get("dtype") is not None:
+        return NotImplemented
+    x = a["input"]
+    norm = expand_reduced(out, a, _rank(x))
+    return {"input": torch.where(norm == 0, 0.0, expand_reduced(g, a, _rank(x)) / norm) * x}
+
+
 def _seeded_dropout(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # The same mask and scale, regenerated from the seed: nothing but the seed is saved.
     # The mask is indexed by element, so g must have out's full shape (sizes read from x).
@@ -495,6 +515,9 @@ VJP: dict[str, Rule] = {
     "log_softmax": _log_softmax,
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
+    "addcmul": _multiply_add(divide=False),
+    "addcdiv": _multiply_add(divide=True),
+    "vector_norm": _vector_norm,
     # views
     **{name: _unit_view for name in ("view", "reshape", "flatten", "squeeze", "unsqueeze")},
     **{name: _identity for name in ("expand", "contiguous", "identity")},

@@ -128,7 +128,7 @@ def is_impure(node: Node, module: torch.nn.Module | None = None, impure_random: 
         return True
     if node.meta.get("impure"):  # the capture saw it write, draw random numbers, or act
         return True
-    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+    if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
         return True
     info = lookup(node, module)
     if info is not None:  # the table knows (operator.and_ is no in-place op despite its "_")
@@ -516,6 +516,41 @@ _op("rms_norm", "composite", F.rms_norm, (torch.rms_norm,), (), modules=(nn.RMSN
     defaults=(("weight", None), ("eps", None)), dtype_rule="same",
     module_params=lambda m: {"normalized_shape": tuple(m.normalized_shape),
                              "weight": m.weight, "eps": m.eps})
+# input + value * tensor1 * tensor2 (and / tensor2): decompose splits them into the
+# pointwise ops, so they fuse (timm's GlobalResponseNorm, hand-written optimizer steps).
+_THREE = ("input", "tensor1", "tensor2")
+for _name in ("addcmul", "addcdiv"):
+    _op(_name, "composite", getattr(torch, _name), (getattr(T, _name),), (_name,),
+        params=(*_THREE, "value"), defaults=(("value", 1),), positional=3,
+        dtype_rule=lambda a: promote([a.get(k) for k in _THREE]))
+# Vector norms: decompose writes the 2-norm as sqrt(sum(x * x)). torch.norm with a number
+# (or "fro" over at most two dims) is a vector norm, as torch.norm itself computes it.
+_op("vector_norm", "composite", torch.linalg.vector_norm, (), (),
+    params=("input", "ord", "dim", "keepdim"),
+    defaults=(("ord", 2), ("dim", None), ("keepdim", False), ("dtype", None)), positional=2,
+    dtype_rule="same")
+
+
+def _norm_refine(a: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    p, dim = a.get("p", "fro"), a.get("dim")
+    if not (dim is None or type(dim) is int or isinstance(dim, (list, tuple))):
+        return None
+    if p == "fro" and (dim is None or type(dim) is int or len(dim) <= 2):
+        p = 2
+    if type(p) not in (int, float, type(None)):
+        return None  # a matrix norm ("nuc"), or an error torch.norm reports
+    new = {"input": a["input"], "ord": 2.0 if p is None else p}
+    if dim is not None:
+        new["dim"] = [dim] if type(dim) is int else dim
+    for key in ("keepdim", "dtype"):
+        if key in a:
+            new[key] = a[key]
+    return "vector_norm", new
+
+
+_op("norm", "composite", torch.norm, (T.norm,), ("norm",), params=("input", "p", "dim", "keepdim"),
+    defaults=(("p", "fro"), ("dim", None), ("keepdim", False), ("dtype", None)), positional=2,
+    dtype_rule="same", refine=_norm_refine)
 _op("group_norm", "extern", F.group_norm, (), (), modules=(nn.GroupNorm,),
     params=("input", "num_groups", "weight", "bias", "eps"),
     defaults=(("weight", None), ("bias", None), ("eps", 1e-5)), dtype_rule="same",

@@ -131,8 +131,9 @@ def _flatten(shape: list[int], a: dict[str, Any]) -> list[int]:
 
 
 # The shape of a view's result from its input's shape and canonical args, by op name.
-# Pointwise ops broadcast, reductions drop or keep their dims, composites keep their
-# input's shape (_table); other ops run on meta tensors.
+# Pointwise ops broadcast, reductions drop or keep their dims, composites broadcast their
+# tensors (softmax, the norms: the input's shape; addcmul) unless they reduce (_table);
+# other ops run on meta tensors.
 VIEW_SHAPES: dict[str, Callable[[list[int], dict[str, Any]], list[int]]] = {
     "contiguous": lambda shape, a: shape,
     "identity": lambda shape, a: shape,
@@ -178,7 +179,9 @@ def _table(node: Node, values: dict[Node, Any]) -> Any:
             return torch.empty_strided(shape, dense_strides(shape, order), dtype=dtype,
                                        device="meta")
     elif info.kind == "composite":
-        shape = list(x.shape)
+        if "keepdim" in info.params:  # a reducing composite (a norm): run it on meta tensors
+            return NotImplemented
+        shape = list(broadcast_shapes([tuple(t.shape) for t in tensors]))
     elif info.kind == "view":
         if not isinstance(x, torch.Tensor):
             return NotImplemented

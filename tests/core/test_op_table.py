@@ -50,6 +50,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("bitwise_left_shift", "triton"): "no kernel form yet: runs in eager PyTorch",
     ("bitwise_right_shift", "triton"): "no kernel form yet: runs in eager PyTorch",
     ("max", "triton"): "max(x, dim) gives (values, indices), which kernels do not; max(x) refines to amax",
+    ("norm", "decomposition"): "matrix norms only (the rest refines to vector_norm): eager",
+    ("norm", "vjp"): "matrix norms only (the rest refines to vector_norm): eager autograd",
     ("min", "triton"): "min(x, dim) gives (values, indices), which kernels do not; min(x) refines to amin",
 }
 

@@ -411,3 +411,93 @@ def test_a_pad_anyone_could_tell_from_its_input_stays(case):
     gm = _decomposed(fn, x)
     assert len(_pads(gm)) == 1
     torch.testing.assert_close(gm(x), fn(x))
+
+
+MULTIPLY_ADDS_AND_NORMS = {
+    "addcmul": lambda x, y, s: torch.addcmul(x, y, x, value=0.3),
+    "addcmul_method_broadcast": lambda x, y, s: y[0].addcmul(x, y),
+    "addcmul_0dim_operand": lambda x, y, s: torch.addcmul(x, y, s),
+    "addcdiv": lambda x, y, s: torch.addcdiv(x, x, y.abs() + 1, value=-2),
+    "addcdiv_0dim_divisor": lambda x, y, s: x.addcdiv(y, s),
+    "norm_dims": lambda x, y, s: x.norm(p=2, dim=(0, 1), keepdim=True),
+    "norm_dim_int": lambda x, y, s: torch.norm(x, dim=-1),
+    "norm_fro": lambda x, y, s: torch.norm(x, "fro"),
+    "norm_all": lambda x, y, s: x.norm(),
+    "vector_norm": lambda x, y, s: torch.linalg.vector_norm(x, 2.0, dim=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(MULTIPLY_ADDS_AND_NORMS))
+def test_multiply_adds_and_norms_decompose_to_eagers_values(name, dtype):
+    """Before: ``addcmul``, ``addcdiv`` and the 2-norm were not in the op table, so each ran
+    as an op of its own between kernels (timm's GlobalResponseNorm: 2 of convnextv2's 6
+    ops a block on the GPU). Now each spelling decomposes into pointwise ops and a sum of
+    squares, in the op's math dtype: in half precision they are eager's values to the bit,
+    a 0-dim float32 operand rounded to the common dtype first, as TensorIterator does."""
+    fn = MULTIPLY_ADDS_AND_NORMS[name]
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        x, y = (torch.randn(3, 4, 8, generator=g) * 4).to(dtype), torch.randn(4, 8, generator=g).to(dtype)
+        s = torch.tensor(3.3)
+        gm = lower(fn, x, y, s, shapes=True)
+        assert_primitive(gm)
+        got, want = gm(x, y, s), fn(x, y, s)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.norm(p=1, dim=1),
+    lambda x: torch.norm(x, "nuc"),
+    lambda x: torch.linalg.vector_norm(x, float("inf")),
+    lambda x: torch.addcmul(x.long(), x.long(), x.long(), value=2),
+], ids=["p1", "nuclear", "inf", "integer_addcmul"])
+def test_norms_and_multiply_adds_the_rules_do_not_cover_stay(fn):
+    x = torch.randn(4, 6)
+    gm = lower(fn, x, shapes=True)
+    assert any(lookup(n) is not None and lookup(n).kind == "composite"
+               for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+
+
+def test_global_response_norm_runs_as_kernels_with_eagers_values_and_gradients():
+    """timm's GlobalResponseNorm (convnextv2): a norm over H and W, and an addcmul with
+    broadcast weights. Kernels only, eager's values over fresh inputs, and eager's
+    gradients where a norm is 0 (0 there, as eager's norm_backward: sqrt's own is NaN)."""
+    def grn(x, w, b):
+        xg = x.norm(p=2, dim=(1, 2), keepdim=True)
+        xn = xg / (xg.mean(dim=-1, keepdim=True) + 1e-6)
+        return x + torch.addcmul(b.view(1, 1, 1, -1), w.view(1, 1, 1, -1), x * xn)
+
+    compiled = fxlite.compile(grn)
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(2, 5, 6, 8, generator=g)
+        x[0, :, :, k] = 0  # a zero norm
+        w, b = torch.randn(8, generator=g), torch.randn(8, generator=g)
+        ours = [t.clone().requires_grad_() for t in (x, w, b)]
+        theirs = [t.clone().requires_grad_() for t in (x, w, b)]
+        got, want = compiled(*ours), grn(*theirs)
+        torch.testing.assert_close(got, want)
+        (got * want.detach()).sum().backward()
+        (want * want.detach()).sum().backward()
+        for a, r in zip(ours, theirs):
+            assert not a.grad.isnan().any()
+            torch.testing.assert_close(a.grad, r.grad, rtol=1e-4, atol=1e-4)
+    assert compiled.kernels and not compiled.fallbacks
+
+    class Calls(torch.overrides.TorchFunctionMode):
+        seen: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    inference = fxlite.compile(grn)  # what runs: no op of its own for the norm or addcmul
+    for _ in range(3):
+        inference(torch.randn(2, 5, 6, 8), torch.randn(8), torch.randn(8))
+    with Calls():
+        inference(torch.randn(2, 5, 6, 8), torch.randn(8), torch.randn(8))
+    assert "empty" in Calls.seen  # (the mode sees what runs: the kernels' outputs)
+    assert not {"norm", "linalg_vector_norm", "addcmul"} & set(Calls.seen)

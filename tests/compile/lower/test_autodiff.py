@@ -284,6 +284,11 @@ COMPOSITES = {
     "rms_norm": (lambda x, w: F.rms_norm(x, (5,), w, eps=1e-6), 2),
     "rms_norm_default_eps": (lambda x: F.rms_norm(x, (5,)), 1),
     "layer_norm_2d": (lambda x: F.layer_norm(x, (2, 5)), 1),
+    "addcmul": (lambda x, w: torch.addcmul(w, x, w, value=0.5), 2),
+    "addcdiv": (lambda x, w: torch.addcdiv(x, w, x.abs() + 1, value=-2), 2),
+    "vector_norm": (lambda x: torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x, 1),
+    "norm_all": (lambda x: x.norm() + x, 1),
+    "norm_zero_row": (lambda x: torch.norm(x * (x.abs() > 1e9), dim=-1), 1),
 }
 
 
