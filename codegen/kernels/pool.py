@@ -1,4 +1,5 @@
-"""max_pool2d as a Triton kernel, and the pass that routes a graph's max-pools to it.
+"""max_pool2d and avg_pool2d as Triton kernels, and the pass that routes a graph's pools
+to them.
 
 On a GPU torch's ``max_pool2d`` computes the argmax of every window even when nobody asks
 for it, and writes it as int64: for resnet50's stem at batch 32 in bfloat16 (a 32 x 64 x
@@ -6,16 +7,23 @@ for it, and writes it as int64: for resnet50's stem at batch 32 in bfloat16 (a 3
 of a forward's 2.0 ms of GPU time on an H200 (torch.profiler), where inductor's kernel
 took 21. The kernel here reads each window and writes the maxima only.
 
+On channels-last inputs torch's ``avg_pool2d`` kernel is slow: resnet50d's three 2 x 2
+average pools took 294 us a forward (bfloat16, batch 32, H200), twice their time on
+contiguous inputs, where inductor's kernels took a few tens.
+
 Semantics are eager's: windows that hang over the border ignore the missing elements
-(``padding`` and ``ceil_mode``), a NaN anywhere in a window makes its maximum NaN, and the
-result has eager's shape and memory format (channels-last in, channels-last out). Anything
-else (indices wanted, autograd recording the call, a layout that is neither contiguous
-nor channels-last, arguments eager would reject) runs torch's ``max_pool2d``.
+(``padding`` and ``ceil_mode``), a NaN anywhere in a window makes its maximum NaN, an
+average divides by what eager divides by (``count_include_pad``, ``divisor_override``) and
+sums in the same order and precision, and the result has eager's shape and memory format
+(channels-last in, channels-last out). Anything else (indices wanted, autograd recording
+the call, a layout that is neither contiguous nor channels-last, arguments eager would
+reject) runs torch's op.
 
 Example of the pass::
 
     # before                                          # after
     pool = F.max_pool2d(relu, 3, stride=2, padding=1)  pool = max_pool2d(relu, 3, stride=2, padding=1)
+    avg = F.avg_pool2d(pool, 2, ceil_mode=True)        avg = avg_pool2d(pool, 2, ceil_mode=True)
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from fxlite.codegen.kernels.generate import interpreting
 
 from fxlite.graph_module import GraphModule
 
-__all__ = ["max_pool2d", "use_pool_kernels"]
+__all__ = ["avg_pool2d", "max_pool2d", "use_pool_kernels"]
 
-_POOLS = frozenset({F.max_pool2d, torch.max_pool2d})
+_MAX_POOLS = frozenset({F.max_pool2d, torch.max_pool2d})
+_AVG_POOLS = frozenset({F.avg_pool2d})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK = 1024
 
@@ -76,6 +85,63 @@ def _max_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
             acc = tl.where((v > acc) | (v != v), v, acc)  # a NaN wins, as in eager
     tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow,
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nearest_bf16(x):
+    """fp32 to the nearest bfloat16 (ties to even), kept in fp32: the interpreter's own
+    conversion truncates (the generated kernels' ``_round_bf16`` helper, the same bits)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return tl.where(x != x, x, (bits & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _avg_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
+                       sxn, sxc, sxh, sxw, son, soc, soh, sow,
+                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                       PH: tl.constexpr, PW: tl.constexpr, INCLUDE_PAD: tl.constexpr,
+                       DIVISOR: tl.constexpr, CHANNELS_LAST: tl.constexpr, BIG: tl.constexpr,
+                       F64: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if BIG:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    if CHANNELS_LAST:
+        c, ow, oh, n = _split(offs, C, OW, OH)
+    else:
+        ow, oh, c, n = _split(offs, OW, OH, C)
+    base = n * sxn + c * sxc
+    # eager's window (AvgPool2d.cu): clipped to the padded input for count_include_pad's
+    # count, then to the input for the sum and the other count
+    h0 = oh * SH - PH
+    w0 = ow * SW - PW
+    h1 = tl.minimum(h0 + KH, H + PH)
+    w1 = tl.minimum(w0 + KW, W + PW)
+    padded = (h1 - h0) * (w1 - w0)
+    inside = (tl.minimum(h1, H) - tl.maximum(h0, 0)) * (tl.minimum(w1, W) - tl.maximum(w0, 0))
+    # summed in eager's order and accumulator (float32; float64 for float64)
+    acc = tl.zeros([BLOCK], tl.float64 if F64 else tl.float32)
+    for kh in tl.static_range(KH):
+        ih = h0 + kh
+        row_ok = mask & (ih >= 0) & (ih < H)
+        for kw in tl.static_range(KW):
+            iw = w0 + kw
+            ok = row_ok & (iw >= 0) & (iw < W)
+            v = tl.load(x_ptr + base + ih * sxh + iw * sxw, mask=ok, other=0.0)
+            acc += v.to(acc.dtype)
+    if DIVISOR != 0:
+        count = tl.full([BLOCK], DIVISOR, tl.int32)
+    elif INCLUDE_PAD:
+        count = padded
+    else:
+        count = inside
+    empty = (tl.minimum(h1, H) <= tl.maximum(h0, 0)) | (tl.minimum(w1, W) <= tl.maximum(w0, 0))
+    avg = tl.where(empty, 0.0, acc / tl.where(count == 0, 1, count).to(acc.dtype))
+    if ROUND_BF16:
+        avg = _nearest_bf16(avg)
+    tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow,
+             avg.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _pair(v: Any) -> tuple[int, int] | None:
@@ -155,13 +221,70 @@ def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
     return out
 
 
+def avg_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
+               ceil_mode: bool = False, count_include_pad: bool = True,
+               divisor_override: Any = None) -> torch.Tensor:
+    """``F.avg_pool2d`` computed by one Triton kernel.
+
+    Falls back to ``F.avg_pool2d`` for what the kernel does not do (see the module
+    docstring), so it can stand wherever ``F.avg_pool2d`` stands.
+
+    Example::
+
+        y = avg_pool2d(torch.randn(8, 64, 56, 56, device="cuda"), 2, ceil_mode=True)
+    """
+    def fallback() -> Any:
+        return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                            divisor_override)
+
+    k = _pair(kernel_size)
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \
+        else _pair(stride)
+    p = _pair(padding)
+    if k is None or s is None or p is None or type(ceil_mode) is not bool \
+            or type(count_include_pad) is not bool \
+            or not (divisor_override is None or type(divisor_override) is int
+                    and 0 < divisor_override < 2**31) \
+            or not isinstance(input, torch.Tensor) or input.dim() != 4 \
+            or input.dtype not in _FLOATS or not (input.is_cuda or interpreting()) \
+            or (input.requires_grad and torch.is_grad_enabled()) \
+            or min(*k, *s) < 1 or p[0] < 0 or p[1] < 0 \
+            or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        return fallback()  # eager raises on bad arguments; let it
+    channels_last = _layout(input)
+    n, c, h, w = input.shape
+    oh, ow = (_out_size(size, k[i], s[i], p[i], 1, ceil_mode) for i, size in enumerate((h, w)))
+    if channels_last is None or oh < 1 or ow < 1 or c == 0 or h == 0 or w == 0:
+        return fallback()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty((n, c, oh, ow), dtype=input.dtype, device=input.device,
+                      memory_format=fmt)
+    total = out.numel()
+    if total == 0:
+        return out
+    big = max(total, input.numel()) + _BLOCK >= 2**31
+    grid = (triton.cdiv(total, _BLOCK),)
+    _avg_pool2d_kernel[grid](input, out, total, c, h, w, oh, ow, *input.stride(),
+                             *out.stride(), KH=k[0], KW=k[1], SH=s[0], SW=s[1], PH=p[0],
+                             PW=p[1], INCLUDE_PAD=count_include_pad,
+                             DIVISOR=divisor_override or 0, CHANNELS_LAST=channels_last,
+                             BIG=big, F64=input.dtype == torch.float64,
+                             ROUND_BF16=input.dtype == torch.bfloat16 and interpreting(),
+                             BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
 def use_pool_kernels(gm: GraphModule) -> bool:
-    """Route ``gm``'s ``max_pool2d`` calls to :func:`max_pool2d` (which falls back to
-    torch's for calls it does not take). Returns whether ``gm`` changed."""
+    """Route ``gm``'s ``max_pool2d`` and ``avg_pool2d`` calls to :func:`max_pool2d` and
+    :func:`avg_pool2d` (which fall back to torch's for calls they do not take). Returns
+    whether ``gm`` changed."""
     changed = False
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _POOLS:
+        if node.op == "call_function" and node.target in _MAX_POOLS:
             node.target = max_pool2d
+            changed = True
+        elif node.op == "call_function" and node.target in _AVG_POOLS:
+            node.target = avg_pool2d
             changed = True
     if changed:
         gm.recompile()

@@ -263,7 +263,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),
     Pass("propagate_meta", _on(propagate_meta)),
-    Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools that write no indices
+    Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools without indices; avg-pools
     Pass("fuse", _fuse),
     Pass("empty_ok_max", _on(_empty_ok_max)),
     Pass("autograd_regions", _on(autograd_regions),  # groups joined by table ops: one autograd node

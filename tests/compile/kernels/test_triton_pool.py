@@ -1,11 +1,11 @@
-"""max_pool2d's Triton kernel (codegen/kernels/pool.py) against eager, under the interpreter."""
+"""The pooling Triton kernels (codegen/kernels/pool.py) against eager, under the interpreter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from fxlite.codegen.kernels.pool import max_pool2d, use_pool_kernels
+from fxlite.codegen.kernels.pool import avg_pool2d, max_pool2d, use_pool_kernels
 from fxlite.codegen.runtime.kernel import interpreting
 
 import fxlite
@@ -75,3 +75,58 @@ def test_the_pass_routes_max_pools_and_the_model_stays_eagers():
     _same(gm(x), F.max_pool2d(torch.relu(x), 3, 2, 1))
     traced = fxlite.symbolic_trace(m)
     assert not use_pool_kernels(traced)  # a module call: left as it is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("args", [
+    dict(kernel_size=2, stride=2, ceil_mode=True, count_include_pad=False),  # resnet50d's
+    dict(kernel_size=3, stride=1, padding=1),                      # inception_v3's branches
+    dict(kernel_size=3, stride=1, padding=1, count_include_pad=False),
+    dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 1), ceil_mode=True),
+    dict(kernel_size=3, stride=2, padding=1, divisor_override=5),
+    dict(kernel_size=2),                                           # densenet's transitions
+])
+def test_the_average_kernel_gives_eagers_values_to_the_bit_and_layout(dtype, layout, args):
+    """Before: ``avg_pool2d`` ran torch's kernel, which on channels-last inputs took twice
+    its time on contiguous ones (resnet50d, H200). Each window sums in eager's order and
+    precision and divides by eager's count, so the values are eager's to the bit."""
+    x = torch.randn(2, 5, 9, 7, device=DEVICE).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x[0, 1, 2, 3] = float("nan")
+    x[1, 0, 0, 0] = float("inf")
+    _same(avg_pool2d(x, **args), F.avg_pool2d(x, **args))
+
+
+def test_what_the_average_kernel_does_not_take_runs_torchs_op():
+    x = torch.randn(1, 3, 8, 8, device=DEVICE)
+    for odd in (x[:, :, ::2], x.transpose(2, 3), x[0]):  # strided, transposed, unbatched
+        _same(avg_pool2d(odd, 2), F.avg_pool2d(odd, 2))
+    _same(avg_pool2d(x, 2, divisor_override=None), F.avg_pool2d(x, 2))
+    empty = torch.randn(0, 3, 8, 8, device=DEVICE)
+    _same(avg_pool2d(empty, 2), F.avg_pool2d(empty, 2))
+    with pytest.raises(RuntimeError, match="pad should be"):
+        avg_pool2d(x, 2, padding=2)       # eager's own errors
+    with pytest.raises(RuntimeError, match="divisor must be not zero"):
+        avg_pool2d(x, 2, divisor_override=0)
+    w = torch.randn(1, 2, 6, 6, device=DEVICE, requires_grad=True)
+    avg_pool2d(w, 2).sum().backward()     # autograd records torch's op
+    torch.testing.assert_close(w.grad, torch.full_like(w, 0.25))
+
+
+def test_compiled_average_pools_stay_eagers_over_calls():
+    """The pass routes ``F.avg_pool2d`` and ``nn.AvgPool2d`` (recorded as the function) to
+    the kernel on a GPU; on the CPU the pipeline leaves pools to torch."""
+    gm = fxlite.symbolic_trace(lambda x: F.avg_pool2d(torch.relu(x), 2, ceil_mode=True))
+    assert use_pool_kernels(gm) and "avg_pool2d" in gm.code
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                            torch.nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+                            ).to(DEVICE).eval()
+    compiled = fxlite.compile(m)
+    for k in range(3):  # fresh inputs, odd sizes for ceil_mode
+        x = torch.randn(2, 3, 11 + k, 9, device=DEVICE)
+        with torch.no_grad():
+            _same(gm(x), F.avg_pool2d(torch.relu(x), 2, ceil_mode=True))
+            torch.testing.assert_close(compiled(x), m(x))
