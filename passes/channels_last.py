@@ -16,9 +16,10 @@ channels-last won (3.00 ms against 3.54) and resnet50 won in both.
 
 What this pass changes, and what it keeps:
 
-- each 4-d input of the graph (placeholder or attribute) that a ``conv2d`` reads is
-  converted for that read only (``torch.clone(x, memory_format=torch.channels_last)``, a
-  copy kernel once fused); other readers, and writes, still see the tensor itself;
+- each 4-d input of the graph (placeholder or attribute) that a ``conv2d`` reads, directly
+  or through a constant pad (timm's "same" padding), is converted for that read only
+  (``torch.clone(x, memory_format=torch.channels_last)``, a copy kernel once fused); other
+  readers, and writes, still see the tensor itself;
 - values the graph returns that depend on a converted read get back eager's layout
   (``.contiguous()``, or channels-last where eager's was), so callers see eager's strides;
 - a graph that returns such a value through a view, or with a layout that is neither
@@ -120,6 +121,17 @@ def _root(n: Node, names: dict[str, Node]) -> Node | None:
     return n
 
 
+def _constant_pad(n: Any) -> bool:
+    """Whether ``n`` pads with a constant (``F.pad``'s default mode), an op that keeps its
+    input's layout (timm's "same" padding pads the image before the stem's conv)."""
+    if not isinstance(n, Node) or n.op != "call_function" or not n.args:
+        return False
+    if n.target is torch.constant_pad_nd:
+        return True
+    mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+    return n.target is torch.nn.functional.pad and mode == "constant"
+
+
 def _pays(graph: Any) -> bool:
     """False for float32 graphs with a depthwise convolution (see the module docstring)."""
     for n in graph.nodes:
@@ -140,22 +152,24 @@ def channels_last_convs(gm: GraphModule) -> bool:
     docstring). Returns whether ``gm`` changed; it is left unchanged when nothing would
     carry the layout or a returned value could not get eager's layout back."""
     graph = gm.graph
-    reads: list[tuple[Node, Node]] = []  # (conv, its input)
+    reads: list[tuple[Node, Node]] = []  # (conv, or the pad before it; the input it reads)
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in CONVS or not n.args:
             continue
-        x = n.args[0]
+        reader, x = n, n.args[0]
+        if _constant_pad(x) and isinstance(x.args[0], Node):
+            reader, x = x, x.args[0]  # a padded input ("same" padding): converted at the pad
         if not isinstance(x, Node) or x.op not in ("placeholder", "get_attr"):
             continue
         layout = _layout(x)
         if layout is None or len(layout[0]) != 4 or layout[1] not in _FLOATS \
                 or layout[2] is not torch.contiguous_format:
             continue
-        reads.append((n, x))
+        reads.append((reader, x))
     if not reads or not _pays(graph):
         return False
     downstream: set[Node] = set()
-    stack = [conv for conv, _ in reads]
+    stack = [reader for reader, _ in reads]
     while stack:
         n = stack.pop()
         if n not in downstream:
@@ -175,11 +189,11 @@ def channels_last_convs(gm: GraphModule) -> bool:
             return False  # a view, or two results sharing one tensor: a copy would split them
         roots.add(root)
         returned.append((n, layout[2]))
-    for conv, x in reads:
-        with graph.inserting_before(conv):
+    for reader, x in reads:
+        with graph.inserting_before(reader):
             cl = graph.call_function(torch.clone, (x,), {"memory_format": CL})
         cl.meta["channels_last_of"] = x.name
-        conv.replace_input_with(x, cl)
+        reader.replace_input_with(x, cl)
     converted: dict[Node, Node] = {}  # a weight two convs share is converted once
     # every conv now reads channels-last: so should its weight (graph order, so that a
     # shared weight's conversion comes before its first reader)

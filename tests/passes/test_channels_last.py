@@ -180,6 +180,46 @@ def test_a_compiled_conv_net_with_channels_last_matches_eager(backend, channels_
     assert converts(compiled)
 
 
+class PaddedStem(nn.Module):
+    """timm's tf_ models: "same" padding pads the image, then a stride-2 conv reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, bias=False)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+
+    def forward(self, x):
+        y = F.silu(self.conv(F.pad(x, [0, 1, 0, 1])))
+        return self.dw(y) + y
+
+
+def test_an_input_padded_before_its_conv_becomes_channels_last_at_the_pad(channels_last_on_cpu):
+    """Before: only a conv reading a graph input directly converted it, so a net whose stem
+    pads first ran every conv NCHW (tf_efficientnet_b0 in bfloat16 on an H200: its 16
+    depthwise convolutions in torch's NCHW kernel, 978 us a call, and 22 layout copies
+    inside cuDNN). The input is converted where the pad reads it; the pad keeps the layout."""
+    model = PaddedStem().to(torch.bfloat16).eval()
+
+    def stem(x, w, w_dw):
+        y = F.silu(F.conv2d(F.pad(x, [0, 1, 0, 1]), w, stride=2))
+        return F.conv2d(y, w_dw, padding=1, groups=8) + y
+
+    weights = model.conv.weight.detach(), model.dw.weight.detach()
+    gm = traced(stem, torch.randn(2, 3, 9, 9).to(torch.bfloat16), *weights)
+    assert channels_last_convs(gm)
+    pad = next(n for n in gm.graph.nodes if n.target is F.pad)
+    assert pad.args[0].kwargs.get("memory_format") == CL  # the pad reads the converted input
+    compiled = fxlite.compile(model, backend="python")
+    for k in range(3):
+        x = torch.randn(2, 3, 9 + 2 * k, 9).to(torch.bfloat16)
+        with torch.no_grad():
+            got, want = compiled(x), model(x)
+        torch.testing.assert_close(gm(x, *weights), want)
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride()
+    assert channels_last_on_cpu and converts(compiled)
+
+
 def test_a_training_step_with_channels_last_gives_eagers_gradients(channels_last_on_cpu):
     torch.manual_seed(0)
     model = Net()
