@@ -137,7 +137,12 @@ def _avg_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
     else:
         count = inside
     empty = (tl.minimum(h1, H) <= tl.maximum(h0, 0)) | (tl.minimum(w1, W) <= tl.maximum(w0, 0))
-    avg = tl.where(empty, 0.0, acc / tl.where(count == 0, 1, count).to(acc.dtype))
+    count = tl.where(count == 0, 1, count).to(acc.dtype)
+    if F64:
+        avg = acc / count
+    else:  # correctly rounded, as eager's CUDA division (Triton's fp32 `/` is approximate)
+        avg = tl.div_rn(acc, count)
+    avg = tl.where(empty, 0.0, avg)
     if ROUND_BF16:
         avg = _nearest_bf16(avg)
     tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow,
