@@ -90,6 +90,30 @@ def norm(g: G) -> Step:
                   f"momentum=0.1)", "inexact")
 
 
+def multiply_add_or_norm(g: G) -> Step:
+    """addcmul and addcdiv (three tensors and a value) and the 2-norm's spellings, which
+    decompose into pointwise ops and a sum of squares. (Last in :data:`MORE`, weight 1:
+    drawing it changes no program an older seed drew without it.)"""
+    which = g.d.int(0, 3)
+    if which <= 1:
+        a = g.t(kind="float")
+        b, c = g.t(kind="float", like=a), g.t(kind="float", like=a)
+        value = g.choice(["", ", value=0.5", ", value=-2"])
+        if which == 0:
+            return g.expr("addcmul", g.choice([f"torch.addcmul({a}, {b}, {c}{value})",
+                                               f"{a}.addcmul({b}, {c}{value})"]), "inexact")
+        return g.expr("addcdiv", f"torch.addcdiv({a}, {b}, ({c}.abs() + 1){value})", "inexact")
+    if which == 2:  # torch.norm and Tensor.norm with a number are vector norms too
+        a = g.t(kind="float", min_dim=1)
+        d, k = g.dim(a), g.keepdim()
+        return g.expr("vector_norm", g.choice([
+            f"torch.linalg.vector_norm({a})", f"torch.linalg.vector_norm({a}, 2, {d}, {k})",
+            f"{a}.norm()", f"{a}.norm(dim={d}, keepdim={k})", f"torch.norm({a}, p=2, dim={d})",
+            f"{a}.norm(p=1)"]), "inexact")
+    a = g.t(kind="float", min_dim=2)  # a matrix norm: no decomposition, it runs as it is
+    return g.expr("norm", f"torch.norm({a}, p='nuc', dim=(-2, -1))", "inexact")
+
+
 # ---------------------------------------------------------------------- views
 def view(g: G) -> Step:
     a = g.t()
@@ -484,4 +508,5 @@ def chain(g: G) -> Step:
 MORE: list[tuple[int, Callable[[G], Step]]] = [
     (8, reduction), (5, norm), (8, view), (5, extern), (5, random_op), (3, effect),
     (8, inplace), (1, imatmul), (3, setitem), (3, buffer_update), (3, branch), (1, loop), (2, value_read),
+    (1, multiply_add_or_norm),
 ]
