@@ -32,6 +32,7 @@ and, per segment, when a pass or kernel fails or its results disagree with eager
 from __future__ import annotations
 
 import functools
+import linecache
 import sys
 import threading
 import types
@@ -58,6 +59,7 @@ from fxlite.codegen.runtime.trial import Trial, choose_runner
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
 from fxlite.logs import log_break, log_graph
+from fxlite.ops import is_impure
 from fxlite.proxy import TraceError
 
 __all__ = ["CompiledFunction", "CompiledModule", "compile"]
@@ -276,7 +278,7 @@ class CompiledFunction:
         broadcasts, a Cholesky of a matrix that is not positive definite)."""
         if grad is not None:  # eager's `with torch.no_grad():` (and autocast's `with`)
             set_ambient(grad)  # restore them on the way out
-        if not _pure(seg.recording):
+        if not (_pure(seg.recording) or _nothing_written(seg, sys.exc_info()[2])):
             raise  # the exception being handled
         self._last = []
         return self._fn(*args, **kwargs)
@@ -810,6 +812,53 @@ def _pure(rec: Any) -> bool:
         pure = rec._fxlite_pure = not any(
             n.meta.get("impure") and "read" not in n.meta for n in rec.graph.nodes)
     return pure
+
+
+def _nothing_written(seg: Segment, tb: Any) -> bool:
+    """Whether the call that raised (traceback ``tb``) in ``seg`` wrote nothing yet, so
+    that running its function again is safe: ``seg`` is the whole call, its recording only
+    writes (no draw, no effect), the graph that ran writes only in the write-backs at its
+    end (``copy_``, after every op that could raise), and the exception came from before
+    them. A buffer update before an integer division by zero then takes effect, as in
+    eager (fuzz seed 7102901)."""
+    compiled = seg.compiled
+    if seg.read is None and compiled is not None and not isinstance(seg.run, Trial) \
+            and not any(n.meta.get("external") or "read" in n.meta
+                        for n in seg.recording.graph.nodes) \
+            and _writes_last(compiled.gm):
+        while tb is not None:  # a generated forward's line that writes back: too late
+            code = tb.tb_frame.f_code
+            if code.co_filename.startswith("<") and ".copy_(" in linecache.getline(
+                    code.co_filename, tb.tb_lineno):
+                return False
+            tb = tb.tb_next
+        return True
+    return False
+
+
+def _writes_last(gm: GraphModule) -> bool:
+    """Whether ``gm``'s only writes are ``copy_`` write-backs after all its other ops, and
+    nothing else in it is impure (a random draw, an effect): what a functionalized segment
+    compiles to::
+
+        fused_0 = triton_fused_0(b0, x0)
+        fused_1 = self.fused_1(x0, x1)        # may raise: nothing is written yet
+        copy_ = b0.copy_(fused_0)
+        copy__1 = x0.copy_(fused_1)
+    """
+    found = getattr(gm, "_fxlite_writes_last", None)
+    if found is None:
+        found, writing = True, False
+        for n in gm.graph.nodes:
+            if n.op not in ("call_function", "call_method", "call_module"):
+                continue
+            if n.op == "call_method" and n.target == "copy_":
+                writing = True
+            elif writing or is_impure(n, gm):
+                found = False
+                break
+        gm._fxlite_writes_last = found
+    return found
 
 
 def _settled(rec: Any, env: dict[str, Any]) -> dict[str, list[tuple[str, Any]]]:

@@ -620,3 +620,41 @@ def test_activation_modules_fuse_into_one_kernel():
         torch.testing.assert_close(c(x), m(x))
     # 7 activations and the Linear's bias add (split off the matmul: an epilogue)
     assert len(c.kernels) == 1 and len(c.kernels[0].nodes) == 8 and c.fallbacks == []
+
+
+class _DecayThenDivide(nn.Module):
+    """A buffer update, then an integer division that raises when a divisor is 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.ones(1))
+
+    def forward(self, x, d):
+        self.ema.mul_(0.9).add_(self.ema.mean() * 0.1)
+        x //= d
+        return x
+
+
+def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included():
+    """Before: a compiled segment writes its buffers back at its end, so a call whose
+    integer division raised kept the buffer's old value, and a recording that writes was
+    not run again (fuzz seed 7102901). A segment whose writes all come after the op that
+    raised has written nothing, so the call runs again in eager: the buffer update lands
+    once, and the division writes the elements eager writes before it raises."""
+    compiled_model, eager_model = _DecayThenDivide(), _DecayThenDivide()
+    compiled = fxlite.compile(compiled_model)
+    for k in range(6):
+        x = torch.arange(4) + 5 + k
+        d = torch.tensor([1, 2, 3, 0 if k in (3, 4) else 1])
+        ours, theirs = x.clone(), x.clone()
+        outcome = []
+        for fn, arg in ((compiled, ours), (eager_model, theirs)):
+            try:
+                outcome.append(fn(arg, d).tolist())
+            except RuntimeError as e:
+                outcome.append(type(e).__name__ + str(e))
+        assert outcome[0] == outcome[1]
+        assert torch.equal(ours, theirs)  # eager's partial writes on the calls that raise
+        assert torch.equal(compiled_model.ema, eager_model.ema)
+    assert compiled.kernels
+
