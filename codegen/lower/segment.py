@@ -217,11 +217,13 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
 def _recorded_ops(python: CompiledSegment, work: GraphModule, sample: list[Any], entry: Any,
                   warn: Callable[[str], None], reason: str) -> CompiledSegment:
     """Fall back to ``python`` (the recorded ops) for ``reason``, from the ambient state
-    ``entry`` the attempt started in."""
-    warn(reason)
-    python.fallbacks.append(reason)
+    ``entry`` the attempt started in. Where the recorded ops raise too (an integer
+    division by a zero in this call's values), the user's exception propagates with no
+    fallback kept and no warning: the next call compiles again (fuzz seed 7212607)."""
     set_ambient(entry)
     python.outputs = _run_checked(work, sample)
+    warn(reason)
+    python.fallbacks.append(reason)
     return python
 
 

@@ -658,3 +658,34 @@ def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes
         assert torch.equal(compiled_model.ema, eager_model.ema)
     assert compiled.kernels
 
+
+def test_a_call_that_raises_while_its_segment_compiles_keeps_no_fallback():
+    """Before: a piece of a followed call (one that prints: its Python runs on every
+    call) compiles on the values of its first run; where that run's integer division
+    raised, the compile pipeline "failed", and the piece ran its recorded ops from then on,
+    with a warning blaming the pipeline (fuzz seed 7212607). The user's exception now
+    propagates as eager's, and the next call compiles the piece."""
+    import io
+
+    log = io.StringIO()
+
+    def fn(x, d):
+        print(x.sum(), file=log)
+        y = torch.relu(x * 2.0) + 1.0
+        return y, torch.div(d * 3, d, rounding_mode="floor")
+
+    compiled = fxlite.compile(fn)
+    d = torch.tensor([1, 2, 3])
+    x = torch.randn(8)
+    torch.testing.assert_close(compiled(x, d), fn(x, d))  # recorded
+    zero = torch.tensor([1, 0, 3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            compiled(x, zero)
+    assert not any("pipeline failed" in str(w.message) for w in caught)
+    for _ in range(2):
+        x = torch.randn(8)
+        torch.testing.assert_close(compiled(x, d), fn(x, d))
+    assert compiled.kernels
+    assert not any("pipeline failed" in f for f in compiled.fallbacks)
