@@ -85,6 +85,10 @@ class _Variant:
         # backward graphs per pattern of outputs that got gradients, compiled when a
         # backward first needs one (a training BatchNorm's statistics never get any)
         self._backward: dict[tuple[bool, ...], CompiledGraph] = {}
+        self._needs: dict[tuple[bool, ...], tuple[int, ...]] = {}
+        # with several outputs a backward may read fewer saved values than it saved (an
+        # output the loss does not use): it checks their versions itself (_check_versions)
+        self.checks_by_hand = len(grad.tangents) > 1 and _TOP_HOOKS is not None
         self._lock = threading.Lock()
         self._zeros: dict[tuple, torch.Tensor] = {}
 
@@ -100,9 +104,16 @@ class _Variant:
                     unused = [k for k, u in enumerate(key) if not u]
                     graph = without_tangents(self.grad.backward, len(key), unused) \
                         if unused else self.grad.backward
+                    places = [n for n in graph.graph.nodes if n.op == Opcode.PLACEHOLDER]
+                    self._needs[key] = tuple(i for i, n in enumerate(
+                        places[:len(self.grad.saved)]) if n.users)
                     found = self._backward[key] = CompiledGraph(
                         graph, self._examples, "backward", self._name)
         return found
+
+    def needs(self, used: Sequence[bool]) -> tuple[int, ...]:
+        """The saved values that the backward for ``used`` reads (after ``backward_for``)."""
+        return self._needs[tuple(used)]
 
     def parts(self) -> list[CompiledGraph]:
         """Every compiled graph: the forward and the backwards built so far."""
@@ -164,14 +175,52 @@ def _remade_views(outs: tuple, views: dict[int, Any]) -> tuple:
     return tuple(remade)
 
 
+try:  # saved-tensor hooks, as `torch.autograd.graph.saved_tensors_hooks` sets them
+    _TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+    _PUSH_HOOKS = torch._C._autograd._push_saved_tensors_default_hooks
+    _POP_HOOKS = torch._C._autograd._pop_saved_tensors_default_hooks
+except AttributeError:  # another torch: autograd checks every saved value
+    _TOP_HOOKS = _PUSH_HOOKS = _POP_HOOKS = None
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    # an alias without autograd history, sharing the version counter: an output saved
+    # as itself by a hook would hold its own grad_fn, a cycle that is never freed
+    return t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _check_versions(saved: list[Any], versions: list[Any], needed: Sequence[int]) -> None:
+    """Raise as eager's autograd does where a saved value the backward reads was written
+    in place since the forward saved it. One it does not read (the value a dead result's
+    backward would need) may have been: eager never runs that node's backward either
+    (fuzz seed 7105288)."""
+    for i in needed:
+        t, version = saved[i], versions[i]
+        if version is not None and t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}], which a fused group "
+                f"saved, is at version {t._version}; expected version {version} instead. "
+                "Hint: enable anomaly detection to find the operation that failed to compute "
+                "its gradient, with torch.autograd.set_detect_anomaly(True).")
+
+
 class _GroupFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, variant: _Variant, views: dict, *args: Any) -> Any:
+    def forward(ctx: Any, variant: _Variant, views: dict, by_hand: bool, *args: Any) -> Any:
         grad = variant.grad
         results = variant.forward(*args)
         saved = [args[i] if kind == "input" else results[i] for kind, i in grad.saved]
         ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
         ctx.plain = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        # by hand (under AutogradGroup's saved-tensor hooks autograd skips its version
+        # check of the saved values): backward checks those its graph reads
+        ctx.versions = [v._version if isinstance(v, torch.Tensor) else None
+                        for v in saved] if by_hand else None
         ctx.variant = variant
         ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
                       for a in args]
@@ -213,16 +262,19 @@ class _GroupFunction(torch.autograd.Function):
         used = [grads[i] is not None for i in grad.tangents]
         reached = frozenset().union(*(s for s, u in zip(grad.sources, used) if u))
         if not reached:
-            return (None,) * (2 + len(ctx.inputs))
+            return (None,) * (3 + len(ctx.inputs))
         tangents = [grads[i] if u else variant.zeros(shape, dtype, device)
                     for i, u, (shape, dtype, device) in zip(grad.tangents, used, ctx.outs)]
-        results = variant.backward_for(used)(*saved, *tangents)
+        backward = variant.backward_for(used)
+        if ctx.versions is not None:
+            _check_versions(saved, ctx.versions, variant.needs(used))
+        results = backward(*saved, *tangents)
         if not all(used):  # a gradient that is a shared zero tangent (or a view of one)
             # would be written by whoever accumulates it: give a copy
             shared = {t.untyped_storage().data_ptr() for t, u in zip(tangents, used) if not u}
             results = [r.clone() if isinstance(r, torch.Tensor)
                        and r.untyped_storage().data_ptr() in shared else r for r in results]
-        out: list[Any] = [None, None]
+        out: list[Any] = [None, None, None]
         for i, spec in enumerate(ctx.inputs):
             k = grad.grads[i]
             if i not in reached:
@@ -298,7 +350,14 @@ class AutogradGroup:
         if self._views is None:
             self._views = output_views(self.group)
         views: dict[int, Any] = dict(self._views)
-        outs = _GroupFunction.apply(variant, views, *args)
+        if variant.checks_by_hand and _TOP_HOOKS(False) is None:  # (none of the user's)
+            _PUSH_HOOKS(_detached, _same)  # (the C calls: a `with` costs more host time)
+            try:
+                outs = _GroupFunction.apply(variant, views, True, *args)
+            finally:
+                _POP_HOOKS()
+        else:
+            outs = _GroupFunction.apply(variant, views, False, *args)
         if any(isinstance(v, tuple) for v in views.values()):
             outs = _remade_views(outs, views)
         return outs[0] if variant.grad.single else outs

@@ -431,6 +431,53 @@ def test_double_backward_is_refused_and_saved_outputs_are_guarded():
         y.sum().backward()
 
 
+def test_a_saved_value_only_an_unused_output_needs_may_be_written_in_place():
+    """Before: a group with several outputs saved the values every output's backward
+    needs, and autograd checked them all, so writing one that only an output the loss does
+    not use needs made the backward raise where eager's does not (fuzz seed 7200785).
+    Such a group checks the versions of the values its backward reads itself: those, and
+    only those, still raise, with eager's message."""
+    def fn(x):
+        v = torch.var(x, dim=-1, correction=0)      # exp2(e)'s backward needs e
+        e = torch.expm1(v)
+        return e, torch.exp2(e), F.hardsigmoid(v)
+
+    compiled = build(fn, [req(edgy(4, 5))])
+    for k in range(3):
+        x, ref = req(edgy(4, 5)), req(edgy(4, 5))
+        with torch.no_grad():
+            ref.copy_(x)
+        got, want = compiled(x), fn(ref)
+        got[0].mul_(2)   # written after the forward: only exp2's backward reads it
+        want[0].mul_(2)
+        (got[2] * (k + 1)).sum().backward()
+        (want[2] * (k + 1)).sum().backward()
+        torch.testing.assert_close(x.grad, ref.grad)
+    x = req(edgy(4, 5))
+    e, two, _ = compiled(x)
+    e.mul_(2)   # now the loss reads exp2's result, whose backward reads e: eager raises
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        two.sum().backward()
+    _, two, hard = compiled(x)
+    (two.sum() + hard.sum()).backward(retain_graph=False)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        two.sum().backward()
+    import weakref
+
+    x, ref = req(edgy(4, 5)), req(edgy(4, 5))  # under the user's own saved-tensor hooks
+    with torch.no_grad():
+        ref.copy_(x)
+    with torch.autograd.graph.save_on_cpu():
+        got, want = compiled(x), fn(ref)
+    sum(o.sum() for o in got).backward()
+    sum(o.sum() for o in want).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+    outs = compiled(req(edgy(4, 5)))  # what the group saved holds no cycle: freed at once
+    refs = [weakref.ref(o) for o in outs] + [weakref.ref(outs[1].grad_fn)]
+    del outs
+    assert all(r() is None for r in refs)
+
+
 def test_no_grad_and_inference_calls_run_the_forward_kernel(directions):
     compiled = build(lambda x: torch.relu(x) * 2, [edgy(3, 4)])
     with torch.no_grad():
