@@ -114,8 +114,8 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 # its old value: the compiled segment writes its buffers back at its end, and a
 # recording that writes is not run again on an exception. Where all of the graph's
 # writes come after the op that raised, the call now runs again (test_compile.py); here
-# the divisor is a Python int, and `x0.floor_divide_(x1)` stays in place before the
-# write-backs, where it may have written part of x0; 7105288, a fused group's backward
+# x0 shares memory with another input, so `x0.floor_divide_(x1)` stays in place before
+# the write-backs, where it may have written part of x0; 7105288, a fused group's backward
 # recomputes a sigmoid from its input, which the program writes in place later, so it
 # raises where eager's, which saved the sigmoid's output, does not. (Groups no longer
 # check saved values only a result the loss does not use needs: 7200785, 7326012.)
