@@ -275,11 +275,16 @@ def _cuda_norm_rows(program: Program, device: str, call: int, problems: list[str
 
 def _loosest(program: Program) -> torch.dtype | None:
     """The lowest-precision floating dtype among the inputs, the buffers and the casts
-    the program's code makes, if any (a float64 result computed from float32 data is only
-    as good as float32; a float32 gradient through ``x.bfloat16()`` only as good as
-    bfloat16: eager computes that gradient in bfloat16 too)."""
+    the program's code makes, float32 where bool or integer data is given, if any (a
+    float64 result computed from float32 data is only as good as float32; a float32
+    gradient through ``x.bfloat16()`` only as good as bfloat16: eager computes that
+    gradient in bfloat16 too)."""
     order = (torch.bfloat16, torch.float16, torch.float32)
     dtypes = {s.dtype for s in program.inputs + program.buffers}
+    if any(not (d.is_floating_point or d.is_complex) for d in dtypes):
+        # a float op on bool or integer data computes in the default dtype (float32): a
+        # float64 result of `b.cos().double()` is only as good as float32 (seed 7318743)
+        dtypes.add(torch.get_default_dtype())
     code = "\n".join(line for s in program.steps for line in s.code)
     dtypes |= {d for d, pattern in _HALF_NAMES.items() if re.search(pattern, code)}
     return next((d for d in order if d in dtypes), None)
