@@ -187,7 +187,14 @@ class Watch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._old)
+        old = self._old
+        if old is None or callable(old):
+            sys.setprofile(old)
+        else:  # a profiler in C (cProfile): getprofile gives its object, not a function,
+            sys.setprofile(None)  # which setprofile would call on every event (a crash)
+            enable = getattr(old, "enable", None)
+            if enable is not None:
+                enable()  # it installs its own hook again, keeping its statistics
         self._frames.clear()
         self._returned.clear()
 

@@ -440,3 +440,30 @@ def test_draws_from_a_numpy_generator_are_not_frozen(where):
         for _ in range(CALLS):
             torch.testing.assert_close(compiled(x), eager(x))
     assert compiled.tier.startswith("followed"), compiled.tier
+
+
+def test_a_function_compiled_under_cprofile_runs_and_the_profiler_goes_on():
+    """Before: the watch saved the profile hook it replaced and set it back, but under
+    cProfile ``sys.getprofile()`` gives the profiler's object, not a function, and setting
+    it made Python call it on every event: the first call crashed with "'Profile' object
+    is not callable" (`bench_models.py --profile` hit it). The profiler is enabled again,
+    keeping its statistics."""
+    import cProfile
+    import pstats
+    import sys
+
+    def step(x):
+        return torch.relu(x) * 2
+
+    compiled = fxlite.compile(step)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(3):
+            x = torch.randn(5, device=DEVICE)
+            torch.testing.assert_close(compiled(x), step(x))
+        assert sys.getprofile() is profiler  # still profiling, after the recording too
+    finally:
+        profiler.disable()
+    names = {func for (_, _, func) in pstats.Stats(profiler).stats}  # type: ignore[attr-defined]
+    assert "step" in names
