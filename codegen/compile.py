@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
+from fxlite.codegen.capture.kinds import CHECKPOINTED, in_checkpoint
 from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
@@ -194,6 +195,11 @@ class CompiledFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
+            return self._fn(*args, **kwargs)
+        if in_checkpoint():
+            why = f"it {CHECKPOINTED}"
+            warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
+            self._last, self._last_eager = [], why
             return self._fn(*args, **kwargs)
         if self._followed and not self._trees:  # followed only: no replay key to compute
             out = self._follow_only(args, kwargs)

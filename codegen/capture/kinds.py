@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DYNAMIC_SHAPE", "SIZE_FANOUT", "SIZE_READERS", "UNSUPPORTED", "autocast_state",
-           "classify", "hidden_writes", "mutation_candidates", "random_op", "set_autocast",
-           "state_name"]
+__all__ = ["CHECKPOINTED", "DYNAMIC_SHAPE", "SIZE_FANOUT", "SIZE_READERS", "UNSUPPORTED",
+           "autocast_state", "classify", "hidden_writes", "in_checkpoint", "mutation_candidates",
+           "random_op", "set_autocast", "state_name"]
 
 # Tensor-valued properties: recorded as getattr nodes (read again on every call).
 _TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag", "_base"})
@@ -207,3 +207,20 @@ def set_autocast(state: tuple) -> None:
     for d, (enabled, dtype) in zip(_DEVICE_TYPES, state):
         torch.set_autocast_enabled(d, enabled)
         torch.set_autocast_dtype(d, dtype)
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+CHECKPOINTED = ("runs inside torch.utils.checkpoint(use_reentrant=False), whose "
+                "recomputation must save the tensors its first forward saved")
+
+
+def in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are non-reentrant activation
+    checkpointing's, in its forward or its recomputation. It checks that both save the
+    same tensors, which a recording and a replay of one call do not (the replay's fused
+    groups save fewer), so such calls run eagerly (``CHECKPOINTED`` says why)."""
+    hooks = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+    if hooks is None:
+        return False
+    name = getattr(hooks[0], "__qualname__", "")
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))

@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from fxlite.codegen.capture.cond import CondOp
 from fxlite.codegen.capture.kinds import (
+    CHECKPOINTED,
     DYNAMIC_SHAPE,
     SIZE_FANOUT,
     UNSUPPORTED,
     autocast_state,
     classify,
     hidden_writes,
+    in_checkpoint,
     mutation_candidates,
     random_op,
     set_autocast,
@@ -225,6 +227,9 @@ class Recorder(TorchFunctionMode):
         if _double_backward(func, args, kwargs):
             self.stop(f"differentiates a gradient again ({func_name(func)}(..., "
                       "create_graph=True)), and fxlite's kernels are differentiated once")
+            return func(*args, **kwargs)
+        if in_checkpoint():
+            self.stop(CHECKPOINTED)
             return func(*args, **kwargs)
         self._sync_state()
         if kind == "meta":  # sizes, dtypes, devices: guarded, not recorded

@@ -507,3 +507,64 @@ def test_loss_scaling_with_unscale_and_clipping_runs_kernels_and_skips_steps_as_
         if i in (2, 3):  # (recorded at 1; 4 and 5 record the overflow's path)
             assert warned == [] and compiled.fallbacks == [], compiled.fallbacks
             assert {"forward", "backward"} <= {k.direction for k in compiled.kernels}
+
+
+class _CheckpointedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.gelu(self.ln(self.fc1(x)))
+        return x + self.fc2(h).sigmoid() * h[..., :8]
+
+
+class _CheckpointedNet(nn.Module):
+    """Activation checkpointing inside the compiled model, as HF's gradient checkpointing."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.b1, self.b2, self.reentrant = _CheckpointedBlock(), _CheckpointedBlock(), reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.b1, x, use_reentrant=self.reentrant)
+        return checkpoint(self.b2, x, use_reentrant=self.reentrant).pow(2).mean()
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_eagers_gradients(where, reentrant):
+    """Before: non-reentrant checkpointing raised "A different number of tensors was saved
+    during the original forward and recomputation" from the second call on (a replay's
+    fused groups save fewer tensors than the recorded eager ops), whether the checkpoint
+    ran inside the compiled model or around it. Such calls now run eagerly, with one
+    warning naming the reason; reentrant checkpointing (no saved-tensor hooks) compiles."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = _CheckpointedNet(reentrant) if where == "inside" else _CheckpointedBlock()
+    ref = copy.deepcopy(model)
+    compiled = fxlite.compile(model)
+
+    def loss(m, x):
+        if where == "inside":
+            return m(x)
+        return checkpoint(m, x, use_reentrant=reentrant).pow(2).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            x = torch.randn(4, 8, requires_grad=True)
+            xr = x.detach().clone().requires_grad_()
+            got, want = loss(compiled, x), loss(ref, xr)
+            got.backward()
+            want.backward()
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(x.grad, xr.grad)
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad)
+                a.grad = b.grad = None
+    said = [str(w.message) for w in caught if "torch.utils.checkpoint" in str(w.message)]
+    assert bool(said) == (not reentrant), said
