@@ -179,8 +179,9 @@ try:  # saved-tensor hooks, as `torch.autograd.graph.saved_tensors_hooks` sets t
     _TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
     _PUSH_HOOKS = torch._C._autograd._push_saved_tensors_default_hooks
     _POP_HOOKS = torch._C._autograd._pop_saved_tensors_default_hooks
+    _HOOKS_ON = torch._C._autograd._saved_tensors_hooks_is_enabled
 except AttributeError:  # another torch: autograd checks every saved value
-    _TOP_HOOKS = _PUSH_HOOKS = _POP_HOOKS = None
+    _TOP_HOOKS = _PUSH_HOOKS = _POP_HOOKS = _HOOKS_ON = None
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -350,7 +351,9 @@ class AutogradGroup:
         if self._views is None:
             self._views = output_views(self.group)
         views: dict[int, Any] = dict(self._views)
-        if variant.checks_by_hand and _TOP_HOOKS(False) is None:  # (none of the user's)
+        # (none of the user's hooks, and hooks allowed: not under
+        # `torch.autograd.graph.disable_saved_tensors_hooks`, where pushing one raises)
+        if variant.checks_by_hand and _TOP_HOOKS(False) is None and _HOOKS_ON():
             _PUSH_HOOKS(_detached, _same)  # (the C calls: a `with` costs more host time)
             try:
                 outs = _GroupFunction.apply(variant, views, True, *args)

@@ -472,6 +472,14 @@ def test_a_saved_value_only_an_unused_output_needs_may_be_written_in_place():
     sum(o.sum() for o in got).backward()
     sum(o.sum() for o in want).backward()
     torch.testing.assert_close(x.grad, ref.grad)
+    x, ref = req(edgy(4, 5)), req(edgy(4, 5))  # where no hook may be pushed at all
+    with torch.no_grad():
+        ref.copy_(x)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        got, want = compiled(x), fn(ref)
+    sum(o.sum() for o in got).backward()
+    sum(o.sum() for o in want).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
     outs = compiled(req(edgy(4, 5)))  # what the group saved holds no cycle: freed at once
     refs = [weakref.ref(o) for o in outs] + [weakref.ref(outs[1].grad_fn)]
     del outs
