@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
-from fxlite.codegen.capture.kinds import CHECKPOINTED, in_checkpoint
+from fxlite.codegen.capture.kinds import CHECKPOINTED, in_checkpoint, transformed
 from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
@@ -196,8 +196,9 @@ class CompiledFunction:
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
-        if in_checkpoint():
-            why = f"it {CHECKPOINTED}"
+        odd = transformed() or (CHECKPOINTED if in_checkpoint() else None)
+        if odd is not None:
+            why = f"it {odd}"
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
             self._last, self._last_eager = [], why
             return self._fn(*args, **kwargs)

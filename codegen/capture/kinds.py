@@ -23,10 +23,11 @@ import types
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 __all__ = ["CHECKPOINTED", "DYNAMIC_SHAPE", "SIZE_FANOUT", "SIZE_READERS", "UNSUPPORTED",
            "autocast_state", "classify", "hidden_writes", "in_checkpoint", "mutation_candidates",
-           "random_op", "set_autocast", "state_name"]
+           "random_op", "set_autocast", "state_name", "transformed"]
 
 # Tensor-valued properties: recorded as getattr nodes (read again on every call).
 _TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag", "_base"})
@@ -224,3 +225,20 @@ def in_checkpoint() -> bool:
         return False
     name = getattr(hooks[0], "__qualname__", "")
     return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
+_INTERPRETERS = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+
+
+def transformed() -> str | None:
+    """Why a call here cannot be compiled, or None: inside a ``torch.func`` transform
+    (``vmap``, ``grad``, ``jvp``: its tensors are wrappers, whose storage a kernel cannot
+    read) or inside forward-mode AD's ``dual_level`` (its tensors carry tangents, which
+    kernels and replayed graphs drop)."""
+    if _INTERPRETERS is not None and _INTERPRETERS() is not None:
+        return ("runs under a torch.func transform (vmap, grad, jvp...), whose wrapped "
+                "tensors fxlite's kernels cannot take")
+    if forward_ad._current_level >= 0:
+        return ("runs inside forward-mode AD (torch.autograd.forward_ad.dual_level), whose "
+                "tangents fxlite's kernels would drop")
+    return None

@@ -30,6 +30,7 @@ from fxlite.codegen.capture.kinds import (
     random_op,
     set_autocast,
     state_name,
+    transformed,
 )
 from fxlite.codegen.capture.records import (
     EagerValue,
@@ -228,8 +229,9 @@ class Recorder(TorchFunctionMode):
             self.stop(f"differentiates a gradient again ({func_name(func)}(..., "
                       "create_graph=True)), and fxlite's kernels are differentiated once")
             return func(*args, **kwargs)
-        if in_checkpoint():
-            self.stop(CHECKPOINTED)
+        odd = transformed() or (CHECKPOINTED if in_checkpoint() else None)
+        if odd is not None:
+            self.stop(odd)
             return func(*args, **kwargs)
         self._sync_state()
         if kind == "meta":  # sizes, dtypes, devices: guarded, not recorded

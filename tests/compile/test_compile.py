@@ -689,3 +689,60 @@ def test_a_call_that_raises_while_its_segment_compiles_keeps_no_fallback():
         torch.testing.assert_close(compiled(x, d), fn(x, d))
     assert compiled.kernels
     assert not any("pipeline failed" in f for f in compiled.fallbacks)
+
+
+def _activation(x):
+    return torch.tanh(x) * 2 + x.sin()
+
+
+def _inner_vmap(x):
+    return torch.vmap(_activation)(x * 2) + 1
+
+
+def _inner_dual(x):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(_activation(fwAD.make_dual(x * 2, torch.ones_like(x))))
+    return out.primal + out.tangent
+
+
+def _outer(transform):
+    import torch.autograd.forward_ad as fwAD
+
+    def dual(fn, x):
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(fn(fwAD.make_dual(x, torch.ones_like(x))))
+        return out.primal + out.tangent
+
+    return {
+        "vmap": lambda fn, x: torch.vmap(fn)(x),
+        "grad": lambda fn, x: torch.func.grad(lambda y: fn(y).sum())(x),
+        "jvp": lambda fn, x: torch.func.jvp(fn, (x,), (torch.ones_like(x),))[1],
+        "dual": dual,
+    }[transform]
+
+
+@pytest.mark.parametrize("case", ["vmap", "grad", "jvp", "dual", "inner_vmap", "inner_dual"])
+def test_functorch_transforms_and_forward_ad_give_eagers_values(case):
+    """Before: under ``torch.vmap``, ``torch.func.grad`` and ``torch.func.jvp`` a compiled
+    function crashed ("Cannot access data pointer of Tensor that doesn't have storage": its
+    tensors are wrappers), inside forward-mode AD its result lost its tangent, and a vmap
+    inside the compiled function recorded per-example shapes and replayed them on the
+    whole batch: silently wrong. Such calls run eagerly, with one warning saying why."""
+    if case.startswith("inner_"):
+        fn = {"inner_vmap": _inner_vmap, "inner_dual": _inner_dual}[case]
+        compiled = fxlite.compile(fn)
+        call, want_call = compiled, fn
+    else:
+        compiled = fxlite.compile(_activation)
+        apply = _outer(case)
+        call, want_call = (lambda x: apply(compiled, x)), (lambda x: apply(_activation, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            x = torch.randn(3, 5)
+            torch.testing.assert_close(call(x), want_call(x))
+    assert any("torch.func transform" in str(w.message) or "forward-mode AD" in str(w.message)
+               for w in caught)
+
