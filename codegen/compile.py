@@ -31,6 +31,7 @@ and, per segment, when a pass or kernel fails or its results disagree with eager
 
 from __future__ import annotations
 
+import copy
 import functools
 import linecache
 import sys
@@ -980,10 +981,22 @@ def _check_options(fn: Any, backend: Any, fullgraph: Any, mode: Any) -> None:
 class CompiledModule(torch.nn.Module):
     """What :func:`compile` returns for a module: a module that runs the compiled forward."""
 
-    def __init__(self, module: torch.nn.Module, compiled: CompiledFunction) -> None:
+    def __init__(self, module: torch.nn.Module, compiled: CompiledFunction,
+                 given: dict[str, Any] | None = None) -> None:
         super().__init__()
         self._orig_mod = module
         self.__dict__["_compiled"] = compiled
+        self.__dict__["_given"] = dict(given or {})  # compile()'s arguments, for copies
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy compiles a deep copy of the module with the same arguments, as
+        ``torch.compile``'s module copies (an EMA model made by ``copy.deepcopy``): its
+        recordings and kernels are its own, made on its first calls."""
+        return compile(copy.deepcopy(self._orig_mod, memo), **self._given)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.save``) as the module and ``compile()``'s arguments."""
+        return _recompiled, (self._orig_mod, self._given)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._compiled(*args, **kwargs)
@@ -996,6 +1009,11 @@ class CompiledModule(torch.nn.Module):
             if compiled is not None and hasattr(compiled, name):
                 return getattr(compiled, name)
             return getattr(self._orig_mod, name)
+
+
+def _recompiled(module: torch.nn.Module, given: dict[str, Any]) -> Any:
+    """``compile(module, **given)``: how a pickled compiled module is loaded."""
+    return compile(module, **given)
 
 
 def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
@@ -1090,5 +1108,5 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
     settings.apply(compiled, fn, fullgraph)
     if isinstance(fn, torch.nn.Module):
-        return CompiledModule(fn, compiled)
+        return CompiledModule(fn, compiled, given)
     return compiled

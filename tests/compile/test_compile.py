@@ -746,3 +746,35 @@ def test_functorch_transforms_and_forward_ad_give_eagers_values(case):
     assert any("torch.func transform" in str(w.message) or "forward-mode AD" in str(w.message)
                for w in caught)
 
+
+def test_a_compiled_module_deep_copies_and_pickles_as_torch_compiles_does():
+    """Before: ``copy.deepcopy(compiled)`` (an EMA model) raised "cannot pickle 'module'
+    object" and ``torch.save(compiled)`` "Can't pickle local object", where
+    ``torch.compile``'s module does both. A copy compiles a copy of the module with the
+    same arguments; its state is its own."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    compiled = fxlite.compile(model, recompile_limit=3)
+    for _ in range(3):
+        compiled(torch.randn(4, 6))
+    ema = copy.deepcopy(compiled)
+    buffer = io.BytesIO()
+    torch.save(compiled, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (ema, loaded):
+        assert type(copied) is type(compiled) and copied._orig_mod is not model
+        assert copied.recompile_limit == 3
+        torch.testing.assert_close(copied.state_dict(), compiled.state_dict())
+    with torch.no_grad():
+        ema._orig_mod[0].weight.mul_(0.5)  # the copy's own parameters
+    assert not torch.equal(ema._orig_mod[0].weight, model[0].weight)
+    reference = copy.deepcopy(model)
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        torch.testing.assert_close(loaded(x), reference(x))  # training mode: stats move
+        torch.testing.assert_close(loaded.state_dict()["_orig_mod.1.running_mean"],
+                                   reference[1].running_mean)
+    assert loaded.kernels
