@@ -324,7 +324,11 @@ class CompiledFunction:
         env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
         path = []
         while True:
-            outs = seg.run(*seg.arguments(env))
+            try:
+                outs = seg.run(*seg.arguments(env))
+            except Exception as e:  # (for _nothing_written: how far the call got)
+                _note_ran_before(e, len(path))
+                raise
             path.append(seg)
             if seg.read is None:
                 self._last = path
@@ -824,15 +828,15 @@ def _pure(rec: Any) -> bool:
 
 def _nothing_written(seg: Segment, tb: Any) -> bool:
     """Whether the call that raised (traceback ``tb``) in ``seg`` wrote nothing yet, so
-    that running its function again is safe: ``seg`` is the whole call, its recording only
-    writes (no draw, no effect), the graph that ran writes only in the write-backs at its
-    end (``copy_``, after every op that could raise), and the exception came from before
-    them. A buffer update before an integer division by zero then takes effect, as in
-    eager (fuzz seed 7102901)."""
+    that running its function again is safe: ``seg`` is the call's first segment and the
+    one that raised (or the whole call), the graph that ran writes only in the write-backs
+    at its end (``copy_``, after every op that could raise; no draw, no effect), and the
+    exception came from before them. A buffer update before an integer division by zero
+    then takes effect, as in eager (fuzz seeds 7102901, 7413326)."""
     compiled = seg.compiled
-    if seg.read is None and compiled is not None and not isinstance(seg.run, Trial) \
-            and not any(n.meta.get("external") or "read" in n.meta
-                        for n in seg.recording.graph.nodes) \
+    error = sys.exc_info()[1]
+    first = seg.read is None or getattr(error, "_fxlite_ran_before", None) == 0
+    if first and compiled is not None and not isinstance(seg.run, Trial) \
             and _writes_last(compiled.gm):
         while tb is not None:  # a generated forward's line that writes back: too late
             code = tb.tb_frame.f_code
@@ -842,6 +846,14 @@ def _nothing_written(seg: Segment, tb: Any) -> bool:
             tb = tb.tb_next
         return True
     return False
+
+
+def _note_ran_before(error: BaseException, segments: int) -> None:
+    """Mark ``error`` with how many of the call's segments completed before it."""
+    try:
+        error._fxlite_ran_before = segments  # type: ignore[attr-defined]
+    except Exception:  # an exception type without attributes: nothing is assumed
+        pass
 
 
 def _writes_last(gm: GraphModule) -> bool:
@@ -862,7 +874,8 @@ def _writes_last(gm: GraphModule) -> bool:
                 continue
             if n.op == "call_method" and n.target == "copy_":
                 writing = True
-            elif writing or is_impure(n, gm):
+            elif writing or is_impure(n, gm) and "read" not in n.meta:  # (a read changes
+                # nothing: `bool(t)` that ends a segment)
                 found = False
                 break
         gm._fxlite_writes_last = found

@@ -635,13 +635,24 @@ class _DecayThenDivide(nn.Module):
         return x
 
 
-def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included():
+class _DecayDivideThenBranch(_DecayThenDivide):
+    """The same, and a graph break after the division: the call has two segments."""
+
+    def forward(self, x, d):
+        x = super().forward(x, d)
+        return x * 2 if bool((x > 0).all()) else x - 1
+
+
+@pytest.mark.parametrize("model", [_DecayThenDivide, _DecayDivideThenBranch])
+def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included(
+        model):
     """Before: a compiled segment writes its buffers back at its end, so a call whose
     integer division raised kept the buffer's old value, and a recording that writes was
-    not run again (fuzz seed 7102901). A segment whose writes all come after the op that
-    raised has written nothing, so the call runs again in eager: the buffer update lands
-    once, and the division writes the elements eager writes before it raises."""
-    compiled_model, eager_model = _DecayThenDivide(), _DecayThenDivide()
+    not run again (fuzz seeds 7102901, 7413326). A first segment whose writes all come
+    after the op that raised has written nothing, so the call runs again in eager: the
+    buffer update lands once, and the division writes the elements eager writes before it
+    raises."""
+    compiled_model, eager_model = model(), model()
     compiled = fxlite.compile(compiled_model)
     for k in range(6):
         x = torch.arange(4) + 5 + k
