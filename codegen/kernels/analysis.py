@@ -102,6 +102,7 @@ class Value:
     exact: bool = False  # a half-typed value that holds exactly its rounded value
     empty_ok: bool = False  # a max/min that may reduce nothing (softmax's): no error then
     layout: tuple[int, ...] | None = None  # an output's dim order as eager lays it out
+    stored: bool = False  # an output: the kernel stores it (so its readers read it rounded)
 
     def deps(self) -> list[Value]:
         return [a for a in self.args.values() if isinstance(a, Value)]
@@ -563,6 +564,7 @@ def analyze(gm: GraphModule, inputs: list[Any], name: str) -> Plan:
         m = b.metas.get(item)
         if v.kind != "input" and m is not None and m.dim() == len(v.dims):
             v.layout = eager_layout(m)
+        v.stored = True
         outputs.append(v)
     inputs_v: list[Value | None] = [None] * len(inputs)
     for v in b.values:

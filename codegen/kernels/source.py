@@ -252,14 +252,17 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
 
     Half values are computed in fp32 and rounded only at the store, except where the
     difference would show: when ``consumer`` is discrete (a comparison, a cast, floor...)
-    or computes in another dtype (f16 promoted to f32), ``v`` is rounded first. An operand
+    or computes in another dtype (f16 promoted to f32), or ``v`` is stored itself (its
+    readers then read what the caller sees: an ``exp_`` of a float16 buffer that
+    overflowed to inf, eager's value, and not the fp32 value; fuzz seed 7404901), ``v`` is
+    rounded first. An operand
     of another dtype than a half ``common`` (a 0-dim fp32 tensor in a bf16 op, an f16
     one compared with bf16) is rounded to ``common`` too, as eager casts it.
     """
     expr = v.name
     e = e or Emitter()
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
-            consumer.op in DISCRETE or consumer.dtype != v.dtype
+            v.stored or consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
         expr = e.rounded(v.name, v.dtype)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
