@@ -32,7 +32,9 @@ Numerics:
   element, more than the memory time of a long fp16 chain.
 - A half value *is* rounded first where the difference would be discrete: before a
   comparison, ``floor``/``round``/``trunc``/``sign``, a cast, ``//``/``%``, and before it
-  is promoted to fp32 by an op with an fp32 operand (``kernels/source.py``'s ``DISCRETE``).
+  is promoted to fp32 by an op with an fp32 operand (``kernels/source.py``'s ``DISCRETE``);
+  and where the kernel stores it, its other ops read it rounded, as eager reads what it
+  stored (a float16 ``exp_`` that overflows is inf for them too).
 - Reductions accumulate halves in fp32. The decompositions of softmax, layer_norm,
   rms_norm, mean, var and std cast half inputs to fp32 and the result back, as eager's
   kernels compute them, so a group's eager fallback agrees with its kernel.
