@@ -181,6 +181,18 @@ class CompiledFunction:
             except AttributeError:  # builtins such as torch.relu have no __dict__
                 pass
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy compiles the same function again with the same arguments; a method of an
+        object (``model.forward = fxlite.compile(model.forward)``) becomes that method of
+        the object's copy, as when the object itself is deep-copied (an EMA model). Its
+        recordings and kernels are its own."""
+        fn = self._fn
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and not isinstance(owner, types.ModuleType) \
+                and hasattr(fn, "__func__"):
+            fn = types.MethodType(fn.__func__, copy.deepcopy(owner, memo))
+        return compile(fn, **self.__dict__.get("_given", {}))
+
     # ------------------------------------------------------------------ calling
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """Bound to the instance when it is a method in a class body, as a function (and
@@ -1122,4 +1134,5 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     settings.apply(compiled, fn, fullgraph)
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, compiled, given)
+    compiled._given = given  # (for copies)
     return compiled

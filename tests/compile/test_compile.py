@@ -789,3 +789,26 @@ def test_a_compiled_module_deep_copies_and_pickles_as_torch_compiles_does():
         torch.testing.assert_close(loaded.state_dict()["_orig_mod.1.running_mean"],
                                    reference[1].running_mean)
     assert loaded.kernels
+
+
+def test_a_module_whose_forward_was_compiled_deep_copies_onto_the_copy():
+    """Before: ``model.forward = fxlite.compile(model.forward)`` (HF's idiom), then
+    ``copy.deepcopy(model)`` raised "cannot pickle '_thread.lock' object", and so did a
+    deep copy of a compiled function. The copy's forward is compiled anew, bound to the
+    copy: it reads the copy's weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model.forward = fxlite.compile(model.forward)
+    model(torch.randn(2, 4))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.mul_(-1)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(twin(x), torch.relu(F.linear(x, twin[0].weight, twin[0].bias)))
+        torch.testing.assert_close(model(x), torch.relu(F.linear(x, model[0].weight,
+                                                                  model[0].bias)))
+    double = fxlite.compile(lambda t: t.relu() * 2)
+    twice = copy.deepcopy(double)
+    x = torch.randn(5)
+    torch.testing.assert_close(twice(x), x.relu() * 2)
