@@ -28,7 +28,7 @@ Example of the pass::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,59 @@ def _layout(x: torch.Tensor) -> bool | None:
     return None if nchw == nhwc else nhwc
 
 
+class _Launch(NamedTuple):
+    """A 2-d pool's kernel launch: its window, the output it fills and the grid."""
+
+    k: tuple[int, int]  # kernel size, stride, padding and dilation, each (h, w)
+    s: tuple[int, int]
+    p: tuple[int, int]
+    d: tuple[int, int]
+    out: torch.Tensor
+    channels_last: bool
+
+    def run(self, kernel: Any, input: torch.Tensor, **constants: Any) -> torch.Tensor:
+        """Launch ``kernel`` over ``out`` (none for an empty output) and return ``out``."""
+        total = self.out.numel()
+        if total:
+            _, c, oh, ow = self.out.shape
+            big = max(total, input.numel()) + _BLOCK >= 2**31
+            kernel[(triton.cdiv(total, _BLOCK),)](
+                input, self.out, total, c, input.shape[2], input.shape[3], oh, ow,
+                *input.stride(), *self.out.stride(), KH=self.k[0], KW=self.k[1],
+                SH=self.s[0], SW=self.s[1], PH=self.p[0], PW=self.p[1],
+                CHANNELS_LAST=self.channels_last, BIG=big,
+                F64=input.dtype == torch.float64, BLOCK=_BLOCK, num_warps=4, **constants)
+        return self.out
+
+
+def _launch(input: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any,
+            ceil_mode: bool) -> _Launch | None:
+    """The launch of a pool over ``input`` with these arguments, its output allocated in
+    eager's shape and layout; None where torch's op must run (what the kernels do not
+    take, and arguments eager rejects: it raises its own error)."""
+    k = _pair(kernel_size)
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \
+        else _pair(stride)
+    p, d = _pair(padding), _pair(dilation)
+    if k is None or s is None or p is None or d is None \
+            or not isinstance(input, torch.Tensor) or input.dim() != 4 \
+            or input.dtype not in _FLOATS or not (input.is_cuda or interpreting()) \
+            or (input.requires_grad and torch.is_grad_enabled()) \
+            or min(*k, *s, *d) < 1 or p[0] < 0 or p[1] < 0 \
+            or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        return None
+    channels_last = _layout(input)
+    n, c, h, w = input.shape
+    oh, ow = (_out_size(size, k[i], s[i], p[i], d[i], bool(ceil_mode))
+              for i, size in enumerate((h, w)))
+    if channels_last is None or oh < 1 or ow < 1 or c == 0 or h == 0 or w == 0:
+        return None
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty((n, c, oh, ow), dtype=input.dtype, device=input.device,
+                      memory_format=fmt)
+    return _Launch(k, s, p, d, out, channels_last)
+
+
 def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
                dilation: Any = 1, ceil_mode: bool = False,
                return_indices: bool = False) -> Any:
@@ -189,41 +242,12 @@ def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
 
         y = max_pool2d(torch.randn(8, 64, 56, 56, device="cuda"), 3, stride=2, padding=1)
     """
-    def fallback() -> Any:
+    launch = None if return_indices else _launch(input, kernel_size, stride, padding,
+                                                  dilation, ceil_mode)
+    if launch is None:
         return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode,
                             return_indices)
-
-    k = _pair(kernel_size)
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \
-        else _pair(stride)
-    p, d = _pair(padding), _pair(dilation)
-    if return_indices or k is None or s is None or p is None or d is None \
-            or not isinstance(input, torch.Tensor) or input.dim() != 4 \
-            or input.dtype not in _FLOATS or not (input.is_cuda or interpreting()) \
-            or (input.requires_grad and torch.is_grad_enabled()) \
-            or min(*k, *s, *d) < 1 or p[0] < 0 or p[1] < 0 \
-            or p[0] > k[0] // 2 or p[1] > k[1] // 2:
-        return fallback()  # eager raises on bad arguments; let it
-    channels_last = _layout(input)
-    n, c, h, w = input.shape
-    oh, ow = (_out_size(size, k[i], s[i], p[i], d[i], bool(ceil_mode))
-              for i, size in enumerate((h, w)))
-    if channels_last is None or oh < 1 or ow < 1 or c == 0 or h == 0 or w == 0:
-        return fallback()
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty((n, c, oh, ow), dtype=input.dtype, device=input.device,
-                      memory_format=fmt)
-    total = out.numel()
-    if total == 0:
-        return out
-    big = max(total, input.numel()) + _BLOCK >= 2**31
-    grid = (triton.cdiv(total, _BLOCK),)
-    _max_pool2d_kernel[grid](input, out, total, c, h, w, oh, ow, *input.stride(),
-                             *out.stride(), KH=k[0], KW=k[1], SH=s[0], SW=s[1], PH=p[0],
-                             PW=p[1], DH=d[0], DW=d[1], CHANNELS_LAST=channels_last,
-                             BIG=big, F64=input.dtype == torch.float64, BLOCK=_BLOCK,
-                             num_warps=4)
-    return out
+    return launch.run(_max_pool2d_kernel, input, DH=launch.d[0], DW=launch.d[1])
 
 
 def avg_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
@@ -238,45 +262,16 @@ def avg_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
 
         y = avg_pool2d(torch.randn(8, 64, 56, 56, device="cuda"), 2, ceil_mode=True)
     """
-    def fallback() -> Any:
+    plain = type(ceil_mode) is bool and type(count_include_pad) is bool and (
+        divisor_override is None or type(divisor_override) is int
+        and 0 < divisor_override < 2**31)
+    launch = _launch(input, kernel_size, stride, padding, 1, ceil_mode) if plain else None
+    if launch is None:
         return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
                             divisor_override)
-
-    k = _pair(kernel_size)
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \
-        else _pair(stride)
-    p = _pair(padding)
-    if k is None or s is None or p is None or type(ceil_mode) is not bool \
-            or type(count_include_pad) is not bool \
-            or not (divisor_override is None or type(divisor_override) is int
-                    and 0 < divisor_override < 2**31) \
-            or not isinstance(input, torch.Tensor) or input.dim() != 4 \
-            or input.dtype not in _FLOATS or not (input.is_cuda or interpreting()) \
-            or (input.requires_grad and torch.is_grad_enabled()) \
-            or min(*k, *s) < 1 or p[0] < 0 or p[1] < 0 \
-            or p[0] > k[0] // 2 or p[1] > k[1] // 2:
-        return fallback()  # eager raises on bad arguments; let it
-    channels_last = _layout(input)
-    n, c, h, w = input.shape
-    oh, ow = (_out_size(size, k[i], s[i], p[i], 1, ceil_mode) for i, size in enumerate((h, w)))
-    if channels_last is None or oh < 1 or ow < 1 or c == 0 or h == 0 or w == 0:
-        return fallback()
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty((n, c, oh, ow), dtype=input.dtype, device=input.device,
-                      memory_format=fmt)
-    total = out.numel()
-    if total == 0:
-        return out
-    big = max(total, input.numel()) + _BLOCK >= 2**31
-    grid = (triton.cdiv(total, _BLOCK),)
-    _avg_pool2d_kernel[grid](input, out, total, c, h, w, oh, ow, *input.stride(),
-                             *out.stride(), KH=k[0], KW=k[1], SH=s[0], SW=s[1], PH=p[0],
-                             PW=p[1], INCLUDE_PAD=count_include_pad,
-                             DIVISOR=divisor_override or 0, CHANNELS_LAST=channels_last,
-                             BIG=big, F64=input.dtype == torch.float64,
-                             ROUND_BF16=input.dtype == torch.bfloat16 and interpreting(),
-                             BLOCK=_BLOCK, num_warps=4)
-    return out
+    return launch.run(_avg_pool2d_kernel, input, INCLUDE_PAD=count_include_pad,
+                      DIVISOR=divisor_override or 0,
+                      ROUND_BF16=input.dtype == torch.bfloat16 and interpreting())
 
 
 def use_pool_kernels(gm: GraphModule) -> bool:
