@@ -569,8 +569,14 @@ def _std(x: Any, dim: Any = None, correction: Any = 1, keepdim: bool = False) ->
     if parts is NotImplemented:
         return parts
     var, out = parts
-    zero = var == 0
-    return _back(torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, var))), out)
+    return _back(_sqrt_zero_at_zero(var), out)
+
+
+def _sqrt_zero_at_zero(v: Any) -> Any:
+    """sqrt(v), written so that its gradient is 0 where v is 0, as eager's std and norm
+    backwards give (sqrt's own is g / 0 there)."""
+    zero = v == 0
+    return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, v)))
 
 
 @register_decomposition(torch.mean)
@@ -634,9 +640,7 @@ def _vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False,
     if dims is None:
         return NotImplemented
     x, out = _opmath(x, src)
-    squares = torch.sum(x * x, dims, keepdim=keepdim)
-    zero = squares == 0
-    return _back(torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, squares))), out)
+    return _back(_sqrt_zero_at_zero(torch.sum(x * x, dims, keepdim=keepdim)), out)
 
 
 # ---------------------------------------------------------------------- extern ops
