@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
-from fxlite.codegen.capture.kinds import CHECKPOINTED, in_checkpoint, transformed
+from fxlite.codegen.capture.kinds import eager_context
 from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
@@ -148,6 +148,7 @@ class CompiledFunction:
                  fullgraph: bool = False, mode: str | None = None) -> None:
         _check_options(fn, backend, fullgraph, mode)
         self._fn, self._backend, self._fullgraph, self._mode = fn, backend, fullgraph, mode
+        self._given: dict[str, Any] = {}  # compile()'s arguments (set by it), for copies
         self._guard = StateGuard(fn)
         self._trees: dict[CallKey, Any] = {}  # key -> root Segment, or _EAGER
         # (structure, ambient state, input layouts) -> the Follow of a recording whose
@@ -191,7 +192,7 @@ class CompiledFunction:
         if owner is not None and not isinstance(owner, types.ModuleType) \
                 and hasattr(fn, "__func__"):
             fn = types.MethodType(fn.__func__, copy.deepcopy(owner, memo))
-        return compile(fn, **self.__dict__.get("_given", {}))
+        return compile(fn, **self._given)
 
     # ------------------------------------------------------------------ calling
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -209,7 +210,7 @@ class CompiledFunction:
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
-        odd = transformed() or (CHECKPOINTED if in_checkpoint() else None)
+        odd = eager_context()
         if odd is not None:
             why = f"it {odd}"
             warn_user(f"fxlite.compile: {_name(self._fn)} runs in eager PyTorch: {why}")
@@ -298,7 +299,7 @@ class CompiledFunction:
         broadcasts, a Cholesky of a matrix that is not positive definite)."""
         if grad is not None:  # eager's `with torch.no_grad():` (and autocast's `with`)
             set_ambient(grad)  # restore them on the way out
-        if not (_pure(seg.recording) or _nothing_written(seg, sys.exc_info()[2])):
+        if not (_pure(seg.recording) or _nothing_written(seg, sys.exc_info()[1])):
             raise  # the exception being handled
         self._last = []
         return self._fn(*args, **kwargs)
@@ -838,18 +839,18 @@ def _pure(rec: Any) -> bool:
     return pure
 
 
-def _nothing_written(seg: Segment, tb: Any) -> bool:
-    """Whether the call that raised (traceback ``tb``) in ``seg`` wrote nothing yet, so
+def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
+    """Whether the call that raised ``error`` in ``seg`` wrote nothing yet, so
     that running its function again is safe: ``seg`` is the call's first segment and the
     one that raised (or the whole call), the graph that ran writes only in the write-backs
     at its end (``copy_``, after every op that could raise; no draw, no effect), and the
     exception came from before them. A buffer update before an integer division by zero
     then takes effect, as in eager (fuzz seeds 7102901, 7413326)."""
     compiled = seg.compiled
-    error = sys.exc_info()[1]
     first = seg.read is None or getattr(error, "_fxlite_ran_before", None) == 0
     if first and compiled is not None and not isinstance(seg.run, Trial) \
             and _writes_last(compiled.gm):
+        tb = getattr(error, "__traceback__", None)
         while tb is not None:  # a generated forward's line that writes back: too late
             code = tb.tb_frame.f_code
             if code.co_filename.startswith("<") and ".copy_(" in linecache.getline(
@@ -1006,22 +1007,20 @@ def _check_options(fn: Any, backend: Any, fullgraph: Any, mode: Any) -> None:
 class CompiledModule(torch.nn.Module):
     """What :func:`compile` returns for a module: a module that runs the compiled forward."""
 
-    def __init__(self, module: torch.nn.Module, compiled: CompiledFunction,
-                 given: dict[str, Any] | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, compiled: CompiledFunction) -> None:
         super().__init__()
         self._orig_mod = module
         self.__dict__["_compiled"] = compiled
-        self.__dict__["_given"] = dict(given or {})  # compile()'s arguments, for copies
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy compiles a deep copy of the module with the same arguments, as
         ``torch.compile``'s module copies (an EMA model made by ``copy.deepcopy``): its
         recordings and kernels are its own, made on its first calls."""
-        return compile(copy.deepcopy(self._orig_mod, memo), **self._given)
+        return compile(copy.deepcopy(self._orig_mod, memo), **self._compiled._given)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (``torch.save``) as the module and ``compile()``'s arguments."""
-        return _recompiled, (self._orig_mod, self._given)
+        return _recompiled, (self._orig_mod, self._compiled._given)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._compiled(*args, **kwargs)
@@ -1132,7 +1131,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         return fn
     compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
     settings.apply(compiled, fn, fullgraph)
-    if isinstance(fn, torch.nn.Module):
-        return CompiledModule(fn, compiled, given)
     compiled._given = given  # (for copies)
+    if isinstance(fn, torch.nn.Module):
+        return CompiledModule(fn, compiled)
     return compiled

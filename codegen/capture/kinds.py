@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["CHECKPOINTED", "DYNAMIC_SHAPE", "SIZE_FANOUT", "SIZE_READERS", "UNSUPPORTED",
-           "autocast_state", "classify", "hidden_writes", "in_checkpoint", "mutation_candidates",
-           "random_op", "set_autocast", "state_name", "transformed"]
+__all__ = ["DYNAMIC_SHAPE", "SIZE_FANOUT", "SIZE_READERS", "UNSUPPORTED", "autocast_state",
+           "classify", "eager_context", "hidden_writes", "mutation_candidates", "random_op",
+           "set_autocast", "state_name"]
 
 # Tensor-valued properties: recorded as getattr nodes (read again on every call).
 _TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag", "_base"})
@@ -211,34 +211,25 @@ def set_autocast(state: tuple) -> None:
 
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-CHECKPOINTED = ("runs inside torch.utils.checkpoint(use_reentrant=False), whose "
-                "recomputation must save the tensors its first forward saved")
-
-
-def in_checkpoint() -> bool:
-    """Whether the innermost saved-tensor hooks are non-reentrant activation
-    checkpointing's, in its forward or its recomputation. It checks that both save the
-    same tensors, which a recording and a replay of one call do not (the replay's fused
-    groups save fewer), so such calls run eagerly (``CHECKPOINTED`` says why)."""
-    hooks = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
-    if hooks is None:
-        return False
-    name = getattr(hooks[0], "__qualname__", "")
-    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
-
-
 _INTERPRETERS = getattr(torch._C._functorch, "peek_interpreter_stack", None)
 
 
-def transformed() -> str | None:
-    """Why a call here cannot be compiled, or None: inside a ``torch.func`` transform
+def eager_context() -> str | None:
+    """Why calls here must run in eager PyTorch, or None: inside a ``torch.func`` transform
     (``vmap``, ``grad``, ``jvp``: its tensors are wrappers, whose storage a kernel cannot
-    read) or inside forward-mode AD's ``dual_level`` (its tensors carry tangents, which
-    kernels and replayed graphs drop)."""
+    read), inside forward-mode AD's ``dual_level`` (its tensors carry tangents, which
+    kernels and replayed graphs drop), or inside non-reentrant activation checkpointing,
+    in its forward or its recomputation (it checks that both save the same tensors, which
+    a recording and a replay of one call do not: the replay's fused groups save fewer)."""
     if _INTERPRETERS is not None and _INTERPRETERS() is not None:
         return ("runs under a torch.func transform (vmap, grad, jvp...), whose wrapped "
                 "tensors fxlite's kernels cannot take")
     if forward_ad._current_level >= 0:
         return ("runs inside forward-mode AD (torch.autograd.forward_ad.dual_level), whose "
                 "tangents fxlite's kernels would drop")
+    hooks = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+    if hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+            ("_checkpoint_hook.", "_recomputation_hook.")):
+        return ("runs inside torch.utils.checkpoint(use_reentrant=False), whose "
+                "recomputation must save the tensors its first forward saved")
     return None

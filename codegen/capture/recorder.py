@@ -18,19 +18,17 @@ from typing import Any
 import torch
 from fxlite.codegen.capture.cond import CondOp
 from fxlite.codegen.capture.kinds import (
-    CHECKPOINTED,
     DYNAMIC_SHAPE,
     SIZE_FANOUT,
     UNSUPPORTED,
     autocast_state,
     classify,
+    eager_context,
     hidden_writes,
-    in_checkpoint,
     mutation_candidates,
     random_op,
     set_autocast,
     state_name,
-    transformed,
 )
 from fxlite.codegen.capture.records import (
     EagerValue,
@@ -229,7 +227,7 @@ class Recorder(TorchFunctionMode):
             self.stop(f"differentiates a gradient again ({func_name(func)}(..., "
                       "create_graph=True)), and fxlite's kernels are differentiated once")
             return func(*args, **kwargs)
-        odd = transformed() or (CHECKPOINTED if in_checkpoint() else None)
+        odd = eager_context()
         if odd is not None:
             self.stop(odd)
             return func(*args, **kwargs)
