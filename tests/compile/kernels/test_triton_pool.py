@@ -130,3 +130,30 @@ def test_compiled_average_pools_stay_eagers_over_calls():
         with torch.no_grad():
             _same(gm(x), F.avg_pool2d(torch.relu(x), 2, ceil_mode=True))
             torch.testing.assert_close(compiled(x), m(x))
+
+
+def test_later_calls_reuse_the_launch_only_for_the_same_key():
+    """On CUDA a pool's second call on a shape reuses the first call's binary (no Triton
+    dispatch); a call that differs in strides, alignment, arguments or their types (eager
+    takes ``1`` and rejects ``True``) does not, and every call gives eager's values."""
+    from fxlite.codegen.kernels import pool
+
+    base = torch.randn(2, 4, 9, 8, device=DEVICE)
+    for _ in range(2):  # fresh values on the second call
+        x = torch.randn_like(base)
+        _same(avg_pool2d(x, 2, ceil_mode=True), F.avg_pool2d(x, 2, ceil_mode=True))
+        _same(max_pool2d(x, 3, 2, 1), F.max_pool2d(x, 3, 2, 1))
+    keys = [k for k in pool._PREPARED if k[1] == base.shape]
+    assert len(keys) == (2 if DEVICE == "cuda" else 0)  # the interpreter has no binaries
+    flat = torch.randn(1 + base.numel(), device=DEVICE)
+    shifted = flat[1:].view(base.shape)  # same shape and strides, 4 bytes off alignment
+    _same(max_pool2d(shifted, 3, 2, 1), F.max_pool2d(shifted, 3, 2, 1))
+    cl = base.contiguous(memory_format=torch.channels_last)
+    _same(max_pool2d(cl, 3, 2, 1), F.max_pool2d(cl, 3, 2, 1))
+    _same(avg_pool2d(base, 2, ceil_mode=False), F.avg_pool2d(base, 2, ceil_mode=False))
+    _same(avg_pool2d(base, 2, divisor_override=1), F.avg_pool2d(base, 2, divisor_override=1))
+    with pytest.raises(TypeError, match="must be int, not bool"):
+        avg_pool2d(base, 2, divisor_override=True)
+    w = base.clone().requires_grad_()
+    avg_pool2d(w, 2, ceil_mode=True).sum().backward()  # autograd records torch's op
+    assert w.grad is not None
