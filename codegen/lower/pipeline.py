@@ -17,6 +17,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     dead_code                                     dead_code
     propagate_meta     new nodes' metadata        propagate    all metadata, on meta tensors
     pool_kernels       CUDA: max-pools' kernels
+    pack_weights       inference: weight copies
+                       to channels-last as one
     fuse                                          fuse
     empty_ok_max       softmax of empty dims      lone_groups  lone ops as groups too
     autograd_regions   training: one autograd
@@ -48,6 +50,7 @@ import torch
 from fxlite.codegen.capture.kinds import autocast_state, set_autocast
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.kernels.pool import use_pool_kernels
+from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
@@ -264,6 +267,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("dead_code", _on(_dead_code)),
     Pass("propagate_meta", _on(propagate_meta)),
     Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools without indices; avg-pools
+    Pass("pack_weights", _on(pack_weight_copies),  # channels-last weight copies: one kernel
+         when=lambda gm, low: not _needs_autograd(gm)),
     Pass("fuse", _fuse),
     Pass("empty_ok_max", _on(_empty_ok_max)),
     Pass("autograd_regions", _on(autograd_regions),  # groups joined by table ops: one autograd node

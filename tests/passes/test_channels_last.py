@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 import warnings
 
 import fxlite.codegen.lower.segment as segment
@@ -509,3 +510,60 @@ def test_a_layout_conversion_runs_as_tiles_of_a_transpose(to_cl, shape):
     assert cfg["variant"] == "transpose"
     spatial = math.prod(shape[2:])
     assert {counts["lena"], counts["lenb"]} == {spatial, shape[1]}
+
+
+class Tower(nn.Module):
+    """Four 3x3 convolutions (one weight read twice) and a 1x1, inception-like."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, (1, 3), padding=(0, 1))
+        self.c = nn.Conv2d(8, 8, (3, 1), padding=(1, 0))
+        self.d = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        y = self.c(torch.relu(self.b(y))) + self.b(y)
+        return self.d(y)
+
+
+def test_inference_converts_its_weights_in_one_kernel_that_follows_every_write(
+        channels_last_on_cpu):
+    """In inference the weights' conversions are one call of ``channels_last_copies``, one
+    kernel for all of them (inception_v3 launched 38 copy kernels a forward on an H200,
+    each costing host time); it gives each weight's values to the bit in channels-last
+    strides, and reads the weights again on every call (a write through ``.data`` changes
+    no version counter). In training the conversions stay clones that autograd follows."""
+    needs_kernels()
+    from fxlite.codegen.kernels.weights import channels_last_copies
+
+    torch.manual_seed(0)
+    model = Tower().eval()
+    compiled = fxlite.compile(model)
+    with torch.no_grad():
+        for step in range(4):
+            if step == 2:
+                model.c.weight.data.mul_(-3)
+            x = torch.randn(2, 3, 7, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(re.findall(r"= channels_last_copies\w*\(", compiled.code)) == 1, compiled.code
+    assert not compiled.fallbacks
+    ws = (model.a.weight, model.b.weight, model.c.weight, model.d.weight.half())
+    outs = channels_last_copies(*ws[:3])
+    for w, out in zip(ws, outs):
+        assert out.stride() == w.clone(memory_format=CL).stride() and out.is_contiguous(
+            memory_format=CL) and not out.is_contiguous()
+        torch.testing.assert_close(out, w, rtol=0, atol=0)
+    for shift in (0, 1):  # one weight 4 bytes off alignment, then the other
+        flat = [torch.randn(1 + w.numel()) for w in ws[:2]]
+        views = [f[1:].view(w.shape) if i == shift else f[:-1].view(w.shape)
+                 for i, (f, w) in enumerate(zip(flat, ws))]
+        for v, out in zip(views, channels_last_copies(*views)):
+            torch.testing.assert_close(out, v, rtol=0, atol=0)
+    mixed = channels_last_copies(*ws)  # two dtypes: torch's clones
+    assert [o.dtype for o in mixed] == [w.dtype for w in ws]
+    train = fxlite.compile(Tower())
+    x = torch.randn(2, 3, 7, 6)
+    train(x).sum().backward()
+    assert "channels_last_copies" not in train.code
