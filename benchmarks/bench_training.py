@@ -11,7 +11,8 @@ Each compiler compiles the whole step, as the compile tutorial does::
     def train(model, opt, x, y):
         opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
 
-Cases (``--cases``; ``gpt2_lm_step`` on request): the tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
+Cases (``--cases``; ``gpt2_lm_step``, ``resnet50`` and ``vit_b_16`` on request): the
+tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
 GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
 float32 and under bfloat16 autocast. Contenders: eager, eager with the optimizer's own
 ``fused=True`` kernels (which needs no compiler), torch.compile and fxlite.compile.
@@ -22,7 +23,9 @@ difference of the first steps' losses from eager's (same data and initial weight
 contender starts from a copy of one model), over the first 20 steps, whose total time is
 reported too, with each contender's peak memory. ``gpt2_lm_step`` is transformers'
 GPT2LMHeadModel (6 layers, width 512, batch 8 x 512) with ``labels=``, bfloat16 autocast,
-gradient clipping, AdamW and ``zero_grad(set_to_none=True)``.
+gradient clipping, AdamW and ``zero_grad(set_to_none=True)``. ``resnet50`` and
+``vit_b_16`` are the resnet18 step's model swapped for torchvision's, at batch 32 and
+224x224 images (1000 classes).
 """
 
 from __future__ import annotations
@@ -48,12 +51,17 @@ import fxlite  # noqa: E402
 
 
 def resnet18_case():
+    return vision_case("resnet18", 16, 128, 10)
+
+
+def vision_case(name, batch, size, classes):
+    """A torchvision classifier's step: cross-entropy on random images, Adam."""
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10).cuda()
-    data = [(torch.randn(16, 3, 128, 128, device="cuda"),
-             torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+    model = getattr(torchvision.models, name)(num_classes=classes).cuda()
+    data = [(torch.randn(batch, 3, size, size, device="cuda"),
+             torch.randint(0, classes, (batch,), device="cuda")) for _ in range(4)]
 
     def step(model, opt, x, y):
         opt.zero_grad(set_to_none=True)
@@ -204,7 +212,9 @@ def main() -> None:
     makers = {"resnet18": resnet18_case,
               "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
               "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
-              "gpt2_lm_step": gpt2_lm_step_case}
+              "gpt2_lm_step": gpt2_lm_step_case,
+              "resnet50": lambda: vision_case("resnet50", 32, 224, 1000),
+              "vit_b_16": lambda: vision_case("vit_b_16", 32, 224, 1000)}
     steps = 10 if args.quick else 30
     rows = []
     for name in args.cases.split(","):
