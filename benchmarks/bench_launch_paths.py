@@ -38,10 +38,10 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models as bm  # noqa: E402
-
-import fxlite  # noqa: E402
 from fxlite.codegen.kernels import pool  # noqa: E402
 from fxlite.codegen.lower import pipeline  # noqa: E402
+
+import fxlite  # noqa: E402
 
 _PASSES = pipeline.FORWARD_PASSES
 _KEY = pool._key
