@@ -202,6 +202,7 @@ class _Prepared(NamedTuple):
 
 # _key -> the launch an earlier call prepared (CUDA only; the interpreter has no binaries)
 _PREPARED: dict[tuple, _Prepared] = {}
+_MAX_PREPARED = 1024
 
 
 def _key(kernel: Any, input: Any, args: tuple) -> tuple | None:
@@ -255,6 +256,8 @@ class _Launch(NamedTuple):
         prepared = _Prepared(tuple(out.shape), out.stride(), Binary(compiled), (grid[0], 1, 1),
                              values)
         prepared.binary.launch(prepared.grid, (input, out, *values), input.device.index or 0)
+        if len(_PREPARED) >= _MAX_PREPARED:  # a program of ever new sizes: start over
+            _PREPARED.clear()
         _PREPARED[key] = prepared
         return out
 

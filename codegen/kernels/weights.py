@@ -107,6 +107,8 @@ def _prepare(ws: tuple, key: tuple) -> _Prepared:
                 for sh, st in zip(shapes, strides)]
         args = [t for pair in zip(ws, outs) for t in pair]
         binary = Binary(fn.warmup(*args, grid=grid[:1], BLOCK=_BLOCK, num_warps=4))
+    if len(_PREPARED) >= 256:  # ever new weight shapes: start over
+        _PREPARED.clear()
     prepared = _PREPARED[key] = _Prepared(fn, binary, grid, shapes, strides)
     return prepared
 
