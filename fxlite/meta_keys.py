@@ -49,7 +49,8 @@ NODE_META: dict[str, MetaKey] = _table(
             ("codegen/lower/autocast.py", "codegen/lower/pipeline.py", "fxlite/ops/shapes.py",
              "passes/fold_constants.py", "passes/functionalize.py", "passes/normalize.py",
              "passes/shape_prop.py", "passes/sink_views.py", "passes/split_module.py"),
-            ("codegen/kernels/meta.py", "codegen/lower/autocast.py", "codegen/lower/autodiff.py",
+            ("codegen/kernels/meta.py", "codegen/kernels/weights.py", "codegen/lower/autocast.py",
+             "codegen/lower/autodiff.py",
              "codegen/lower/autograd_regions.py", "codegen/lower/batch_norm.py",
              "codegen/lower/pipeline.py", "codegen/runtime/kernel.py",
              "codegen/runtime/precompile.py", "fxlite/ops/derivatives.py",
@@ -60,8 +61,9 @@ NODE_META: dict[str, MetaKey] = _table(
              "passes/normalize.py", "passes/shape_prop.py", "passes/sink_views.py",
              "passes/split_module.py")),
     MetaKey("type", "type", "the Python type of the node's value (torch.Tensor, tuple, int...)",
-            ("codegen/capture/follow.py", _CAPTURE, "codegen/lower/autocast.py",
-             "codegen/lower/pipeline.py", "fxlite/ops/dropout.py", "fxlite/ops/shapes.py",
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/kernels/weights.py",
+             "codegen/lower/autocast.py", "codegen/lower/pipeline.py", "fxlite/ops/dropout.py",
+             "fxlite/ops/shapes.py",
              "passes/attention.py", "passes/functionalize.py", "passes/normalize.py",
              "passes/shape_prop.py", "passes/sink_views.py", "passes/split_module.py"),
             ("codegen/capture/follow.py", "codegen/lower/autograd_regions.py",
@@ -89,7 +91,8 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("device", "torch.device", "the tensor result's device (fill_meta, from "
             "tensor_meta_rec; ShapeProp)",
             ("codegen/lower/pipeline.py", "passes/shape_prop.py"),
-            ("passes/decompose_rules.py", "passes/fold_constants.py", "passes/shape_prop.py")),
+            ("codegen/kernels/weights.py", "passes/decompose_rules.py", "passes/fold_constants.py",
+             "passes/shape_prop.py")),
     MetaKey("requires_grad", "bool", "whether the recorded result required grad",
             (_CAPTURE, "passes/attention.py"),
             ("codegen/lower/pad_matmul.py", "codegen/lower/pipeline.py", "passes/attention.py",
@@ -159,7 +162,7 @@ NODE_META: dict[str, MetaKey] = _table(
             ("passes/fuse/__init__.py",), ()),
     MetaKey("channels_last_of", "str",
             "on a clone to channels-last: the name of the input or weight it converts",
-            ("passes/channels_last.py",), ()),
+            ("passes/channels_last.py",), ("codegen/kernels/weights.py",)),
 )
 """The keys of ``Node.meta``."""
 
