@@ -63,6 +63,9 @@ _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
 _TRUSTED = (*LIB_DIRS, "<fxlite", "<frozen importlib")
 _FROZEN = "<frozen "  # a frozen standard-library module: "<frozen os>"
+# torch's wrappers around its own functions (torch._dynamo's disable: eval_frame._fn)
+_WRAPPERS = (os.path.join("torch", "_dynamo", "eval_frame.py"),
+             os.path.join("torch", "_compile.py"))
 # Standard-library modules whose functions act on the world or on hidden state.
 _EFFECT_MODULES = {"logging": "logs a message", "random": "draws Python random numbers",
                    "secrets": "draws random numbers", "uuid": "makes a uuid",
@@ -250,6 +253,10 @@ class Watch:
         if name.startswith(_TRUSTED):
             if code in _rng_setters():
                 caller = frame.f_back
+                # once torch._dynamo is imported, torch.manual_seed is called through its
+                # "disable" wrapper: the user's call is the frame before the wrapper's
+                while caller is not None and caller.f_code.co_filename.endswith(_WRAPPERS):
+                    caller = caller.f_back
                 if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
                     self._found("sets a random generator's state, which a replay would not "
                                 "do again", caller)
@@ -490,13 +497,17 @@ _RNG_SETTERS: set[types.CodeType] = set()
 
 def _rng_setters() -> set[types.CodeType]:
     """The code of torch's Python functions that set a generator's state
-    (``torch.set_rng_state``), which the watcher does not otherwise look into."""
+    (``torch.set_rng_state``, ``torch.manual_seed``), which the watcher does not otherwise
+    look into. (The recorder also compares ``torch.initial_seed()`` before and after, which
+    misses a reseed to the seed already in place: ``torch.manual_seed(1)`` on every call.)"""
     if not _RNG_SETTERS:
         import torch.cuda.random as cuda_random
         import torch.random as cpu_random
 
-        for fn in (cpu_random.set_rng_state, cuda_random.set_rng_state,
-                   cuda_random.set_rng_state_all):
+        for fn in (cpu_random.set_rng_state, cpu_random.manual_seed, cpu_random.seed,
+                   cuda_random.set_rng_state, cuda_random.set_rng_state_all,
+                   cuda_random.manual_seed, cuda_random.manual_seed_all, cuda_random.seed,
+                   cuda_random.seed_all):
             _RNG_SETTERS.add(fn.__code__)
     return _RNG_SETTERS
 

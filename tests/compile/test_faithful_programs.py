@@ -2071,6 +2071,22 @@ def make_global_generator_reseeded_between_calls():
 
 
 @program("generator")
+def make_global_generator_reseeded_inside_to_one_seed():
+    # the script seeds at its start with the seed the function seeds with on every call:
+    # torch.initial_seed() never changes, so only watching torch.manual_seed itself shows
+    # the reseed (the replays drew from a running generator from the second call on)
+    def fn(x):
+        torch.manual_seed(7)
+        return x + torch.rand_like(x)
+
+    def before(i):
+        if i == 0:
+            torch.manual_seed(7)
+
+    return Program(fn, x48, before=before)
+
+
+@program("generator")
 def make_generator_state_restored():
     g = torch.Generator().manual_seed(4)
     saved = g.get_state()
