@@ -384,6 +384,9 @@ class State:
             if not isinstance(value, torch.Tensor):
                 raise Skip("not a tensor")
             group = self.get(step.reads[0]).group if step.alias and step.reads else None
+            if group is None:  # a cast to the dtype it has returns its input (x.float())
+                group = next((v.group for v in self.values if isinstance(v.sample, torch.Tensor)
+                              and v.sample is value), None)
             self.add(step.out, value, _exact(step.rule, reads_exact, value), group)
         if step.writes is not None:
             target = self.get(step.writes)
