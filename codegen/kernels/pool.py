@@ -200,7 +200,7 @@ class _Prepared(NamedTuple):
         return out
 
 
-# _key -> the launch an earlier call prepared (CUDA only; the interpreter has no binaries)
+# _key -> the launch an earlier call prepared (CUDA only: the interpreter has no binaries)
 _PREPARED: dict[tuple, _Prepared] = {}
 _MAX_PREPARED = 1024
 
@@ -209,8 +209,9 @@ def _key(kernel: Any, input: Any, args: tuple) -> tuple | None:
     """What a pool's launch depends on besides its input's data: the kernel, the input's
     shape, strides, dtype, device and 16-byte alignment (what Triton specializes pointers
     on), and the pool's arguments, by their ``repr``: ``True`` and ``1`` are equal, but
-    eager takes one and rejects the other where it wants an int."""
-    if not isinstance(input, torch.Tensor):
+    eager takes one and rejects the other where it wants an int. None for what is not a
+    plain CUDA tensor (a subclass, a fake or meta tensor: no address to read)."""
+    if type(input) is not torch.Tensor or not input.is_cuda:
         return None
     return (kernel, input.shape, input.stride(), input.dtype, input.device,
             input.data_ptr() % 16 == 0, repr(args))

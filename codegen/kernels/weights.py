@@ -40,6 +40,7 @@ __all__ = ["channels_last_copies", "pack_weight_copies"]
 _BLOCK = 1024
 _MAX_ELEMENTS = 2**31 - _BLOCK  # offsets are int32
 _MAX_WEIGHTS = 32  # a kernel's branches; more weights take several kernels
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _source(shapes: tuple[tuple[int, int, int, int], ...]) -> str:
@@ -82,9 +83,10 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _takes(ws: tuple) -> bool:
-    """Whether the kernel takes these values: 4-d contiguous float tensors of one dtype on
-    one CUDA device (or the CPU under the interpreter), none empty or needing autograd."""
-    if not ws or len(ws) > _MAX_WEIGHTS or not all(isinstance(w, torch.Tensor) for w in ws):
+    """Whether the kernel takes these values: 4-d contiguous float tensors or parameters
+    (no other subclass: a fake tensor has no address) of one dtype on one CUDA device (or
+    the CPU under the interpreter), none empty or needing autograd."""
+    if not ws or len(ws) > _MAX_WEIGHTS or not all(type(w) in _PLAIN for w in ws):
         return False
     first = ws[0]
     if not (first.is_cuda or interpreting() and first.device.type == "cpu") \

@@ -536,11 +536,13 @@ def test_inference_converts_its_weights_in_one_kernel_that_follows_every_write(
     strides, and reads the weights again on every call (a write through ``.data`` changes
     no version counter). In training the conversions stay clones that autograd follows."""
     needs_kernels()
+    from fxlite.codegen.kernels import weights
     from fxlite.codegen.kernels.weights import channels_last_copies
 
     torch.manual_seed(0)
     model = Tower().eval()
     compiled = fxlite.compile(model)
+    weights._PREPARED.clear()
     with torch.no_grad():
         for step in range(4):
             if step == 2:
@@ -550,7 +552,11 @@ def test_inference_converts_its_weights_in_one_kernel_that_follows_every_write(
     assert len(re.findall(r"= channels_last_copies\w*\(", compiled.code)) == 1, compiled.code
     assert not compiled.fallbacks
     ws = (model.a.weight, model.b.weight, model.c.weight, model.d.weight.half())
-    outs = channels_last_copies(*ws[:3])
+    assert [k[0] for k in weights._PREPARED] == [tuple(w.shape for w in ws[:3])]  # ran
+    weights._PREPARED.clear()
+    with torch.no_grad():  # parameters themselves: the kernel, not clones
+        outs = channels_last_copies(*ws[:3])
+    assert [k[0] for k in weights._PREPARED] == [tuple(w.shape for w in ws[:3])]
     for w, out in zip(ws, outs):
         assert out.stride() == w.clone(memory_format=CL).stride() and out.is_contiguous(
             memory_format=CL) and not out.is_contiguous()
