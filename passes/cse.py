@@ -109,16 +109,25 @@ def _key(node: Node, gm: GraphModule | None, rep: dict[Node, Node]) -> Any:
     return ("op", info.name, tuple(sorted(items.items())))
 
 
+# casts that return their input itself when nothing changes (``x.float()`` of a float32
+# ``x``, ``x.to(y)`` with ``y`` of x's dtype and device)
+_MAY_RETURN_INPUT = frozenset({"to", "to_other"})
+
+
 def _written(node: Node, gm: GraphModule | None) -> bool:
-    """Whether an impure op may write ``node``'s value: it reads it directly or through
-    views (``a.view(-1).mul_(3)``). Two equal values are one only while neither changes."""
+    """Whether an impure op may write ``node``'s value: it reads it directly, through views
+    (``a.view(-1).mul_(3)``) or through what may be ``node`` itself: a cast that changes
+    nothing, or a method the table does not know (``a.to(b)[0] = 2``, ``a.cpu().add_(1)``
+    on the CPU). Two equal values are one only while neither changes."""
     todo, seen = [node], {node}
     while todo:
         for user in todo.pop().users:
             if user.op in _CALLS and is_impure(user, gm):
                 return True
             found = resolve(user, gm) if user.op in _CALLS else None
-            if found is not None and found[0].kind == "view" and user not in seen:
+            aliasing = user.op == "call_method" if found is None else \
+                found[0].kind == "view" or found[0].name in _MAY_RETURN_INPUT
+            if aliasing and user not in seen:
                 seen.add(user)
                 todo.append(user)
     return False

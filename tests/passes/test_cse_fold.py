@@ -83,7 +83,8 @@ def test_cse_does_not_merge_across_mutation():
     torch.testing.assert_close(b - a, torch.ones(2))
 
 
-@pytest.mark.parametrize("write", ["direct", "through_a_view"])
+@pytest.mark.parametrize("write", ["direct", "through_a_view", "through_a_cast",
+                                   "through_to_another", "through_an_unknown_method"])
 def test_cse_does_not_merge_a_value_that_is_written_later(write):
     # two equal copies are one only while neither changes (a regression: both merged, so
     # the write to one showed in the other)
@@ -93,9 +94,18 @@ def test_cse_does_not_merge_a_value_that_is_written_later(write):
         if write == "direct":
             a.add_(1)
             c.mul_(3)
-        else:
+        elif write == "through_a_view":
             a.view(-1).add_(1)
             c[0].mul_(3)
+        elif write == "through_a_cast":  # a float32 x: .float() returns a itself
+            a.float().add_(1)
+            c.to(torch.float32)[0] = 3
+        elif write == "through_to_another":  # x.to(y) of y's dtype: x itself (fuzz 7538913)
+            a.to(b).add_(1)
+            c.to(d)[0] = 3
+        else:  # on the CPU, .cpu() returns a itself
+            a.cpu().add_(1)
+            c.cpu()[0] = 3
         return a, b, c, d
     gm = trace(f)
     cse(gm)
