@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.kernels.generate import interpreting
+from fxlite.codegen.kernels.layout import dense_strides
 from fxlite.codegen.runtime.cache import load_module
 from fxlite.codegen.runtime.launch import Binary
 from fxlite.passes.channels_last import CONVS
@@ -41,6 +42,7 @@ _BLOCK = 1024
 _MAX_ELEMENTS = 2**31 - _BLOCK  # offsets are int32
 _MAX_WEIGHTS = 32  # a kernel's branches; more weights take several kernels
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_CHANNELS_LAST = (0, 2, 3, 1)  # (K, C, R, S) dims, outermost first
 
 
 def _source(shapes: tuple[tuple[int, int, int, int], ...]) -> str:
@@ -102,7 +104,7 @@ def _prepare(ws: tuple, key: tuple) -> _Prepared:
     shapes = tuple(tuple(w.shape) for w in ws)
     fn = load_module(_source(shapes), "channels_last_copies").channels_last_copies
     grid = (sum(-(-w.numel() // _BLOCK) for w in ws), 1, 1)
-    strides = tuple((c * r * s, 1, s * c, c) for _, c, r, s in shapes)
+    strides = tuple(dense_strides(sh, _CHANNELS_LAST) for sh in shapes)
     binary = None
     if not interpreting():
         outs = [torch.empty_strided(sh, st, dtype=ws[0].dtype, device=ws[0].device)
