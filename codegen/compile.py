@@ -706,10 +706,15 @@ class CompiledFunction:
 
     @property
     def fallbacks(self) -> list[str]:
-        """Why parts of the latest call run in eager PyTorch (or all of it)."""
+        """Why parts of the latest call run in eager PyTorch (or all of it), including the
+        parts of autograd groups built after the compile (a backward's kernels are made
+        and checked by the first backward)."""
         whole = None if self._last else self._last_eager
-        return ([f"{_name(self._fn)} runs in eager PyTorch: {whole}"] if whole else []) + [
+        said = ([f"{_name(self._fn)} runs in eager PyTorch: {whole}"] if whole else []) + [
             f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
+        for group in self._kernel_groups():
+            said += [f for f in group.fallbacks if f not in said]
+        return said
 
     @property
     def tier(self) -> str:

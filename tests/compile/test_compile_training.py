@@ -78,6 +78,35 @@ def test_gradients_of_a_compiled_function_equal_eagers_in_float64(name):
     assert "backward" in {k.direction for k in c.kernels}
 
 
+def test_a_backward_kernel_that_fails_its_check_is_named_in_fallbacks(monkeypatch):
+    # a backward's kernels are made and checked by the first backward, after the compile:
+    # one that fails its check runs eagerly, and the compiled function says so
+    import fxlite.codegen.lower.autograd_pipeline as pipeline_mod
+
+    check = pipeline_mod.check_group
+
+    def refuse_backward(group, args, name, *, direction="forward", **kw):
+        checked = check(group, args, name, direction=direction, **kw)
+        if direction != "backward":
+            return checked
+        expected = checked.expected if checked.expected is not None else checked.got
+        return checked._replace(kernel=None, got=None, expected=expected,
+                                reason="refused by the test")
+
+    monkeypatch.setattr(pipeline_mod, "check_group", refuse_backward)
+    fn = _OPS["gelu"]
+    c = fxlite.compile(fn)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        out, _ = quiet(c, x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        ref = x.detach().requires_grad_()
+        (want,) = torch.autograd.grad(fn(ref).sum(), ref)
+        torch.testing.assert_close(grad, want)
+    said = [f for f in c.fallbacks if "refused by the test" in f]
+    assert len(said) == 1 and said[0].startswith("backward"), c.fallbacks
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
