@@ -11,21 +11,26 @@ Each compiler compiles the whole step, as the compile tutorial does::
     def train(model, opt, x, y):
         opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
 
-Cases (``--cases``; ``gpt2_lm_step``, ``resnet50`` and ``vit_b_16`` on request): the
+Cases (``--cases``; ``gpt2_lm_step``, ``gpt2_124m``, ``resnet50`` and ``vit_b_16`` on
+request): the
 tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
 GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
 float32 and under bfloat16 autocast. Contenders: eager, eager with the optimizer's own
 ``fused=True`` kernels (which needs no compiler), torch.compile and fxlite.compile.
 Reported per case: the median step time of each contender (CUDA events around each step,
-after warm-up), speedups over eager and against inductor, cold compile (the first step,
-fresh caches), the kernels fxlite ran (forward/backward), and the largest relative
-difference of the first steps' losses from eager's (same data and initial weights; every
-contender starts from a copy of one model), over the first 20 steps, whose total time is
-reported too, with each contender's peak memory. ``gpt2_lm_step`` is transformers'
+after warm-up; the steps are timed in three rounds, each round timing every contender in
+turn, and the median of the rounds' medians is reported), speedups over eager and against
+inductor, cold compile (the first step, fresh caches), the kernels fxlite ran
+(forward/backward), and the largest relative difference of the first steps' losses from
+eager's (same data and initial weights; every contender starts from a copy of one model),
+over the first 20 steps, whose total time is reported too, with each contender's peak
+memory (less what the contenders before it hold). ``gpt2_lm_step`` is transformers'
 GPT2LMHeadModel (6 layers, width 512, batch 8 x 512) with ``labels=``, bfloat16 autocast,
 gradient clipping, AdamW and ``zero_grad(set_to_none=True)``. ``resnet50`` and
 ``vit_b_16`` are the resnet18 step's model swapped for torchvision's, at batch 32 and
-224x224 images (1000 classes).
+224x224 images (1000 classes). ``gpt2_124m`` is the issue's GPT-2 124M step (batch 8 x 1024
+tokens); its utilisation (6 x parameters x tokens a step over 989 TFLOP/s, an H100's dense
+bfloat16 peak) is printed beside its times.
 """
 
 from __future__ import annotations
@@ -121,6 +126,32 @@ def gpt2_lm_step_case():
             step, torch.bfloat16)
 
 
+def gpt2_124m_case():
+    """GPT-2 124M as nanoGPT and llm.c train it: transformers' GPT2LMHeadModel at its
+    default size (12 layers, width 768, 1024 positions), batch 8 x 1024 tokens, bfloat16
+    autocast, ``clip_grad_norm_``, AdamW (its fused kernels in the ``eager_fused`` row) and
+    ``zero_grad(set_to_none=True)``; dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0,
+                     attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).cuda()
+    data = [(torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"), None)
+            for _ in range(4)]
+
+    def step(model, opt, ids, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=6e-4, **kw), data,
+            step, torch.bfloat16)
+
+
 # Steps before timing, for every contender alike: fxlite's trial takes 10 calls, and 16
 # under reduce-overhead for a training step (each side is observed 3 times and captured
 # before it is timed: codegen/runtime/trial.py).
@@ -140,11 +171,21 @@ def time_steps(step, model, opt, data, steps):
     return statistics.median(times)
 
 
+ROUNDS = 3  # timed rounds; each round times every contender in turn
+
+
 def run_case(name, case, steps, mode=None):
+    """One case: each contender's cold step, first 20 steps and peak memory in turn, then
+    the steady-state steps in ``ROUNDS`` interleaved rounds (every contender's model and
+    optimizer stay alive), so that a slow spell of the host falls on all of them alike."""
     base, make_opt, data, step, _ = case
-    results, losses = {}, {}
+    results, losses, live = {}, {}, {}
     fx_step = None
+    torch.cuda.synchronize()
+    at_start = torch.cuda.memory_allocated()
     for label in ("eager", "eager_fused", "torch.compile", "fxlite"):
+        # memory held by the contenders before this one, left out of this one's peaks
+        others = torch.cuda.memory_allocated() - at_start
         model = copy.deepcopy(base)
         # eager_fused: eager with the optimizer's own fused=True kernels, which a user
         # can ask for without any compiler
@@ -171,18 +212,29 @@ def run_case(name, case, steps, mode=None):
         first20 = time.perf_counter() - start
         for i in range(WARMUP - 16):
             fn(model, opt, *data[i % len(data)])
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = (torch.cuda.max_memory_allocated() - others) / 2**30
         torch.cuda.reset_peak_memory_stats()
-        results[label] = {"ms": time_steps(fn, model, opt, data, steps), "cold_s": cold,
-                          "first20_s": first20, "peak_gib": peak,
-                          "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-        del model, opt
-        torch.cuda.empty_cache()
+        for i in range(4):
+            fn(model, opt, *data[i % len(data)])
+        torch.cuda.synchronize()
+        results[label] = {"cold_s": cold, "first20_s": first20, "peak_gib": peak,
+                          "steady_peak_gib": (torch.cuda.max_memory_allocated() - others)
+                          / 2**30, "times": []}
+        live[label] = (fn, model, opt)
+    per_round = max(1, steps // ROUNDS)
+    for _ in range(ROUNDS):
+        for label, (fn, model, opt) in live.items():
+            results[label]["times"].append(time_steps(fn, model, opt, data, per_round))
+    for r in results.values():
+        r["ms"] = statistics.median(r["times"])
+    del live
+    torch.cuda.empty_cache()
     eager_ms, ind_ms, fx_ms = (results[k]["ms"] for k in ("eager", "torch.compile", "fxlite"))
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["fxlite"], losses["eager"]))
     kernels = fx_step.kernels if fx_step is not None else []
     directions = [getattr(k, "direction", "forward") for k in kernels]
     return {"case": name, "mode": mode or "default", **{f"{k}_ms": v["ms"] for k, v in results.items()},
+            **{f"{k}_round_ms": v["times"] for k, v in results.items()},
             **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
             **{f"{k}_first20_s": v["first20_s"] for k, v in results.items()},
             **{f"{k}_peak_gib": v["peak_gib"] for k, v in results.items()},
@@ -212,7 +264,7 @@ def main() -> None:
     makers = {"resnet18": resnet18_case,
               "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
               "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
-              "gpt2_lm_step": gpt2_lm_step_case,
+              "gpt2_lm_step": gpt2_lm_step_case, "gpt2_124m": gpt2_124m_case,
               "resnet50": lambda: vision_case("resnet50", 32, 224, 1000),
               "vit_b_16": lambda: vision_case("vit_b_16", 32, 224, 1000)}
     steps = 10 if args.quick else 30
@@ -228,6 +280,13 @@ def main() -> None:
               f"; first 20 steps s: eager {r['eager_first20_s']:.1f}, "
               f"inductor {r['torch.compile_first20_s']:.1f}, fxlite {r['fxlite_first20_s']:.1f}"
               f"; fallbacks: {r['fallbacks'][:3]}", flush=True)
+        if name == "gpt2_124m":
+            # 6 x parameters x tokens a step (forward and backward), over an H100's dense
+            # bfloat16 peak, as the issue and llm.c count utilisation
+            flop = 6 * 124_439_808 * 8 * 1024
+            print("utilisation: " + ", ".join(
+                f"{k} {flop / (r[k + '_ms'] * 1e-3) / 989e12:.1%}"
+                for k in ("eager", "eager_fused", "torch.compile", "fxlite")), flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
           f"{steps} steps; TF32 on; mode {args.mode or 'default'}")
     print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",

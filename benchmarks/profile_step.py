@@ -28,10 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_training import (  # noqa: E402
     WARMUP,
+    gpt2_124m_case,
     gpt2_block_case,
     gpt2_lm_step_case,
     resnet18_case,
     time_steps,
+    vision_case,
 )
 
 import fxlite  # noqa: E402
@@ -40,8 +42,8 @@ import fxlite  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="gpt2_block_f32",
-                        choices=["resnet18", "gpt2_block_f32", "gpt2_block_bf16",
-                                 "gpt2_lm_step"])
+                        choices=["resnet18", "resnet50", "vit_b_16", "gpt2_block_f32",
+                                 "gpt2_block_bf16", "gpt2_lm_step", "gpt2_124m"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
@@ -58,7 +60,9 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
     make = {"resnet18": resnet18_case, "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
             "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
-            "gpt2_lm_step": gpt2_lm_step_case}[args.case]
+            "gpt2_lm_step": gpt2_lm_step_case, "gpt2_124m": gpt2_124m_case,
+            "resnet50": lambda: vision_case("resnet50", 32, 224, 1000),
+            "vit_b_16": lambda: vision_case("vit_b_16", 32, 224, 1000)}[args.case]
     base, make_opt, data, step, _ = make()
     contenders = [("eager", step), ("fxlite", fxlite.compile(step, mode=args.mode))]
     if args.inductor:
@@ -80,6 +84,10 @@ def main() -> None:
         print(f"{label}: {ms:.3f} ms a step", flush=True)
         if args.gpu:
             gpu_profile(fn, model, opt, data, args.top)
+            if label == "fxlite":
+                print(f"tier: {fn.tier[:120]}; kernels {len(fn.kernels)}; runners "
+                      f"{[type(s.run).__name__ for s in fn._last]}; fallbacks "
+                      f"{[f[:160] for f in fn.fallbacks][:4]}", flush=True)
         elif label == "fxlite":
             print("fallbacks:", [f[:160] for f in fn.fallbacks][:4])
             profile = cProfile.Profile()
@@ -161,9 +169,11 @@ def gpu_profile(fn, model, opt, data, top: int) -> None:
         for i in range(3):
             fn(model, opt, *data[i % len(data)])
         torch.cuda.synchronize()
-    busy = sum(e.device_time for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 3 / 1e3
-    print(f"GPU busy {busy:.2f} ms a step")
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in device) / 3 / 1e3
+    ours = sum(e.name.startswith("fx_") for e in device) / 3
+    print(f"GPU busy {busy:.2f} ms a step; {len(device) / 3:.0f} kernels a step, {ours:.0f} "
+          "of them fxlite's")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top,
                                     max_name_column_width=60))
 
