@@ -288,7 +288,8 @@ def main() -> None:
                 f"{k} {flop / (r[k + '_ms'] * 1e-3) / 989e12:.1%}"
                 for k in ("eager", "eager_fused", "torch.compile", "fxlite")), flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
-          f"{steps} steps; TF32 on; mode {args.mode or 'default'}")
+          f"{ROUNDS} interleaved rounds of {max(1, steps // ROUNDS)} steps; TF32 on; mode "
+          f"{args.mode or 'default'}")
     print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",
                      f"{r['fxlite_ms']:.2f}", f"{r['eager_fused_ms']:.2f}",
                      f"{r['fxlite_vs_eager']:.2f}x", f"{r['fxlite_vs_eager_fused']:.2f}x",
