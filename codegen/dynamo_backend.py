@@ -70,10 +70,28 @@ def fxlite_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         compiled(x)
     """
     _ready(gm)
+    _backward_untraced()
     compiled = fx_compile(gm, mode=mode, options=options)
     with _LOCK:
         _MADE.append(weakref.ref(compiled))
     return compiled
+
+
+def _backward_untraced() -> None:
+    """Run fxlite's autograd backward with Dynamo off.
+
+    Why: Dynamo compiles each Python frame entered while it runs the Python of a graph
+    break, and ``loss.backward()`` inside a compiled step is one: the autograd engine
+    enters fxlite's backward there, and Dynamo traced into it, into fxlite's kernel
+    checks and Triton's interpreter, graph-breaking at every step (a two-layer step did
+    not finish its first call in 100 s on the CPU)."""
+    from fxlite.codegen.lower.autograd import _GroupFunction
+
+    backward = _GroupFunction.__dict__["backward"].__func__
+    if not getattr(backward, "_fxlite_untraced", False):
+        untraced = torch._dynamo.disable(backward, recursive=True)
+        untraced._fxlite_untraced = True
+        _GroupFunction.backward = staticmethod(untraced)
 
 
 def _ready(gm: torch.fx.GraphModule) -> None:
