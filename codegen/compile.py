@@ -50,6 +50,7 @@ from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
+from fxlite.codegen.capture.symbolic import symbolic_positions
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
 from fxlite.codegen.lower.segment import compile_segment, expand_kernels
@@ -157,6 +158,9 @@ class CompiledFunction:
         self._by_numbers = False  # some plan is followed for any value of float arguments
         self._behind_back_warned = False
         self._sized: set[CallKey] = set()  # keys whose recordings read sizes
+        # the positions of the sizes a Dynamo graph takes as arguments: recorded as inputs
+        # (capture/symbolic.py), so that one recording serves every size
+        self._symbolic = symbolic_positions(fn)
         self._recordings = 0
         # key -> why its calls run in eager PyTorch
         self._eager_why: dict[CallKey | FollowKey, str] = {}
@@ -252,7 +256,8 @@ class CompiledFunction:
             self._last, self._last_eager = [], why
             return self._fn(*args, **kwargs)
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
-        base = CallKey(spec, ambient_key(), input_key(leaves, False, self._alias),
+        base = CallKey(spec, ambient_key(), input_key(leaves, False, self._alias,
+                                                      symbolic=self._symbolic),
                        self._state_key(arg_modules))
         key = self._sized_key(base, leaves)
         root = self._trees.get(key)
@@ -383,7 +388,8 @@ class CompiledFunction:
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         with side_stream(self._graphs_wanted()):
             result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
-                                 fullgraph=self._fullgraph, bound=self._guard.bound_objects())
+                                 fullgraph=self._fullgraph, bound=self._guard.bound_objects(),
+                                 symbolic=self._symbolic)
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         if rec.effect is None:
@@ -427,7 +433,8 @@ class CompiledFunction:
                 watched.add(id(t))
                 self._grad_watch.append(t)
                 pattern.append(was_none)
-        base = base._replace(inputs=input_key(leaves, False, self._alias),
+        base = base._replace(inputs=input_key(leaves, False, self._alias,
+                                              symbolic=self._symbolic),
                              state=base.state._replace(grads=tuple(pattern)))
         if rec.sizes_read:
             self._sized.add(base)
@@ -726,6 +733,12 @@ class CompiledFunction:
             return f"followed: it {plan.why}"
         whole = None if self._last else self._last_eager
         return f"eager: {whole}" if whole else "replayed"
+
+    @property
+    def recordings(self) -> int:
+        """How many times the function was recorded (its first call, and each call whose
+        key no recording matched: new argument layouts, or sizes where one read them)."""
+        return self._recordings
 
     @property
     def code(self) -> str:

@@ -109,6 +109,8 @@ class ShapeProp(Interpreter):
         else:
             n.meta.pop("device", None)
         n.meta["type"] = type(result)
+        if n.op == "placeholder" and type(result) is int:  # a size taken as an argument
+            n.meta["value"] = result
         return result
 
     def propagate(self, *args: Any) -> Any:
@@ -175,6 +177,8 @@ def _evaluate(gm: torch.nn.Module, strict: bool) -> None:
         elif n.op == "get_attr":
             value = attr_at(gm, n.target, "fill_missing_meta")
             env[n] = value.to("meta") if isinstance(value, torch.Tensor) else value
+        elif n.op == "placeholder" and "value" in n.meta:  # an int argument (ShapeProp's)
+            env[n] = n.meta["value"]
         elif n.op not in ("call_function", "call_method"):
             env[n] = _UNKNOWN
         elif "type" in n.meta:  # described already: its value only, and never twice

@@ -88,9 +88,11 @@ def _scalar_key(v: Any) -> Any:
 
 
 def input_key(leaves: list[Any], sizes: bool, storage: bool = False,
-              contents: bool = True) -> tuple:
+              contents: bool = True, symbolic: frozenset[int] = frozenset()) -> tuple:
     """The key of a call's argument leaves (see the module docstring); with
-    ``contents=False`` a plain object's without what it holds (:func:`argument_key`)."""
+    ``contents=False`` a plain object's without what it holds (:func:`argument_key`).
+    An int at a position in ``symbolic`` (a size the recording takes as an input:
+    ``capture/symbolic.py``) is keyed by its type alone, unless ``sizes``."""
     key: list[Any] = []
     seen: dict[int, int] = {}
     storages: dict[int, int] = {}
@@ -111,7 +113,8 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False,
                 item += (_tensor_attributes(attrs),)
             key.append(item)
         elif isinstance(a, _SCALARS):
-            key.append(_scalar_key(a))
+            key.append(int if not sizes and i in symbolic and type(a) is int
+                       else _scalar_key(a))
         else:  # an object: itself, and what it holds (a loss object's weight)
             key.append(argument_key(a, contents))
     return tuple(key)

@@ -56,6 +56,7 @@ from fxlite.codegen.capture.rules import (
     structure,
     tensors_in,
 )
+from fxlite.codegen.capture.symbolic import SymbolicInt
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,6 +106,11 @@ class Recorder(TorchFunctionMode):
         self.inference = False
         self.devices: list[int] = []
         self.record_rest = True
+        # sizes taken as inputs (a Dynamo graph's SymInts: capture/symbolic.py), and size
+        # reads recorded as ops, when set; whether one was used as a value (compared,
+        # hashed, converted)
+        self.symbolic = False
+        self.escaped = False
         # how to record a function of its own (torch.cond's branches): capture.record
         self.sub_record: Callable[..., tuple[Any, Recording]] = _no_sub_record
 
@@ -250,8 +256,29 @@ class Recorder(TorchFunctionMode):
             owner = self._name_of(t) if t is not None else None
             if owner in self._dynamic:  # a data-dependent size: read it like a value
                 return self._read_value_of(out, owner, func, args, kwargs)
+            if self.symbolic and t is not None and name in ("size", "shape"):
+                return self._symbolic_size(t, out, args[1:], kwargs)
             self.rec.sizes_read = True
         return out
+
+    def _symbolic_size(self, t: torch.Tensor, out: Any, args: tuple, kwargs: dict) -> Any:
+        """``t.size()``, ``t.shape`` or ``t.size(d)`` in a Dynamo graph with sizes as
+        inputs (``capture/symbolic.py``): sizes whose use the recording records, computed
+        from ``t`` on each replay."""
+        tensor = self._tensor_node(t)
+        grad = torch.is_grad_enabled()
+        if isinstance(out, int):
+            node = self.graph.call_method("size", (tensor, *args), kwargs)
+            node.meta.update(type=int, grad_enabled=grad)
+            return SymbolicInt(out, node, self)
+        whole = self.graph.call_method("size", (tensor,))
+        whole.meta.update(type=torch.Size, grad_enabled=grad)
+        dims = []
+        for i, n in enumerate(out):
+            node = self.graph.call_function(operator.getitem, (whole, i))
+            node.meta.update(type=int, grad_enabled=grad)
+            dims.append(SymbolicInt(n, node, self))
+        return torch.Size(dims)
 
     def _op(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
         tensors = tensors_in((args, kwargs))

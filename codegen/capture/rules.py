@@ -19,6 +19,7 @@ from fxlite.codegen.capture.records import (
     format_site,
     tensor_meta,
 )
+from fxlite.codegen.capture.symbolic import SymbolicInt
 
 from fxlite.proxy import is_tensor_method
 
@@ -79,6 +80,8 @@ def map_tensors(a: Any, node_of: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(a, torch.Tensor):
         return node_of(a)
     t = type(a)
+    if t is SymbolicInt:  # a size taken as an input, or arithmetic on one
+        return a.node
     if t is tuple or t is list:
         return t(map_tensors(x, node_of) for x in a)
     if t is dict:

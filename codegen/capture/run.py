@@ -66,6 +66,7 @@ from fxlite.codegen.capture.records import (
 from fxlite.codegen.capture.rules import Diverged, rng_state_of
 from fxlite.codegen.capture.segments import read_key
 from fxlite.codegen.capture.structure import flatten
+from fxlite.codegen.capture.symbolic import SymbolicInt, plain
 from fxlite.codegen.capture.watch import Watch
 
 from fxlite.graph import Graph
@@ -78,7 +79,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
            roots: list[tuple[str, torch.nn.Module]], fullgraph: bool = False,
            bound: tuple[Any, ...] = (),
            prefix: Recording | None = None, upto: int = 0, values: dict[str, Any] | None = None,
-           read_value: Any = None, record_rest: bool = True) -> tuple[Any, Recording]:
+           read_value: Any = None, record_rest: bool = True,
+           symbolic: frozenset[int] = frozenset()) -> tuple[Any, Recording]:
     """Call ``fn(*args, **kwargs)`` for real and record it. Returns ``(result, recording)``.
 
     With ``prefix``, the calls of ``prefix`` up to and including its read number ``upto``
@@ -89,6 +91,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     globals): optimizers, schedulers and grad scalers among them and the arguments have
     their ``step``-like methods recorded as single calls.
     Python between those calls runs again as it did the first time.
+    ``symbolic`` holds the positions of ``args`` that are sizes taken as inputs (a Dynamo
+    graph's ``SymInt`` arguments: ``capture/symbolic.py``); a recording that used one as a
+    value has ``sizes_read`` set.
     """
     leaves, in_spec = flatten((args, kwargs))
     if prefix is None:
@@ -101,8 +106,17 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                 node.meta["tensor_meta_rec"] = tensor_meta(leaf)
                 recorder._nodes[node.name] = node
                 rec.placeholders.append(node.name)
+            elif type(leaf) is int and i in symbolic and not kwargs and len(leaves) == len(args):
+                node = rec.graph.placeholder(names[i])
+                node.meta.update(type=int, value=leaf, grad_enabled=torch.is_grad_enabled())
+                recorder._nodes[node.name] = node
+                rec.placeholders.append(node.name)
+                leaves[i] = SymbolicInt(leaf, node, recorder)
             else:
                 rec.placeholders.append(None)
+        if any(isinstance(x, SymbolicInt) for x in leaves):
+            args = tuple(leaves)
+            recorder.symbolic = True
     else:
         rec = _continue(prefix, upto, read_value)
         recorder = Recorder(rec, fullgraph, rec.steps, values, read_value)
@@ -113,7 +127,7 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     recorder.sub_record = record
     recorder.know_modules(roots)
     for leaf, name in zip(leaves, rec.placeholders):
-        if name is not None:
+        if name is not None and isinstance(leaf, torch.Tensor):
             recorder.bind_input(leaf, name)
     recorder.devices = sorted({t.device.index or 0 for t in leaves
                                if isinstance(t, torch.Tensor) and t.is_cuda})
@@ -135,6 +149,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                 recorder.finish()
         except Diverged as e:
             raise RuntimeError(f"fxlite: {e}") from None
+    result, returned = plain(result)
+    if recorder.escaped or returned:  # a size used as a value: the key holds the sizes
+        rec.sizes_read = True
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
     rec.environ_read = watch.environ

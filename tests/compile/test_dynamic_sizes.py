@@ -1,0 +1,133 @@
+"""``torch.compile(f, backend="fxlite", dynamic=True)``: one recording for every size.
+
+Dynamo hands fxlite graphs whose sizes are ``SymInt`` arguments. fxlite records each
+graph once, with those sizes as inputs (``codegen/capture/symbolic.py``): later calls of
+any size replay it, computing the sizes from their own arguments, and run the same
+kernels. Each test calls with several sizes, in an order that returns to earlier ones,
+and compares with eager every time; a graph that uses a size as a value (returns it) is
+recorded per size instead, and still equals eager.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch._dynamo
+from fxlite.codegen import dynamo_backend
+from fxlite.codegen.capture.symbolic import SymbolicInt
+
+import fxlite
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+SIZES = [(2, 3), (3, 5), (4, 7), (2, 3), (5, 2)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    fxlite.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def norm_relu(x, w):
+    B, T, C = x.shape
+    h = F.layer_norm(x.view(B * T, C), (C,), w)
+    return torch.relu(h).view(B, T, C) * 2
+
+
+def heads(x, w):
+    B, T, C = x.shape
+    q = (x @ w).view(B, T, 2, C // 2).transpose(1, 2)
+    return torch.softmax(q * 0.5, -1).transpose(1, 2).reshape(B, T, C) + x
+
+
+def positions(x, w):
+    B, T, C = x.shape
+    pos = torch.arange(T, dtype=x.dtype).view(1, T, 1)
+    return torch.sigmoid(x[:, : T - 1] + pos[:, 1:]) * w
+
+
+def graphs():
+    return [g for g in dynamo_backend.compiled_graphs()]
+
+
+@pytest.mark.parametrize("fn", [norm_relu, heads, positions])
+def test_one_recording_serves_every_size(fn):
+    compiled = torch.compile(fn, backend="fxlite", dynamic=True)
+    w = torch.randn(8, 8) if fn is heads else torch.randn(8)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(x, w), fn(x, w))
+    made = graphs()
+    assert made and all(g.recordings == 1 for g in made), [g.recordings for g in made]
+    assert sum(len(g.kernels) for g in made) >= 1
+    assert not [f for g in made for f in g.fallbacks]
+
+
+def sizes_out(x):
+    return x * 2, x.shape[0] * x.shape[1]
+
+
+def test_a_size_returned_is_recorded_per_size_and_equals_eager():
+    compiled = torch.compile(sizes_out, backend="fxlite", dynamic=True)
+    for B, T in SIZES:
+        x = torch.randn(B, T)
+        got, n = compiled(x)
+        want, m = sizes_out(x)
+        torch.testing.assert_close(got, want)
+        assert n == m and type(n) is int
+    made = graphs()
+    assert made and max(g.recordings for g in made) >= 2  # (sizes as values: keyed by them)
+
+
+def test_training_steps_of_varying_sizes_equal_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+
+    def step(model, x):
+        B, T, C = x.shape
+        out = model(x.view(B * T, C)).view(B, T, 4)
+        loss = out.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="fxlite", dynamic=True)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(model, x), step(ref, x))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            p.grad, q.grad = None, None
+    assert all(g.recordings == 1 for g in graphs()), [g.recordings for g in graphs()]
+
+
+def test_a_symbolic_int_records_its_arithmetic_and_says_when_used_as_a_value():
+    class Owner:
+        escaped = False
+
+    from fxlite.graph import Graph
+
+    graph = Graph()
+    owner = Owner()
+    n = SymbolicInt(6, graph.placeholder("n"), owner)
+    m = (n * 2 + 1) // 3 - n % 4
+    assert m == (6 * 2 + 1) // 3 - 6 % 4 and owner.escaped  # (the == itself is a use)
+    owner.escaped = False
+    k = 3 * n - 1
+    assert isinstance(k, SymbolicInt) and not owner.escaped
+    assert [node.target.__name__ for node in graph.nodes if node.op == "call_function"][-2:] \
+        == ["mul", "sub"]
+    assert isinstance(n / 2, float) and owner.escaped
