@@ -770,7 +770,8 @@ def _what_changed(keys: list[CallKey], key: CallKey, leaves: list[Any]) -> str:
         if old.structure != key.structure:
             parts.append("the arguments' structure (positions, keyword names, containers)")
         if old.ambient != key.ambient:
-            parts.append("grad mode, autocast or the default dtype")
+            parts.append("grad mode, autocast, the default dtype or a torch flag "
+                         "(deterministic algorithms, matmul precision, anomaly mode)")
         if len(old.inputs) == len(key.inputs):
             for i, (a, b) in enumerate(zip(old.inputs, key.inputs)):
                 if a != b:

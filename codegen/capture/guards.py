@@ -70,10 +70,18 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 def ambient_key() -> tuple:
     """Global state every recording depends on: grad mode, autocast, default dtype,
-    inference mode."""
+    inference mode, and the flags a program may read and branch on (deterministic
+    algorithms and their warn-only mode, float32 matmul precision, anomaly detection)."""
     autocast = autocast_state() if _any_autocast is None or _any_autocast() else None
     return (torch.is_grad_enabled(), autocast, torch.get_default_dtype(),
-            torch.is_inference_mode_enabled())
+            torch.is_inference_mode_enabled(), _deterministic(), _warn_only(), _precision(),
+            _anomaly())
+
+
+_deterministic = torch._C._get_deterministic_algorithms
+_warn_only = torch._C._get_deterministic_algorithms_warn_only
+_precision = torch._C._get_float32_matmul_precision
+_anomaly = torch.is_anomaly_enabled
 
 
 def _scalar_key(v: Any) -> Any:
@@ -560,7 +568,9 @@ def _attributes_key(obj: Any) -> tuple:
 def _content(v: Any) -> Any:
     """A key for a bound value that is not a scalar: its identity, and for a small
     container or plain object (a list a closure holds, a config) also its contents, which
-    can change while the identity stays."""
+    can change while the identity stays; for a tensor, whether it requires grad."""
+    if isinstance(v, torch.Tensor):  # a global or closure tensor: requires_grad can flip
+        return (id(v), v.requires_grad)
     if isinstance(v, torch.optim.Optimizer):
         return (id(v), optimizer_key(v))
     if isinstance(v, type):

@@ -245,6 +245,12 @@ def _opaque_methods(objects: list[Any],
                 rec = _active()
                 if rec is None:
                     return _runner(*args, **kwargs)
+                if any(callable(a) for a in (*args, *kwargs.values())):
+                    # optimizer.step(closure): a replay would call the first call's
+                    # closure, which holds that call's inputs
+                    rec.stop(f"calls {type(_obj).__name__}.{_method.__name__}() with a "
+                             "closure, which a replay would call as the first call made it")
+                    return _runner(*args, **kwargs)
                 touches = _state_tensors(_obj)
                 for a in args:  # a grad scaler's step(opt), unscale_(opt)
                     if a is not _obj and getattr(a, "param_groups", None) is not None:

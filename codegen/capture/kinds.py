@@ -60,6 +60,10 @@ UNSUPPORTED: dict[str, str] = {
     "__reduce_ex__": "pickles a tensor",
     "__deepcopy__": "deep-copies a tensor with copy.deepcopy",
     "__setstate__": "unpickles into a tensor",
+    # the hook is a function the call makes (it may hold the call's values): a replay
+    # would register the first call's again, and the recording call's checks ran it twice
+    "register_hook": "registers a hook on a tensor",
+    "register_post_accumulate_grad_hook": "registers a hook on a tensor",
 }
 # Ops whose result size depends on tensor values.
 DYNAMIC_SHAPE = frozenset({"nonzero", "argwhere", "masked_select", "unique", "_unique2",

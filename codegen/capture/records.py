@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import linecache
 import os
 import sys
@@ -29,7 +30,10 @@ __all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
     torch.__file__, os.path.dirname(os.path.abspath(__file__)), sys.modules["fxlite"].__file__,
-    sys.modules["fxlite.graph"].__file__))
+    sys.modules["fxlite.graph"].__file__,
+    # fxlite.passes: its own folder (setup.cfg's package_dir), entered when a first
+    # backward compiles its kernels inside a recorded call
+    importlib.util.find_spec("fxlite.passes").origin))
 _LOCAL = threading.local()
 
 

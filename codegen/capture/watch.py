@@ -43,6 +43,7 @@ import contextvars
 import dis
 import functools
 import gc
+import importlib.util
 import linecache
 import os
 import random
@@ -61,7 +62,16 @@ __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large",
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # torch's and fxlite's files, generated forward()s and Python's import machinery
-_TRUSTED = (*LIB_DIRS, "<fxlite", "<frozen importlib")
+def _library_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else ""
+
+
+_NUMPY, _TRITON = _library_dir("numpy"), _library_dir("triton")
+# Triton's frames too: its interpreter (TRITON_INTERPRET=1) runs the kernels a first
+# backward compiles and checks inside a recorded call, and keeps state of its own
+_TRUSTED = (*LIB_DIRS, *((_TRITON,) if _TRITON else ()), "<fxlite", "<frozen importlib")
+_KERNEL_FILE = "fxlite_kernel_"  # a generated kernel's source in the cache folder (cache.py)
 _FROZEN = "<frozen "  # a frozen standard-library module: "<frozen os>"
 # torch's wrappers around its own functions (torch._dynamo's disable: eval_frame._fn)
 _WRAPPERS = (os.path.join("torch", "_dynamo", "eval_frame.py"),
@@ -84,11 +94,17 @@ _EFFECT_C_MODULES = {"time": "reads the clock", "_random": "draws Python random 
                      "posix": "calls the operating system", "nt": "calls the operating system"}
 _EFFECT_BUILTINS = {builtins.print: "calls print()", builtins.input: "calls input()",
                     builtins.open: "opens a file", builtins.exec: "calls exec()",
-                    builtins.eval: "calls eval()", builtins.breakpoint: "calls breakpoint()"}
+                    builtins.eval: "calls eval()", builtins.breakpoint: "calls breakpoint()",
+                    # torch's settings that no key holds: a replay would use the first value
+                    torch.get_num_threads: "reads torch's thread count",
+                    torch.get_num_interop_threads: "reads torch's thread count"}
 # torch.Generator methods that set its state, as torch.manual_seed does: a replay would
 # not set it again, and the draws after them would differ from eager's
 _GENERATOR_SETTERS = frozenset({"set_state", "manual_seed", "seed", "set_offset",
                                 "graphsafe_set_state"})
+# and the methods that read it: a replay would return the recording call's value
+_GENERATOR_READERS = frozenset({"initial_seed", "get_state", "get_offset",
+                                "graphsafe_get_state"})
 # Tensor properties whose setters write the tensor's values without a torch function call
 _WRITING_SETTERS = frozenset({"real", "imag"})
 _GENERATOR = 0x20 | 0x200 | 0x100 | 0x80  # CO_GENERATOR, CO_ASYNC_GENERATOR, coroutines
@@ -250,16 +266,17 @@ class Watch:
     def _enter(self, frame: Any) -> None:
         code = frame.f_code
         name = code.co_filename
-        if name.startswith(_TRUSTED):
-            if code in _rng_setters():
+        if name.startswith(_TRUSTED) or _KERNEL_FILE in name:
+            what = _rng_functions().get(code)
+            if what is not None:
                 caller = frame.f_back
                 # once torch._dynamo is imported, torch.manual_seed is called through its
                 # "disable" wrapper: the user's call is the frame before the wrapper's
                 while caller is not None and caller.f_code.co_filename.endswith(_WRAPPERS):
                     caller = caller.f_back
                 if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
-                    self._found("sets a random generator's state, which a replay would not "
-                                "do again", caller)
+                    self._found(f"{what} a random generator's state, which a replay would "
+                                "not do again", caller)
             return
         if name.startswith((_STDLIB, _FROZEN)):
             module = name[len(_FROZEN):-1] if name.startswith(_FROZEN) else \
@@ -321,6 +338,8 @@ class Watch:
         caller = frame.f_code.co_filename
         if caller.startswith((*_TRUSTED, _STDLIB, _FROZEN)):
             return  # trusted, or (the standard library) judged by the module entered
+        if _NUMPY and caller.startswith(_NUMPY) and _run_by_triton(frame):
+            return
         what = _EFFECT_BUILTINS.get(fn) if type(fn) is types.BuiltinFunctionType else None
         owner = getattr(fn, "__self__", None)
         if isinstance(owner, contextvars.ContextVar):
@@ -456,6 +475,16 @@ def _in_os(frame: Any) -> bool:
     return frame is not None and frame.f_code.co_filename in _OS_FILES
 
 
+def _run_by_triton(frame: Any) -> bool:
+    """Whether numpy code runs for Triton's interpreter (``TRITON_INTERPRET=1``, as a
+    first backward compiles and checks its kernels inside a recorded call), not for the
+    user: the first frame past numpy's own is Triton's."""
+    f = frame
+    while f is not None and f.f_code.co_filename.startswith(_NUMPY):
+        f = f.f_back
+    return bool(_TRITON) and f is not None and f.f_code.co_filename.startswith(_TRITON)
+
+
 def _user_frame(frame: Any) -> Any:
     """The nearest frame outside the standard library (the user's call of it)."""
     f = frame
@@ -492,15 +521,17 @@ def _unreplayable_result(result: Any) -> str | None:
     return None
 
 
-_RNG_SETTERS: set[types.CodeType] = set()
+_RNG_FUNCTIONS: dict[types.CodeType, str] = {}
 
 
-def _rng_setters() -> set[types.CodeType]:
+def _rng_functions() -> dict[types.CodeType, str]:
     """The code of torch's Python functions that set a generator's state
-    (``torch.set_rng_state``, ``torch.manual_seed``), which the watcher does not otherwise
-    look into. (The recorder also compares ``torch.initial_seed()`` before and after, which
-    misses a reseed to the seed already in place: ``torch.manual_seed(1)`` on every call.)"""
-    if not _RNG_SETTERS:
+    (``torch.set_rng_state``, ``torch.manual_seed``) or read it (``torch.initial_seed``,
+    ``torch.get_rng_state``), which the watcher does not otherwise look into, and the
+    verb for each. (The recorder also compares ``torch.initial_seed()`` before and after,
+    which misses a reseed to the seed already in place: ``torch.manual_seed(1)`` on every
+    call.)"""
+    if not _RNG_FUNCTIONS:
         import torch.cuda.random as cuda_random
         import torch.random as cpu_random
 
@@ -508,8 +539,12 @@ def _rng_setters() -> set[types.CodeType]:
                    cuda_random.set_rng_state, cuda_random.set_rng_state_all,
                    cuda_random.manual_seed, cuda_random.manual_seed_all, cuda_random.seed,
                    cuda_random.seed_all):
-            _RNG_SETTERS.add(fn.__code__)
-    return _RNG_SETTERS
+            _RNG_FUNCTIONS[fn.__code__] = "sets"
+        for fn in (cpu_random.initial_seed, cpu_random.get_rng_state,
+                   cuda_random.initial_seed, cuda_random.get_rng_state,
+                   cuda_random.get_rng_state_all):
+            _RNG_FUNCTIONS[fn.__code__] = "reads"
+    return _RNG_FUNCTIONS
 
 
 def _effect_of(fn: Any) -> str | None:
@@ -517,6 +552,8 @@ def _effect_of(fn: Any) -> str | None:
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.Generator) and fn.__name__ in _GENERATOR_SETTERS:
         return "sets a random generator's state"
+    if isinstance(owner, torch.Generator) and fn.__name__ in _GENERATOR_READERS:
+        return "reads a random generator's state"
     module = getattr(fn, "__module__", None)
     if module is None and owner is not None:
         module = owner.__name__ if isinstance(owner, types.ModuleType) \

@@ -107,6 +107,58 @@ def test_a_backward_kernel_that_fails_its_check_is_named_in_fallbacks(monkeypatc
     assert len(said) == 1 and said[0].startswith("backward"), c.fallbacks
 
 
+def test_an_optimizer_step_with_a_closure_runs_eagerly_saying_so():
+    # the closure is made anew each call around that call's batch: a replay would call
+    # the first call's, training on its batch (probe of session 30)
+    def make():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2).to(DEVICE)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(model, opt, x, y):
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure)
+
+    (em, eo), (cm, co) = make(), make()
+    c = fxlite.compile(step)
+    said = []
+    for _ in range(4):
+        x, y = torch.randn(3, 4, device=DEVICE), torch.randn(3, 2, device=DEVICE)
+        got, warned = quiet(c, cm, co, x, y)
+        torch.testing.assert_close(got, step(em, eo, x, y))
+        torch.testing.assert_close(cm.weight, em.weight)
+        said += warned
+    assert len(said) == 1 and "closure" in said[0] and "test_compile_training.py" in said[0]
+
+
+def test_a_first_backward_compiling_inside_the_step_is_not_taken_for_the_users_python():
+    # the first backward compiles and checks its kernels inside the recorded call: the
+    # watcher took fxlite.passes' code (a `nonlocal`), Triton's interpreter and the
+    # kernels' own sources for the user's, and ran that path eagerly, warning (probe of
+    # session 30)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1, bias=False),
+                          nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    c = fxlite.compile(train_step)
+    for _ in range(5):
+        x = torch.randn(4, 2, 5, 5, device=DEVICE)
+        y = torch.randint(0, 3, (4,), device=DEVICE)
+        got, warned = quiet(c, model, opt, x, y)
+        torch.testing.assert_close(got, train_step(ref, ref_opt, x, y), rtol=1e-4, atol=1e-5)
+        assert warned == [], warned
+    assert c.tier == "replayed" and c.kernels
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

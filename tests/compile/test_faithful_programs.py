@@ -1966,6 +1966,104 @@ def make_enumerate_iterator_loop_with_break():
     return Program(fn, lambda i: (torch.zeros(8), chunks))
 
 
+@program("side")
+def make_tensor_hook_holding_the_calls_values():
+    # a gradient hook made each call around that call's mask (probe of session 30: the
+    # replay registered the first call's hook, and the first call ran it twice)
+    lin = nn.Linear(8, 4)
+
+    def fn(x, mask):
+        h = lin(x)
+        h.register_hook(lambda g: g * mask)
+        return h.sum()
+
+    def after(i, out):
+        lin.zero_grad()
+        out.backward()
+        return lin.bias.grad.clone()
+
+    return Program(fn, lambda i: (randn(4, 8), randn(4, 4)), {"lin": lin}, after=after)
+
+
+@program("state")
+def make_closure_tensor_requires_grad_flipped():
+    # a closure's tensor starts needing gradients between calls (probe of session 30:
+    # the replay's result had no autograd graph)
+    w = torch.ones(8)
+
+    def fn(x):
+        return (x * w).sum()
+
+    def before(i):
+        w.requires_grad_(i in (2, 3))
+        w.grad = None
+
+    def after(i, out):
+        if out.requires_grad:
+            out.backward()
+            return w.grad.clone()
+        return None
+
+    return Program(fn, x48, before=before, after=after)
+
+
+@contextlib.contextmanager
+def _torch_flags(deterministic: bool, precision: str, threads: int):
+    """torch's global flags for one call, restored after it."""
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled(),
+           torch.get_float32_matmul_precision(), torch.get_num_threads())
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.set_float32_matmul_precision(precision)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.set_float32_matmul_precision(was[2])
+        torch.set_num_threads(was[3])
+
+
+@program("values")
+def make_torch_flags_read():
+    # flags a program may branch on, changed between calls (probe of session 30: each
+    # replayed the first call's value)
+    def fn(x):
+        scale = 2.0 if torch.are_deterministic_algorithms_enabled() else 1.0
+        if torch.get_float32_matmul_precision() == "highest":
+            scale += 0.5
+        return x * scale + torch.get_num_threads()
+
+    flags = [(False, "highest", 1), (True, "highest", 1), (True, "high", 2),
+             (False, "high", 1), (False, "highest", 2)]
+    return Program(fn, x48, around=lambda i: _torch_flags(*flags[i]), calls=5)
+
+
+@program("generator")
+def make_initial_seed_read():
+    def fn(x):
+        return x + torch.initial_seed() % 97
+
+    def before(i):
+        torch.manual_seed(100 + i)
+
+    return Program(fn, x48, before=before)
+
+
+@program("generator")
+def make_generator_seed_and_state_read():
+    g = torch.Generator().manual_seed(3)
+
+    def fn(x, gen):
+        return x * (gen.initial_seed() % 13) + torch.get_rng_state()[:8].float()
+
+    def before(i):
+        g.manual_seed(i + 4)
+        torch.manual_seed(i)
+
+    return Program(fn, lambda i: (randn(4, 8), g), {"g": g}, before=before)
+
+
 # ============================================================================ 3. torch.Generator
 @program("generator")
 def make_generator_argument_reseeded():
