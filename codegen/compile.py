@@ -100,6 +100,7 @@ class FollowKey(NamedTuple):
     structure: Any
     ambient: Any
     inputs: tuple
+    requires_grad: tuple = ()  # the parameters' (StateGuard.requires_grad)
 
 
 class FastKey(NamedTuple):
@@ -460,7 +461,8 @@ class CompiledFunction:
         leaves, spec = flatten_call(args, kwargs)
         if _unusual(leaves) is not None:
             return _NOT_RUN
-        key = FollowKey(spec, ambient_key(), input_key(leaves, False, self._alias, False))
+        key = FollowKey(spec, ambient_key(), input_key(leaves, False, self._alias, False),
+                        self._guard.requires_grad())
         plan = self._followed.get(key)
         if plan is None:
             return _NOT_RUN
@@ -506,10 +508,11 @@ class CompiledFunction:
         """The key of a followed plan: ``base``'s structure, ambient state and input key,
         plain objects in it by class, identity and attribute names alone (their Python runs
         and reads what they hold on every call: ``guards.argument_key``)."""
+        requires = self._guard.requires_grad()  # (a frozen layer unfrozen: new pieces)
         if all(isinstance(x, _PLAIN_LEAVES) for x in leaves):
-            return FollowKey(base.structure, base.ambient, base.inputs)  # (no object)
+            return FollowKey(base.structure, base.ambient, base.inputs, requires)  # (no object)
         return FollowKey(base.structure, base.ambient,
-                         input_key(leaves, False, self._alias, False))
+                         input_key(leaves, False, self._alias, False), requires)
 
     def _sized_key(self, base: CallKey, leaves: list[Any]) -> CallKey:
         """``base`` with the arguments' sizes where a recording under it read sizes."""

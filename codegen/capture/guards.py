@@ -405,6 +405,11 @@ class StateGuard:
                 tuple([id(d.get(k)) for d, keys in self._public for k in keys]),
                 tuple([id(v) for c in self._types for v in c.__dict__.values()]))
 
+    def requires_grad(self) -> tuple[bool, ...]:
+        """Which parameters of the modules last keyed require grad (a followed plan's key
+        holds it: its pieces' autograd depends on it, while its Python runs anyway)."""
+        return tuple(map(_REQUIRES_GRAD, self._params))
+
     def key(self, arg_modules: tuple[torch.nn.Module, ...] = ()) -> tuple:
         """The current state, as a tuple equal to an earlier one iff nothing changed.
 

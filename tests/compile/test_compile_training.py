@@ -159,6 +159,37 @@ def test_a_first_backward_compiling_inside_the_step_is_not_taken_for_the_users_p
     assert c.tier == "replayed" and c.kernels
 
 
+def test_a_followed_step_trains_a_layer_unfrozen_between_calls():
+    # a step whose Python runs on every call (it appends to a list), its first layer
+    # frozen until the third call (probe of session 30: its pieces kept the frozen
+    # layer's autograd, and the layer never got a gradient)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).to(DEVICE)
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    log: list[int] = []
+
+    def f(m, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        log.append(1)
+        return loss
+
+    c = fxlite.compile(f)
+    x = torch.randn(3, 4, device=DEVICE)
+    for i in range(4):
+        if i == 2:
+            model[0].requires_grad_(True)
+            ref[0].requires_grad_(True)
+        got, _ = quiet(c, model, x)
+        torch.testing.assert_close(got, f(ref, x))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (i, name)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert c.tier.startswith("followed")
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
