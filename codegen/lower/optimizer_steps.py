@@ -151,6 +151,7 @@ class _Plan:
         self.size = len(group["params"])
         self.index = index  # which of the group's parameters (the others: no gradient)
         self.params = params
+        self.dtype = params[0].dtype  # (model.double() changes it in place)
         self.grads: list[torch.Tensor] | None = grads  # this step's; None between steps
         self.state = state
         self.slots = [state.get(p) for p in params]  # (state[p] would add an entry)
@@ -184,6 +185,9 @@ class _Plan:
             if adam and (not isinstance(slot["step"], torch.Tensor)
                          or slot["step"].device.type != "cpu"):
                 return None
+            if any(slot[k].dtype != p.dtype or slot[k].device != p.device
+                   for k in names if k != "step"):
+                return None  # moments of another dtype (after model.double()): eager's
             kinds[(p.device, p.dtype)].append(i)
         params = group["params"]
         return [_Plan(group, index, [params[i] for i in index], [grads[i] for i in index],
@@ -196,7 +200,7 @@ class _Plan:
             return False
         mine = [grads[i] for i in self.index]
         for p, q in zip(self.params, (params[i] for i in self.index)):
-            if p is not q:
+            if p is not q or p.dtype is not self.dtype:
                 return False
         if self.grads is None or any(g is not h for g, h in zip(mine, self.grads)):
             if any(g is None or g.is_sparse or g.dtype is not p.dtype

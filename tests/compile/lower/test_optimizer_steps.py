@@ -217,3 +217,25 @@ def test_a_fused_step_follows_what_changes_between_steps(kind, fused_calls):
     both([*grads(0, 1, 2, 3), torch.randn(3, device=DEVICE)])  # the new group's first: eager
     both([*grads(0, 1, 2, 3), torch.randn(3, device=DEVICE)])
     assert len(fused_calls) >= 6
+
+
+def test_parameters_made_double_between_steps_keep_float_moments_as_eager():
+    # model.double() converts the parameters in place but not SGD's momentum buffers,
+    # which eager's step accepts: the fused plan (float32 moments) raised from then on
+    # (probe of session 30)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = fxlite.compile(train_step)
+    torch.manual_seed(1)
+    for i in range(6):
+        if i == 3:
+            model.double(), ref.double()
+        dtype = torch.float64 if i >= 3 else torch.float32
+        x = torch.randn(8, 6, device=DEVICE, dtype=dtype)
+        y = torch.randint(0, 3, (8,), device=DEVICE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = step(model, opt, x, y)
+        torch.testing.assert_close(loss, train_step(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
