@@ -462,7 +462,7 @@ class StateGuard:
         too large to key by its items on every call. Such a function is followed (its
         Python runs on every call), which costs speed, never results."""
         named = [(n, g()) for n, g in self._getters]
-        named += [(name, glob.get(name)) for glob, name in pairs]
+        named += [(name, _named_value(glob, name, None)) for glob, name in pairs]
         for name, value in named:
             if isinstance(value, (dict, list, tuple, bytearray, set)) or is_stateful(value):
                 found = too_large(value)
@@ -490,19 +490,21 @@ class StateGuard:
                           for n in new]
         return bool(new)
 
-    def watch_globals(self, pairs: list[tuple[dict, str]]) -> bool:
-        """Also check the globals ``(globals dict, name)`` that other functions the call
-        entered read (a helper reading a global flag); returns whether any was new."""
+    def watch_globals(self, pairs: list[tuple[Any, str]]) -> bool:
+        """Also check the globals ``(globals dict, name)`` and closure cells ``(cell,
+        name)`` that other functions the call entered read (a helper reading a global
+        flag, a hook reading its closure's list); returns whether any was new."""
         known = {(id(g.args[0]), g.args[1]) for _, g in self._getters
-                 if isinstance(g, functools.partial) and g.func == dict.get}
+                 if isinstance(g, functools.partial) and g.func in (dict.get, _cell_get)}
         added = False
         for glob, name in pairs:
-            value = glob.get(name, _EMPTY)
+            value = _named_value(glob, name)
             if (id(glob), name) in known or value is _EMPTY or isinstance(value, CODE_TYPES) \
                     and not (isinstance(value, type) and user_class(value)):
                 continue
             known.add((id(glob), name))
-            self._getters.append((name, functools.partial(dict.get, glob, name, _EMPTY)))
+            get = dict.get if isinstance(glob, dict) else _cell_get
+            self._getters.append((name, functools.partial(get, glob, name, _EMPTY)))
             added = True
         return added
 
@@ -533,6 +535,20 @@ class StateGuard:
         if self._holdings() != self._held:
             self._find_objects()
         return tuple(out)
+
+
+def _cell_get(cell: Any, name: str, default: Any) -> Any:
+    """A closure cell's value (``name``: the free variable's), or ``default`` if empty."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return default
+
+
+def _named_value(where: Any, name: str, default: Any = _EMPTY) -> Any:
+    """The value of a global (``where``: a globals dict) or a closure cell (a cell)."""
+    return where.get(name, default) if isinstance(where, dict) else \
+        _cell_get(where, name, default)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

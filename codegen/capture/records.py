@@ -150,7 +150,7 @@ class Recording:
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     dynamic: set[str] = field(default_factory=set)  # nodes whose sizes depend on values
     # (globals dict, name) pairs that functions other than the compiled one named
-    globals_read: list[tuple[dict, str]] = field(default_factory=list)
+    globals_read: list[tuple[Any, str]] = field(default_factory=list)
     context_read: list[Any] = field(default_factory=list)  # context variables it read
     environ_read: list[str] = field(default_factory=list)  # environment variables it read
 

@@ -176,7 +176,7 @@ class Watch:
         # while ``recorder.off``, the recorder runs a call that every replay runs again
         # whole (an optimizer's step with its hooks): its Python is not skipped
         self._recorder = recorder
-        self.names: list[tuple[dict, str]] = []
+        self.names: list[tuple[Any, str]] = []  # (globals dict or closure cell, name)
         self.context_vars: list[contextvars.ContextVar] = []  # read: to guard
         self.environ: list[str] = []  # environment variables read: to guard
         self._own = getattr(own, "__code__", None)
@@ -194,6 +194,7 @@ class Watch:
         self._first = True
         self._random: tuple = ()
         self._ignored: set[Any] = set()
+        self._outside: Any = None
 
     # ------------------------------------------------------------------ the hook
     def __enter__(self) -> Watch:
@@ -202,6 +203,7 @@ class Watch:
         # garbage-collector callbacks run wherever a collection happens: not the call's
         self._ignored = {getattr(cb, "__code__", None) for cb in gc.callbacks}
         self._old = sys.getprofile()
+        self._outside = sys._getframe(1)  # where the call is made: frames from here up
         sys.setprofile(self._event)
         return self
 
@@ -372,6 +374,11 @@ class Watch:
         for name in code.co_freevars:
             if name in local:
                 self.hold(local[name], name, frame)
+        if not code.co_flags & _GENERATOR and any(
+                is_stateful(local.get(name)) for name in code.co_freevars):
+            # a helper or hook reading a list or object its closure holds (box[0]): its
+            # cells are read like globals, and guarded (found through the function, once)
+            self.names += _cells(frame, code, self._outside)
 
     def hold(self, value: Any, name: str, frame: Any = None) -> None:
         """Remember the state of a container or object the user's code names (in
@@ -483,6 +490,39 @@ def _run_by_triton(frame: Any) -> bool:
     while f is not None and f.f_code.co_filename.startswith(_NUMPY):
         f = f.f_back
     return bool(_TRITON) and f is not None and f.f_code.co_filename.startswith(_TRITON)
+
+
+def _cells(frame: Any, code: types.CodeType, outside: Any) -> list[tuple[Any, str]]:
+    """``(cell, name)`` for each free variable of the function running in ``frame`` that
+    holds a container or object made before the call: the function whose code is ``code``
+    and whose cells hold the frame's values (a frame does not name its function; ``gc``
+    finds it, once per recording and code). A cell of a function running in the call
+    (the call made the closure: its values are the call's own) is left out, and so is
+    its function's: a guard would keep them alive."""
+    local = frame.f_locals
+    running = set()
+    f = frame.f_back
+    while f is not None and f is not outside:  # the call's frames (``outside``: the caller's)
+        for name in f.f_code.co_cellvars:
+            running.add(id(f.f_locals.get(name)))
+        f = f.f_back
+    for fn in gc.get_referrers(code):
+        if isinstance(fn, types.FunctionType) and fn.__code__ is code and fn.__closure__ \
+                and all(c.cell_contents is local.get(n, c.cell_contents)
+                        for n, c in zip(code.co_freevars, fn.__closure__)
+                        if _filled(c)):
+            return [(c, n) for c, n in zip(fn.__closure__, code.co_freevars)
+                    if _filled(c) and is_stateful(c.cell_contents)
+                    and id(c.cell_contents) not in running]
+    return []
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _user_frame(frame: Any) -> Any:

@@ -2007,6 +2007,42 @@ def make_closure_tensor_requires_grad_flipped():
     return Program(fn, x48, before=before, after=after)
 
 
+@program("state")
+def make_hook_reading_its_closures_list():
+    # a forward pre-hook and a helper each read a list their closure holds, changed
+    # between calls (probe of session 30: replays kept the first call's values)
+    lin = nn.Linear(8, 8)
+    box = [1.0]
+    scale = [0.5]
+    lin.register_forward_pre_hook(lambda mod, args: (args[0] * box[0],))
+
+    def act(t):
+        return t * scale[0]
+
+    def fn(x):
+        return act(lin(x)) + 1
+
+    def before(i):
+        box[0] = 1.0 + i
+        scale[0] = 0.5 * (i % 2 + 1)
+
+    return Program(fn, x48, {"lin": lin}, before=before)
+
+
+@program("exc")
+def make_cholesky_tested_in_try():
+    # a decomposition run only for its error: its unused result was dropped, and the
+    # user's except never ran (probe of session 30)
+    def fn(x):
+        try:
+            torch.linalg.cholesky(x)
+            return x * 2
+        except torch.linalg.LinAlgError:
+            return x * -1
+
+    return Program(fn, lambda i: (torch.eye(4) * (1.0 if i % 2 == 0 else -1.0),), calls=5)
+
+
 @contextlib.contextmanager
 def _torch_flags(deterministic: bool, precision: str, threads: int):
     """torch's global flags for one call, restored after it."""
