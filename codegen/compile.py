@@ -857,7 +857,8 @@ def _pure(rec: Any) -> bool:
     pure = getattr(rec, "_fxlite_pure", None)
     if pure is None:
         pure = rec._fxlite_pure = not any(
-            n.meta.get("impure") and "read" not in n.meta for n in rec.graph.nodes)
+            n.meta.get("impure") and "read" not in n.meta and "checks" not in n.meta
+            for n in rec.graph.nodes)
     return pure
 
 
@@ -909,7 +910,8 @@ def _writes_last(gm: GraphModule) -> bool:
                 continue
             if n.op == "call_method" and n.target == "copy_":
                 writing = True
-            elif writing or is_impure(n, gm) and "read" not in n.meta:  # (a read changes
+            elif writing or is_impure(n, gm) and "read" not in n.meta \
+                    and "checks" not in n.meta:  # (a read or a check changes
                 # nothing: `bool(t)` that ends a segment)
                 found = False
                 break

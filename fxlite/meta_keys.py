@@ -71,6 +71,10 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/lower/pipeline.py", "codegen/runtime/precompile.py", "fxlite/ops/shapes.py",
              "passes/fuse/__init__.py", "passes/fuse/classes.py", "passes/fuse/lone_groups.py",
              "passes/fuse/size_sources.py", "passes/normalize.py", "passes/shape_prop.py")),
+    MetaKey("checks", "bool (True only)",
+            "an op kept though its result is unused, for the error it may raise (a Cholesky "
+            "tested for positive definiteness): impure for dead-code elimination, safe to run "
+            "again when a replay raises", (_CAPTURE,), ("codegen/compile.py",)),
     MetaKey("example_value", "torch.SymInt (or a fake tensor)",
             "Dynamo's example of the node's value: a placeholder holding one of its SymInts "
             "is a size taken as an input", (), ("codegen/capture/symbolic.py",)),

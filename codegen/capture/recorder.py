@@ -69,6 +69,10 @@ __all__ = ["Prefix", "Recorder"]
 # Formatting a tensor as text reads its values, which a followed call (codegen/capture/follow.py)
 # does for real: such a recording is followed, not stopped.
 _FORMATS = frozenset({"__repr__", "__str__", "__format__"})
+# Kept when their result is unused, as checks: decompositions whose error may be the
+# point (`try: torch.linalg.cholesky(a)` to test positive definiteness)
+_CHECKS = frozenset({"linalg_cholesky", "cholesky", "linalg_inv", "inverse", "linalg_solve",
+                     "linalg_lu_factor", "linalg_solve_triangular"})
 
 
 class Recorder(TorchFunctionMode):
@@ -297,6 +301,8 @@ class Recorder(TorchFunctionMode):
         if mutated or random_op(func, args, kwargs) or out is None or kind in (
                 "effect", "external") or state_name(func) in ("grad", "data", "_base"):
             meta["impure"] = True
+        elif state_name(func) in _CHECKS:  # kept though unused, and safe to run again
+            meta.update(impure=True, checks=True)
         if kind == "external":
             meta["external"] = True
         if mutated:
