@@ -44,6 +44,7 @@ import torch
 from fxlite.codegen import compiler
 from fxlite.codegen import options as options_module
 from fxlite.codegen.compile import compile as fx_compile
+from fxlite.codegen.lower.autograd import _GroupFunction
 
 __all__ = ["compiled_graphs", "fxlite_aot_backend", "fxlite_backend", "kernel_count"]
 
@@ -85,8 +86,6 @@ def _backward_untraced() -> None:
     enters fxlite's backward there, and Dynamo traced into it, into fxlite's kernel
     checks and Triton's interpreter, graph-breaking at every step (a two-layer step did
     not finish its first call in 100 s on the CPU)."""
-    from fxlite.codegen.lower.autograd import _GroupFunction
-
     backward = _GroupFunction.__dict__["backward"].__func__
     if not getattr(backward, "_fxlite_untraced", False):
         untraced = torch._dynamo.disable(backward, recursive=True)
