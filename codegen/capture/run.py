@@ -149,9 +149,10 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                 recorder.finish()
         except Diverged as e:
             raise RuntimeError(f"fxlite: {e}") from None
-    result, returned = plain(result)
-    if recorder.escaped or returned:  # a size used as a value: the key holds the sizes
-        rec.sizes_read = True
+    if recorder.symbolic:
+        result, returned = plain(result)
+        if recorder.escaped or returned:  # a size used as a value: the key holds sizes
+            rec.sizes_read = True
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
     rec.environ_read = watch.environ

@@ -137,16 +137,19 @@ class SymbolicInt(int):
     del _name
 
 
-def plain(value: Any) -> Any:
+def plain(value: Any) -> tuple[Any, bool]:
     """``value`` with each :class:`SymbolicInt` in it (at any depth of tuples, lists and
-    dicts) an ``int``; returns whether one was found as well."""
+    dicts) an ``int``, and whether one was found. Without one, ``value`` itself: a result
+    is the caller's object, not a copy."""
     if isinstance(value, SymbolicInt):
         return int.__int__(value), True
     t = type(value)
     if t in (tuple, list):
         items = [plain(x) for x in value]
-        return t(v for v, _ in items), any(f for _, f in items)
-    if t is dict:
-        items = {k: plain(v) for k, v in value.items()}
-        return {k: v for k, (v, _) in items.items()}, any(f for _, f in items.values())
+        if any(f for _, f in items):
+            return t(v for v, _ in items), True
+    elif t is dict:
+        found = {k: plain(v) for k, v in value.items()}
+        if any(f for _, f in found.values()):
+            return {k: v for k, (v, _) in found.items()}, True
     return value, False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -131,3 +132,22 @@ def test_a_symbolic_int_records_its_arithmetic_and_says_when_used_as_a_value():
     assert [node.target.__name__ for node in graph.nodes if node.op == "call_function"][-2:] \
         == ["mul", "sub"]
     assert isinstance(n / 2, float) and owner.escaped
+
+
+def test_a_returned_container_is_the_functions_own_object():
+    # the recording call's result had its SymbolicInts made ints by rebuilding its
+    # containers; a list the function keeps and returns must stay that very list
+    kept: list = []
+
+    def fn(x):
+        kept.append(x * 2)
+        return kept
+
+    compiled = fxlite.compile(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            assert compiled(torch.randn(3)) is kept
+    compiled_graph = torch.compile(sizes_out, backend="fxlite", dynamic=True)
+    out = compiled_graph(torch.randn(2, 3))
+    assert type(out[1]) is int and not isinstance(out[1], SymbolicInt)
