@@ -376,14 +376,18 @@ class StateGuard:
         self._find_objects()
 
     def _find_objects(self) -> None:
-        """The plain objects the modules hold (``self.config``) and the user's module
-        classes with plain class attributes: both change without a module setattr, so
-        ``key`` reads them on every call."""
+        """The plain objects the modules hold (``self.config``, a hook object) and the
+        user's module classes with plain class attributes: both change without a module
+        setattr, so ``key`` reads them on every call."""
         objects: dict[int, Any] = {}
         for m in self.modules:
             for k, v in m.__dict__.items():
                 if not k.startswith("_") and is_stateful(v):
                     objects.setdefault(id(v), v)
+                elif k.endswith("hooks") and isinstance(v, dict):  # a hook object's own
+                    for h in v.values():  # attributes (`self.scale` read by its __call__)
+                        if not isinstance(h, types.FunctionType) and users_object(h):
+                            objects.setdefault(id(h), h)
         self._objects = list(objects.values())
         classes = {id(type(m)): type(m) for m in self.modules}
         self._classes = [(c, names) for c in classes.values()

@@ -2029,6 +2029,30 @@ def make_hook_reading_its_closures_list():
     return Program(fn, x48, {"lin": lin}, before=before)
 
 
+class _Scaler:
+    """A forward hook with state of its own."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * self.scale
+
+
+@program("state")
+def make_hook_object_attribute_changed():
+    # a hook object's attribute, changed between calls (probe of session 30: replays
+    # kept the first scale)
+    lin = nn.Linear(8, 8)
+    hook = _Scaler()
+    lin.register_forward_hook(hook)
+
+    def before(i):
+        hook.scale = 1.0 + 0.5 * i
+
+    return Program(lambda x: lin(x) + 0, x48, {"lin": lin}, before=before)
+
+
 @program("exc")
 def make_cholesky_tested_in_try():
     # a decomposition run only for its error: its unused result was dropped, and the
