@@ -577,17 +577,20 @@ def _token(walked: tuple) -> int:
 _FLAT = frozenset({bool, int, float, str, type(None)})
 
 
-def _attributes_key(obj: Any) -> tuple:
-    """An object's own attributes, scalars by value and the rest by identity: cheap
-    enough for every call (a transformers config, read through ``object`` so its own
-    ``__getattribute__`` stays out of it)."""
+def _attributes_key(obj: Any, depth: int = 2) -> tuple:
+    """An object's own attributes, scalars by value and the rest by identity, and an
+    object of the user's own class among them the same way, ``depth`` levels down
+    (``self.cfg.inner.temp``): cheap enough for every call (a transformers config, read
+    through ``object`` so its own ``__getattribute__`` stays out of it)."""
     if isinstance(obj, (dict, list, set, bytearray)):
         return contents_key(obj)  # a container the module holds: its items
     try:
         d = object.__getattribute__(obj, "__dict__")
     except AttributeError:
         return (id(obj),)
-    return tuple([v if v.__class__ in _FLAT else id(v) for v in d.values()])
+    return tuple([v if v.__class__ in _FLAT else
+                  (id(v), _attributes_key(v, depth - 1)) if depth > 1 and users_object(v)
+                  else id(v) for v in d.values()])
 
 
 def _content(v: Any) -> Any:

@@ -2053,6 +2053,36 @@ def make_hook_object_attribute_changed():
     return Program(lambda x: lin(x) + 0, x48, {"lin": lin}, before=before)
 
 
+class _Inner:
+    temp = 1.0
+
+
+class _Cfg:
+    def __init__(self) -> None:
+        self.inner = _Inner()
+
+
+@program("state")
+def make_config_attribute_two_levels_down():
+    # self.cfg.inner.temp changed between calls (probe of session 30: one level down
+    # was checked, two were not)
+    class Tempered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.cfg = _Cfg()
+
+        def forward(self, x):
+            return self.lin(x) / self.cfg.inner.temp
+
+    model = Tempered()
+
+    def before(i):
+        model.cfg.inner.temp = 1.0 + i
+
+    return Program(model, x48, {"model": model}, before=before)
+
+
 @program("exc")
 def make_cholesky_tested_in_try():
     # a decomposition run only for its error: its unused result was dropped, and the
