@@ -44,6 +44,7 @@ import dis
 import functools
 import gc
 import importlib.util
+import inspect
 import linecache
 import os
 import random
@@ -269,6 +270,17 @@ class Watch:
         code = frame.f_code
         name = code.co_filename
         if name.startswith(_TRUSTED) or _KERNEL_FILE in name:
+            if code in _hook_registrations() and self._recorder is not None:
+                caller = _caller(frame)
+                if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
+                    # the hook is a function the call makes (it may hold the call's values):
+                    # a replay would keep the first call's; the call runs in eager
+                    self._recorder.stop("registers a hook on a module",
+                                        (caller.f_code.co_filename, caller.f_lineno,
+                                         caller.f_code.co_name, linecache.getline(
+                                             caller.f_code.co_filename,
+                                             caller.f_lineno).strip()))
+                return
             what = _rng_functions().get(code)
             if what is not None:
                 caller = frame.f_back
@@ -559,6 +571,32 @@ def _unreplayable_result(result: Any) -> str | None:
             return ("returns a function holding values of the call (a closure), which a "
                     "replay would return as the first call's")
     return None
+
+
+_HOOK_REGISTRATIONS: set[types.CodeType] = set()
+
+
+def _hook_registrations() -> set[types.CodeType]:
+    """The code of ``nn.Module``'s hook registrations (forward, pre-forward, backward):
+    called inside a compiled call, they register a function the call made."""
+    if not _HOOK_REGISTRATIONS:
+        m = torch.nn.Module
+        for fn in (m.register_forward_hook, m.register_forward_pre_hook,
+                   m.register_full_backward_hook, m.register_full_backward_pre_hook,
+                   m.register_backward_hook):
+            # (the originals: guards.py wraps them all in one counting wrapper)
+            _HOOK_REGISTRATIONS.add(inspect.unwrap(fn).__code__)
+    return _HOOK_REGISTRATIONS
+
+
+def _caller(frame: Any) -> Any:
+    """The frame that called ``frame``'s function, past torch's wrappers (Dynamo's) and
+    the counting wrapper of guards.py around nn.Module's methods."""
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename.endswith(
+            (*_WRAPPERS, os.path.join("capture", "guards.py"))):
+        caller = caller.f_back
+    return caller
 
 
 _RNG_FUNCTIONS: dict[types.CodeType, str] = {}

@@ -190,6 +190,35 @@ def test_a_followed_step_trains_a_layer_unfrozen_between_calls():
     assert c.tier.startswith("followed")
 
 
+def test_a_module_hook_registered_in_the_step_runs_eagerly_saying_so():
+    # a full backward hook made each step around that step's value (probe of session
+    # 30: replays kept the first step's hook, and 5 of 5 steps differed from eager's)
+    def step(model, opt, x, y, v):
+        opt.zero_grad()
+        h = model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * v.sum(),))
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        h.remove()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    c = fxlite.compile(step)
+    said = []
+    for _ in range(4):
+        x = torch.randn(4, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        v = torch.rand(16, device=DEVICE)
+        got, warned = quiet(c, model, opt, x, y, v)
+        torch.testing.assert_close(got, step(ref, ref_opt, x, y, v))
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())
+        said += warned
+    assert len(said) == 1 and "registers a hook on a module" in said[0], said
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
