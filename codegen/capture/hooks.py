@@ -17,6 +17,7 @@ so no other thread sees a change of behaviour.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -40,9 +41,21 @@ def _apply_hook(orig: Any) -> Any:
         rec = _active()
         if rec is None:
             return orig.__func__(cls, *args, **kwargs)
+        if any(_closure(a) for a in (*args, *kwargs.values())):
+            # checkpoint(lambda t: model(t) * mask, x): the function holds the call's own
+            # values, and a replay would call the first call's
+            rec.stop(f"passes a function holding values (a closure) to {cls.__name__}, "
+                     "which a replay would call as the first call made it")
+            return orig.__func__(cls, *args, **kwargs)
         return rec.call_opaque(cls.apply, lambda *a, **k: orig.__func__(cls, *a, **k),
                                args, kwargs)
     return classmethod(apply)
+
+
+def _closure(value: Any) -> bool:
+    """A function that holds values: a closure or a ``functools.partial``."""
+    return isinstance(value, functools.partial) or \
+        isinstance(value, types.FunctionType) and value.__closure__ is not None
 
 
 def _cond_dispatch(*args: Any, **kwargs: Any) -> Any:

@@ -219,6 +219,38 @@ def test_a_module_hook_registered_in_the_step_runs_eagerly_saying_so():
     assert len(said) == 1 and "registers a hook on a module" in said[0], said
 
 
+def test_a_checkpointed_closure_holding_the_steps_tensor_runs_eagerly_saying_so():
+    # checkpoint(lambda t: ... * mask, x): the custom Function's apply was recorded as one
+    # call holding the first call's lambda, whose mask the backward's recompute read
+    # (probe of session 30: silently wrong from the second step)
+    from torch.utils.checkpoint import checkpoint
+
+    def step(model, opt, x, y, mask):
+        opt.zero_grad()
+        out = checkpoint(lambda t: model[2](F.relu(model[0](t))) * mask,
+                         x.clone().requires_grad_(), use_reentrant=True)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    c = fxlite.compile(step)
+    said = []
+    for _ in range(4):
+        x = torch.randn(4, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        mask = torch.rand(4, device=DEVICE)
+        got, warned = quiet(c, model, opt, x.clone(), y, mask)
+        torch.testing.assert_close(got, step(ref, ref_opt, x.clone(), y, mask))
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())
+        said += warned
+    assert len(said) == 1 and "closure" in said[0], said
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
