@@ -62,15 +62,15 @@ __all__ = ["Watch", "contents_key", "is_stateful", "optimizer_key", "too_large",
            "users_object"]
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
-# torch's and fxlite's files, generated forward()s and Python's import machinery
 def _library_dir(name: str) -> str:
     spec = importlib.util.find_spec(name)
     return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else ""
 
 
 _NUMPY, _TRITON = _library_dir("numpy"), _library_dir("triton")
-# Triton's frames too: its interpreter (TRITON_INTERPRET=1) runs the kernels a first
-# backward compiles and checks inside a recorded call, and keeps state of its own
+# torch's and fxlite's files, generated forward()s and Python's import machinery; Triton's
+# frames too: its interpreter (TRITON_INTERPRET=1) runs the kernels a first backward
+# compiles and checks inside a recorded call, and keeps state of its own
 _TRUSTED = (*LIB_DIRS, *((_TRITON,) if _TRITON else ()), "<fxlite", "<frozen importlib")
 _KERNEL_FILE = "fxlite_kernel_"  # a generated kernel's source in the cache folder (cache.py)
 _FROZEN = "<frozen "  # a frozen standard-library module: "<frozen os>"
@@ -209,6 +209,7 @@ class Watch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._outside = None  # (a frame: not kept past the call)
         old = self._old
         if old is None or callable(old):
             sys.setprofile(old)
@@ -283,11 +284,9 @@ class Watch:
                 return
             what = _rng_functions().get(code)
             if what is not None:
-                caller = frame.f_back
-                # once torch._dynamo is imported, torch.manual_seed is called through its
-                # "disable" wrapper: the user's call is the frame before the wrapper's
-                while caller is not None and caller.f_code.co_filename.endswith(_WRAPPERS):
-                    caller = caller.f_back
+                # (once torch._dynamo is imported, torch.manual_seed is called through its
+                # "disable" wrapper: the user's call is the frame before the wrapper's)
+                caller = _caller(frame)
                 if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
                     self._found(f"{what} a random generator's state, which a replay would "
                                 "not do again", caller)
