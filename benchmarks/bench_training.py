@@ -105,25 +105,7 @@ def gpt2_lm_step_case():
     """The faithful-Python issue's nanoGPT-style step: transformers' GPT2LMHeadModel (6
     layers, width 512) called with ``labels=``, bfloat16 autocast, ``clip_grad_norm_``,
     AdamW and ``zero_grad(set_to_none=True)``; batch 8 x 512 tokens, dropout off."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=512, resid_pdrop=0.0,
-                     attn_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa")
-    model = GPT2LMHeadModel(cfg).cuda()
-    data = [(torch.randint(0, cfg.vocab_size, (8, 512), device="cuda"), None)
-            for _ in range(4)]
-
-    def step(model, opt, ids, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=1e-4, **kw), data,
-            step, torch.bfloat16)
+    return _gpt2_lm_case(dict(n_layer=6, n_embd=512, n_head=8, n_positions=512), 512, 1e-4)
 
 
 def gpt2_124m_case():
@@ -131,13 +113,19 @@ def gpt2_124m_case():
     default size (12 layers, width 768, 1024 positions), batch 8 x 1024 tokens, bfloat16
     autocast, ``clip_grad_norm_``, AdamW (its fused kernels in the ``eager_fused`` row) and
     ``zero_grad(set_to_none=True)``; dropout off."""
+    return _gpt2_lm_case({}, 1024, 6e-4)
+
+
+def _gpt2_lm_case(sizes, tokens, lr):
+    """A GPT2LMHeadModel step (the two cases above): ``sizes`` for its config, batch 8 x
+    ``tokens``, AdamW at ``lr``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0,
+    cfg = GPT2Config(**sizes, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0,
                      attn_implementation="sdpa")
     model = GPT2LMHeadModel(cfg).cuda()
-    data = [(torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"), None)
+    data = [(torch.randint(0, cfg.vocab_size, (8, tokens), device="cuda"), None)
             for _ in range(4)]
 
     def step(model, opt, ids, y):
@@ -148,7 +136,7 @@ def gpt2_124m_case():
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
-    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=6e-4, **kw), data,
+    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=lr, **kw), data,
             step, torch.bfloat16)
 
 
