@@ -190,6 +190,27 @@ def test_a_followed_step_trains_a_layer_unfrozen_between_calls():
     assert c.tier.startswith("followed")
 
 
+def mlp_steps_warnings(step, activation, extra):
+    """Train a small MLP (``activation`` in its middle) with SGD for 4 steps, compiled and
+    eager side by side, ``step(model, opt, x, y, extra())``; compare the loss and the
+    parameters after every step, and return fxlite's warnings."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), activation, nn.Linear(16, 4)).to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    c = fxlite.compile(step)
+    said = []
+    for _ in range(4):
+        x = torch.randn(4, 8, device=DEVICE)
+        y = torch.randint(0, 4, (4,), device=DEVICE)
+        value = extra()
+        got, warned = quiet(c, model, opt, x.clone(), y, value)
+        torch.testing.assert_close(got, step(ref, ref_opt, x.clone(), y, value))
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())
+        said += warned
+    return said
+
+
 def test_a_module_hook_registered_in_the_step_runs_eagerly_saying_so():
     # a full backward hook made each step around that step's value (probe of session
     # 30: replays kept the first step's hook, and 5 of 5 steps differed from eager's)
@@ -202,20 +223,7 @@ def test_a_module_hook_registered_in_the_step_runs_eagerly_saying_so():
         opt.step()
         return loss
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(DEVICE)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    c = fxlite.compile(step)
-    said = []
-    for _ in range(4):
-        x = torch.randn(4, 8, device=DEVICE)
-        y = torch.randint(0, 4, (4,), device=DEVICE)
-        v = torch.rand(16, device=DEVICE)
-        got, warned = quiet(c, model, opt, x, y, v)
-        torch.testing.assert_close(got, step(ref, ref_opt, x, y, v))
-        torch.testing.assert_close(model.state_dict(), ref.state_dict())
-        said += warned
+    said = mlp_steps_warnings(step, nn.GELU(), lambda: torch.rand(16, device=DEVICE))
     assert len(said) == 1 and "registers a hook on a module" in said[0], said
 
 
@@ -234,20 +242,7 @@ def test_a_checkpointed_closure_holding_the_steps_tensor_runs_eagerly_saying_so(
         opt.step()
         return loss
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    c = fxlite.compile(step)
-    said = []
-    for _ in range(4):
-        x = torch.randn(4, 8, device=DEVICE)
-        y = torch.randint(0, 4, (4,), device=DEVICE)
-        mask = torch.rand(4, device=DEVICE)
-        got, warned = quiet(c, model, opt, x.clone(), y, mask)
-        torch.testing.assert_close(got, step(ref, ref_opt, x.clone(), y, mask))
-        torch.testing.assert_close(model.state_dict(), ref.state_dict())
-        said += warned
+    said = mlp_steps_warnings(step, nn.ReLU(), lambda: torch.rand(4, device=DEVICE))
     assert len(said) == 1 and "closure" in said[0], said
 
 
