@@ -27,18 +27,12 @@ from fxlite.codegen.capture.symbolic import SymbolicInt
 
 import fxlite
 
+from test_dynamo_backend import _fresh  # noqa: F401  isort: skip  (resets around each test)
+
 pytest.importorskip("triton")
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 SIZES = [(2, 3), (3, 5), (4, 7), (2, 3), (5, 2)]
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    fxlite.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def norm_relu(x, w):
