@@ -262,34 +262,22 @@ class Watch:
         self._returned[:] = alive
 
     def _found(self, what: str, frame: Any, line: int | None = None) -> None:
-        code = frame.f_code
-        lineno = line or frame.f_lineno
-        source = linecache.getline(code.co_filename, lineno).strip()
-        self.effect = f"{what}\n  {format_site((code.co_filename, lineno, code.co_name, source))}"
+        self.effect = f"{what}\n  {format_site(_site(frame, line))}"
 
     def _enter(self, frame: Any) -> None:
         code = frame.f_code
         name = code.co_filename
         if name.startswith(_TRUSTED) or _KERNEL_FILE in name:
-            if code in _hook_registrations() and self._recorder is not None:
+            found = _torch_functions().get(code)
+            if found is not None:
                 caller = _caller(frame)
-                if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
-                    # the hook is a function the call makes (it may hold the call's values):
-                    # a replay would keep the first call's; the call runs in eager
-                    self._recorder.stop("registers a hook on a module",
-                                        (caller.f_code.co_filename, caller.f_lineno,
-                                         caller.f_code.co_name, linecache.getline(
-                                             caller.f_code.co_filename,
-                                             caller.f_lineno).strip()))
-                return
-            what = _rng_functions().get(code)
-            if what is not None:
-                # (once torch._dynamo is imported, torch.manual_seed is called through its
-                # "disable" wrapper: the user's call is the frame before the wrapper's)
-                caller = _caller(frame)
-                if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED):
-                    self._found(f"{what} a random generator's state, which a replay would "
-                                "not do again", caller)
+                if caller is None or caller.f_code.co_filename.startswith(_TRUSTED):
+                    return  # torch's or fxlite's own call
+                stops, what = found
+                if not stops:
+                    self._found(what, caller)
+                elif self._recorder is not None:  # the call runs in eager
+                    self._recorder.stop(what, _site(caller))
             return
         if name.startswith((_STDLIB, _FROZEN)):
             module = name[len(_FROZEN):-1] if name.startswith(_FROZEN) else \
@@ -572,22 +560,6 @@ def _unreplayable_result(result: Any) -> str | None:
     return None
 
 
-_HOOK_REGISTRATIONS: set[types.CodeType] = set()
-
-
-def _hook_registrations() -> set[types.CodeType]:
-    """The code of ``nn.Module``'s hook registrations (forward, pre-forward, backward):
-    called inside a compiled call, they register a function the call made."""
-    if not _HOOK_REGISTRATIONS:
-        m = torch.nn.Module
-        for fn in (m.register_forward_hook, m.register_forward_pre_hook,
-                   m.register_full_backward_hook, m.register_full_backward_pre_hook,
-                   m.register_backward_hook):
-            # (the originals: guards.py wraps them all in one counting wrapper)
-            _HOOK_REGISTRATIONS.add(inspect.unwrap(fn).__code__)
-    return _HOOK_REGISTRATIONS
-
-
 def _caller(frame: Any) -> Any:
     """The frame that called ``frame``'s function, past torch's wrappers (Dynamo's) and
     the counting wrapper of guards.py around nn.Module's methods."""
@@ -598,17 +570,22 @@ def _caller(frame: Any) -> Any:
     return caller
 
 
-_RNG_FUNCTIONS: dict[types.CodeType, str] = {}
+_TORCH_FUNCTIONS: dict[types.CodeType, tuple[bool, str]] = {}
 
 
-def _rng_functions() -> dict[types.CodeType, str]:
-    """The code of torch's Python functions that set a generator's state
-    (``torch.set_rng_state``, ``torch.manual_seed``) or read it (``torch.initial_seed``,
-    ``torch.get_rng_state``), which the watcher does not otherwise look into, and the
-    verb for each. (The recorder also compares ``torch.initial_seed()`` before and after,
-    which misses a reseed to the seed already in place: ``torch.manual_seed(1)`` on every
-    call.)"""
-    if not _RNG_FUNCTIONS:
+def _torch_functions() -> dict[types.CodeType, tuple[bool, str]]:
+    """The code of torch's Python functions that the watcher does not otherwise look
+    into but must see when the user calls them, each with whether the call then runs in
+    eager (else it is followed) and why:
+
+    - setting a generator's state (``torch.set_rng_state``, ``torch.manual_seed``) or
+      reading it (``torch.initial_seed``, ``torch.get_rng_state``). (The recorder also
+      compares ``torch.initial_seed()`` before and after, which misses a reseed to the
+      seed already in place: ``torch.manual_seed(1)`` on every call.)
+    - ``nn.Module``'s hook registrations: the hook is a function the call makes (it may
+      hold the call's values), and a replay would keep the first call's. The call runs
+      in eager."""
+    if not _TORCH_FUNCTIONS:
         import torch.cuda.random as cuda_random
         import torch.random as cpu_random
 
@@ -616,12 +593,29 @@ def _rng_functions() -> dict[types.CodeType, str]:
                    cuda_random.set_rng_state, cuda_random.set_rng_state_all,
                    cuda_random.manual_seed, cuda_random.manual_seed_all, cuda_random.seed,
                    cuda_random.seed_all):
-            _RNG_FUNCTIONS[fn.__code__] = "sets"
+            _TORCH_FUNCTIONS[fn.__code__] = (
+                False, "sets a random generator's state, which a replay would not do again")
         for fn in (cpu_random.initial_seed, cpu_random.get_rng_state,
                    cuda_random.initial_seed, cuda_random.get_rng_state,
                    cuda_random.get_rng_state_all):
-            _RNG_FUNCTIONS[fn.__code__] = "reads"
-    return _RNG_FUNCTIONS
+            _TORCH_FUNCTIONS[fn.__code__] = (
+                False, "reads a random generator's state, which a replay would not do again")
+        m = torch.nn.Module
+        for fn in (m.register_forward_hook, m.register_forward_pre_hook,
+                   m.register_full_backward_hook, m.register_full_backward_pre_hook,
+                   m.register_backward_hook):
+            # (the originals: guards.py wraps them all in one counting wrapper)
+            _TORCH_FUNCTIONS[inspect.unwrap(fn).__code__] = (
+                True, "registers a hook on a module")
+    return _TORCH_FUNCTIONS
+
+
+def _site(frame: Any, line: int | None = None) -> tuple[str, int, str, str]:
+    """``frame``'s file, line (``line`` if given), function and source line."""
+    code = frame.f_code
+    lineno = line or frame.f_lineno
+    return (code.co_filename, lineno, code.co_name,
+            linecache.getline(code.co_filename, lineno).strip())
 
 
 def _effect_of(fn: Any) -> str | None:
