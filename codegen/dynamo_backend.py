@@ -44,7 +44,7 @@ import torch
 from fxlite.codegen import compiler
 from fxlite.codegen import options as options_module
 from fxlite.codegen.compile import compile as fx_compile
-from fxlite.codegen.lower.autograd import _GroupFunction
+from fxlite.codegen.lower.autograd import backward_untraced
 
 __all__ = ["compiled_graphs", "fxlite_aot_backend", "fxlite_backend", "kernel_count"]
 
@@ -71,26 +71,11 @@ def fxlite_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         compiled(x)
     """
     _ready(gm)
-    _backward_untraced()
+    backward_untraced()
     compiled = fx_compile(gm, mode=mode, options=options)
     with _LOCK:
         _MADE.append(weakref.ref(compiled))
     return compiled
-
-
-def _backward_untraced() -> None:
-    """Run fxlite's autograd backward with Dynamo off.
-
-    Why: Dynamo compiles each Python frame entered while it runs the Python of a graph
-    break, and ``loss.backward()`` inside a compiled step is one: the autograd engine
-    enters fxlite's backward there, and Dynamo traced into it, into fxlite's kernel
-    checks and Triton's interpreter, graph-breaking at every step (a two-layer step did
-    not finish its first call in 100 s on the CPU)."""
-    backward = _GroupFunction.__dict__["backward"].__func__
-    if not getattr(backward, "_fxlite_untraced", False):
-        untraced = torch._dynamo.disable(backward, recursive=True)
-        untraced._fxlite_untraced = True
-        _GroupFunction.backward = staticmethod(untraced)
 
 
 def _ready(gm: torch.fx.GraphModule) -> None:

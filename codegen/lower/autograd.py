@@ -45,7 +45,7 @@ from fxlite.node import Node, Opcode, map_arg
 from fxlite.ops import lookup
 from fxlite.ops.shapes import as_meta, meta_tensor, propagate
 
-__all__ = ["AutogradGroup", "make_autograd_group", "swap_in_autograd"]
+__all__ = ["AutogradGroup", "backward_untraced", "make_autograd_group", "swap_in_autograd"]
 
 _MAX_VARIANTS = 16
 
@@ -288,6 +288,22 @@ class _GroupFunction(torch.autograd.Function):
             else:
                 out.append(None)
         return tuple(out)
+
+
+def backward_untraced() -> None:
+    """Run the fused groups' backward with Dynamo off, from now on (the Dynamo backend
+    calls it, with ``torch._dynamo`` imported).
+
+    Why: Dynamo compiles each Python frame entered while it runs the Python of a graph
+    break, and ``loss.backward()`` inside a compiled step is one: the autograd engine
+    enters this backward there, and Dynamo traced into it, into fxlite's kernel checks
+    and Triton's interpreter, graph-breaking at every step (a two-layer step did not
+    finish its first call in 100 s on the CPU)."""
+    backward = _GroupFunction.__dict__["backward"].__func__
+    if not getattr(backward, "_fxlite_untraced", False):
+        untraced = torch._dynamo.disable(backward, recursive=True)
+        untraced._fxlite_untraced = True
+        _GroupFunction.backward = staticmethod(untraced)
 
 
 class AutogradGroup:
