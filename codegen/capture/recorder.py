@@ -307,7 +307,9 @@ class Recorder(TorchFunctionMode):
             meta["external"] = True
         if mutated:
             self._note_mutation(node, mutated, out)
-        if state_name(func) in SIZE_FANOUT:
+        if state_name(func) in SIZE_FANOUT and not self.symbolic:
+            # (a Dynamo graph takes the results by fixed positions, and Dynamo's guards
+            # keep their number: GPT-2's qkv.split serves every sequence length)
             self.rec.sizes_read = True
         if state_name(func) == "grad" and args:  # whether it is None steers Python (zero_grad)
             self.rec.grad_reads.append((args[0], out is None))

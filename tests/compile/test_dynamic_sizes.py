@@ -53,14 +53,23 @@ def positions(x, w):
     return torch.sigmoid(x[:, : T - 1] + pos[:, 1:]) * w
 
 
+def split_attention(x, w):
+    # GPT-2's attention: a split whose number of results depends on a size (SIZE_FANOUT)
+    B, T, C = x.shape
+    q, k, v = (x @ w).split(C, dim=2)
+    a, b = v.chunk(2, dim=-1)
+    att = torch.softmax(q @ k.transpose(1, 2) * 0.5, -1)
+    return torch.cat([att @ a, att @ b], -1) + x
+
+
 def graphs():
     return [g for g in dynamo_backend.compiled_graphs()]
 
 
-@pytest.mark.parametrize("fn", [norm_relu, heads, positions])
+@pytest.mark.parametrize("fn", [norm_relu, heads, positions, split_attention])
 def test_one_recording_serves_every_size(fn):
     compiled = torch.compile(fn, backend="fxlite", dynamic=True)
-    w = torch.randn(8, 8) if fn is heads else torch.randn(8)
+    w = {heads: torch.randn(8, 8), split_attention: torch.randn(8, 24)}.get(fn, torch.randn(8))
     for B, T in SIZES:
         x = torch.randn(B, T, 8)
         torch.testing.assert_close(compiled(x, w), fn(x, w))
