@@ -82,9 +82,12 @@ def reset() -> None:
             continue
         lock = compiled.__dict__.get("_lock")
         with lock if lock is not None else contextlib.nullcontext():
+            given = compiled.__dict__.get("_given")  # compile()'s arguments, for copies
             compiled.__dict__.clear()
             type(compiled).__init__(compiled, *args)
             configure(compiled)
+            if given is not None:
+                compiled._given = given
     for forget in _ON_RESET:
         forget()
 

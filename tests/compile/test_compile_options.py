@@ -9,6 +9,7 @@ Every compiled result is compared with eager over several calls with fresh input
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import warnings
@@ -212,6 +213,8 @@ def test_reset_keeps_what_compile_set():
     fxlite.reset()
     assert c.recompile_limit == 2 and c._mode == "max-autotune" and c.__name__ == "relu_add_mul"
     calls(c, relu_add_mul, (4,))
+    twin = copy.deepcopy(c)  # (a copy compiles with the same arguments: reset kept them)
+    assert twin.recompile_limit == 2 and twin._mode == "max-autotune"
 
 
 # ------------------------------------------------------------------ fxlite.compiler
