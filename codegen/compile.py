@@ -51,10 +51,11 @@ from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
 from fxlite.codegen.capture.symbolic import symbolic_positions
+from fxlite.codegen.compiler import register
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
 from fxlite.codegen.lower.segment import compile_segment, expand_kernels
-from fxlite.codegen.options import MODES, resolve
+from fxlite.codegen.options import MODES, Settings, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
 from fxlite.codegen.runtime.straight_line import AttrCheck, StraightRunner, fast_key
@@ -162,6 +163,10 @@ class CompiledFunction:
         # the positions of the sizes a Dynamo graph takes as arguments: recorded as inputs
         # (capture/symbolic.py), so that one recording serves every size
         self._symbolic = symbolic_positions(fn)
+        # fn under Dynamo (dynamo_backend.DynamicFunction) once an argument was marked with
+        # torch._dynamo.mark_dynamic; a graph's arguments (Dynamo's own) are not followed
+        self._dynamo: Any = None
+        self.follow_marks = not isinstance(fn, torch.fx.GraphModule)
         self._recordings = 0
         # key -> why its calls run in eager PyTorch
         self._eager_why: dict[CallKey | FollowKey, str] = {}
@@ -212,6 +217,8 @@ class CompiledFunction:
         return self if obj is None else types.MethodType(self, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._dynamo is not None:
+            return self._dynamo(*args, **kwargs)
         rec = recording_thread()
         if rec is not None and not rec.off:  # inside another recording: be recorded
             return self._fn(*args, **kwargs)
@@ -295,6 +302,17 @@ class CompiledFunction:
             if out is not _NOT_RUN:
                 return root.result(out)
         return self._walk(root, leaves, args, kwargs)
+
+    def _marked_dynamic(self, args: tuple, kwargs: dict) -> Any:
+        """A call given a tensor marked with ``torch._dynamo.mark_dynamic``: from now on
+        ``fn`` runs under Dynamo, which keeps the marked sizes symbolic, and fxlite compiles
+        its graphs (as ``fxlite.compile(fn, dynamic=True)`` does for every size)."""
+        # here: dynamo_backend imports this module, and torch._dynamo is a slow import
+        from fxlite.codegen.dynamo_backend import DynamicFunction
+
+        self._dynamo = DynamicFunction(self._fn, self._backend, self._fullgraph, self._mode,
+                                       dynamic=None)
+        return self._dynamo(*args, **kwargs)
 
     def _replay_failed(self, seg: Segment, args: tuple, kwargs: dict,
                        grad: tuple | None = None) -> Any:
@@ -385,6 +403,9 @@ class CompiledFunction:
                 self._over_limit(_what_changed(list(self._trees), key, leaves))
                 return self._fn(*args, **kwargs)
             fkey = numbers
+        if self.follow_marks and any(getattr(x, "_dynamo_dynamic_indices", None)
+                                     for x in leaves if isinstance(x, torch.Tensor)):
+            return self._marked_dynamic(args, kwargs)
         self._recordings += 1
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         with side_stream(self._graphs_wanted()):
@@ -707,6 +728,8 @@ class CompiledFunction:
     @property
     def kernels(self) -> list[Any]:
         """The Triton kernels of the segments the latest call ran."""
+        if self._dynamo is not None:
+            return self._dynamo.kernels
         return expand_kernels([k for seg in self._last
                                for k in (seg.compiled.kernels if seg.compiled else [])])
 
@@ -719,6 +742,8 @@ class CompiledFunction:
         """Why parts of the latest call run in eager PyTorch (or all of it), including the
         parts of autograd groups built after the compile (a backward's kernels are made
         and checked by the first backward)."""
+        if self._dynamo is not None:
+            return self._dynamo.fallbacks
         whole = None if self._last else self._last_eager
         said = ([f"{_name(self._fn)} runs in eager PyTorch: {whole}"] if whole else []) + [
             f for seg in self._last for f in (seg.compiled.fallbacks if seg.compiled else [])]
@@ -730,6 +755,8 @@ class CompiledFunction:
     def tier(self) -> str:
         """How the latest call ran, and why: ``"replayed"``, ``"followed: it ..."`` (its
         Python ran, its torch calls served by kernels) or ``"eager: it ..."``."""
+        if self._dynamo is not None:
+            return self._dynamo.tier
         plan = next((p for p in self._followed.values() if p is not _EAGER
                      and p.pieces is self._last), None)
         if plan is not None:
@@ -741,11 +768,13 @@ class CompiledFunction:
     def recordings(self) -> int:
         """How many times the function was recorded (its first call, and each call whose
         key no recording matched: new argument layouts, or sizes where one read them)."""
-        return self._recordings
+        return self._recordings + (self._dynamo.recordings if self._dynamo is not None else 0)
 
     @property
     def code(self) -> str:
         """The generated Python of the segments the latest call ran."""
+        if self._dynamo is not None:
+            return self._dynamo.code
         parts = [seg.compiled.gm.code for seg in self._last if seg.compiled is not None]
         return "\n".join(parts)
 
@@ -1059,6 +1088,23 @@ class CompiledModule(torch.nn.Module):
             return getattr(self._orig_mod, name)
 
 
+def _through_dynamo(fn: Any, settings: Settings, backend: Any, fullgraph: bool,
+                    mode: str | None, options: dict[str, Any] | None) -> Any:
+    """``fxlite.compile(fn, dynamic=True)``: Dynamo captures ``fn`` with symbolic sizes
+    and fxlite compiles its graphs (``dynamo_backend.DynamicFunction``); a Dynamo
+    backend's name gets Dynamo's graphs, with ``mode`` and ``options``, as in
+    ``torch.compile``."""
+    # here: dynamo_backend imports this module, and torch._dynamo is a slow import
+    from fxlite.codegen.dynamo_backend import DynamicFunction
+
+    named = isinstance(backend, str) and backend not in ("triton", "python", "fxlite")
+    args = (fn, backend, fullgraph, mode, options) if named else (
+        fn, settings.backend, fullgraph, settings.mode, None)
+    compiled = DynamicFunction(*args)
+    register(compiled, args, lambda _: None)
+    return compiled
+
+
 def _recompiled(module: torch.nn.Module, given: dict[str, Any]) -> Any:
     """``compile(module, **given)``: how a pickled compiled module is loaded."""
     return compile(module, **given)
@@ -1104,9 +1150,12 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
             (it reads an address or a storage, reseeds). Python
             effects are no graph break: a function that prints, sets an argument's
             attributes or keeps tensors in a dict is followed, as Dynamo replays them.
-        dynamic: None, True or False. fxlite's keys hold no sizes unless the recorded code
-            reads one, whatever the value; a recording that reads sizes is specialized to
-            them. ``torch._dynamo.mark_dynamic`` is accepted and changes nothing.
+        dynamic: True runs ``fn`` under Dynamo with every size symbolic, fxlite compiling
+            each graph it captures once for all sizes (``dynamo_backend.DynamicFunction``).
+            None: fxlite's keys hold no sizes unless the recorded code reads one, and a
+            recording that reads sizes is specialized to them; a call given a tensor
+            marked with ``torch._dynamo.mark_dynamic`` switches ``fn`` to Dynamo. False:
+            specialized, marks ignored.
         backend: ``"triton"`` (or ``"fxlite"``: fused kernels), ``"python"`` (the recorded
             ops as Python), ``"eager"`` (``fn`` itself, not compiled), a name that
             ``torch._dynamo.list_backends()`` knows (``"inductor"``, ``"aot_eager"``: each
@@ -1124,7 +1173,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         recompile_limit: how many recordings (keys and paths) before new ones run in eager
             PyTorch, with one warning; default ``CompiledFunction.recompile_limit`` (8).
         isolate_recompiles: accepted: every ``fxlite.compile`` call has its own entries.
-        shapes_spec: accepted, no effect (as ``dynamic``).
+        shapes_spec: accepted, no effect.
 
     Returns:
         A callable with the original's signature (a module for a module); ``fn`` itself
@@ -1153,8 +1202,11 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
     if settings.as_is:
         _check_options(fn, "triton", fullgraph, None)
         return fn
-    compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
-    settings.apply(compiled, fn, fullgraph)
+    if dynamic:
+        compiled = _through_dynamo(fn, settings, backend, fullgraph, mode, options)
+    else:
+        compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
+        settings.apply(compiled, fn, fullgraph)
     compiled._given = given  # (for copies)
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, compiled)

@@ -11,10 +11,15 @@ argument                    what fxlite does with it
                             cannot be captured (an eager fallback); a function whose Python
                             has effects (prints, sets an argument's attributes) is followed
                             (its Python runs on every call), not refused
-``dynamic``                 None, True or False, accepted. fxlite's keys never hold sizes
-                            unless the recorded code reads one (``x.shape[0]``), for any
-                            value; a recording that reads sizes is specialized to them even
-                            with True. ``torch._dynamo.mark_dynamic`` is accepted (no effect).
+``dynamic``                 True: ``fn`` runs under Dynamo with every size symbolic, each
+                            graph it captures compiled by fxlite with its sizes as inputs,
+                            so one recording serves every size
+                            (``dynamo_backend.DynamicFunction``). None: fxlite's own
+                            recorder, whose keys hold sizes only once the recorded code
+                            reads one (``x.shape[0]``); a call given a tensor marked with
+                            ``torch._dynamo.mark_dynamic`` switches ``fn`` to Dynamo, as
+                            True does for the marked sizes. False: sizes are specialized,
+                            marks ignored.
 ``backend``                 ``"triton"`` (also ``"fxlite"``; fused kernels), ``"python"``
                             (regenerated Python), ``"eager"`` (the function itself, not
                             compiled), a name ``torch._dynamo.list_backends()`` knows
@@ -30,7 +35,7 @@ argument                    what fxlite does with it
                             (default ``CompiledFunction.recompile_limit``, 8); past it fxlite
                             warns and runs eagerly, also under ``fullgraph=True``
 ``isolate_recompiles``      accepted: each ``fxlite.compile`` call always has its own entries
-``shapes_spec``             accepted, no effect (as ``dynamic``)
+``shapes_spec``             accepted, no effect
 ==========================  ================================================================
 
 ``mode`` and ``options`` together are an error, as in ``torch.compile``.
@@ -106,6 +111,8 @@ class Settings:
         def configure(cf: Any) -> None:
             if self.recompile_limit is not None:
                 cf.recompile_limit = self.recompile_limit
+            if self.dynamic is False:  # as torch.compile's: sizes are never symbolic
+                cf.follow_marks = False
 
         configure(compiled)
         register(compiled, (fn, self.backend, fullgraph, self.mode), configure)

@@ -127,14 +127,6 @@ def test_dynamic_is_accepted_and_sizes_may_change(dynamic):
     assert c.kernels and not c.fallbacks
 
 
-def test_mark_dynamic_is_accepted():
-    c = fxlite.compile(relu_add_mul, dynamic=True)
-    x = torch.randn(6, 4)
-    torch._dynamo.mark_dynamic(x, 0)
-    torch.testing.assert_close(c(x), relu_add_mul(x))
-    calls(c, relu_add_mul, (2, 4))
-
-
 def test_modes_and_options_map_to_fxlites_modes():
     assert resolve(relu_add_mul, mode="max-autotune-no-cudagraphs").mode == "max-autotune"
     assert resolve(relu_add_mul, mode="max-autotune").mode == "max-autotune"

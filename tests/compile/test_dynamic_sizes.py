@@ -154,3 +154,99 @@ def test_a_returned_container_is_the_functions_own_object():
     compiled_graph = torch.compile(sizes_out, backend="fxlite", dynamic=True)
     out = compiled_graph(torch.randn(2, 3))
     assert type(out[1]) is int and not isinstance(out[1], SymbolicInt)
+
+
+# ------------------------------------------- fxlite.compile(fn, dynamic=True), mark_dynamic
+@pytest.mark.parametrize("fn", [norm_relu, heads, positions, split_attention])
+def test_fxlite_compile_dynamic_true_records_each_graph_once(fn):
+    w = {heads: torch.randn(8, 8), split_attention: torch.randn(8, 24)}.get(fn, torch.randn(8))
+    dynamic = fxlite.compile(fn, dynamic=True)
+    specialized = fxlite.compile(fn)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        want = fn(x, w)
+        torch.testing.assert_close(dynamic(x, w), want)
+        torch.testing.assert_close(specialized(x, w), want)
+        assert dynamic.kernels and not dynamic.fallbacks and dynamic.tier == "replayed"
+    # one recording per graph Dynamo made (it may make another where a size is 1)
+    assert [g.recordings for g in dynamic._graphs] == [1] * len(dynamic._graphs)
+    assert dynamic.recordings < specialized.recordings == len(set(SIZES))  # (fxlite's recorder: keyed by sizes)
+
+
+def test_fxlite_compile_dynamic_true_trains_a_module_over_sizes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    compiled = fxlite.compile(model, dynamic=True)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        losses = []
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            loss = m(x.view(B * T, 8)).view(B, T, 4).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(*losses)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert compiled.recordings == 1 and compiled.kernels
+
+
+def test_fxlite_compile_dynamic_true_runs_python_between_graphs_on_every_call():
+    seen = []
+
+    def f(x):
+        y = torch.relu(x) * 2
+        seen.append(int(y.sum() > 0))  # a graph break: the Python runs on each call
+        B, T = x.shape
+        return y.view(B * T) + 1
+
+    compiled = fxlite.compile(f, dynamic=True)
+    mine = []
+    for B, T in SIZES:
+        x = torch.randn(B, T)
+        torch.testing.assert_close(compiled(x), f(x))
+        mine.append(seen[-2])
+    assert mine == seen[1::2] and compiled.kernels
+    # (Dynamo makes new graphs after this break, as torch.compile does: each recorded once)
+    assert [g.recordings for g in compiled._graphs] == [1] * len(compiled._graphs)
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_mark_dynamic_makes_the_marked_sizes_symbolic_unless_dynamic_is_false(dynamic):
+    compiled = fxlite.compile(norm_relu, dynamic=dynamic)
+    w = torch.randn(8)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(x, 1)
+        torch.testing.assert_close(compiled(x, w), norm_relu(x, w))
+        assert compiled.kernels
+    assert compiled.recordings == (1 if dynamic is None else len(set(SIZES)))
+
+
+def test_dynamic_true_with_a_dynamo_backends_name_gives_it_dynamos_graphs():
+    compiled = fxlite.compile(heads, dynamic=True, backend="aot_eager")
+    w = torch.randn(8, 8)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(x, w), heads(x, w))
+    assert "aot_eager" in compiled.tier and not compiled.kernels
+
+
+def test_dynamic_true_after_reset_and_in_a_copy_records_again():
+    compiled = fxlite.compile(norm_relu, dynamic=True)
+    w = torch.randn(8)
+    compiled(torch.randn(2, 3, 8), w)
+    fxlite.reset()
+    assert compiled.recordings == 0
+    twin = copy.deepcopy(compiled)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(x, w), norm_relu(x, w))
+        torch.testing.assert_close(twin(x, w), norm_relu(x, w))
+    assert compiled.recordings == 1 and twin.recordings == 1
+    assert twin is not compiled and twin._graphs is not compiled._graphs
