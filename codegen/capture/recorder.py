@@ -287,7 +287,11 @@ class Recorder(TorchFunctionMode):
     def _op(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
         tensors = tensors_in((args, kwargs))
         self._snapshot(mutation_candidates(func, args, kwargs))
-        out, mutated = self._run_seeing_writes(lambda: func(*args, **kwargs), tensors)
+        try:
+            out, mutated = self._run_seeing_writes(lambda: func(*args, **kwargs), tensors)
+        except Exception as e:
+            self._user_raised(func, e)
+            raise
         mutated += [t for t in hidden_writes(func, args, kwargs) if all(t is not m for m in mutated)]
         if kind == "read" or (not has_tensor(out) and out is not None and kind != "effect"):
             if isinstance(out, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
@@ -362,6 +366,15 @@ class Recorder(TorchFunctionMode):
             if t._version != before[i] and all(t is not m for m in mutated):
                 mutated.append(t)
         return out, mutated
+
+    def _user_raised(self, func: Any, e: Exception) -> None:
+        """Mark ``e``, raised by the user's op ``func``, as the user's: it propagates as
+        in eager (a backward through a tensor modified in place), the op not run again,
+        and the call finishes in eager PyTorch (its Python may catch ``e``, and a replay
+        would not raise where this call did)."""
+        self.stop(f"raised {type(e).__name__} in {func_name(func)}, where a replay would "
+                  "not raise")
+        e._fxlite_user = True  # type: ignore[attr-defined]
 
     def _enter_inference(self) -> None:
         """The recording met inference mode or an inference tensor: from now on writes are
@@ -624,7 +637,11 @@ class Recorder(TorchFunctionMode):
                 self._snapshot(met)
                 self._unsnapped.update(id(t) for t in touches if all(t is not m for m in met))
                 tensors += [t for t in touches if all(t is not u for u in tensors)]
-            out, mutated = self._run_seeing_writes(lambda: runner(*args, **kwargs), tensors)
+            try:
+                out, mutated = self._run_seeing_writes(lambda: runner(*args, **kwargs), tensors)
+            except Exception as e:
+                self._user_raised(target, e)
+                raise
             node = self._node(target, args, kwargs)
             node.meta["impure"] = True
             node.meta["external"] = touches is not None

@@ -153,6 +153,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         result, returned = plain(result)
         if recorder.escaped or returned:  # a size used as a value: the key holds sizes
             rec.sizes_read = True
+    if not recorder.off and _saved_then_written(result, rec):
+        recorder.stop("modifies in place a tensor that autograd saved for backward, and its "
+                      "backward must raise as eager's does")
     rec.globals_read = watch.names
     rec.context_read = watch.context_vars
     rec.environ_read = watch.environ
@@ -161,6 +164,37 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     if not recorder.off:
         _finish_output(recorder, result)
     return result, rec
+
+
+_SAVED: dict[type, list[str]] = {}  # autograd node type -> its saved values' attributes
+
+
+def _saved_then_written(result: Any, rec: Recording) -> bool:
+    """Whether the autograd graph of the tensors ``result`` holds saved a tensor that was
+    then modified in place (``y = x.exp(); y.add_(1); return y``): eager's backward raises
+    for it, and a replay's kernels, saving their own values, would not. Checked only when
+    the recording wrote a tensor in place."""
+    if not any("mutated" in n.meta for n in rec.graph.nodes):
+        return False
+    todo = [t.grad_fn for t in flatten(result)[0]
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        names = _SAVED.get(type(fn))
+        if names is None:
+            names = _SAVED[type(fn)] = [a for a in dir(fn) if a.startswith("_saved_")]
+        for name in names:
+            try:
+                getattr(fn, name)
+            except Exception as e:  # (a freed graph raises too)
+                if "modified by an inplace operation" in str(e):
+                    return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 def _stored(objects: list[Any], before: list[Any], reached: list[Any],

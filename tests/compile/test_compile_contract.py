@@ -460,3 +460,25 @@ def test_a_guard_key_stays_small_and_a_state_seen_before_gives_its_key_back():
     assert guard.key() == first and hash(guard.key()) == hash(first)
     m[3][1].momentum = 0.5
     assert guard.key() == changed
+
+
+def test_an_op_that_raises_raises_once_with_eagers_exception():
+    # The op's own exception reaches the caller as eager's, on every call; before, the
+    # recorder took it for its own failure and ran the op again (a second backward, which
+    # raised "backward through the graph a second time" instead).
+    def f(x, log):
+        y = x.sigmoid()
+        y.mul_(2)  # sigmoid saved its output: the backward below raises
+        log.append("ran")
+        y.sum().backward()
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        messages = []
+        for fn in (f, compiled):
+            log = []
+            with pytest.raises(RuntimeError) as info:
+                fn(rand(4, 8).requires_grad_(), log)
+            messages.append(str(info.value).split(":")[0])
+            assert log == ["ran"]
+        assert messages[0] == messages[1], messages

@@ -2726,6 +2726,50 @@ def make_exception_after_side_effects():
 
 
 @program("exc")
+def make_saved_tensor_written_then_backward_inside_raises():
+    # sigmoid saves its output, which mul_ then writes: eager's backward raises each call
+    def fn(x):
+        y = x.sigmoid()
+        y.mul_(2)
+        y.sum().backward()
+        return x.grad
+
+    return Program(fn, lambda i: (randn(4, 8).requires_grad_(),))
+
+
+@program("exc")
+def make_saved_tensor_written_then_backward_after_raises():
+    def fn(x):
+        y = x.exp()  # saves its output ...
+        y.add_(1)    # ... which is then written: the caller's backward raises
+        return y.sum()
+
+    def after(i, out):
+        out.backward()
+
+    return Program(fn, lambda i: (randn(4, 8).requires_grad_(),), after=after)
+
+
+@program("exc")
+def make_singular_solve_caught_falls_back_to_zeros():
+    caught = []
+
+    def fn(a, b):
+        try:
+            x = torch.linalg.solve(a, b)  # raises for a singular matrix
+        except RuntimeError:
+            caught.append(a.shape[0])
+            x = torch.zeros_like(b)
+        return x * 2 + 1
+
+    def args(i):
+        a = torch.zeros(3, 3) if i % 2 == 0 else torch.eye(3) * (i + 1)
+        return a, randn(3, 2)
+
+    return Program(fn, args, {"caught": caught})
+
+
+@program("exc")
 def make_exception_inside_no_grad_block():
     model = mlp()
 
