@@ -50,8 +50,9 @@ from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
-from fxlite.codegen.capture.symbolic import symbolic_positions
+from fxlite.codegen.capture.symbolic import keyed_positions, symbolic_positions
 from fxlite.codegen.compiler import register
+from fxlite.codegen.dynamic import DynamicFunction
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
 from fxlite.codegen.lower.segment import compile_segment, expand_kernels
@@ -163,7 +164,8 @@ class CompiledFunction:
         # the positions of the sizes a Dynamo graph takes as arguments: recorded as inputs
         # (capture/symbolic.py), so that one recording serves every size
         self._symbolic = symbolic_positions(fn)
-        # fn under Dynamo (dynamo_backend.DynamicFunction) once an argument was marked with
+        self._keyed = keyed_positions(fn)  # its floats passed as tensors: keyed by value
+        # fn under Dynamo (dynamic.DynamicFunction) once an argument was marked with
         # torch._dynamo.mark_dynamic; a graph's arguments (Dynamo's own) are not followed
         self._dynamo: Any = None
         self.follow_marks = not isinstance(fn, torch.fx.GraphModule)
@@ -186,6 +188,8 @@ class CompiledFunction:
         self._fast: dict[FastKey, FastEntry] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
+        if self._keyed:  # (their shortcuts key tensors by layout, not by these values)
+            self._fast = self._graphs = None
         if not isinstance(fn, torch.nn.Module):
             try:
                 functools.update_wrapper(self, fn)
@@ -265,7 +269,7 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         base = CallKey(spec, ambient_key(), input_key(leaves, False, self._alias,
-                                                      symbolic=self._symbolic),
+                                                      symbolic=self._symbolic, keyed=self._keyed),
                        self._state_key(arg_modules))
         key = self._sized_key(base, leaves)
         root = self._trees.get(key)
@@ -307,11 +311,10 @@ class CompiledFunction:
         """A call given a tensor marked with ``torch._dynamo.mark_dynamic``: from now on
         ``fn`` runs under Dynamo, which keeps the marked sizes symbolic, and fxlite compiles
         its graphs (as ``fxlite.compile(fn, dynamic=True)`` does for every size)."""
-        # here: dynamo_backend imports this module, and torch._dynamo is a slow import
-        from fxlite.codegen.dynamo_backend import DynamicFunction
-
-        self._dynamo = DynamicFunction(self._fn, self._backend, self._fullgraph, self._mode,
-                                       dynamic=None)
+        backend, mode = self._backend, self._mode
+        self._dynamo = DynamicFunction(self._fn, lambda gm: compile(gm, backend=backend,
+                                                                    mode=mode),
+                                       self._fullgraph, dynamic=None)
         return self._dynamo(*args, **kwargs)
 
     def _replay_failed(self, seg: Segment, args: tuple, kwargs: dict,
@@ -411,7 +414,7 @@ class CompiledFunction:
         with side_stream(self._graphs_wanted()):
             result, rec = record(self._fn, args, kwargs, roots=self._guard.roots(leaves),
                                  fullgraph=self._fullgraph, bound=self._guard.bound_objects(),
-                                 symbolic=self._symbolic)
+                                 symbolic=self._symbolic, keyed=self._keyed)
         if self._stays_eager(rec, base, arg_modules, key):
             return result
         if rec.effect is None:
@@ -456,7 +459,7 @@ class CompiledFunction:
                 self._grad_watch.append(t)
                 pattern.append(was_none)
         base = base._replace(inputs=input_key(leaves, False, self._alias,
-                                              symbolic=self._symbolic),
+                                              symbolic=self._symbolic, keyed=self._keyed),
                              state=base.state._replace(grads=tuple(pattern)))
         if rec.sizes_read:
             self._sized.add(base)
@@ -1088,21 +1091,19 @@ class CompiledModule(torch.nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def _through_dynamo(fn: Any, settings: Settings, backend: Any, fullgraph: bool,
-                    mode: str | None, options: dict[str, Any] | None) -> Any:
+def _through_dynamo(fn: Any, settings: Settings, given: dict[str, Any]) -> DynamicFunction:
     """``fxlite.compile(fn, dynamic=True)``: Dynamo captures ``fn`` with symbolic sizes
-    and fxlite compiles its graphs (``dynamo_backend.DynamicFunction``); a Dynamo
-    backend's name gets Dynamo's graphs, with ``mode`` and ``options``, as in
-    ``torch.compile``."""
-    # here: dynamo_backend imports this module, and torch._dynamo is a slow import
-    from fxlite.codegen.dynamo_backend import DynamicFunction
-
-    named = isinstance(backend, str) and backend not in ("triton", "python", "fxlite")
-    args = (fn, backend, fullgraph, mode, options) if named else (
-        fn, settings.backend, fullgraph, settings.mode, None)
-    compiled = DynamicFunction(*args)
-    register(compiled, args, lambda _: None)
-    return compiled
+    and fxlite compiles its graphs (``codegen/dynamic.py``); a Dynamo backend's name gets
+    Dynamo's graphs, with ``mode`` and ``options``, as in ``torch.compile``."""
+    backend = given["backend"]
+    named = backend if isinstance(backend, str) and backend not in (
+        "triton", "python", "fxlite") else None
+    own, mode = settings.backend, settings.mode
+    args = (fn, lambda gm: compile(gm, backend=own, mode=mode), given["fullgraph"], True, named,
+            given["mode"], given["options"], functools.partial(compile, fn, **given))
+    made = DynamicFunction(*args)
+    register(made, args, lambda _: None)
+    return made
 
 
 def _recompiled(module: torch.nn.Module, given: dict[str, Any]) -> Any:
@@ -1151,7 +1152,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
             effects are no graph break: a function that prints, sets an argument's
             attributes or keeps tensors in a dict is followed, as Dynamo replays them.
         dynamic: True runs ``fn`` under Dynamo with every size symbolic, fxlite compiling
-            each graph it captures once for all sizes (``dynamo_backend.DynamicFunction``).
+            each graph it captures once for all sizes (``dynamic.DynamicFunction``).
             None: fxlite's keys hold no sizes unless the recorded code reads one, and a
             recording that reads sizes is specialized to them; a call given a tensor
             marked with ``torch._dynamo.mark_dynamic`` switches ``fn`` to Dynamo. False:
@@ -1203,7 +1204,7 @@ def compile(fn: Callable[..., Any] | torch.nn.Module | None = None, *,
         _check_options(fn, "triton", fullgraph, None)
         return fn
     if dynamic:
-        compiled = _through_dynamo(fn, settings, backend, fullgraph, mode, options)
+        compiled = _through_dynamo(fn, settings, given)
     else:
         compiled = CompiledFunction(fn, settings.backend, fullgraph, settings.mode)
         settings.apply(compiled, fn, fullgraph)

@@ -14,7 +14,7 @@ argument                    what fxlite does with it
 ``dynamic``                 True: ``fn`` runs under Dynamo with every size symbolic, each
                             graph it captures compiled by fxlite with its sizes as inputs,
                             so one recording serves every size
-                            (``dynamo_backend.DynamicFunction``). None: fxlite's own
+                            (``dynamic.DynamicFunction``). None: fxlite's own
                             recorder, whose keys hold sizes only once the recorded code
                             reads one (``x.shape[0]``); a call given a tensor marked with
                             ``torch._dynamo.mark_dynamic`` switches ``fn`` to Dynamo, as

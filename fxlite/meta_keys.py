@@ -78,6 +78,10 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("example_value", "torch.SymInt (or a fake tensor)",
             "Dynamo's example of the node's value: a placeholder holding one of its SymInts "
             "is a size taken as an input", (), ("codegen/capture/symbolic.py",)),
+    MetaKey("grapharg", "torch._dynamo's GraphArg",
+            "Dynamo's record of a placeholder's argument: one with pass_arg_as_tensor is a "
+            "float passed as a 0-d tensor, which fxlite keys by value",
+            (), ("codegen/capture/symbolic.py",)),
     MetaKey("value", "int",
             "a placeholder's int argument (a size a recording takes as an input) as ShapeProp "
             "last saw it: what metadata inference computes the sizes that depend on it from",
@@ -139,8 +143,8 @@ NODE_META: dict[str, MetaKey] = _table(
             ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py", "codegen/explain.py")),
     MetaKey("mutated", "list[str]", "the names of the tensors the call wrote in place",
             (_CAPTURE, "passes/functionalize.py"),
-            ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/segments.py",
-             "codegen/compile.py", "passes/functionalize.py")),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/run.py",
+             "codegen/capture/segments.py", "codegen/compile.py", "passes/functionalize.py")),
     MetaKey("aliased", "bool", "the in-place write went through a view (it writes its base too)",
             (_CAPTURE, "passes/functionalize.py"), ("passes/functionalize.py",)),
     MetaKey("same_object", "str",

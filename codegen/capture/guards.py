@@ -96,11 +96,13 @@ def _scalar_key(v: Any) -> Any:
 
 
 def input_key(leaves: list[Any], sizes: bool, storage: bool = False,
-              contents: bool = True, symbolic: frozenset[int] = frozenset()) -> tuple:
+              contents: bool = True, symbolic: frozenset[int] = frozenset(),
+              keyed: frozenset[int] = frozenset()) -> tuple:
     """The key of a call's argument leaves (see the module docstring); with
     ``contents=False`` a plain object's without what it holds (:func:`argument_key`).
     An int at a position in ``symbolic`` (a size the recording takes as an input:
-    ``capture/symbolic.py``) is keyed by its type alone, unless ``sizes``."""
+    ``capture/symbolic.py``) is keyed by its type alone, unless ``sizes``; a 0-d tensor
+    at a position in ``keyed`` (a float a Dynamo graph reads) by its value too."""
     key: list[Any] = []
     seen: dict[int, int] = {}
     storages: dict[int, int] = {}
@@ -116,6 +118,8 @@ def input_key(leaves: list[Any], sizes: bool, storage: bool = False,
                 item += (tuple(a.shape), a.stride(), a.storage_offset())
             if storage:
                 item += (storages.setdefault(a.untyped_storage()._cdata, i),)
+            if i in keyed and a.dim() == 0:
+                item += (a.item(),)
             attrs = a.__dict__  # Python attributes (x.test = 1): usually none
             if attrs:
                 item += (_tensor_attributes(attrs),)

@@ -114,6 +114,7 @@ class Recorder(TorchFunctionMode):
         # reads recorded as ops, when set; whether one was used as a value (compared,
         # hashed, converted)
         self.symbolic = False
+        self.keyed: set[str] = set()  # inputs whose values the key holds (record's keyed)
         self.escaped = False
         # how to record a function of its own (torch.cond's branches): capture.record
         self.sub_record: Callable[..., tuple[Any, Recording]] = _no_sub_record
@@ -525,7 +526,8 @@ class Recorder(TorchFunctionMode):
     def _read_value_of(self, out: Any, owner: str | None, func: Any, args: tuple,
                        kwargs: dict) -> Any:
         if owner is None and (self._constant(args, kwargs) or self._sized(func, args, kwargs,
-                                                                           out)):
+                                                                           out)
+                              or self._keyed_input(args)):
             # Its value is fixed by the key (sizes and literals): no segment ends here.
             self.rec.steps.append(Step(func, "", ValueOut(out)))
             return out
@@ -541,6 +543,12 @@ class Recorder(TorchFunctionMode):
         self.rec.reads.append(Read(node.name, out, site, sorted(set(live))))
         self.rec.steps.append(Step(func, node.name, ValueOut(out), read=True))
         return out
+
+    def _keyed_input(self, args: tuple) -> bool:
+        """Whether the value read is an input's whose value the key holds (a float a
+        Dynamo graph takes as a 0-d tensor), not written since the call began."""
+        return len(args) == 1 and isinstance(args[0], torch.Tensor) and \
+            self._name_of(args[0]) in self.keyed
 
     def _constant(self, args: tuple, kwargs: dict) -> bool:
         """Whether the tensors read were computed from literals alone: by pure recorded

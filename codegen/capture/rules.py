@@ -89,8 +89,8 @@ def map_tensors(a: Any, node_of: Callable[[torch.Tensor], Any]) -> Any:
     if t is slice:
         return slice(map_tensors(a.start, node_of), map_tensors(a.stop, node_of),
                      map_tensors(a.step, node_of))
-    if isinstance(a, torch.Size):
-        return tuple(a)
+    if isinstance(a, torch.Size):  # (it may hold sizes taken as inputs: x.shape[:-1])
+        return tuple(map_tensors(x, node_of) for x in a)
     return a
 
 

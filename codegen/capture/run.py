@@ -80,7 +80,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
            bound: tuple[Any, ...] = (),
            prefix: Recording | None = None, upto: int = 0, values: dict[str, Any] | None = None,
            read_value: Any = None, record_rest: bool = True,
-           symbolic: frozenset[int] = frozenset()) -> tuple[Any, Recording]:
+           symbolic: frozenset[int] = frozenset(),
+           keyed: frozenset[int] = frozenset()) -> tuple[Any, Recording]:
     """Call ``fn(*args, **kwargs)`` for real and record it. Returns ``(result, recording)``.
 
     With ``prefix``, the calls of ``prefix`` up to and including its read number ``upto``
@@ -93,7 +94,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     Python between those calls runs again as it did the first time.
     ``symbolic`` holds the positions of ``args`` that are sizes taken as inputs (a Dynamo
     graph's ``SymInt`` arguments: ``capture/symbolic.py``); a recording that used one as a
-    value has ``sizes_read`` set.
+    value has ``sizes_read`` set. ``keyed`` holds those of 0-d tensors whose values the
+    key holds (``symbolic.keyed_positions``): reading one is no graph break.
     """
     leaves, in_spec = flatten((args, kwargs))
     if prefix is None:
@@ -106,6 +108,8 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                 node.meta["tensor_meta_rec"] = tensor_meta(leaf)
                 recorder._nodes[node.name] = node
                 rec.placeholders.append(node.name)
+                if i in keyed and leaf.dim() == 0:
+                    recorder.keyed.add(node.name)
             elif type(leaf) is int and i in symbolic and not kwargs and len(leaves) == len(args):
                 node = rec.graph.placeholder(names[i])
                 node.meta.update(type=int, value=leaf, grad_enabled=torch.is_grad_enabled())

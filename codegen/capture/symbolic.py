@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SymbolicInt", "plain", "symbolic_positions"]
+__all__ = ["SymbolicInt", "keyed_positions", "plain", "symbolic_positions"]
 
 
 def symbolic_positions(fn: Any) -> frozenset[int]:
@@ -48,6 +48,18 @@ def symbolic_positions(fn: Any) -> frozenset[int]:
     return frozenset(i for i, n in enumerate(places)
                      if n.type is torch.SymInt
                      or isinstance(n.meta.get("example_value"), torch.SymInt))
+
+
+def keyed_positions(fn: Any) -> frozenset[int]:
+    """The positions of the floats a Dynamo graph takes as 0-d tensors and reads with
+    ``.item()`` (with ``dynamic=True``, Dynamo passes a module's float attributes so:
+    ``eps``, a dropout's ``p``). fxlite keys the recording by their values, so that
+    reading one is no graph break (a segment each, before)."""
+    if not isinstance(fn, torch.fx.GraphModule):
+        return frozenset()
+    places = [n for n in fn.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, n in enumerate(places)
+                     if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
 def _plain(v: Any) -> Any:

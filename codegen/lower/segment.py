@@ -184,7 +184,7 @@ def _compile_work(work: GraphModule, sample: list[Any], backend: Any, mode: str 
                   expected: list[Any] | None, warn: Callable[[str], None]) -> CompiledSegment:
     entry = ambient()  # a failed attempt may stop inside a no_grad region: start again here
     python = CompiledSegment(direct_forward(work), work)
-    if backend == "triton" and not _wants_kernels(work, sample):
+    if backend == "triton" and not _wants_kernels(work, sample) and _tensors(work, sample):
         warn("no GPU tensors and TRITON_INTERPRET is not set, so backend='triton' runs the "
              "recorded ops in Python instead")
     if backend == "python" or not _wants_kernels(work, sample):
@@ -227,10 +227,15 @@ def _recorded_ops(python: CompiledSegment, work: GraphModule, sample: list[Any],
     return python
 
 
+def _tensors(gm: GraphModule, sample: list[Any]) -> list[torch.Tensor]:
+    """The tensors a segment takes: its inputs, parameters and buffers (none for a graph
+    of Python arithmetic, such as Dynamo's ``math.sqrt`` of a constant)."""
+    return [a for a in sample if isinstance(a, torch.Tensor)] + list(gm.parameters()) + \
+        list(gm.buffers())
+
+
 def _wants_kernels(gm: GraphModule, sample: list[Any]) -> bool:
-    tensors = [a for a in sample if isinstance(a, torch.Tensor)]
-    tensors += [t for t in gm.parameters()] + [t for t in gm.buffers()]
-    return interpreting() or any(t.is_cuda for t in tensors)
+    return interpreting() or any(t.is_cuda for t in _tensors(gm, sample))
 
 
 def _compile_conds(gm: GraphModule, backend: Any, mode: str | None,

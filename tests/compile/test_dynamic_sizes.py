@@ -250,3 +250,60 @@ def test_dynamic_true_after_reset_and_in_a_copy_records_again():
         torch.testing.assert_close(twin(x, w), norm_relu(x, w))
     assert compiled.recordings == 1 and twin.recordings == 1
     assert twin is not compiled and twin._graphs is not compiled._graphs
+
+
+def shape_prefix(x, w):
+    # x.shape[:-1] is a torch.Size of sizes taken as inputs: each must stay symbolic
+    return torch.relu(x @ w).view(x.shape[:-1] + (2, 4)).sum(-1)
+
+
+def test_a_torch_size_of_symbolic_sizes_stays_symbolic():
+    compiled = fxlite.compile(shape_prefix, dynamic=True)
+    w = torch.randn(8, 8)
+    for B, T in SIZES:
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(x, w), shape_prefix(x, w))
+        assert compiled.kernels and compiled.tier == "replayed", compiled.tier  # no eager rerun
+    assert [g.recordings for g in compiled._graphs] == [1] * len(compiled._graphs)
+
+
+class ScaledNorm(torch.nn.Module):
+    """A module whose float attributes Dynamo passes as 0-d tensors with dynamic=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.eps, self.scale = 1e-5, 0.5
+
+    def forward(self, x):
+        return F.layer_norm(self.lin(x), (8,), eps=self.eps) * self.scale
+
+
+def test_floats_dynamo_passes_as_tensors_key_the_recording_and_split_nothing():
+    model = ScaledNorm()
+    compiled = fxlite.compile(model, dynamic=True)
+    for i, (B, T) in enumerate(SIZES):
+        model.scale = 0.5 if i < 3 else 2.0  # a new value: recorded again, not a stale one
+        x = torch.randn(B, T, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    graphs = compiled._compiled._graphs
+    assert [len(g._last) for g in graphs if g._last] == [1]  # one segment: no read of a float
+    assert compiled.recordings == 2
+
+
+def test_hf_gpt2_under_dynamic_true_records_once_and_keeps_its_kernels():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                     n_positions=64, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    compiled = fxlite.compile(model, dynamic=True)
+    with torch.no_grad():
+        for T in (8, 12, 16, 9):
+            ids = torch.randint(0, 100, (2, T))
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits,
+                                       rtol=1e-4, atol=1e-4)
+            assert compiled.kernels and compiled.tier == "replayed", compiled.tier
+    assert compiled.recordings == len(compiled._compiled._graphs)  # one per graph
+    main = max(compiled._compiled._graphs, key=lambda g: len(g._fn.graph.nodes))
+    assert len(main._last) <= 2  # (its floats, eps and dropout's p, split no segment)
