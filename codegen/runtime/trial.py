@@ -14,7 +14,12 @@ The compiled side's first calls also write its straight-line forward for the cal
 layout and write it again once its kernels' launches are prepared
 (``codegen/runtime/straight_line.py``): about 12-16 ms each for convnext_tiny on an H200
 host against 2.8 ms for a later call, and the recorded side's first two calls were slow
-too (vit_b_16: 145 and 55 ms against 8). The warm-ups leave all of these out.
+too (vit_b_16: 145 and 55 ms against 8). The warm-ups leave all of these out. So do
+later calls at sizes a side has not run before (a Dynamo graph with symbolic sizes, given
+a new sequence length: its first call writes a straight line again, and Triton may compile
+its kernels for the new sizes): such a call voids its block, which is run again. Measured
+on GPT-2 124M under ``fxlite.compile(dynamic=True)`` at four lengths, before this: the
+kernels' blocks took 126 ms a call against the recorded ops' 13.7, and the kernels lost.
 
 A block is three consecutive calls of one side, timed from a synchronized start to a
 synchronized end, so that the host's launches of one call overlap the GPU's work on the
@@ -60,6 +65,13 @@ _BLOCK = 3  # consecutive calls of one side: one timed block
 _CLOSE = 1.1  # sides within this ratio after one block each get a second block each
 
 
+def _sizes(args: tuple) -> tuple:
+    """What of a call's arguments makes a side's first run at them slow: tensor sizes,
+    and ints (a Dynamo graph's sizes taken as inputs)."""
+    return tuple(a.shape if isinstance(a, torch.Tensor) else a if type(a) is int else None
+                 for a in args)
+
+
 class Trial:
     """Stands in for a segment's ``run`` until it knows which side is faster.
 
@@ -76,6 +88,8 @@ class Trial:
         self.times: tuple[list[float], list[float]] = ([], [])  # ms a call, per block
         self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.calls = 0
+        self.sizes: tuple[set, set] = (set(), set())  # the arguments' sizes each side ran
+        self._void = False  # whether the current block met sizes new to its side
         self.decide = decide
         self.done = False
         self._start = 0.0
@@ -85,22 +99,28 @@ class Trial:
         turn, self.calls = self.calls, self.calls + 1
         if self.done:  # (decide installs the winner in the trial's place; until then)
             return self.sides[self._winner](*args)
+        sizes = _sizes(args)
         if turn < _WARM:
+            self.sizes[turn % 2].add(sizes)
             return self.sides[turn % 2](*args)
         block, place = divmod(turn - _WARM, _BLOCK)
         side = 1 - block % 2  # the recorded ops' block first: the compiled side just ran
+        new = sizes not in self.sizes[side]
+        self.sizes[side].add(sizes)
         if place == 0:
             torch.cuda.synchronize()
-            self._start = time.perf_counter()
+            self._start, self._void = time.perf_counter(), new
+        self._void = self._void or new
         out = self.sides[side](*args)
         if place == _BLOCK - 1:
             torch.cuda.synchronize()
-            self.times[side].append((time.perf_counter() - self._start) * 1e3 / _BLOCK)
-            if side == 0:
+            if not self._void:
+                self.times[side].append((time.perf_counter() - self._start) * 1e3 / _BLOCK)
+            if side == 0 and all(self.times):
                 self._settle()
         return out
 
-    def _settle(self) -> None:
+    def _settle(self) -> None:  # (each side has a block's time)
         """After each pair of blocks: decide, unless the sides are close and this was the
         first pair."""
         ours, theirs = (sum(t) / len(t) for t in self.times)

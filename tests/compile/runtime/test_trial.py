@@ -285,3 +285,36 @@ def test_no_second_trial_without_the_layout_or_under_graphs(monkeypatch, layout,
         assert isinstance(seg.run, SegmentGraphs) and seg.run.gm is seg.compiled.gm
     else:
         assert seg.run is seg.compiled.run
+
+
+def test_a_block_at_sizes_new_to_its_side_is_not_timed(monkeypatch):
+    # A Dynamo graph with symbolic sizes gets a new sequence length: the first call of a
+    # side at it is slow (a new straight line, Triton compiling for the sizes). Before,
+    # such calls fell in the kernels' blocks, and GPT-2's kernels lost 126 ms to 13.7.
+    import types
+
+    import fxlite.codegen.runtime.trial as trial_module
+    from fxlite.codegen.runtime.trial import Trial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    now = [0.0]
+    monkeypatch.setattr(trial_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    seen: dict[str, set] = {"compiled": set(), "recorded": set()}
+    decided = []
+
+    def side(name, steady):
+        def run(x, n):
+            now[0] += steady if n in seen[name] else 0.1  # a first run at n is slow
+            seen[name].add(n)
+            return x + n
+        return run
+
+    trial = Trial(side("compiled", 0.001), side("recorded", 0.003),
+                  lambda *a: decided.append(a))
+    lengths = [8, 8, 8, 8, 8, 16, 16, 16, 24, 24, 24] + [8, 16, 24] * 6
+    for n in lengths:
+        assert trial(torch.zeros(1), n) == n
+        if decided:
+            break
+    assert decided and decided[0][0], decided  # the kernels, faster at every seen size
+    assert decided[0][1] < 2 and decided[0][2] < 4
