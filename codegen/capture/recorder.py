@@ -588,8 +588,11 @@ class Recorder(TorchFunctionMode):
         dimension is 0 gives. Reading it is Python's arithmetic, not a graph break. (Other
         functions given no tensor may read state a replay must read again: the flags of
         ``torch.are_deterministic_algorithms_enabled()``; they stay reads.)"""
-        if state_name(func).startswith("sym_") and not tensors_in((args, kwargs)):
-            self.rec.sizes_read = True  # (the numbers may be sizes)
+        if state_name(func).lstrip("_").startswith("sym_") and not tensors_in((args, kwargs)):
+            # (the numbers may be sizes; in a Dynamo graph a size is a SymbolicInt, and
+            # without one they are literals: GELU's torch._sym_sqrt(2 / pi))
+            if not self.symbolic or _holds_symbolic((args, kwargs)):
+                self.rec.sizes_read = True
             return True
         if type(out) in (tuple, list) and not out and state_name(func) in SIZE_FANOUT:
             self.rec.sizes_read = True
@@ -814,6 +817,17 @@ class Prefix:
             if user.target is operator.getitem and user.args[1] == i:
                 return user.name
         return None
+
+
+def _holds_symbolic(value: Any) -> bool:
+    """Whether ``value`` (args and kwargs) holds a :class:`SymbolicInt` at any depth."""
+    if isinstance(value, SymbolicInt):
+        return True
+    if type(value) in (tuple, list):
+        return any(_holds_symbolic(v) for v in value)
+    if type(value) is dict:
+        return any(_holds_symbolic(v) for v in value.values())
+    return False
 
 
 class _Writes(TorchDispatchMode):
