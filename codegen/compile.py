@@ -50,7 +50,7 @@ from fxlite.codegen.capture.records import LIB_DIRS
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
-from fxlite.codegen.capture.symbolic import keyed_positions, symbolic_positions
+from fxlite.codegen.capture.symbolic import dynamo_graph, keyed_positions, symbolic_positions
 from fxlite.codegen.compiler import register
 from fxlite.codegen.dynamic import DynamicFunction
 from fxlite.codegen.kernels.generate import interpreting
@@ -111,6 +111,7 @@ class FastKey(NamedTuple):
     layouts: Any  # ``straight_line.fast_key(args)``: the tensors' layouts
     ambient: Any
     state: StateKey
+    values: tuple = ()  # a Dynamo graph's floats passed as tensors (symbolic.keyed_positions)
 
 
 _NO_FAST_KEY = FastKey(None, None, None)  # type: ignore[arg-type]  # (no straight line)
@@ -188,8 +189,10 @@ class CompiledFunction:
         self._fast: dict[FastKey, FastEntry] | None = None
         if backend == "triton" and mode != "reduce-overhead" and torch.cuda.is_available():
             self._fast = {}
-        if self._keyed:  # (their shortcuts key tensors by layout, not by these values)
-            self._fast = self._graphs = None
+        # a Dynamo graph: its calls may take the straight line with sizes and parameters
+        self._graph_args = dynamo_graph(fn)
+        if self._keyed:  # (CUDA graphs key tensors by layout, not by these values)
+            self._graphs = None
         if not isinstance(fn, torch.nn.Module):
             try:
                 functools.update_wrapper(self, fn)
@@ -242,9 +245,13 @@ class CompiledFunction:
         # (a tensor with Python attributes takes the general path: its key holds them)
         tensors_only = not kwargs and all(type(a) is _TENSOR and a.layout is _STRIDED
                                           and not a.is_nested and not a.__dict__ for a in args)
+        # a Dynamo graph's arguments also hold sizes, and parameters (with attributes its
+        # code never reads): the straight line takes them as they are
+        straight = tensors_only or (self._graph_args and not kwargs and _graph_args(args))
         fkey = _NO_FAST_KEY
-        if fast is not None and tensors_only:  # laid out as seen before: launch directly
-            fkey = FastKey(fast_key(args), ambient_key(), self._state_key())
+        if fast is not None and straight:  # laid out as seen before: launch directly
+            fkey = FastKey(fast_key(args), ambient_key(), self._state_key(),
+                           tuple(args[i].item() for i in self._keyed))
             found = fast.get(fkey)
             if found is not None and found.check():
                 seg = found.segment
@@ -293,14 +300,14 @@ class CompiledFunction:
             self._last, self._last_eager = [], self._eager_why.get(key)
             return self._fn(*args, **kwargs)
         if root.read is None and root.compiled is not None and root.compiled.kernels and (
-                fast is not None or graphs is not None) and tensors_only and _plain(root, leaves) \
-                and not isinstance(root.run, Trial):
+                fast is not None and straight or graphs is not None and tensors_only) \
+                and root.picks is not None and not isinstance(root.run, Trial):
             self._last = [root]
             try:
                 if graphs is not None:
                     run = getattr(root.run, "plain", root.run)  # not SegmentGraphs in a graph
                     return root.result(graphs.run(replay_key, run, args, root))
-                out = self._straight_line(fkey, root, args)
+                out = self._straight_line(fkey, root, args, root.picks)
             except Exception:
                 return self._replay_failed(root, args, kwargs)
             if out is not _NOT_RUN:
@@ -331,18 +338,22 @@ class CompiledFunction:
         self._last = []
         return self._fn(*args, **kwargs)
 
-    def _straight_line(self, fkey: FastKey, seg: Segment, args: tuple) -> Any:
+    def _straight_line(self, fkey: FastKey, seg: Segment, args: tuple,
+                       picks: tuple[int, ...]) -> Any:
         """Run the segment through its straight-line runner and keep the forward it used
         for these layouts, so the next such call skips the tree; its result, or
-        ``_NOT_RUN`` having run nothing."""
+        ``_NOT_RUN`` having run nothing. ``picks``: the arguments the segment takes."""
         fast, run = self._fast, seg.run
         if fast is None or fkey.layouts is None or len(fast) >= 64 \
                 or not isinstance(run, StraightRunner):
             return _NOT_RUN
-        out = run(*args)
-        forward = run.complete(fkey.layouts)
+        every = picks == tuple(range(len(args)))
+        taken = args if every else tuple(args[i] for i in picks)
+        out = run(*taken)
+        forward = run.complete(fkey.layouts if every else fast_key(taken))
         if forward is not None:
-            fast[fkey] = FastEntry(forward.run, seg, forward.check)
+            straight = forward.run if every else functools.partial(_picked, forward.run, picks)
+            fast[fkey] = FastEntry(straight, seg, forward.check)
         return out
 
     def _walk(self, seg: Segment, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
@@ -448,6 +459,7 @@ class CompiledFunction:
             return result
         _link(segments)
         segments[0].direct = _plain(segments[0], leaves)
+        segments[0].picks = _picks(segments[0], leaves, self._keyed)
         # A recording that writes tensors adds storage sharing to keys from now on (see
         # _stays_eager), one that reads gradients their presence, one that reads sizes
         # sizes: store it under its key's new form.
@@ -858,14 +870,45 @@ def _short(x: Any) -> str:
 
 
 def _plain(seg: Segment, leaves: list[Any]) -> bool:
-    """Whether ``seg`` takes exactly the call's arguments, all tensors, in order."""
+    """Whether ``seg`` takes exactly the call's arguments, in order: tensors, and a Dynamo
+    graph's sizes (placeholders too)."""
     return not seg.seeds and len(seg.inputs) == len(leaves) and all(
-        isinstance(x, torch.Tensor) for x in leaves) and seg.inputs == seg.recording.placeholders
+        isinstance(x, (torch.Tensor, int)) for x in leaves) and \
+        seg.inputs == seg.recording.placeholders
+
+
+def _picks(seg: Segment, leaves: list[Any], keyed: frozenset[int]) -> tuple[int, ...] | None:
+    """The positions of the call's arguments that ``seg`` takes, in its inputs' order (a
+    split orders them by first use), where it takes them all (tensors and a Dynamo graph's
+    sizes) but floats whose values its key holds (``keyed``: read once, no input of its
+    graph); None otherwise."""
+    if seg.seeds or not all(isinstance(x, (torch.Tensor, int)) for x in leaves):
+        return None
+    position = {n: i for i, n in enumerate(seg.recording.placeholders) if n is not None}
+    if any(n not in position for n in seg.inputs):
+        return None
+    picks = tuple(position[n] for n in seg.inputs)
+    left = set(range(len(leaves))) - set(picks)
+    return picks if left <= keyed else None
+
+
+def _picked(run: Callable[..., Any], picks: tuple[int, ...], *args: Any) -> Any:
+    """``run`` given the arguments at ``picks`` (a straight line that takes no keyed
+    float)."""
+    return run(*[args[i] for i in picks])
+
+
+def _graph_args(args: tuple) -> bool:
+    """Whether a Dynamo graph's call arguments are strided tensors (parameters included,
+    whatever their Python attributes: its code reads none) and ints (its sizes)."""
+    return all(type(a) is int or (type(a) in _GRAPH_TENSORS and a.layout is _STRIDED
+                                  and not a.is_nested) for a in args)
 
 
 _STRIDED = torch.strided
 _PLAIN_LEAVES = (torch.Tensor, bool, int, float, str, type(None))  # keyed without objects
 _TENSOR = torch.Tensor
+_GRAPH_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _unusual(leaves: list[Any]) -> str | None:

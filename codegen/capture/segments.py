@@ -52,6 +52,9 @@ class Segment:
     compiled: Any = None  # what the pipeline made of it (kernels, fallbacks, code)
     children: dict[Any, Segment] = field(default_factory=dict)
     direct: bool = False  # a root taking exactly the call's tensor arguments, in order
+    # the positions of the call's arguments a root takes, when it takes them all but a
+    # Dynamo graph's keyed floats (compile._picks): its calls may take the straight line
+    picks: tuple[int, ...] | None = None
 
     def arguments(self, env: dict[str, Any]) -> list[Any]:
         """The values of this segment's inputs, from the call's env."""

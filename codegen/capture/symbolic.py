@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SymbolicInt", "keyed_positions", "plain", "symbolic_positions"]
+__all__ = ["SymbolicInt", "dynamo_graph", "keyed_positions", "plain", "symbolic_positions"]
 
 
 def symbolic_positions(fn: Any) -> frozenset[int]:
@@ -48,6 +48,12 @@ def symbolic_positions(fn: Any) -> frozenset[int]:
     return frozenset(i for i, n in enumerate(places)
                      if n.type is torch.SymInt
                      or isinstance(n.meta.get("example_value"), torch.SymInt))
+
+
+def dynamo_graph(fn: Any) -> bool:
+    """Whether ``fn`` is a graph Dynamo made (its placeholders carry Dynamo's records)."""
+    return isinstance(fn, torch.fx.GraphModule) and any(
+        "grapharg" in n.meta for n in fn.graph.nodes if n.op == "placeholder")
 
 
 def keyed_positions(fn: Any) -> frozenset[int]:

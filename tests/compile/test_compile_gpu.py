@@ -193,3 +193,36 @@ def test_gpu_straight_line_runs_a_function_returning_none_once(monkeypatch):
         assert c(x, total) is None
         accumulate(x, want)
         torch.testing.assert_close(total, want)
+
+
+class _Scaled(nn.Module):
+    """Floats Dynamo passes as 0-d tensors with dynamic=True (eps, scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.eps, self.scale = 1e-5, 0.5
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = torch.nn.functional.layer_norm(self.lin(x.view(B * T, C)), (C,), eps=self.eps)
+        return torch.relu(h).view(B, T, C) * self.scale
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_dynamo_graph_takes_the_straight_line_with_sizes_and_keyed_floats(monkeypatch):
+    # A graph of fxlite.compile(dynamic=True) takes sizes, parameters and 0-d float tensors:
+    # its calls take the straight line, one per layout, keyed by those floats' values.
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    m = _Scaled().cuda()
+    c = fxlite.compile(m, dynamic=True)
+    for i, T in enumerate([8, 16, 8, 16, 8, 24, 8]):
+        if i == 4:
+            m.scale = 2.0  # a new value: not the straight line made for 0.5
+        x = torch.randn(2, T, 32, device="cuda")
+        torch.testing.assert_close(c(x), m(x))
+        assert c.kernels
+    (graph,) = c._compiled._graphs
+    assert graph._fast and len(graph._fast) >= 2
+    assert len({k.values for k in graph._fast}) == 2
