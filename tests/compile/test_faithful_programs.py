@@ -3987,6 +3987,23 @@ def _clip_step(foreach, keep_norms):
 
 
 @program("train")
+def make_reentrant_checkpoint_of_a_module():
+    # the module runs again inside backward, on its inputs; a replay's third call raised
+    # "element 0 of tensors does not require grad"
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Linear(8, 4)
+
+    def step(x, mask):
+        model.zero_grad()
+        out = checkpoint(model, x.clone().requires_grad_(), use_reentrant=True) * mask
+        out.sum().backward()
+        return out.detach()
+
+    return Program(step, lambda i: (randn(3, 8), rand(3, 4)), {"model": model}, **TRAIN_TOL)
+
+
+@program("train")
 def make_clip_grad_norm_foreach_true():
     return _clip_step(True, False)
 
