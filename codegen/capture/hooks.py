@@ -47,12 +47,13 @@ def _apply_hook(orig: Any) -> Any:
             rec.stop(f"passes a function holding values (a closure) to {cls.__name__}, "
                      "which a replay would call as the first call made it")
             return orig.__func__(cls, *args, **kwargs)
-        if any(isinstance(a, torch.nn.Module) for a in (*args, *kwargs.values())):
-            # checkpoint(model, x, use_reentrant=True): the module runs again inside
-            # backward, on the inputs the replay gave it (the third call's backward found
-            # none that required grad and raised)
-            rec.stop(f"passes a module to {cls.__name__}, which runs it again inside "
-                     "backward (reentrant checkpointing)")
+        if any(callable(a) and not isinstance(a, (torch.Tensor, type))
+               for a in (*args, *kwargs.values())):
+            # checkpoint(model, x, use_reentrant=True): the module (or function) runs
+            # again inside backward, and a replay's third call raised there ("element 0
+            # of tensors does not require grad")
+            rec.stop(f"passes a function or module to {cls.__name__}, which may run it "
+                     "again inside backward (reentrant checkpointing)")
             return orig.__func__(cls, *args, **kwargs)
         return rec.call_opaque(cls.apply, lambda *a, **k: orig.__func__(cls, *a, **k),
                                args, kwargs)

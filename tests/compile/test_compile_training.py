@@ -708,7 +708,9 @@ def test_activation_checkpointing_gives_eagers_gradients(where, reentrant):
     during the original forward and recomputation" from the second call on (a replay's
     fused groups save fewer tensors than the recorded eager ops), whether the checkpoint
     ran inside the compiled model or around it. Such calls now run eagerly, with one
-    warning naming the reason; reentrant checkpointing (no saved-tensor hooks) compiles."""
+    warning naming the reason. Reentrant checkpointing inside the model runs eagerly too:
+    its Function runs the block again inside backward, and a replay whose input was made
+    in the call (``x.clone().requires_grad_()``) raised from its third call."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -734,5 +736,6 @@ def test_activation_checkpointing_gives_eagers_gradients(where, reentrant):
             for a, b in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(a.grad, b.grad)
                 a.grad = b.grad = None
-    said = [str(w.message) for w in caught if "torch.utils.checkpoint" in str(w.message)]
-    assert bool(said) == (not reentrant), said
+    said = [str(w.message) for w in caught if "torch.utils.checkpoint" in str(w.message)
+            or "reentrant checkpointing" in str(w.message)]
+    assert len(said) == (1 if where == "inside" or not reentrant else 0), said

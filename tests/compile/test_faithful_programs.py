@@ -4004,6 +4004,25 @@ def make_reentrant_checkpoint_of_a_module():
 
 
 @program("train")
+def make_reentrant_checkpoint_of_a_plain_function():
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = {"block": nn.Linear(8, 4)}
+
+    def block(t, blocks=blocks):  # no closure: it reads its module through a default
+        return F.relu(blocks["block"](t))
+
+    def step(x, mask):
+        blocks["block"].zero_grad()
+        out = checkpoint(block, x.clone().requires_grad_(), use_reentrant=True)
+        (out * mask).sum().backward()
+        return out.detach()
+
+    return Program(step, lambda i: (randn(3, 8), rand(3, 4)), {"model": blocks["block"]},
+                   **TRAIN_TOL)
+
+
+@program("train")
 def make_clip_grad_norm_foreach_true():
     return _clip_step(True, False)
 
