@@ -318,10 +318,10 @@ class CompiledFunction:
         """A call given a tensor marked with ``torch._dynamo.mark_dynamic``: from now on
         ``fn`` runs under Dynamo, which keeps the marked sizes symbolic, and fxlite compiles
         its graphs (as ``fxlite.compile(fn, dynamic=True)`` does for every size)."""
-        backend, mode = self._backend, self._mode
-        self._dynamo = DynamicFunction(self._fn, lambda gm: compile(gm, backend=backend,
-                                                                    mode=mode),
-                                       self._fullgraph, dynamic=None)
+        backend, mode, limit = self._backend, self._mode, self.recompile_limit
+        self._dynamo = DynamicFunction(
+            self._fn, lambda gm: compile(gm, backend=backend, mode=mode,
+                                         recompile_limit=limit), self._fullgraph, dynamic=None)
         return self._dynamo(*args, **kwargs)
 
     def _replay_failed(self, seg: Segment, args: tuple, kwargs: dict,
@@ -415,6 +415,8 @@ class CompiledFunction:
                     if (isinstance(k, FollowKey) or k.state == base.state)
                     and _numbers_key(k, leaves) == numbers) < 2:
                 self._over_limit(_what_changed(list(self._trees), key, leaves))
+                self._last, self._last_eager = [], (
+                    f"it was recorded {self.recompile_limit} times (recompile_limit)")
                 return self._fn(*args, **kwargs)
             fkey = numbers
         if self.follow_marks and any(getattr(x, "_dynamo_dynamic_indices", None)
@@ -1141,8 +1143,9 @@ def _through_dynamo(fn: Any, settings: Settings, given: dict[str, Any]) -> Dynam
     backend = given["backend"]
     named = backend if isinstance(backend, str) and backend not in (
         "triton", "python", "fxlite") else None
-    own, mode = settings.backend, settings.mode
-    args = (fn, lambda gm: compile(gm, backend=own, mode=mode), given["fullgraph"], True, named,
+    own, mode, limit = settings.backend, settings.mode, given["recompile_limit"]
+    args = (fn, lambda gm: compile(gm, backend=own, mode=mode, recompile_limit=limit),
+            given["fullgraph"], True, named,
             given["mode"], given["options"], functools.partial(compile, fn, **given))
     made = DynamicFunction(*args)
     register(made, args, lambda _: None)

@@ -69,6 +69,7 @@ NODE_META: dict[str, MetaKey] = _table(
              "passes/shape_prop.py", "passes/sink_views.py", "passes/split_module.py"),
             ("codegen/capture/follow.py", "codegen/lower/autograd_regions.py",
              "codegen/lower/pipeline.py", "codegen/runtime/precompile.py", "fxlite/ops/shapes.py",
+             "fxlite/ops/table.py",
              "passes/fuse/__init__.py", "passes/fuse/classes.py", "passes/fuse/lone_groups.py",
              "passes/fuse/size_sources.py", "passes/normalize.py", "passes/shape_prop.py")),
     MetaKey("checks", "bool (True only)",

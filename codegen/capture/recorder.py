@@ -261,19 +261,23 @@ class Recorder(TorchFunctionMode):
             owner = self._name_of(t) if t is not None else None
             if owner in self._dynamic:  # a data-dependent size: read it like a value
                 return self._read_value_of(out, owner, func, args, kwargs)
-            if self.symbolic and t is not None and name in ("size", "shape"):
-                return self._symbolic_size(t, out, args[1:], kwargs)
+            if self.symbolic and t is not None and name in ("size", "shape", "numel",
+                                                            "nelement"):
+                return self._symbolic_size(t, out, args[1:], kwargs,
+                                           "numel" if name == "nelement" else name)
             self.rec.sizes_read = True
         return out
 
-    def _symbolic_size(self, t: torch.Tensor, out: Any, args: tuple, kwargs: dict) -> Any:
-        """``t.size()``, ``t.shape`` or ``t.size(d)`` in a Dynamo graph with sizes as
-        inputs (``capture/symbolic.py``): sizes whose use the recording records, computed
-        from ``t`` on each replay."""
+    def _symbolic_size(self, t: torch.Tensor, out: Any, args: tuple, kwargs: dict,
+                       name: str) -> Any:
+        """``t.size()``, ``t.shape``, ``t.size(d)`` or ``t.numel()`` (``name``) in a Dynamo
+        graph with sizes as inputs (``capture/symbolic.py``): sizes whose use the recording
+        records, computed from ``t`` on each replay."""
         tensor = self._tensor_node(t)
         grad = torch.is_grad_enabled()
         if isinstance(out, int):
-            node = self.graph.call_method("size", (tensor, *args), kwargs)
+            node = self.graph.call_method("numel" if name == "numel" else "size",
+                                          (tensor, *args), kwargs)
             node.meta.update(type=int, grad_enabled=grad)
             return SymbolicInt(out, node, self)
         whole = self.graph.call_method("size", (tensor,))
@@ -521,6 +525,10 @@ class Recorder(TorchFunctionMode):
         return found
 
     def _read(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        if self.symbolic and state_name(func) == "sym_sum" and _holds_symbolic(args):
+            # a Dynamo graph's sum of sizes: its additions are recorded (SymbolicInt's)
+            self.rec.steps.append(Step(func, "", ValueOut(out)))
+            return sum(args[0])
         return self._read_value_of(out, None, func, args, kwargs)
 
     def _read_value_of(self, out: Any, owner: str | None, func: Any, args: tuple,

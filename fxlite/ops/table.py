@@ -220,8 +220,9 @@ def _raw_args(node: Node, info: OpInfo, module: torch.nn.Module | None = None) -
             out.update(info.module_kwargs(sub))
     if info.varargs and len(args) > 1:
         rest = args[1:]
-        if len(rest) > 1 or (type(rest[0]) is int):
-            args = (args[0], tuple(rest))
+        if len(rest) > 1 or type(rest[0]) is int or (
+                isinstance(rest[0], Node) and rest[0].meta.get("type") is int):
+            args = (args[0], tuple(rest))  # (an int node: x.reshape(x.numel()) of sizes)
     params = info.params
     for i, a in enumerate(args):
         out[params[i] if i < len(params) else f"#{i}"] = a

@@ -309,3 +309,36 @@ def test_hf_gpt2_under_dynamic_true_records_once_and_keeps_its_kernels():
     # one segment: its floats (eps, dropout's p) and GELU's torch._sym_sqrt(2 / pi) of
     # literals split nothing
     assert len(main._last) == 1
+
+
+def flat(x):
+    return x.reshape(x.numel()) * 2
+
+
+def summed(x):
+    return x.new_zeros(torch.sym_sum([1, x.shape[0], x.shape[1]])) + 1
+
+
+@pytest.mark.parametrize("fn", [flat, summed])
+def test_numel_and_sym_sum_of_sizes_stay_symbolic(fn):
+    compiled = fxlite.compile(fn, dynamic=True)
+    for B, T in SIZES:
+        x = torch.randn(B, T)
+        torch.testing.assert_close(compiled(x), fn(x))
+        assert compiled.kernels and not compiled.fallbacks, compiled.fallbacks
+    assert [g.recordings for g in compiled._graphs] == [1] * len(compiled._graphs)
+
+
+def scaled_by_a_size(x):
+    return x * x.shape[0] ** 0.5  # a float of a size: recorded per size
+
+
+def test_past_the_recompile_limit_a_graph_says_it_runs_eagerly():
+    compiled = fxlite.compile(scaled_by_a_size, dynamic=True, recompile_limit=2)
+    with pytest.warns(UserWarning, match="recorded 2 times"):
+        for B in (2, 3, 4, 5, 6):
+            x = torch.randn(B, 4)
+            torch.testing.assert_close(compiled(x), scaled_by_a_size(x))
+    assert compiled.recordings == 2  # the limit reaches the graphs fxlite compiles
+    assert compiled.tier.startswith("eager:") and "recompile_limit" in compiled.tier
+    assert not compiled.kernels
