@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import linecache
+import re
 import sys
 import threading
 import types
@@ -191,6 +192,8 @@ class CompiledFunction:
             self._fast = {}
         # a Dynamo graph: its calls may take the straight line with sizes and parameters
         self._graph_args = dynamo_graph(fn)
+        if self._graph_args:  # (Dynamo drops its records from the graph after compiling)
+            _GRAPH_NAMES[fn] = _graph_name(fn)
         if self._keyed:  # (CUDA graphs key tensors by layout, not by these values)
             self._graphs = None
         if not isinstance(fn, torch.nn.Module):
@@ -1080,7 +1083,22 @@ def _link(segments: list[Segment]) -> None:
         seg.children[read_key(seg.read.value)] = nxt
 
 
+_GRAPH_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Dynamo graph -> name
+
+
+def _graph_name(gm: Any) -> str:
+    """A Dynamo graph's name in messages (its class is GraphModule): the user's function
+    its first traced node came from."""
+    traced = next((n.meta["stack_trace"] for n in gm.graph.nodes
+                   if n.meta.get("stack_trace")), "")
+    found = re.findall(r", in (\S+)\n", traced)
+    return f"Dynamo's graph of {found[-1]}" if found else "Dynamo's graph"
+
+
 def _name(fn: Any) -> str:
+    named = _GRAPH_NAMES.get(fn) if isinstance(fn, torch.fx.GraphModule) else None
+    if named is not None:
+        return named
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import linecache
 import os
+import re
 import sys
 import threading
 import weakref
@@ -55,16 +56,45 @@ def recording_in_thread(recorder: Any) -> Iterator[None]:
 
 
 def user_site() -> tuple[str, int, str, str] | None:
-    """``(file, line, function, source)`` of the innermost frame of the user's code."""
+    """``(file, line, function, source)`` of the innermost frame of the user's code; in
+    a Dynamo graph's generated code, the user's line that Dynamo traced it from."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         if not (name.startswith(LIB_DIRS) or name.startswith("<fxlite")
                 or name.startswith("<frozen")):
+            if name.startswith("<eval_with_key>"):
+                site = _graph_site(f.f_locals.get("self"), f.f_lineno)
+                if site is not None:
+                    return site
             return (name, f.f_lineno, f.f_code.co_name,
                     linecache.getline(name, f.f_lineno).strip())
         f = f.f_back
     return None
+
+
+_GRAPH_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # gm -> its nodes
+_TRACE_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _graph_site(gm: Any, line: int) -> tuple[str, int, str, str] | None:
+    """The user's site of the node at ``line`` of a ``torch.fx.GraphModule``'s generated
+    code: the last frame of the stack trace Dynamo put on it, or None."""
+    lines = getattr(gm, "_lineno_map", None)
+    if not lines:
+        return None
+    index = lines.get(line - getattr(gm, "_prologue_start", 0))
+    if index is None:
+        return None
+    nodes = _GRAPH_NODES.get(gm)
+    if nodes is None or len(nodes) <= index:
+        nodes = _GRAPH_NODES[gm] = list(gm.graph.nodes)
+    trace = nodes[index].meta.get("stack_trace") if index < len(nodes) else None
+    found = _TRACE_LINE.findall(trace or "")
+    if not found:
+        return None
+    file, number, function, source = found[-1]
+    return file, int(number), function, source.strip()
 
 
 def format_site(site: tuple[str, int, str, str] | None) -> str:

@@ -342,3 +342,14 @@ def test_past_the_recompile_limit_a_graph_says_it_runs_eagerly():
     assert compiled.recordings == 2  # the limit reaches the graphs fxlite compiles
     assert compiled.tier.startswith("eager:") and "recompile_limit" in compiled.tier
     assert not compiled.kernels
+
+
+def test_messages_name_the_users_function_and_lines_not_dynamos_generated_code():
+    compiled = fxlite.compile(scaled_by_a_size, dynamic=True, recompile_limit=1)
+    with pytest.warns(UserWarning, match="Dynamo's graph of scaled_by_a_size was recorded"):
+        for B in (2, 3):
+            compiled(torch.randn(B, 4))
+    (graph,) = compiled._graphs
+    root = next(iter(graph._compiled._trees.values()))
+    traces = [n.meta["stack_trace"] for n in root.gm.graph.nodes if "stack_trace" in n.meta]
+    assert traces and all(__file__ in t and "x.shape[0] ** 0.5" in t for t in traces), traces
