@@ -830,6 +830,13 @@ def _what_changed(keys: list[CallKey], key: CallKey, leaves: list[Any]) -> str:
                     leaf = leaves[i] if i < len(leaves) else None
                     what = (f"argument {i}'s dtype, device, layout or sizes"
                             if isinstance(leaf, torch.Tensor) else f"argument {i}'s value")
+                    if isinstance(leaf, torch.Tensor) and a[:-1] == b[:-1] and \
+                            type(b[-1]) is float:  # a float Dynamo passes as a 0-d tensor
+                        what = (f"the value of argument {i}, a float Dynamo passes as a "
+                                f"tensor (a module's float attribute: an eps, a dropout's "
+                                f"p), now {b[-1]!r}")
+                        parts.append(what)
+                        continue
                     parts.append(f"{what} (now {_short(leaf)})")
         if old.state != key.state:
             parts.append("the state of a module, closure cell or global it reads")

@@ -353,3 +353,13 @@ def test_messages_name_the_users_function_and_lines_not_dynamos_generated_code()
     root = next(iter(graph._compiled._trees.values()))
     traces = [n.meta["stack_trace"] for n in root.gm.graph.nodes if "stack_trace" in n.meta]
     assert traces and all(__file__ in t and "x.shape[0] ** 0.5" in t for t in traces), traces
+
+
+def test_a_float_changing_on_every_call_is_named_at_the_limit():
+    model = ScaledNorm()
+    compiled = fxlite.compile(model, dynamic=True, recompile_limit=2)
+    with pytest.warns(UserWarning, match="a float Dynamo passes as a tensor .* now 3.0"):
+        for i in range(4):
+            model.scale = float(i + 1)  # a new value each call: recorded again each time
+            x = torch.randn(2, 3, 8)
+            torch.testing.assert_close(compiled(x), model(x))
