@@ -162,7 +162,9 @@ class CompiledFunction:
         self._followed: dict[FollowKey | CallKey, Any] = {}
         self._by_numbers = False  # some plan is followed for any value of float arguments
         self._behind_back_warned = False
-        self._sized: set[CallKey] = set()  # keys whose recordings read sizes
+        # keys whose recordings read sizes -> the size arguments that decide them (None: the
+        # sizes of every argument)
+        self._sized: dict[CallKey, tuple[int, ...] | None] = {}
         # the positions of the sizes a Dynamo graph takes as arguments: recorded as inputs
         # (capture/symbolic.py), so that one recording serves every size
         self._symbolic = symbolic_positions(fn)
@@ -479,7 +481,9 @@ class CompiledFunction:
                                               symbolic=self._symbolic, keyed=self._keyed),
                              state=base.state._replace(grads=tuple(pattern)))
         if rec.sizes_read:
-            self._sized.add(base)
+            was = self._sized.get(base, ())
+            self._sized[base] = None if was is None or rec.sizes_from is None else \
+                tuple(sorted({*was, *rec.sizes_from}))
         key = self._sized_key(base, leaves)
         self._trees[key] = segments[0]
         self._last = segments
@@ -557,7 +561,12 @@ class CompiledFunction:
 
     def _sized_key(self, base: CallKey, leaves: list[Any]) -> CallKey:
         """``base`` with the arguments' sizes where a recording under it read sizes."""
-        return base._replace(sizes=input_key(leaves, True)) if base in self._sized else base
+        if base not in self._sized:
+            return base
+        positions = self._sized[base]
+        if positions is None:
+            return base._replace(sizes=input_key(leaves, True))
+        return base._replace(sizes=tuple(leaves[i] for i in positions))
 
     def _graphs_wanted(self) -> bool:
         """Whether segments may be captured in CUDA graphs (``mode="reduce-overhead"``)."""

@@ -115,6 +115,7 @@ class Recorder(TorchFunctionMode):
         # hashed, converted)
         self.symbolic = False
         self.keyed: set[str] = set()  # inputs whose values the key holds (record's keyed)
+        self.escaped_nodes: list[Node] = []  # the sizes used as values (symbolic.py)
         self.escaped = False
         # how to record a function of its own (torch.cond's branches): capture.record
         self.sub_record: Callable[..., tuple[Any, Recording]] = _no_sub_record
@@ -525,7 +526,7 @@ class Recorder(TorchFunctionMode):
         return found
 
     def _read(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        if self.symbolic and state_name(func) == "sym_sum" and _holds_symbolic(args):
+        if self.symbolic and state_name(func) == "sym_sum" and _symbolic_in(args):
             # a Dynamo graph's sum of sizes: its additions are recorded (SymbolicInt's)
             self.rec.steps.append(Step(func, "", ValueOut(out)))
             return sum(args[0])
@@ -599,8 +600,12 @@ class Recorder(TorchFunctionMode):
         if state_name(func).lstrip("_").startswith("sym_") and not tensors_in((args, kwargs)):
             # (the numbers may be sizes; in a Dynamo graph a size is a SymbolicInt, and
             # without one they are literals: GELU's torch._sym_sqrt(2 / pi))
-            if not self.symbolic or _holds_symbolic((args, kwargs)):
+            if not self.symbolic:
                 self.rec.sizes_read = True
+            else:  # the key holds the sizes used (symbolic.escaped_positions)
+                for value in _symbolic_in((args, kwargs)):
+                    self.escaped = True
+                    self.escaped_nodes.append(value.node)
             return True
         if type(out) in (tuple, list) and not out and state_name(func) in SIZE_FANOUT:
             self.rec.sizes_read = True
@@ -827,15 +832,15 @@ class Prefix:
         return None
 
 
-def _holds_symbolic(value: Any) -> bool:
-    """Whether ``value`` (args and kwargs) holds a :class:`SymbolicInt` at any depth."""
+def _symbolic_in(value: Any) -> list[SymbolicInt]:
+    """The :class:`SymbolicInt` s in ``value`` (args and kwargs), at any depth."""
     if isinstance(value, SymbolicInt):
-        return True
+        return [value]
     if type(value) in (tuple, list):
-        return any(_holds_symbolic(v) for v in value)
+        return [s for v in value for s in _symbolic_in(v)]
     if type(value) is dict:
-        return any(_holds_symbolic(v) for v in value.values())
-    return False
+        return [s for v in value.values() for s in _symbolic_in(v)]
+    return []
 
 
 class _Writes(TorchDispatchMode):

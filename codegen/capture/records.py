@@ -168,6 +168,9 @@ class Recording:
     steps: list[Step] = field(default_factory=list)
     reads: list[Read] = field(default_factory=list)
     sizes_read: bool = False
+    # with sizes_read: the positions of the sizes taken as inputs that alone decide it
+    # (capture/symbolic.py's escaped_positions), or None for every size
+    sizes_from: tuple[int, ...] | None = None
     grad_reads: list[Any] = field(default_factory=list)  # (tensor, .grad was None) Python read
     unsupported: str | None = None  # why it stopped: the call ran on in eager PyTorch
     effect: str | None = None  # why its Python must run on every call (codegen/capture/follow.py)

@@ -66,7 +66,7 @@ from fxlite.codegen.capture.records import (
 from fxlite.codegen.capture.rules import Diverged, rng_state_of
 from fxlite.codegen.capture.segments import read_key
 from fxlite.codegen.capture.structure import flatten
-from fxlite.codegen.capture.symbolic import SymbolicInt, plain
+from fxlite.codegen.capture.symbolic import SymbolicInt, escaped_positions, plain
 from fxlite.codegen.capture.watch import Watch
 
 from fxlite.graph import Graph
@@ -156,6 +156,9 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     if recorder.symbolic:
         result, returned = plain(result)
         if recorder.escaped or returned:  # a size used as a value: the key holds sizes
+            # (those it is computed from, where they are inputs: C ** -0.5 of C alone)
+            rec.sizes_from = None if returned or rec.sizes_read else escaped_positions(
+                recorder.escaped_nodes, rec.placeholders)
             rec.sizes_read = True
     if not recorder.off and _saved_then_written(result, rec):
         recorder.stop("modifies in place a tensor that autograd saved for backward, and its "

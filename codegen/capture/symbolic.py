@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SymbolicInt", "dynamo_graph", "keyed_positions", "plain", "symbolic_positions"]
+__all__ = ["SymbolicInt", "dynamo_graph", "escaped_positions", "keyed_positions", "plain",
+           "symbolic_positions"]
 
 
 def symbolic_positions(fn: Any) -> frozenset[int]:
@@ -95,10 +96,42 @@ def _escaping(name: str) -> Any:
 
     def method(self: SymbolicInt, *args: Any) -> Any:
         self.owner.escaped = True
+        _note_escape(self)
         return base(int.__int__(self), *(_plain(a) for a in args))
 
     method.__name__ = name
     return method
+
+
+def _note_escape(value: SymbolicInt) -> None:
+    """Tell the recorder which size was used as a value (``escaped_nodes``), so that its
+    key can hold that size alone where it is computed from the sizes taken as inputs."""
+    nodes = getattr(value.owner, "escaped_nodes", None)
+    if nodes is not None:
+        nodes.append(value.node)
+
+
+def escaped_positions(nodes: list[Any], placeholders: list[str | None]) -> tuple[int, ...] | None:
+    """The positions of the sizes taken as inputs that the escaped ``nodes`` are computed
+    from by arithmetic alone (``s53 ** 0.5`` of an input ``s53``), or None where one is
+    computed from a tensor's size (then the key holds every size)."""
+    where = {name: i for i, name in enumerate(placeholders) if name is not None}
+    found: set[int] = set()
+    todo, seen = list(nodes), set()
+    while todo:
+        node = todo.pop()
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        if node.op == "placeholder":
+            if node.meta.get("type") is not int or node.name not in where:
+                return None
+            found.add(where[node.name])
+        elif node.op == "call_function" and node.target.__module__ == "_operator":
+            todo.extend(node.all_input_nodes)
+        else:  # a tensor's size
+            return None
+    return tuple(sorted(found))
 
 
 class SymbolicInt(int):
@@ -121,6 +154,7 @@ class SymbolicInt(int):
 
     def _escape(self, op: Any, other: Any, reflected: bool) -> Any:
         self.owner.escaped = True
+        _note_escape(self)
         a, b = (other, int.__int__(self)) if reflected else (int.__int__(self), other)
         return op(a, b)
 

@@ -11,6 +11,7 @@ recorded per size instead, and still equals eager.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 
@@ -363,3 +364,23 @@ def test_a_float_changing_on_every_call_is_named_at_the_limit():
             model.scale = float(i + 1)  # a new value each call: recorded again each time
             x = torch.randn(2, 3, 8)
             torch.testing.assert_close(compiled(x), model(x))
+
+
+def scaled_attention(q, k):
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+
+
+def sqrt_scaled_attention(q, k):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), -1)
+
+
+@pytest.mark.parametrize("fn", [scaled_attention, sqrt_scaled_attention])
+def test_a_float_of_one_size_keys_the_recording_by_that_size_alone(fn):
+    # C ** -0.5 uses the size C as a value: recorded per C, not per (B, T, C)
+    compiled = fxlite.compile(fn, dynamic=True)
+    shapes = [(2, 3, 8), (3, 5, 8), (4, 7, 8), (2, 4, 16), (5, 6, 16), (2, 3, 8)]
+    for B, T, C in shapes:
+        q, k = torch.randn(B, T, C), torch.randn(B, T, C)
+        torch.testing.assert_close(compiled(q, k), fn(q, k))
+        assert compiled.kernels
+    assert compiled.recordings == len({C for _, _, C in shapes})
