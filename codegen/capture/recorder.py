@@ -292,11 +292,13 @@ class Recorder(TorchFunctionMode):
 
     def _op(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
         tensors = tensors_in((args, kwargs))
-        self._snapshot(mutation_candidates(func, args, kwargs))
+        writes = mutation_candidates(func, args, kwargs)
+        self._snapshot(writes)
         try:
             out, mutated = self._run_seeing_writes(lambda: func(*args, **kwargs), tensors)
         except Exception as e:
-            self._user_raised(func, e)
+            if writes or kind in ("effect", "external"):  # (a pure op may run again)
+                self._user_raised(func, e)
             raise
         mutated += [t for t in hidden_writes(func, args, kwargs) if all(t is not m for m in mutated)]
         if kind == "read" or (not has_tensor(out) and out is not None and kind != "effect"):
@@ -374,10 +376,13 @@ class Recorder(TorchFunctionMode):
         return out, mutated
 
     def _user_raised(self, func: Any, e: Exception) -> None:
-        """Mark ``e``, raised by the user's op ``func``, as the user's: it propagates as
-        in eager (a backward through a tensor modified in place), the op not run again,
-        and the call finishes in eager PyTorch (its Python may catch ``e``, and a replay
-        would not raise where this call did)."""
+        """Mark ``e``, raised by the user's op ``func`` that writes or has effects, as the
+        user's: it propagates as in eager (a backward through a tensor modified in
+        place), the op not run again, and the call finishes in eager PyTorch (its Python
+        may catch ``e``, and a replay would not raise where this call did). A pure op's
+        exception goes to ``__torch_function__``'s handler instead, which runs it again
+        outside the recording: eager's exception again, or, had the recorder caused it,
+        eager's result."""
         self.stop(f"raised {type(e).__name__} in {func_name(func)}, where a replay would "
                   "not raise")
         e._fxlite_user = True  # type: ignore[attr-defined]
