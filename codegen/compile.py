@@ -55,6 +55,7 @@ from fxlite.codegen.capture.symbolic import dynamo_graph, keyed_positions, symbo
 from fxlite.codegen.compiler import register
 from fxlite.codegen.dynamic import DynamicFunction
 from fxlite.codegen.kernels.generate import interpreting
+from fxlite.codegen.lower.batch_norm import update_running_stats
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
 from fxlite.codegen.lower.segment import compile_segment, expand_kernels
 from fxlite.codegen.options import MODES, Settings, resolve
@@ -972,8 +973,9 @@ def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
         tb = getattr(error, "__traceback__", None)
         while tb is not None:  # a generated forward's line that writes back: too late
             code = tb.tb_frame.f_code
-            if code.co_filename.startswith("<") and ".copy_(" in linecache.getline(
-                    code.co_filename, tb.tb_lineno):
+            line = linecache.getline(code.co_filename, tb.tb_lineno)
+            if code.co_filename.startswith("<") and (".copy_(" in line
+                                                     or "update_running_stats(" in line):
                 return False
             tb = tb.tb_next
         return True
@@ -989,9 +991,10 @@ def _note_ran_before(error: BaseException, segments: int) -> None:
 
 
 def _writes_last(gm: GraphModule) -> bool:
-    """Whether ``gm``'s only writes are ``copy_`` write-backs after all its other ops, and
-    nothing else in it is impure (a random draw, an effect): what a functionalized segment
-    compiles to::
+    """Whether ``gm``'s only writes are ``copy_`` write-backs (and a training BatchNorm's
+    ``update_running_stats``, which ``lower/batch_norm.py`` moves to the end) after all its
+    other ops, and nothing else in it is impure (a random draw, an effect): what a
+    functionalized segment compiles to::
 
         fused_0 = triton_fused_0(b0, x0)
         fused_1 = self.fused_1(x0, x1)        # may raise: nothing is written yet
@@ -1004,7 +1007,7 @@ def _writes_last(gm: GraphModule) -> bool:
         for n in gm.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module"):
                 continue
-            if n.op == "call_method" and n.target == "copy_":
+            if n.op == "call_method" and n.target == "copy_" or n.target is update_running_stats:
                 writing = True
             elif writing or is_impure(n, gm) and "read" not in n.meta \
                     and "checks" not in n.meta:  # (a read or a check changes

@@ -482,3 +482,37 @@ def test_an_op_that_raises_raises_once_with_eagers_exception():
             messages.append(str(info.value).split(":")[0])
             assert log == ["ran"]
         assert messages[0] == messages[1], messages
+
+
+class _NormThenSvd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+
+    def forward(self, x):
+        y = F.batch_norm(x, self.mean, self.var, training=True, momentum=0.1)
+        return torch.norm(y, p="nuc", dim=(-2, -1))  # an SVD: raises for an inf
+
+
+def test_running_stats_updated_before_a_later_op_raises_are_kept():
+    # Fuzz seed 7702840: eager updates the running statistics, then the SVD raises. The
+    # compiled call moved the update to the end of its graph and, as the SVD raised
+    # first, lost it: the buffers differed on every later call.
+    eager = _NormThenSvd()
+    compiled_module = copy.deepcopy(eager)
+    compiled = fxlite.compile(compiled_module)
+    good = rand(3, 3)
+    bad = good.clone()
+    bad[0, 0] = float("inf")
+    for x in (good, bad, good, bad):
+        outcomes = []
+        for fn in (eager, compiled):
+            try:
+                fn(x.clone())
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append(type(e))
+        assert outcomes[0] == outcomes[1]
+        torch.testing.assert_close(compiled_module.mean, eager.mean, equal_nan=True)
+        torch.testing.assert_close(compiled_module.var, eager.var, equal_nan=True)
