@@ -285,6 +285,9 @@ def _size_at(shape: tuple[int, ...], i: int, rank: int) -> int:
 
 
 # ---------------------------------------------------------------------- save or recompute
+_COMPARED = frozenset({"amax", "amin", "max", "min"})  # backward: input == result
+
+
 def _recomputable(n: Node) -> bool:
     """Pointwise ops and views can be recomputed inside a backward kernel for free:
     they read values the kernel loads anyway. Reductions cannot (another pass over the
@@ -318,6 +321,11 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
     inf = float("inf")
     index = {n: i for i, n in enumerate(forward)}
     source, sink = 2 * len(forward), 2 * len(forward) + 1
+    # the input of an amax or amin is saved, never recomputed: its backward compares it
+    # with the saved result, and a recomputation rounded otherwise (exp: one ulp) matched
+    # no element and lost the gradient (fuzz seed 7719980)
+    compared = {n.all_input_nodes[0] for n in forward if n.all_input_nodes
+                and getattr(lookup(n), "name", None) in _COMPARED}
     cap: dict[int, dict[int, float]] = {i: {} for i in range(2 * len(forward) + 2)}
 
     def edge(a: int, b: int, c: float) -> None:
@@ -328,7 +336,7 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
         i = index[n]
         size = _bytes(n)
         edge(2 * i, 2 * i + 1, size if n in primals or n in outputs else 2 * size)
-        if _recomputable(n):
+        if _recomputable(n) and n not in compared:
             for u in n.all_input_nodes:
                 edge(2 * index[u] + 1, 2 * i, inf)
         else:

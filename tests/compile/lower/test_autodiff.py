@@ -571,3 +571,30 @@ def test_a_row_statistic_read_by_a_reduction_over_the_same_dim(op, reduce, dim):
         (compiled(a) * w).sum().backward()
         (f(b) * w).sum().backward()
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_input_of_an_amax_is_saved_not_recomputed():
+    # Fuzz seed 7719980: amax's backward compares its input with the saved result. The
+    # input, exp(x0) + ..., was recomputed in the backward kernel, one ulp from the
+    # forward's under the interpreter: no element matched, and the gradient was all zero.
+    def program(x0, x1, x2):
+        v1 = torch.where(x1 > 0, x1, x1 * 0.1)
+        return torch.addcdiv(x0.exp(), v1, x2.abs() + 1).amax()
+
+    x0 = torch.tensor([3.772425413131714, -2.585873603820801, -2.219567060470581,
+                       -3.653651475906372, -1.5468378067016602, 2.1460864543914795,
+                       -2.117786407470703, -2.119009494781494, -1.6093757152557373,
+                       -1.9544545412063599, 0.6065439581871033, -2.390040397644043,
+                       -2.347503900527954, -1.8946726322174072, -0.18926140666007996])
+    x1 = torch.tensor([-3.22316837310791, 0.38539406657218933, 1.3615480661392212])
+    x2 = torch.tensor([0.45055606961250305, 3.30391788482666, -1.607835054397583,
+                       -0.7136278748512268, -1.1769523620605469])
+    inputs = [x0.reshape(3, 5).to(DEVICE), x1.reshape(3, 1).to(DEVICE), x2.to(DEVICE)]
+    compiled = fxlite.compile(program)
+    for _ in range(3):
+        a = [x.clone().requires_grad_() for x in inputs]
+        b = [x.clone().requires_grad_() for x in inputs]
+        program(*a).backward()
+        compiled(*b).backward()
+        for want, got in zip(a, b):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
