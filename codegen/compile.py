@@ -256,8 +256,9 @@ class CompiledFunction:
         straight = tensors_only or (self._graph_args and not kwargs and _graph_args(args))
         fkey = _NO_FAST_KEY
         if fast is not None and straight:  # laid out as seen before: launch directly
+            keyed = self._keyed
             fkey = FastKey(fast_key(args), ambient_key(), self._state_key(),
-                           tuple(args[i].item() for i in self._keyed))
+                           tuple(args[i].item() for i in keyed) if keyed else ())
             found = fast.get(fkey)
             if found is not None and found.check():
                 seg = found.segment
