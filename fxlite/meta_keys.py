@@ -103,8 +103,8 @@ NODE_META: dict[str, MetaKey] = _table(
             "fill_meta turns it into tensor_meta",
             ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/run.py",
              "passes/attention.py"),
-            ("codegen/capture/follow.py", "codegen/compile.py", "codegen/lower/pipeline.py",
-             "passes/attention.py", "passes/shape_prop.py")),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py",
+             "codegen/lower/pipeline.py", "passes/attention.py", "passes/shape_prop.py")),
     MetaKey("device", "torch.device", "the tensor result's device (fill_meta, from "
             "tensor_meta_rec; ShapeProp)",
             ("codegen/lower/pipeline.py", "passes/shape_prop.py"),

@@ -71,6 +71,9 @@ __all__ = ["Prefix", "Recorder"]
 _FORMATS = frozenset({"__repr__", "__str__", "__format__"})
 # Kept when their result is unused, as checks: decompositions whose error may be the
 # point (`try: torch.linalg.cholesky(a)` to test positive definiteness)
+# ops that raise on some values of their tensors (Recorder.keep_unused_checks)
+_INDEXING = frozenset({"index_select", "gather", "take", "take_along_dim", "embedding"})
+_DIVIDING = frozenset({"fmod", "remainder", "floor_divide", "div", "floordiv", "mod"})
 _CHECKS = frozenset({"linalg_cholesky", "cholesky", "linalg_inv", "inverse", "linalg_solve",
                      "linalg_lu_factor", "linalg_solve_triangular"})
 
@@ -640,6 +643,26 @@ class Recorder(TorchFunctionMode):
         if torch.initial_seed() != self._seed:
             self.stop("reseeds the random generator (torch.manual_seed) inside the function")
 
+    def keep_unused_checks(self) -> None:
+        """Keep the unused ops that raise on some values, as eager does: an index out of
+        range (``x[idx]``, ``gather``, ``index_select``), an integer division by zero
+        (``fmod``, ``remainder``). Their results are read by nothing, so dead-code
+        elimination would drop them and the error with them; they stay, as ``checks``
+        (pure: safe to run again). Called once the graph has its output."""
+        for node in self.graph.nodes:
+            if node.users or node.op not in ("call_function", "call_method") \
+                    or node.meta.get("impure"):
+                continue
+            name = node.target if node.op == "call_method" else getattr(
+                node.target, "__name__", "")
+            meta = node.meta.get("tensor_meta_rec")
+            integer = meta is not None and not meta[2].is_floating_point \
+                and not meta[2].is_complex
+            if name in _INDEXING or name in _DIVIDING and integer or name in (
+                    "getitem", "__getitem__") and any(isinstance(a, Node)
+                                                      for a in _flat(node.args[1:])):
+                node.meta.update(impure=True, checks=True)
+
     # ------------------------------------------------------------------ opaque calls
     def call_opaque(self, target: Any, runner: Callable[..., Any], args: tuple,
                     kwargs: dict, touches: list[torch.Tensor] | None = None) -> Any:
@@ -835,6 +858,15 @@ class Prefix:
             if user.target is operator.getitem and user.args[1] == i:
                 return user.name
         return None
+
+
+def _flat(value: Any) -> list[Any]:
+    """The items of nested tuples, lists and slices."""
+    if type(value) in (tuple, list):
+        return [x for v in value for x in _flat(v)]
+    if type(value) is slice:
+        return [value.start, value.stop, value.step]
+    return [value]
 
 
 def _symbolic_in(value: Any) -> list[SymbolicInt]:

@@ -410,6 +410,7 @@ def _finish_output(recorder: Recorder, result: Any) -> None:
         rec.out_refs.append(ref)
         outs.extend(nodes)
     rec.graph.output(tuple(outs))
+    recorder.keep_unused_checks()
 
 
 def _tensors_in(obj: Any) -> tuple[list[torch.Tensor], dict[int, Any]] | None:

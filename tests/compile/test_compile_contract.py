@@ -516,3 +516,40 @@ def test_running_stats_updated_before_a_later_op_raises_are_kept():
         assert outcomes[0] == outcomes[1]
         torch.testing.assert_close(compiled_module.mean, eager.mean, equal_nan=True)
         torch.testing.assert_close(compiled_module.var, eager.var, equal_nan=True)
+
+
+def _unused_index(x, idx):
+    x[idx]  # unused: eager raises IndexError for an index out of range
+    return x * 2
+
+
+def _unused_fmod(a, b):
+    a.fmod(b)  # unused: eager raises for an integer division by zero
+    return a + 1
+
+
+@pytest.mark.parametrize("fn, good, bad", [
+    (_unused_index, lambda: (rand(4, 8), torch.tensor([1], device=DEVICE)),
+     lambda: (rand(4, 8), torch.tensor([7], device=DEVICE))),
+    (_unused_fmod, lambda: (torch.arange(4, device=DEVICE),
+                            torch.tensor([1, 2, 3, 4], device=DEVICE)),
+     lambda: (torch.arange(4, device=DEVICE), torch.tensor([1, 0, 3, 4], device=DEVICE))),
+], ids=["index", "fmod"])
+def test_an_unused_op_that_raises_raises_as_in_eager(fn, good, bad):
+    # Fuzz seed 7604534 and session 30's probe: dead-code elimination dropped the op and
+    # its error; such ops are kept as checks, and the good calls still run kernels.
+    if DEVICE == "cuda":
+        pytest.skip("an index out of range is a device-side assert on CUDA")
+    compiled = fxlite.compile(fn)
+    for make in (good, bad, good, bad):
+        args = make()
+        outcomes = []
+        for f in (fn, compiled):
+            try:
+                f(*args)
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append(type(e))
+        assert outcomes[0] == outcomes[1], outcomes
+        if outcomes[0] is None:
+            assert compiled.kernels
