@@ -646,12 +646,18 @@ class Recorder(TorchFunctionMode):
     def keep_unused_checks(self) -> None:
         """Keep the unused ops that raise on some values, as eager does: an index out of
         range (``x[idx]``, ``gather``, ``index_select``), an integer division by zero
-        (``fmod``, ``remainder``). Their results are read by nothing, so dead-code
-        elimination would drop them and the error with them; they stay, as ``checks``
-        (pure: safe to run again). Called once the graph has its output."""
+        (``fmod``, ``remainder``). Their results are read by nothing (or only by other
+        unused ops), so dead-code elimination would drop them and the error with them;
+        they stay, as ``checks`` (pure: safe to run again). Called once the graph has its
+        output."""
+        dead: set[Node] = set()  # its values read by nothing, or only by dead nodes
+        for node in reversed(list(self.graph.nodes)):
+            if node.op in ("call_function", "call_method") and not node.meta.get(
+                    "impure") and all(user in dead or _layout_only(user, node)
+                                      for user in node.users):
+                dead.add(node)
         for node in self.graph.nodes:
-            if node.users or node.op not in ("call_function", "call_method") \
-                    or node.meta.get("impure"):
+            if node not in dead:
                 continue
             name = node.target if node.op == "call_method" else getattr(
                 node.target, "__name__", "")
@@ -858,6 +864,17 @@ class Prefix:
             if user.target is operator.getitem and user.args[1] == i:
                 return user.name
         return None
+
+
+_LAYOUT_READERS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "zeros_like",
+                             "ones_like", "empty_like", "full_like"})
+
+
+def _layout_only(user: Node, node: Node) -> bool:
+    """Whether ``user`` reads only ``node``'s layout (``node.new_zeros(...)``)."""
+    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    return name in _LAYOUT_READERS and user.args[:1] == (node,) and node not in _flat(
+        (user.args[1:], list(user.kwargs.values())))
 
 
 def _flat(value: Any) -> list[Any]:

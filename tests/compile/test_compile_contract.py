@@ -528,13 +528,22 @@ def _unused_fmod(a, b):
     return a + 1
 
 
+def _read_for_its_layout(a, b):
+    # fuzz seed 7731249: the division's values reach only new_zeros, which reads a layout
+    v = torch.div(b, a, rounding_mode="trunc").tanh() + 2
+    return v.new_zeros(v.shape[-1:]) + 1
+
+
 @pytest.mark.parametrize("fn, good, bad", [
+    (_read_for_its_layout, lambda: (torch.tensor([1, 2, 3, 4], device=DEVICE),
+                                    torch.tensor(5, device=DEVICE)),
+     lambda: (torch.tensor([1, 0, 3, 4], device=DEVICE), torch.tensor(5, device=DEVICE))),
     (_unused_index, lambda: (rand(4, 8), torch.tensor([1], device=DEVICE)),
      lambda: (rand(4, 8), torch.tensor([7], device=DEVICE))),
     (_unused_fmod, lambda: (torch.arange(4, device=DEVICE),
                             torch.tensor([1, 2, 3, 4], device=DEVICE)),
      lambda: (torch.arange(4, device=DEVICE), torch.tensor([1, 0, 3, 4], device=DEVICE))),
-], ids=["index", "fmod"])
+], ids=["layout_only", "index", "fmod"])
 def test_an_unused_op_that_raises_raises_as_in_eager(fn, good, bad):
     # Fuzz seed 7604534 and session 30's probe: dead-code elimination dropped the op and
     # its error; such ops are kept as checks, and the good calls still run kernels.
