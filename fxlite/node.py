@@ -30,7 +30,7 @@ from typing import Any, Union
 # that owns it sits above, in fxlite.graph.
 __all__ = ["OPCODES", "Argument", "Node", "Opcode", "Target", "as_args", "as_kwargs",
            "collect_nodes", "describe_value", "format_arg", "format_target", "map_aggregate",
-           "map_arg", "safe_repr", "unprintable"]
+           "map_arg", "safe_repr", "target_name", "unprintable"]
 
 
 class Opcode(str, enum.Enum):
@@ -351,6 +351,13 @@ class Node:
             return
         self.graph._namespace.release(self.name)
         self.name = self.graph._namespace.create_name(candidate)
+
+
+def target_name(node: Node) -> str:
+    """A node's op as a short name: a method's (``"view"``), a function's ``__name__``
+    (``"relu"``, ``"getitem"`` for ``operator.getitem``), a module's path; else ``""``."""
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
 
 
 def format_target(target: Target) -> str:

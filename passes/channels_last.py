@@ -50,14 +50,13 @@ Example::
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 from fxlite.passes.shape_prop import memory_format_of, node_layout
 
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node, map_arg
+from fxlite.node import Node, map_arg, target_name
 
 __all__ = ["CONVS", "channels_last_convs"]
 
@@ -95,13 +94,6 @@ def _channels_last_already(shape: tuple) -> bool:
     return shape[1] == 1 or shape[2] * shape[3] == 1
 
 
-def _name(node: Node) -> str:
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    return target if isinstance(target, str) else getattr(target, "__name__", "")
-
-
 def _root(n: Node, names: dict[str, Node]) -> Node | None:
     """The node that made the tensor ``n`` returns (through in-place ops, which return
     their input), or None if that tensor may view another one. ``names``: the graph's
@@ -109,14 +101,14 @@ def _root(n: Node, names: dict[str, Node]) -> Node | None:
     while True:
         if n.meta.get("same_object") is not None:
             n = names.get(n.meta["same_object"])
-        elif (n.meta.get("returns_input") or _name(n).endswith("_")) and n.args \
+        elif (n.meta.get("returns_input") or target_name(n).endswith("_")) and n.args \
                 and isinstance(n.args[0], Node):  # an in-place op: its input's tensor
             n = n.args[0]
         else:
             break
         if n is None:
             return None
-    if n.op != "call_function" and n.op != "call_method" or _name(n) in _VIEWS:
+    if n.op != "call_function" and n.op != "call_method" or target_name(n) in _VIEWS:
         return None
     return n
 
@@ -175,7 +167,7 @@ def channels_last_convs(gm: GraphModule) -> bool:
         if n not in downstream:
             downstream.add(n)
             stack.extend(u for u in n.users if u.op != "output")
-    if any(_name(n) in _LAYOUT_SENSITIVE for n in downstream):
+    if any(target_name(n) in _LAYOUT_SENSITIVE for n in downstream):
         return False
     output = next(n for n in graph.nodes if n.op == "output")
     returned: list[tuple[Node, Any]] = []

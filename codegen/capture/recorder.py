@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxlite.graph import Graph
-from fxlite.node import Node
+from fxlite.node import Node, collect_nodes, target_name
 from fxlite.proxy import TraceError
 
 __all__ = ["Prefix", "Recorder"]
@@ -69,11 +69,11 @@ __all__ = ["Prefix", "Recorder"]
 # Formatting a tensor as text reads its values, which a followed call (codegen/capture/follow.py)
 # does for real: such a recording is followed, not stopped.
 _FORMATS = frozenset({"__repr__", "__str__", "__format__"})
-# Kept when their result is unused, as checks: decompositions whose error may be the
-# point (`try: torch.linalg.cholesky(a)` to test positive definiteness)
 # ops that raise on some values of their tensors (Recorder.keep_unused_checks)
 _INDEXING = frozenset({"index_select", "gather", "take", "take_along_dim", "embedding"})
 _DIVIDING = frozenset({"fmod", "remainder", "floor_divide", "div", "floordiv", "mod"})
+# Kept when their result is unused, as checks: decompositions whose error may be the
+# point (`try: torch.linalg.cholesky(a)` to test positive definiteness)
 _CHECKS = frozenset({"linalg_cholesky", "cholesky", "linalg_inv", "inverse", "linalg_solve",
                      "linalg_lu_factor", "linalg_solve_triangular"})
 
@@ -659,14 +659,12 @@ class Recorder(TorchFunctionMode):
         for node in self.graph.nodes:
             if node not in dead:
                 continue
-            name = node.target if node.op == "call_method" else getattr(
-                node.target, "__name__", "")
+            name = target_name(node)
             meta = node.meta.get("tensor_meta_rec")
             integer = meta is not None and not meta[2].is_floating_point \
                 and not meta[2].is_complex
             if name in _INDEXING or name in _DIVIDING and integer or name in (
-                    "getitem", "__getitem__") and any(isinstance(a, Node)
-                                                      for a in _flat(node.args[1:])):
+                    "getitem", "__getitem__") and _nodes_in(node.args[1:]):
                 node.meta.update(impure=True, checks=True)
 
     # ------------------------------------------------------------------ opaque calls
@@ -872,18 +870,15 @@ _LAYOUT_READERS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "
 
 def _layout_only(user: Node, node: Node) -> bool:
     """Whether ``user`` reads only ``node``'s layout (``node.new_zeros(...)``)."""
-    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-    return name in _LAYOUT_READERS and user.args[:1] == (node,) and node not in _flat(
-        (user.args[1:], list(user.kwargs.values())))
+    return target_name(user) in _LAYOUT_READERS and user.args[:1] == (node,) and \
+        node not in _nodes_in((user.args[1:], user.kwargs))
 
 
-def _flat(value: Any) -> list[Any]:
-    """The items of nested tuples, lists and slices."""
-    if type(value) in (tuple, list):
-        return [x for v in value for x in _flat(v)]
-    if type(value) is slice:
-        return [value.start, value.stop, value.step]
-    return [value]
+def _nodes_in(value: Any) -> dict[Node, None]:
+    """The nodes in an argument (``fxlite.node.collect_nodes``), as an ordered set."""
+    found: dict[Node, None] = {}
+    collect_nodes(value, found)
+    return found
 
 
 def _symbolic_in(value: Any) -> list[SymbolicInt]:

@@ -46,7 +46,7 @@ from fxlite.codegen.capture.guards import tensor_guard
 from fxlite.codegen.runtime.launch import fingerprint
 
 from fxlite.interpreter import freed_after
-from fxlite.node import Node
+from fxlite.node import Node, target_name
 
 __all__ = ["AttrCheck", "Forward", "StraightRunner", "attr_key", "fast_key", "straight_line"]
 
@@ -144,14 +144,9 @@ def _kernel_call(node: Node) -> bool:
             and not node.kwargs and bool(node.args))
 
 
-def _name(node: Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", "")
-
-
 def _trusted(node: Node) -> bool:
     """Whether the op's output layout follows from its inputs' layouts alone."""
-    if _name(node) in _DATA_DEPENDENT:
+    if target_name(node) in _DATA_DEPENDENT:
         return False
     if node.op == "call_method":
         return True
@@ -243,7 +238,7 @@ class _Writer:
         docstring); whether it was. A view qualifies when its tensor input is fixed, its
         other inputs are constants, it shares that tensor's memory and dtype, autograd
         does not record it, and its users only read it (or return it)."""
-        op, src = _name(node), node.args[0] if node.args else None
+        op, src = target_name(node), node.args[0] if node.args else None
         tuple_item = node.target is operator.getitem and src in self.deferred \
             and type(node.args[1]) is int
         if not (op in _VIEWS or op in _TUPLE_VIEWS or tuple_item) or not isinstance(src, Node) \
@@ -471,7 +466,7 @@ def _call(w: _Writer, gm: Any, node: Node, name: str) -> str:
     w.env[node] = out
     if (_trusted(node) or _integer_index(node, args)) and w.all_fixed(node):
         w.fixed.add(node)
-        op = _name(node)
+        op = target_name(node)
         bases = [w.env[n] for n in node.all_input_nodes if isinstance(w.env[n], torch.Tensor)]
         hoist = (op in _SIZES and not isinstance(out, torch.Tensor)) or (
             op in _VIEWS and w.all_const(node) and _shares_memory(out, bases)
@@ -527,7 +522,7 @@ def _only_read(node: Node) -> bool:
 
 
 def _only_read_by(user: Node) -> bool:
-    return _kernel_call(user) or (_trusted(user) and not _name(user).endswith("_")
+    return _kernel_call(user) or (_trusted(user) and not target_name(user).endswith("_")
                                   and not user.meta.get("impure"))
 
 
