@@ -41,18 +41,18 @@ def _apply_hook(orig: Any) -> Any:
         rec = _active()
         if rec is None:
             return orig.__func__(cls, *args, **kwargs)
-        if any(_closure(a) for a in (*args, *kwargs.values())):
-            # checkpoint(lambda t: model(t) * mask, x): the function holds the call's own
-            # values, and a replay would call the first call's
+        given = [a for a in (*args, *kwargs.values())
+                 if callable(a) and not isinstance(a, type)]
+        if given:
+            # checkpoint(lambda t: model(t) * mask, x): a closure holds the call's own
+            # values, and a replay would call the first call's; checkpoint(model, x,
+            # use_reentrant=True): the module (or function) runs again inside backward,
+            # where a replay's third call raised ("element 0 of tensors does not require
+            # grad")
             rec.stop(f"passes a function holding values (a closure) to {cls.__name__}, "
-                     "which a replay would call as the first call made it")
-            return orig.__func__(cls, *args, **kwargs)
-        if any(callable(a) and not isinstance(a, (torch.Tensor, type))
-               for a in (*args, *kwargs.values())):
-            # checkpoint(model, x, use_reentrant=True): the module (or function) runs
-            # again inside backward, and a replay's third call raised there ("element 0
-            # of tensors does not require grad")
-            rec.stop(f"passes a function or module to {cls.__name__}, which may run it "
+                     "which a replay would call as the first call made it"
+                     if any(_closure(a) for a in given) else
+                     f"passes a function or module to {cls.__name__}, which may run it "
                      "again inside backward (reentrant checkpointing)")
             return orig.__func__(cls, *args, **kwargs)
         return rec.call_opaque(cls.apply, lambda *a, **k: orig.__func__(cls, *a, **k),
