@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import functools
 import linecache
-import re
 import sys
 import threading
 import types
@@ -47,7 +46,7 @@ import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.capture.kinds import eager_context
-from fxlite.codegen.capture.records import LIB_DIRS
+from fxlite.codegen.capture.records import LIB_DIRS, last_frame
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
@@ -1111,8 +1110,8 @@ def _graph_name(gm: Any) -> str:
     its first traced node came from."""
     traced = next((n.meta["stack_trace"] for n in gm.graph.nodes
                    if n.meta.get("stack_trace")), "")
-    found = re.findall(r", in (\S+)\n", traced)
-    return f"Dynamo's graph of {found[-1]}" if found else "Dynamo's graph"
+    frame = last_frame(traced)
+    return f"Dynamo's graph of {frame[2]}" if frame else "Dynamo's graph"
 
 
 def _name(fn: Any) -> str:

@@ -26,7 +26,8 @@ from fxlite.graph import Graph
 
 __all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", "Read", "Recording",
            "ResultRef", "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site",
-           "recording_in_thread", "recording_thread", "result_leaves", "tensor_meta", "user_site"]
+           "last_frame", "recording_in_thread", "recording_thread", "result_leaves",
+           "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -89,8 +90,15 @@ def _graph_site(gm: Any, line: int) -> tuple[str, int, str, str] | None:
     nodes = _GRAPH_NODES.get(gm)
     if nodes is None or len(nodes) <= index:
         nodes = _GRAPH_NODES[gm] = list(gm.graph.nodes)
-    trace = nodes[index].meta.get("stack_trace") if index < len(nodes) else None
-    found = _TRACE_LINE.findall(trace or "")
+    if index >= len(nodes):
+        return None
+    return last_frame(nodes[index].meta.get("stack_trace") or "")
+
+
+def last_frame(trace: str) -> tuple[str, int, str, str] | None:
+    """``(file, line, function, source)`` of the last frame of a stack trace as text
+    (``File "x.py", line 6, in f`` and the source line below it), or None."""
+    found = _TRACE_LINE.findall(trace)
     if not found:
         return None
     file, number, function, source = found[-1]
