@@ -109,7 +109,7 @@ class Trial:
         self.sizes[side].add(sizes)
         if place == 0:
             torch.cuda.synchronize()
-            self._start, self._void = time.perf_counter(), new
+            self._start, self._void = time.perf_counter(), False
         self._void = self._void or new
         out = self.sides[side](*args)
         if place == _BLOCK - 1:
