@@ -1,22 +1,25 @@
-"""Host cost of pools and weight conversions: fxlite with and without two launch paths.
+"""Host cost of launch paths: fxlite with and without some of its changes, side by side.
 
 Run on a CUDA machine (torchvision and timm installed)::
 
     PYTHONPATH=$PWD python benchmarks/bench_launch_paths.py \\
-        inception_v3:f32:32,googlenet:bf16:32 [--json out.json]
+        inception_v3:f32:32,googlenet:bf16:32 [--off cat_groups] [--json out.json]
 
 A conv net compiled by fxlite launches, besides its fused kernels, a pool kernel per pool
-(``codegen/kernels/pool.py``) and, channels-last, a copy of each convolution weight. Two
-changes cut their host cost:
+(``codegen/kernels/pool.py``), a copy of each convolution weight (channels-last), and a
+``torch.cat`` per inception block. The changes that cut their cost, any of which
+``--off`` names (default: the first two):
 
 - ``pool_launch``: a pool's later calls on a shape reuse its binary through fxlite's
   launcher instead of Triton's dispatcher;
 - ``pack_weights``: in inference the weights' conversions are one kernel
-  (``codegen/kernels/weights.py``), not one kernel each.
+  (``codegen/kernels/weights.py``), not one kernel each;
+- ``cat_groups``: in inference a cat and the pointwise groups only it reads are one
+  kernel (``codegen/kernels/cat.py``).
 
 Each case (``model:dtype:batch``, as in ``bench_models.py``) is timed in one process,
-side by side: eager, ``torch.compile``, fxlite with neither change (``fxlite_before``:
-the pass removed from the pipeline while it compiles, the pool's launch key switched
+side by side: eager, ``torch.compile``, fxlite without the changes named (``fxlite_before``:
+a pass removed from the pipeline while it compiles, the pool's launch key switched
 off) and fxlite as it is. Reported per contender: the median over ``--rounds`` rounds
 (each timing every contender in turn) of the mean wall time of ``--calls`` calls back to
 back, the first call's time, and the peak memory over 20 calls.
@@ -39,7 +42,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models as bm  # noqa: E402
 from fxlite.codegen.kernels import pool  # noqa: E402
-from fxlite.codegen.lower import pipeline  # noqa: E402
+from fxlite.codegen.lower import pipeline, segment  # noqa: E402
 
 import fxlite  # noqa: E402
 
@@ -47,11 +50,15 @@ _PASSES = pipeline.FORWARD_PASSES
 _KEY = pool._key
 
 
+CHANGES = ("pack_weights", "pool_launch", "cat_groups")
+OFF = {"pack_weights", "pool_launch"}  # what fxlite_before goes without (--off)
+
+
 def _before(on: bool) -> None:
-    """Switch both changes off (``on``) or back on."""
-    pipeline.FORWARD_PASSES = tuple(p for p in _PASSES if p.name != "pack_weights") \
-        if on else _PASSES
-    pool._key = (lambda *a: None) if on else _KEY
+    """Switch the changes in ``OFF`` off (``on``) or back on."""
+    # (segment.py runs the tuple it imported: that binding is the one to switch)
+    segment.FORWARD_PASSES = tuple(p for p in _PASSES if p.name not in OFF) if on else _PASSES
+    pool._key = (lambda *a: None) if on and "pool_launch" in OFF else _KEY
 
 
 def _wall_ms(fn: Callable, inputs: tuple, calls: int) -> float:
@@ -97,7 +104,11 @@ def run_case(case: str, rounds: int, calls: int) -> dict[str, Any]:
         _before(False)
     for label, ts in times.items():
         row[f"{label}_ms"] = round(statistics.median(ts), 3)
-    row["kernels"] = len(getattr(contenders["fxlite"], "kernels", []))
+    for label in ("fxlite_before", "fxlite"):
+        kernels = getattr(contenders[label], "kernels", [])
+        row[f"{label}_kernels"] = len(kernels)
+        row[f"{label}_cat_kernels"] = sum(getattr(k, "kind", "") == "cat" for k in kernels)
+    row["kernels"] = row["fxlite_kernels"]
     row["fallbacks"] = len(getattr(contenders["fxlite"], "fallbacks", []))
     return row
 
@@ -109,7 +120,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=30, help="calls timed back to back a round")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--off", default="pack_weights,pool_launch",
+                   help=f"comma-separated changes fxlite_before goes without, from {CHANGES}")
     args = p.parse_args()
+    OFF.clear()
+    OFF.update(args.off.split(","))
+    if OFF - set(CHANGES):
+        p.error(f"--off: unknown changes {sorted(OFF - set(CHANGES))}")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     rows = []
@@ -128,7 +145,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+                       "off": sorted(OFF), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
