@@ -21,6 +21,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
                        to channels-last as one
     fuse                                          fuse
     empty_ok_max       softmax of empty dims      lone_groups  lone ops as groups too
+    cat_groups         inference: a cat and the
+                       groups only it reads as one
     autograd_regions   training: one autograd
                        node per region of groups
     precompile         CUDA: kernels in parallel
@@ -48,6 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.capture.kinds import autocast_state, set_autocast
+from fxlite.codegen.kernels.cat import cat_groups
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.kernels.pool import use_pool_kernels
 from fxlite.codegen.kernels.weights import pack_weight_copies
@@ -271,6 +274,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
          when=lambda gm, low: not _needs_autograd(gm)),
     Pass("fuse", _fuse),
     Pass("empty_ok_max", _on(_empty_ok_max)),
+    Pass("cat_groups", _on(cat_groups),  # a cat and the groups only it reads: one kernel
+         when=lambda gm, low: not low.training and (low.cuda is not None or interpreting())),
     Pass("autograd_regions", _on(autograd_regions),  # groups joined by table ops: one autograd node
          when=lambda gm, low: low.training and REGIONS),
     Pass("precompile", lambda gm, low: precompile(gm, low.cuda),  # every distinct kernel at once

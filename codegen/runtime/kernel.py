@@ -87,6 +87,7 @@ from fxlite.codegen.kernels.layout import (
 from fxlite.codegen.kernels.source import KernelSource
 from fxlite.codegen.runtime.binaries import binary_key, load_binary, save_binary
 from fxlite.codegen.runtime.cache import kernel_dir, load_module
+from fxlite.codegen.runtime.cat import CatKernel
 from fxlite.codegen.runtime.launch import (
     BINARIES,
     SLOT,
@@ -522,6 +523,9 @@ def generate_kernel(group_gm: GraphModule, example_inputs: Sequence[Any], name: 
         torch.testing.assert_close(kernel(x), gm(x))
     """
     inputs = list(example_inputs)
+    if getattr(group_gm, "meta", {}).get("fused_kind") == "cat":
+        cat = CatKernel(group_gm, identifier(name), libdevice)
+        return cat if cat.prepare(inputs) is not None else None
     spec = _build(group_gm, inputs, libdevice, max_block)
     if spec is None:
         return None

@@ -87,8 +87,8 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
         if node.op != "call_module":
             continue
         sub = gm.get_submodule(node.target)
-        if getattr(sub, "meta", {}).get("fused_kind") in (None, "region"):
-            continue  # (a region's kernels come from its autodiff graphs)
+        if getattr(sub, "meta", {}).get("fused_kind") in (None, "region", "cat"):
+            continue  # (a region's kernels come from its autodiff graphs; a cat's is one)
         groups += 1
         inputs = _example_inputs(sub)
         if inputs is None:
