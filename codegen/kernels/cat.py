@@ -85,6 +85,7 @@ def _flatten(node: Node) -> bool:
     reads: ``cat([a, cat([b, c], 1)], 1)`` -> ``cat([a, b, c], 1)``. Returns whether it did."""
     tensors, dim = _cat_args(node)
     rank = _rank(node)
+    dtype = node.meta["tensor_meta"].dtype if rank is not None else None
     if rank is None or type(dim) is not int:
         return False
     out: list[Any] = []
@@ -93,7 +94,9 @@ def _flatten(node: Node) -> bool:
         inner = _cat_args(t) if isinstance(t, Node) else None
         if inner is not None and len(t.users) == 1 and tensors.count(t) == 1 \
                 and type(inner[1]) is int and inner[1] % rank == dim % rank \
-                and _rank(t) == rank and all(isinstance(a, Node) for a in inner[0]):
+                and _rank(t) == rank and all(isinstance(a, Node) and _rank(a) == rank
+                                             and a.meta["tensor_meta"].dtype == dtype
+                                             for a in inner[0]):
             out.extend(inner[0])
             changed = True
         else:
@@ -189,9 +192,10 @@ def cat_groups(gm: GraphModule) -> bool:
     the module docstring); ``gm`` is ``fuse``'s result, changed in place. Run it only where
     no node needs autograd. Returns whether ``gm`` changed."""
     cats = [n for n in gm.graph.nodes if _cat_args(n) is not None]
+    flattened = False
     for n in reversed(cats):  # outer cats first: an inner one they take in is gone after
-        if n.graph is gm.graph and n.users:
-            _flatten(n)
+        if n.users:
+            flattened |= _flatten(n)
     made = 0
     for n in [n for n in gm.graph.nodes if _cat_args(n) is not None]:
         index = {m: i for i, m in enumerate(gm.graph.nodes)}
@@ -201,10 +205,9 @@ def cat_groups(gm: GraphModule) -> bool:
             name = f"cat_{made}"
         if _join(gm, n, name, index):
             made += 1
-    if made:
-        gm.graph.eliminate_dead_code()
+    if made or flattened:
         gm.recompile()
-    return bool(made)
+    return bool(made or flattened)
 
 
 # ---------------------------------------------------------------------- the kernel

@@ -246,3 +246,16 @@ def test_the_output_takes_eagers_layout_for_the_inputs_it_is_given():
     assert kernel(*[t.contiguous(memory_format=torch.channels_last) for t in args]) \
         .is_contiguous(memory_format=torch.channels_last)
     assert kernel.compilations == 2
+
+
+def test_nested_cats_flatten_into_one_kernel_and_the_code_is_regenerated():
+    def fn(a, b, c):
+        return torch.cat([a.exp(), torch.cat([b * 2, c], 1)], 1)
+
+    args = [torch.randn(2, n, device=DEV) for n in (3, 4, 5)]
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*args)
+    fused = fuse(gm)
+    assert cat_groups(fused)
+    assert fused.code.count("torch.cat") == 0 and "cat_0" in fused.code
+    torch.testing.assert_close(fused(*args), fn(*args))
