@@ -22,10 +22,15 @@ What this pass changes, and what it keeps:
   readers, and writes, still see the tensor itself;
 - values the graph returns that depend on a converted read get back eager's layout
   (``.contiguous()``, or channels-last where eager's was), so callers see eager's strides;
-- a graph that returns such a value through a view, or with a layout that is neither
-  contiguous nor channels-last, is left unchanged: copying it back could break an alias
-  eager's result had. So is one where such a value meets an op whose result depends on
-  the layout (``view``, ``as_strided``, ``stride()``, storing it with ``setattr``);
+- a value returned through a chain of reshapes (``flatten``, ``reshape``, ``squeeze``,
+  ``unsqueeze``) of a tensor nothing else reads, as squeezenet returns
+  ``torch.flatten(pool, 1)``, gets eager's layout back before the chain, so the reshapes
+  give eager's strides;
+- a graph that returns such a value through another view, or with a layout that is
+  neither contiguous nor channels-last, is left unchanged: copying it back could break
+  an alias eager's result had. So is one where such a value meets an op whose result
+  depends on the layout (``view``, ``as_strided``, ``stride()``, storing it with
+  ``setattr``);
 - the weights of those convolutions (attributes, or inputs when a training step takes
   the model as an argument) are converted on each call, in the graph, by the same
   clone: a Triton copy kernel. Under autograd the clone's backward kernel writes the
@@ -173,12 +178,20 @@ def channels_last_convs(gm: GraphModule) -> bool:
     returned: list[tuple[Node, Any]] = []
     roots: set[Node] = set()
     names = {m.name: m for m in graph.nodes}
+    before_views: list[tuple[Node, Node, Any]] = []  # (base, its first view, its layout)
     for n in output.all_input_nodes:
         if n not in downstream:
             continue
         layout, root = _layout(n), _root(n, names)
-        if layout is None or layout[2] is None or root is None or root in roots:
-            return False  # a view, or two results sharing one tensor: a copy would split them
+        if root is None:
+            found = _reshaped(n, downstream, output)
+            if found is None or found[0] in roots:
+                return False  # a view, or two results sharing one tensor: a copy would split them
+            roots.add(found[0])
+            before_views.append(found)
+            continue
+        if layout is None or layout[2] is None or root in roots:
+            return False
         roots.add(root)
         returned.append((n, layout[2]))
     for reader, x in reads:
@@ -208,5 +221,37 @@ def channels_last_convs(gm: GraphModule) -> bool:
             restored[n].meta.update({k: v for k, v in n.meta.items()
                                      if k in ("tensor_meta_rec", "tensor_meta", "type")})
     output.args = map_arg(output.args, lambda a: restored.get(a, a))
+    for base, first, fmt in before_views:  # eager's layout back before the views
+        with graph.inserting_before(first):
+            kwargs = {} if fmt is torch.contiguous_format else {"memory_format": fmt}
+            back = graph.call_method("contiguous", (base,), kwargs)
+        back.meta.update({k: v for k, v in base.meta.items()
+                          if k in ("tensor_meta_rec", "tensor_meta", "type")})
+        first.replace_input_with(base, back)
     gm.recompile()
     return True
+
+
+_RESHAPES = frozenset({"flatten", "reshape", "squeeze", "unsqueeze"})
+
+
+def _reshaped(n: Node, downstream: set[Node], output: Node) -> tuple[Node, Node, Any] | None:
+    """For a returned value that is a chain of reshapes (``flatten``, ``reshape``,
+    ``squeeze``, ``unsqueeze``) of a tensor nothing else reads, as squeezenet returns
+    ``torch.flatten(pool, 1)``: ``(base, the chain's first reshape, base's eager layout)``,
+    so that eager's layout can be given back to the base before the chain, which then
+    gives eager's strides. Else None."""
+    first = n
+    while first.op in ("call_function", "call_method") and target_name(first) in _RESHAPES \
+            and first.args and isinstance(first.args[0], Node):
+        base = first.args[0]
+        if target_name(base) not in _RESHAPES or base.op not in ("call_function", "call_method"):
+            layout = _layout(base)
+            if base not in downstream or base.op == "placeholder" or len(base.users) != 1 \
+                    or layout is None or layout[2] is None or target_name(base) in _VIEWS:
+                return None
+            return base, first, layout[2]
+        if len(base.users) != 1 or output in base.users:
+            return None
+        first = base
+    return None

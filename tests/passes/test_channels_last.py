@@ -132,6 +132,62 @@ def test_a_layout_sensitive_use_leaves_the_graph_unchanged(tail):
     assert gm.code == before
 
 
+@pytest.mark.parametrize("tail", ["pooled", "flatten", "reshape_unsqueeze"])
+def test_a_result_reshaped_from_a_converted_value_gets_eagers_strides(tail):
+    """squeezenet returns ``torch.flatten(pool, 1)``: the pass once left such a graph NCHW
+    (a returned view), and its convolutions ran cuDNN's NCHW kernels on the GPU."""
+    def fn(x, w):
+        y = F.relu(F.conv2d(x, w, padding=1))
+        if tail == "pooled":
+            return torch.flatten(F.adaptive_avg_pool2d(y, 1), 1)
+        if tail == "flatten":
+            return y.flatten(1)
+        return y.reshape(2, 4, -1).unsqueeze(0)
+
+    x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3)
+    gm = traced(fn, x, w)
+    assert channels_last_convs(gm)
+    got, want = gm(x, w), fn(x, w)
+    torch.testing.assert_close(got, want)
+    assert got.stride() == want.stride()
+
+
+def test_a_compiled_squeezenet_like_net_runs_channels_last_and_returns_eagers_strides(
+        channels_last_on_cpu):
+    class Fire(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.squeeze = nn.Conv2d(8, 4, 1)
+            self.e1, self.e3 = nn.Conv2d(4, 6, 1), nn.Conv2d(4, 6, 3, padding=1)
+
+        def forward(self, x):
+            s = F.relu(self.squeeze(x))
+            return torch.cat([F.relu(self.e1(s)), F.relu(self.e3(s))], 1)
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), Fire(), nn.Conv2d(12, 5, 1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    f = fxlite.compile(model)
+    with torch.no_grad():
+        for n in (2, 2, 3):
+            x = torch.randn(n, 3, 9, 9)
+            got, want = f(x), model(x)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert converts(f)
+
+
+def test_a_reshaped_result_whose_base_is_returned_too_leaves_the_graph_unchanged():
+    def fn(x, w):
+        y = F.conv2d(x, w)
+        return y, y.flatten(1)  # eager's two results share memory
+
+    x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 1, 1)
+    gm = traced(fn, x, w)
+    before = gm.code
+    assert not channels_last_convs(gm)
+    assert gm.code == before
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
