@@ -347,7 +347,8 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
                 pad = rank - t.dim()
                 terms = [f"{_index(pad + j, dim, start)} * {s}"
                          for j, (n, s) in enumerate(zip(t.shape, t.stride())) if n != 1 and s != 0]
-                off = " + ".join(terms) or "0"
+                # (a one-element input: a block of one address, as the mask is a block)
+                off = " + ".join(terms) or "0 * offs"
                 ct = compute_dtype(v.dtype)
                 cvt = "" if ct == v.dtype else f".to({tl_dtype(ct)})"
                 e.lines.append(f"{ind}{v.name} = tl.load({v.name}_ptr + ({off}), "

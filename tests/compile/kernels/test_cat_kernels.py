@@ -259,3 +259,17 @@ def test_nested_cats_flatten_into_one_kernel_and_the_code_is_regenerated():
     assert cat_groups(fused)
     assert fused.code.count("torch.cat") == 0 and "cat_0" in fused.code
     torch.testing.assert_close(fused(*args), fn(*args))
+
+
+def test_a_one_element_input_and_an_empty_branch():
+    """Fuzz seed 7905323: a 0-d tensor reshaped to one element had an offset without a
+    block index, and Triton refused its load under a block mask (the check caught it)."""
+    def fn(a, s, e):
+        return torch.cat([torch.relu(a).reshape(-1), s.reshape(-1), F.mish(e)])
+
+    f = fxlite.compile(fn)
+    for n in (3, 5):
+        a, s, e = torch.randn(2, n, device=DEV), torch.randn((), device=DEV), \
+            torch.randn(0, device=DEV)
+        same(f(a, s, e), fn(a, s, e))
+    assert len(cat_kernels(f)) == 1 and not f.fallbacks, f.fallbacks
