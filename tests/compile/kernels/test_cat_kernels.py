@@ -273,3 +273,16 @@ def test_a_one_element_input_and_an_empty_branch():
             torch.randn(0, device=DEV)
         same(f(a, s, e), fn(a, s, e))
     assert len(cat_kernels(f)) == 1 and not f.fallbacks, f.fallbacks
+
+
+@pytest.mark.gpu
+def test_cat_kernels_replay_in_cuda_graphs():
+    torch.manual_seed(3)
+    m = Inception().eval().to("cuda")
+    _randomize_bn(m)
+    f = fxlite.compile(m, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 8, 7, 7, device="cuda").to(memory_format=torch.channels_last)
+            same(f(x), m(x))
+    assert len(cat_kernels(f)) == 1
