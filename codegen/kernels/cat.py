@@ -369,7 +369,11 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
                                     "mask", ""))
     body = "\n".join(e.lines)
     text = header(body, e.helpers)
-    text += (f"\n\n@triton.jit\ndef cat_kernel({', '.join([*params, 'out_ptr'])}, "
+    # scalars are arguments whose values change between calls: Triton must not specialize
+    # on them (an int equal to 1 would be baked into the binary every later call reuses)
+    scalars = [p for p in params if not p.endswith("_ptr")]
+    deco = f"@triton.jit(do_not_specialize={scalars!r})" if scalars else "@triton.jit"
+    text += (f"\n\n{deco}\ndef cat_kernel({', '.join([*params, 'out_ptr'])}, "
              f"BLOCK: tl.constexpr):\n{body}\n")
     return CatSource(text, tuple(args), tuple(total), strides, numel)
 

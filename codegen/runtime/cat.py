@@ -116,16 +116,18 @@ class CatKernel:
             return None
         try:
             src = build_cat(self.branches, self.dim, inputs, self.libdevice)
+            fn = load_module(src.text, "cat_kernel").cat_kernel
+            grid = (max(1, -(-src.numel // BLOCK)), 1, 1)
+            binary = None
+            if not interpreting():
+                out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype,
+                                          device=tensors[0].device)
+                binary = Binary(fn.warmup(*self._arguments(src, inputs), out, grid=grid[:1],
+                                          BLOCK=BLOCK, num_warps=4))
         except Unsupported:
             return None
-        fn = load_module(src.text, "cat_kernel").cat_kernel
-        grid = (max(1, -(-src.numel // BLOCK)), 1, 1)
-        binary = None
-        if not interpreting():
-            out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype,
-                                      device=tensors[0].device)
-            binary = Binary(fn.warmup(*self._arguments(src, inputs), out, grid=grid[:1],
-                                      BLOCK=BLOCK, num_warps=4))
+        except Exception:  # a compile that fails must never break a model: eager ops run
+            return None
         self.compilations += 1
         plan = _Plan([*(KernelArg("scalar" if not isinstance(inputs[g], torch.Tensor) else "in",
                                   index=g) for g in self._positions(src)),

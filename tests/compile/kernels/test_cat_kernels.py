@@ -131,16 +131,38 @@ def test_dtypes_round_as_eager_does(dtype):
     assert len(cat_kernels(f)) == 1
 
 
-def test_broadcast_and_strided_inputs_scalars_and_the_first_dim():
-    def fn(x, bias, view, s):
-        return torch.cat([torch.sigmoid(x + bias) * s, view.exp()], dim=0)
+def test_broadcast_and_strided_inputs_and_the_first_dim():
+    def fn(x, bias, view):
+        return torch.cat([torch.sigmoid(x + bias) * 2, view.exp()], dim=0)
 
     f = fxlite.compile(fn)
-    for s in (0.5, 2.0, -1.5):  # a Python float, read by the kernel as an argument
+    for _ in range(3):
         x, bias = torch.randn(3, 6, device=DEV), torch.randn(6, device=DEV)
         view = torch.randn(6, 4, device=DEV).t()  # strided: read through its strides
-        same(f(x, bias, view, s), fn(x, bias, view, s))
-    assert len(cat_kernels(f)) == 1
+        same(f(x, bias, view), fn(x, bias, view))
+    kernels = cat_kernels(f)
+    assert len(kernels) == 1 and kernels[0].compilations == 1
+
+
+def test_a_scalar_input_is_an_argument_triton_does_not_specialize_on():
+    """A group's Python-number input (a size of a Dynamo graph, say) changes between calls
+    that share one layout: an int equal to 1 or a multiple of 16 must not be baked into
+    the binary that later calls reuse."""
+    def fn(a, s, b):
+        return torch.cat([a * s, b + 1], 1)
+
+    args = [torch.randn(2, 3, device=DEV), 1, torch.randn(2, 4, device=DEV)]
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*args)
+    fused = fuse(gm)
+    assert cat_groups(fused)
+    group = next(m for m in fused.children() if getattr(m, "meta", {}).get("fused_kind") == "cat")
+    kernel = CatKernel(group, "cat")
+    for s in (1, 16, 3, 1):
+        now = [args[0], s, args[2]]
+        same(kernel(*now), group(*now))
+    assert kernel.compilations == 1
+    assert "do_not_specialize" in kernel.source
 
 
 def test_a_group_read_outside_the_cat_stays_its_own_kernel():
