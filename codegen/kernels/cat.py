@@ -59,7 +59,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure
 
-__all__ = ["CatSource", "build_cat", "cat_branches", "cat_groups"]
+__all__ = ["Branch", "CatSource", "build_cat", "cat_branches", "cat_groups"]
 
 MAX_BRANCHES = 8  # a cat of more inputs stays torch.cat (each lane computes every branch)
 BLOCK = 1024
@@ -196,14 +196,12 @@ def cat_groups(gm: GraphModule) -> bool:
     for n in reversed(cats):  # outer cats first: an inner one they take in is gone after
         if n.users:
             flattened |= _flatten(n)
-    made = 0
+    made, number = 0, 0
     for n in [n for n in gm.graph.nodes if _cat_args(n) is not None]:
         index = {m: i for i, m in enumerate(gm.graph.nodes)}
-        name = f"cat_{made}"
-        while hasattr(gm, name):
-            made += 1
-            name = f"cat_{made}"
-        if _join(gm, n, name, index):
+        while hasattr(gm, f"cat_{number}"):
+            number += 1
+        if _join(gm, n, f"cat_{number}", index):
             made += 1
     if made or flattened:
         gm.recompile()
