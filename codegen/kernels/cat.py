@@ -3,8 +3,8 @@
 Every branch of an inception block (inception_v3, googlenet) ends in a convolution, then
 its BatchNorm and ReLU, one fused group each, and the block concatenates the branches:
 each group writes its result, then ``torch.cat`` reads them all again and writes them
-once more, one launch per group and one for the cat (inception_v3: 15 cats and 60 groups
-a call). Inductor writes each branch's epilogue straight into its slice of the output.
+once more, one launch per group and one for the cat (inception_v3: 15 cats and 44 such
+groups a call). Inductor writes each branch's epilogue straight into its slice of the output.
 
 :func:`cat_groups` joins a ``torch.cat`` and the pointwise groups only it reads into one
 group (``meta["fused_kind"] == "cat"``), nested cats along the same dim flattened first;
