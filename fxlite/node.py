@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Union
 
 # This module imports nothing of fxlite: a Node's ``graph`` is typed Any because the Graph
 # that owns it sits above, in fxlite.graph.
-__all__ = ["OPCODES", "Argument", "Node", "Opcode", "Target", "as_args", "as_kwargs",
-           "collect_nodes", "describe_value", "format_arg", "format_target", "map_aggregate",
+__all__ = ["OPCODES", "Argument", "Node", "Opcode", "Target", "ancestors", "as_args",
+           "as_kwargs", "collect_nodes", "describe_value", "format_arg", "format_target", "map_aggregate",
            "map_arg", "safe_repr", "target_name", "unprintable"]
 
 
@@ -136,6 +136,27 @@ def collect_nodes(a: Argument, out: dict[Node, None]) -> None:
             stack.extend(reversed(list(x.values())))
         elif isinstance(x, slice):
             stack.extend((x.step, x.stop, x.start))
+
+
+def ancestors(nodes: Iterable[Node], stop: Collection[Node] = ()) -> set[Node]:
+    """``nodes`` and every node they read, transitively; the inputs of a node in ``stop``
+    are not followed (the stop node itself is included).
+
+    Example::
+
+        ancestors([relu])                 # {relu, add, x, w}
+        ancestors([relu], stop={add})     # {relu, add}
+    """
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 _SCALARS_AND_NODE: frozenset = frozenset()  # filled in below, once Node exists

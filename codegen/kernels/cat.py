@@ -49,14 +49,28 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from fxlite.codegen.kernels.analysis import INT32_LIMIT, Value, analyze, used_values
-from fxlite.codegen.kernels.emit import Emitter, Unsupported, compute_dtype, tl_dtype
+from fxlite.codegen.kernels.analysis import (
+    INT32_LIMIT,
+    Value,
+    analyze,
+    iteration_space,
+    used_values,
+)
+from fxlite.codegen.kernels.emit import Emitter, Unsupported
 from fxlite.codegen.kernels.layout import dense_strides, eager_layout
-from fxlite.codegen.kernels.source import Access, emit_value, header, scalar_lines, store_line
+from fxlite.codegen.kernels.source import (
+    Access,
+    emit_value,
+    header,
+    load_line,
+    scalar_lines,
+    store_line,
+)
+from fxlite.passes.split_module import extract_subgraph
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node
+from fxlite.node import Node, ancestors
 from fxlite.ops import is_impure
 
 __all__ = ["Branch", "CatSource", "build_cat", "cat_branches", "cat_groups"]
@@ -226,24 +240,11 @@ def cat_branches(group: GraphModule) -> tuple[list[Branch], int]:
     rank = len(cat.meta["tensor_meta"].shape)
     branches = []
     for part in parts:
-        needed: set[Node] = set()
-        stack = [part]
-        while stack:
-            n = stack.pop()
-            if n not in needed:
-                needed.add(n)
-                stack.extend(n.all_input_nodes)
-        g = Graph()
-        env: dict[Node, Node] = {}
+        needed = ancestors([part])
         used = [p for p in phs if p in needed]
-        for p in used:
-            env[p] = g.placeholder(p.name)
-            env[p].meta = dict(p.meta)
-        for n in nodes:
-            if n in needed and n.op != "placeholder":
-                env[n] = g.node_copy(n, env.__getitem__)
-        g.output(env[part])
-        branches.append(Branch(GraphModule(group, g), tuple(phs.index(p) for p in used)))
+        ops = [n for n in nodes if n in needed and n.op != "placeholder"]
+        graph = extract_subgraph(ops, used, [part])
+        branches.append(Branch(GraphModule(group, graph), tuple(phs.index(p) for p in used)))
     return branches, dim % rank
 
 
@@ -279,7 +280,7 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
         if plan.kind != "pointwise" or len(plan.outputs) != 1:
             raise Unsupported("a branch that is not pointwise")
         out = plan.outputs[0]
-        shape = tuple(torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, torch.Tensor))))
+        shape = iteration_space(args)
         if out.dims != tuple(range(len(shape))):
             raise Unsupported("a branch whose result is not its whole iteration space")
         for d, size in plan.size_checks:
@@ -345,12 +346,11 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
                 pad = rank - t.dim()
                 terms = [f"{_index(pad + j, dim, start)} * {s}"
                          for j, (n, s) in enumerate(zip(t.shape, t.stride())) if n != 1 and s != 0]
-                # (a one-element input: a block of one address, as the mask is a block)
-                off = " + ".join(terms) or "0 * offs"
-                ct = compute_dtype(v.dtype)
-                cvt = "" if ct == v.dtype else f".to({tl_dtype(ct)})"
-                e.lines.append(f"{ind}{v.name} = tl.load({v.name}_ptr + ({off}), "
-                               f"mask=m{k}, other=0){cvt}")
+                # (a one-element input: loaded once and broadcast to the block, as the
+                # other kernels load one)
+                acc = Access(f"({' + '.join(terms)})", frozenset({"lin"})) if terms \
+                    else Access("", frozenset())
+                e.lines.append(ind + load_line(v, acc, f"m{k}", "[BLOCK]"))
                 params.append(f"{v.name}_ptr")
                 args.append((k, v.index))
             elif v.kind in ("pw", "count"):

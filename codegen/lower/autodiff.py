@@ -40,7 +40,7 @@ from fxlite.passes.normalize import normalize_graph
 
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
-from fxlite.node import Node, map_arg
+from fxlite.node import Node, ancestors, map_arg
 from fxlite.ops import derivatives as op_derivatives
 from fxlite.ops import lookup, resolve
 from fxlite.ops.shapes import as_meta, infer, meta_tensor, record
@@ -477,7 +477,7 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
     outputs = list(graph.result[:len(joint.outputs)])
     extra = [n for n in saved if n not in primals and n not in outputs]
     results = outputs + extra
-    keep = _ancestors(results, primals)
+    keep = ancestors(results, primals)
     fw = _subgraph([n for n in forward if n in keep and n not in primals], joint.primals, results)
     where = [("input", joint.primals.index(n)) if n in primals else ("result", results.index(n))
              for n in saved]
@@ -516,19 +516,6 @@ def _forget_detaches(graph: Graph, keep: set[Node]) -> None:
             dropped = True
     if dropped:
         merge_duplicates(graph, None, keep)
-
-
-def _ancestors(nodes: list[Node], stop: set[Node]) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def without_tangents(backward: GraphModule, n_tangents: int, unused: Sequence[int]) -> GraphModule:

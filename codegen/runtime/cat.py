@@ -42,6 +42,7 @@ class _Prepared(NamedTuple):
     fn: Any  # the JIT function (the interpreter runs it)
     binary: Binary | None  # its compiled binary (CUDA)
     grid: tuple[int, int, int]
+    positions: tuple[int, ...]  # the group input of each kernel argument before the output
     plan: _Plan  # what a DirectLaunch of it reads
 
 
@@ -116,13 +117,14 @@ class CatKernel:
             return None
         try:
             src = build_cat(self.branches, self.dim, inputs, self.libdevice)
+            positions = tuple(self.branches[k].inputs[i] for k, i in src.args)
             fn = load_module(src.text, "cat_kernel").cat_kernel
             grid = (max(1, -(-src.numel // BLOCK)), 1, 1)
             binary = None
             if not interpreting():
                 out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype,
                                           device=tensors[0].device)
-                binary = Binary(fn.warmup(*self._arguments(src, inputs), out, grid=grid[:1],
+                binary = Binary(fn.warmup(*(inputs[g] for g in positions), out, grid=grid[:1],
                                           BLOCK=BLOCK, num_warps=4))
         except Unsupported:
             return None
@@ -130,18 +132,11 @@ class CatKernel:
             return None
         self.compilations += 1
         plan = _Plan([*(KernelArg("scalar" if not isinstance(inputs[g], torch.Tensor) else "in",
-                                  index=g) for g in self._positions(src)),
+                                  index=g) for g in positions),
                       KernelArg("out", index=0)], [GroupResult("out", 0)], "single")
-        made = _Prepared(src, fn, binary, grid, plan)
+        made = _Prepared(src, fn, binary, grid, positions, plan)
         self._current = made
         return made
-
-    def _positions(self, src: CatSource) -> list[int]:
-        """The group input of each kernel argument before the output."""
-        return [self.branches[k].inputs[i] for k, i in src.args]
-
-    def _arguments(self, src: CatSource, inputs: Sequence[Any]) -> list[Any]:
-        return [inputs[g] for g in self._positions(src)]
 
     def __call__(self, *inputs: Any) -> torch.Tensor:
         if self._direct is not None:
@@ -156,7 +151,7 @@ class CatKernel:
         out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype, device=device)
         if not src.numel:
             return out
-        args = self._arguments(src, inputs)
+        args = [inputs[g] for g in prepared.positions]
         if prepared.binary is None:
             prepared.fn[prepared.grid[:1]](*args, out, BLOCK=BLOCK, num_warps=4)
             return out
