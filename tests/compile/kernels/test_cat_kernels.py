@@ -46,6 +46,20 @@ def same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.stride() == want.stride()
 
 
+def fused_graph(fn, *args):
+    """``fn`` traced, described on ``args`` and fused: what ``cat_groups`` runs on."""
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*args)
+    return fuse(gm)
+
+
+def cat_group(fn, *args):
+    """The cat group ``cat_groups`` makes of ``fn``'s fused graph (it must make one)."""
+    fused = fused_graph(fn, *args)
+    assert cat_groups(fused)
+    return next(m for m in fused.children() if getattr(m, "meta", {}).get("fused_kind") == "cat")
+
+
 class Branch(nn.Module):
     """A convolution, its eval BatchNorm and a ReLU: one inception branch."""
 
@@ -152,11 +166,7 @@ def test_a_scalar_input_is_an_argument_triton_does_not_specialize_on():
         return torch.cat([a * s, b + 1], 1)
 
     args = [torch.randn(2, 3, device=DEV), 1, torch.randn(2, 4, device=DEV)]
-    gm = fxlite.symbolic_trace(fn)
-    ShapeProp(gm).propagate(*args)
-    fused = fuse(gm)
-    assert cat_groups(fused)
-    group = next(m for m in fused.children() if getattr(m, "meta", {}).get("fused_kind") == "cat")
+    group = cat_group(fn, *args)
     kernel = CatKernel(group, "cat")
     for s in (1, 16, 3, 1):
         now = [args[0], s, args[2]]
@@ -222,9 +232,7 @@ def test_the_pass_leaves_a_graph_without_such_cats_unchanged():
         return torch.cat([a, b], 1) * 2  # no group feeds the cat
 
     a, b = torch.randn(2, 3, device=DEV), torch.randn(2, 4, device=DEV)
-    gm = fxlite.symbolic_trace(fn)
-    ShapeProp(gm).propagate(a, b)
-    fused = fuse(gm)
+    fused = fused_graph(fn, a, b)
     before = fused.code
     assert not cat_groups(fused)
     assert fused.code == before
@@ -256,11 +264,7 @@ def test_the_output_takes_eagers_layout_for_the_inputs_it_is_given():
 
     args = [torch.randn(2, 3, 4, 4, device=DEV), torch.randn(1, 3, 1, 1, device=DEV),
             torch.randn(2, 5, 4, 4, device=DEV)]
-    gm = fxlite.symbolic_trace(fn)
-    ShapeProp(gm).propagate(*args)
-    fused = fuse(gm)
-    assert cat_groups(fused)
-    group = next(m for m in fused.children() if getattr(m, "meta", {}).get("fused_kind") == "cat")
+    group = cat_group(fn, *args)
     kernel = CatKernel(group, "cat")
     for fmt in (torch.contiguous_format, torch.channels_last):
         now = [t.contiguous(memory_format=fmt) for t in args]
@@ -275,9 +279,7 @@ def test_nested_cats_flatten_into_one_kernel_and_the_code_is_regenerated():
         return torch.cat([a.exp(), torch.cat([b * 2, c], 1)], 1)
 
     args = [torch.randn(2, n, device=DEV) for n in (3, 4, 5)]
-    gm = fxlite.symbolic_trace(fn)
-    ShapeProp(gm).propagate(*args)
-    fused = fuse(gm)
+    fused = fused_graph(fn, *args)
     assert cat_groups(fused)
     assert fused.code.count("torch.cat") == 0 and "cat_0" in fused.code
     torch.testing.assert_close(fused(*args), fn(*args))
