@@ -55,10 +55,17 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
-from fxlite.passes.shape_prop import memory_format_of, node_layout
+from fxlite.passes.shape_prop import (
+    TensorMetadata,
+    fill_missing_meta,
+    memory_format_of,
+    node_layout,
+    recorded_metadata,
+)
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg, target_name
@@ -229,7 +236,43 @@ def channels_last_convs(gm: GraphModule) -> bool:
                           if k in ("tensor_meta_rec", "tensor_meta", "type")})
         first.replace_input_with(base, back)
     gm.recompile()
+    _layouts_again(gm, downstream)
     return True
+
+
+def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
+    """The metadata of the values whose layout the conversion changed, computed again on
+    meta tensors: it was recorded (``tensor_meta_rec``) or propagated (``tensor_meta``) in
+    eager's layout, and the parallel precompile plans kernels for what it says. Planned
+    for NCHW, a BatchNorm group after a converted convolution keyed its per-channel
+    operands as another layout, and compiled again, one kernel after another, at the
+    first call. Only strides change; a value that cannot be computed keeps what it had.
+
+    Example (a conv's output, ``tensor_meta_rec``)::
+
+        # before                                  # after
+        ((8, 8, 7, 7), (392, 49, 7, 1), ...)      ((8, 8, 7, 7), (392, 1, 56, 8), ...)
+    """
+    work = GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
+    names = {n.name for n in changed}
+    for n in work.graph.nodes:
+        if n.name in names:
+            for key in ("tensor_meta", "type"):
+                n.meta.pop(key, None)
+        elif n.meta.get("tensor_meta_rec") is not None:
+            n.meta["tensor_meta"] = recorded_metadata(n.meta["tensor_meta_rec"])
+            n.meta["type"] = torch.Tensor
+    fill_missing_meta(work)
+    found = {n.name: n.meta.get("tensor_meta") for n in work.graph.nodes if n.name in names}
+    for n in changed:
+        tm = found.get(n.name)
+        if not isinstance(tm, TensorMetadata):
+            continue
+        rec, old = n.meta.get("tensor_meta_rec"), n.meta.get("tensor_meta")
+        if rec is not None and tuple(rec[0]) == tuple(tm.shape) and rec[2] == tm.dtype:
+            n.meta["tensor_meta_rec"] = (rec[0], tuple(tm.stride), *rec[2:])
+        if isinstance(old, TensorMetadata) and old.shape == tm.shape and old.dtype == tm.dtype:
+            n.meta["tensor_meta"] = old._replace(stride=tm.stride, memory_format=tm.memory_format)
 
 
 _RESHAPES = frozenset({"flatten", "reshape", "squeeze", "unsqueeze"})

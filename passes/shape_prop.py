@@ -29,7 +29,7 @@ from fxlite.tensor_meta import (
 )
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
-           "extract_tensor_metadata", "fill_missing_meta"]
+           "extract_tensor_metadata", "fill_missing_meta", "recorded_metadata"]
 
 # The name pickles made before TensorMetadata moved to fxlite.tensor_meta refer to.
 _rebuild_tensor_metadata = rebuild_tensor_metadata
@@ -45,6 +45,14 @@ def memory_format_of(shape: Any, stride: Any) -> torch.memory_format | None:
     """
     probe = torch.empty_strided(tuple(shape), tuple(stride), device="meta")
     return next((f for f in MEMORY_FORMATS if probe.is_contiguous(memory_format=f)), None)
+
+
+def recorded_metadata(rec: tuple) -> TensorMetadata:
+    """ShapeProp's :class:`TensorMetadata` for what fxlite.compile recorded of a tensor
+    (``tensor_meta_rec``: shape, stride, dtype, device, requires_grad)."""
+    shape, stride, dtype, _device, requires_grad = rec
+    return TensorMetadata(torch.Size(shape), dtype, requires_grad, tuple(stride),
+                          memory_format_of(shape, stride))
 
 
 def node_layout(node: Any) -> tuple[tuple, tuple, torch.dtype] | None:
@@ -204,12 +212,29 @@ def _run_on_meta(n: Node, env: dict[Node, Any], strict: bool) -> Any:
     kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Node) else a)
     try:
         if n.op == "call_function":
-            return n.target(*args, **kwargs)
+            return _conv_layout(n.target, args, n.target(*args, **kwargs))
         return getattr(args[0], n.target)(*args[1:], **kwargs)
     except Exception as e:
         if strict:
             raise RuntimeError(f"cannot infer the metadata of {n.format_node()}: {e}") from e
         return _UNKNOWN  # the op cannot run on meta tensors: leave it unknown
+
+
+_CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})
+
+
+def _conv_layout(target: Any, args: tuple, value: Any) -> Any:
+    """A conv2d's value in the layout eager gives it. On meta tensors, which carry no
+    device to pick a backend by, torch's conv2d returns a contiguous tensor; cuDNN and
+    oneDNN return channels-last when the input or the weight is channels-last (cuDNN
+    keeps float64 NCHW), and the precompile plans a channels-last net's kernels from
+    this metadata."""
+    if target not in _CONVS or not isinstance(value, torch.Tensor) or value.dim() != 4:
+        return value
+    if any(isinstance(a, torch.Tensor) and a.dim() == 4 and not a.is_contiguous()
+           and a.is_contiguous(memory_format=torch.channels_last) for a in args[:2]):
+        return value.contiguous(memory_format=torch.channels_last)
+    return value
 
 
 def _meta_values(m: Any) -> Any:

@@ -65,11 +65,7 @@ from fxlite.passes.fuse import fuse
 from fxlite.passes.fuse.lone_groups import lone_groups
 from fxlite.passes.normalize import normalize
 from fxlite.passes.pass_manager import PassError
-from fxlite.passes.shape_prop import (
-    TensorMetadata,
-    fill_missing_meta,
-    memory_format_of,
-)
+from fxlite.passes.shape_prop import fill_missing_meta, recorded_metadata
 
 from fxlite import config
 from fxlite.graph_module import GraphModule
@@ -163,12 +159,9 @@ def fill_meta(gm: GraphModule) -> None:
         rec = node.meta.get("tensor_meta_rec")
         if rec is None:
             continue
-        shape, stride, dtype, device, requires_grad = rec
-        fmt = memory_format_of(shape, stride)
-        node.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, requires_grad,
-                                                  tuple(stride), fmt)
+        node.meta["tensor_meta"] = recorded_metadata(rec)
         node.meta["type"] = torch.Tensor
-        node.meta["device"] = device
+        node.meta["device"] = rec[3]
 
 
 def _seed_dropouts(gm: GraphModule, low: Lowering) -> GraphModule:

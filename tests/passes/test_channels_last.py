@@ -204,6 +204,45 @@ class Net(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1)), y
 
 
+@pytest.mark.parametrize("source", ["tensor_meta", "tensor_meta_rec"])
+def test_the_metadata_gives_the_layout_each_value_has_after_the_conversion(source):
+    """The parallel precompile plans kernels from the metadata: left in eager's layout, a
+    BatchNorm group after a converted conv was planned for NCHW and compiled again, at the
+    first call, for the channels-last tensors it was given."""
+    from fxlite.passes.normalize import normalize
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = normalize(fxlite.symbolic_trace(model))  # modules as functions: conv2d, batch_norm
+    ShapeProp(gm).propagate(x)
+    if source == "tensor_meta_rec":  # as fxlite.compile records it
+        for n in gm.graph.nodes:
+            tm = n.meta.pop("tensor_meta", None)
+            if hasattr(tm, "stride"):
+                n.meta["tensor_meta_rec"] = (tuple(tm.shape), tuple(tm.stride), tm.dtype,
+                                             x.device, tm.requires_grad)
+    assert channels_last_convs(gm)
+    seen = {}
+
+    class Spy(fxlite.Interpreter):
+        def run_node(self, n):
+            seen[n] = out = super().run_node(n)
+            return out
+
+    with torch.no_grad():
+        Spy(gm).run(x)
+    described = [(n, seen[n]) for n in gm.graph.nodes
+                 if isinstance(seen.get(n), torch.Tensor) and n.meta.get(source) is not None]
+    relaid = [n for n, v in described if v.dim() == 4 and not v.is_contiguous()]
+    assert len(relaid) >= 6, gm.code  # convs, BatchNorms, relus, the sum
+    for n, value in described:
+        meta = n.meta[source]
+        shape, stride = (meta[0], meta[1]) if source == "tensor_meta_rec" else \
+            (meta.shape, meta.stride)
+        assert (tuple(shape), tuple(stride)) == (value.shape, value.stride()), n.format_node()
+
+
 @pytest.fixture
 def channels_last_on_cpu(monkeypatch):
     calls = []
