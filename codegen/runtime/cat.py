@@ -10,6 +10,7 @@ group's eager ops::
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ from fxlite.graph_module import GraphModule
 __all__ = ["CatKernel"]
 
 _MAX_LAYOUTS = 64
+_WARPS = 4
 
 
 class _Prepared(NamedTuple):
@@ -116,16 +118,13 @@ class CatKernel:
         if not tensors or not (tensors[0].is_cuda or interpreting()):
             return None
         try:
-            src = build_cat(self.branches, self.dim, inputs, self.libdevice)
-            positions = tuple(self.branches[k].inputs[i] for k, i in src.args)
-            fn = load_module(src.text, "cat_kernel").cat_kernel
-            grid = (max(1, -(-src.numel // BLOCK)), 1, 1)
+            src, fn, positions, grid = self._source(inputs)
             binary = None
             if not interpreting():
                 out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype,
                                           device=tensors[0].device)
                 binary = Binary(fn.warmup(*(inputs[g] for g in positions), out, grid=grid[:1],
-                                          BLOCK=BLOCK, num_warps=4))
+                                          BLOCK=BLOCK, num_warps=_WARPS))
         except Unsupported:
             return None
         except Exception:  # a compile that fails must never break a model: eager ops run
@@ -137,6 +136,28 @@ class CatKernel:
         made = _Prepared(src, fn, binary, grid, positions, plan)
         self._current = made
         return made
+
+    def _source(self, inputs: Sequence[Any]) -> tuple[CatSource, Any, tuple[int, ...],
+                                                      tuple[int, int, int]]:
+        src = build_cat(self.branches, self.dim, inputs, self.libdevice)
+        positions = tuple(self.branches[k].inputs[i] for k, i in src.args)
+        fn = load_module(src.text, "cat_kernel").cat_kernel
+        return src, fn, positions, (max(1, -(-src.numel // BLOCK)), 1, 1)
+
+    def planned_launch(self, inputs: Sequence[Any]) -> tuple | None:
+        """The compile the first call with inputs of this layout makes, for the parallel
+        precompile (``codegen/runtime/precompile.py``), which runs it ahead: ``(source_id,
+        fn, args, grid, constexprs, num_warps)``, where ``args`` are the kernel's inputs
+        and then its output, a meta tensor of the output's layout. ``inputs`` may be meta
+        tensors; nothing is compiled. None where the generator refuses this layout."""
+        try:
+            src, fn, positions, grid = self._source(inputs)
+        except Exception:  # refused, or failing: the first call finds out, and says so
+            return None
+        out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype, device="meta")
+        source_id = hashlib.sha256(src.text.encode()).hexdigest()
+        return (source_id, fn, [*(inputs[g] for g in positions), out], grid[:1],
+                {"BLOCK": BLOCK}, _WARPS)
 
     def __call__(self, *inputs: Any) -> torch.Tensor:
         if self._direct is not None:
@@ -153,7 +174,7 @@ class CatKernel:
             return out
         args = [inputs[g] for g in prepared.positions]
         if prepared.binary is None:
-            prepared.fn[prepared.grid[:1]](*args, out, BLOCK=BLOCK, num_warps=4)
+            prepared.fn[prepared.grid[:1]](*args, out, BLOCK=BLOCK, num_warps=_WARPS)
             return out
         values = [*args, out, BLOCK]
         prepared.binary.launch(prepared.grid, values, device.index or 0)

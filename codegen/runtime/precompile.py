@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from fxlite.codegen.runtime.binaries import binary_key, has_binary
 from fxlite.codegen.runtime.cache import kernel_dir
+from fxlite.codegen.runtime.cat import CatKernel
 from fxlite.codegen.runtime.kernel import generate_kernel, interpreting
 from fxlite.codegen.runtime.launch import BINARIES
 
@@ -87,33 +88,55 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
         if node.op != "call_module":
             continue
         sub = gm.get_submodule(node.target)
-        if getattr(sub, "meta", {}).get("fused_kind") in (None, "region", "cat"):
-            continue  # (a region's kernels come from its autodiff graphs; a cat's is one)
+        kind = getattr(sub, "meta", {}).get("fused_kind")
+        if kind in (None, "region"):
+            continue  # (a region's kernels come from its autodiff graphs)
         groups += 1
         inputs = _example_inputs(sub)
         if inputs is None:
             continue
-        try:
-            kernel = generate_kernel(sub, inputs, name=f"triton_{node.target}")
-            if kernel is None:
-                continue
-            spec, ordered, shape, _ = kernel.select(inputs)
-            if spec is None:
-                continue
-            outs = spec.launch.allocate(shape, torch.device("meta"))
-            launch = spec.launch_for(ordered, outs, shape)
-        except Exception:  # a plan that fails here fails (and falls back) at run time
+        planned = _planned(sub, kind, inputs, f"triton_{node.target}")
+        if planned is None:
             continue
+        source_id, launch = planned
         kernels += 1
-        sources.add(spec.source_id)
+        sources.add(source_id)
         if launch is None:
             continue
-        variant, grid, args, constexprs, warps = launch
+        variant, fn, grid, args, constexprs, warps = launch
         args = [real(a) for a in args]
-        key = (spec.source_id, variant, tuple(map(_signature, args)),
+        key = (source_id, variant, tuple(map(_signature, args)),
                tuple(sorted(constexprs.items())), warps)
-        jobs.setdefault(key, (spec.fns[variant], args, grid, constexprs, warps))
+        jobs.setdefault(key, (fn, args, grid, constexprs, warps))
     return jobs, groups, kernels, sources
+
+
+def _planned(sub: GraphModule, kind: str, inputs: list[Any],
+             name: str) -> tuple[str, tuple | None] | None:
+    """A group's kernel source, and the launch its first call will make, ``(variant, fn,
+    grid, args, constexprs, warps)`` (None where not foreseen); None where the group has
+    no kernel for these inputs."""
+    if kind == "cat":  # one kernel per layout, sizes and strides baked in
+        found = CatKernel(sub, name).planned_launch(inputs)
+        if found is None:
+            return None
+        source_id, fn, args, grid, constexprs, warps = found
+        return source_id, (0, fn, grid, args, constexprs, warps)
+    try:
+        kernel = generate_kernel(sub, inputs, name=name)
+        if kernel is None:
+            return None
+        spec, ordered, shape, _ = kernel.select(inputs)
+        if spec is None:
+            return None
+        outs = spec.launch.allocate(shape, torch.device("meta"))
+        launch = spec.launch_for(ordered, outs, shape)
+    except Exception:  # a plan that fails here fails (and falls back) at run time
+        return None
+    if launch is None:
+        return spec.source_id, None
+    variant, grid, args, constexprs, warps = launch
+    return spec.source_id, (variant, spec.fns[variant], grid, args, constexprs, warps)
 
 
 def _known(key: tuple, job: tuple, cache: Path | None) -> bool:

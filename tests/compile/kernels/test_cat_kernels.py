@@ -6,6 +6,8 @@ eager: values, dtype, shape and strides."""
 
 from __future__ import annotations
 
+import hashlib
+
 import fxlite.codegen.lower.segment as segment
 import pytest
 import torch
@@ -283,6 +285,41 @@ def test_nested_cats_flatten_into_one_kernel_and_the_code_is_regenerated():
     assert cat_groups(fused)
     assert fused.code.count("torch.cat") == 0 and "cat_0" in fused.code
     torch.testing.assert_close(fused(*args), fn(*args))
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=str)
+def test_the_precompile_plans_the_compile_the_first_call_makes(fmt, monkeypatch):
+    """The parallel precompile compiles each cat kernel ahead, for the layout the
+    metadata gives (it once left them to the first call, one after another: 9 of
+    googlenet's 14 late compiles)."""
+    from fxlite.codegen.runtime import precompile as pre
+
+    def fn(a, s, b):
+        return torch.cat([torch.relu(a * s), b.exp()], 1)
+
+    args = [torch.randn(2, 3, 4, 4, device=DEV).contiguous(memory_format=fmt),
+            torch.randn(1, 3, 1, 1, device=DEV),
+            torch.randn(2, 5, 4, 4, device=DEV).contiguous(memory_format=fmt)]
+    fused = fused_graph(fn, *args)
+    assert cat_groups(fused)
+    plans = []
+    real_plan = pre._plan
+
+    def spy(gm, device):
+        plans.append(real_plan(gm, device))
+        return plans[-1]
+
+    monkeypatch.setattr(pre, "_plan", spy)
+    report = pre.precompile(fused, DEV)
+    jobs, _, _, sources = plans[0]
+    assert report["groups"] == report["kernels"] == 1 and len(jobs) == 1
+    kernel = CatKernel(next(m for m in fused.children()
+                            if getattr(m, "meta", {}).get("fused_kind") == "cat"), "cat")
+    same(kernel(*args), fn(*args))
+    assert sources == {hashlib.sha256(kernel.source.encode()).hexdigest()}
+    planned_fn, planned_args, _, constexprs, _ = next(iter(jobs.values()))
+    assert planned_fn is kernel._current.fn  # the same JIT function: Triton's cache serves it
+    assert [a.dtype for a in planned_args] == [torch.float32] * 4 and constexprs
 
 
 def test_a_one_element_input_and_an_empty_branch():
