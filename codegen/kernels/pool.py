@@ -44,12 +44,13 @@ from fxlite.codegen.runtime.launch import Binary
 
 from fxlite.graph_module import GraphModule
 
-__all__ = ["avg_pool2d", "max_pool2d", "use_pool_kernels"]
+__all__ = ["avg_pool2d", "max_pool2d", "planned_launch", "use_pool_kernels"]
 
 _MAX_POOLS = frozenset({F.max_pool2d, torch.max_pool2d})
 _AVG_POOLS = frozenset({F.avg_pool2d})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK = 1024
+_WARPS = 4
 
 
 @triton.jit
@@ -234,13 +235,10 @@ class _Launch(NamedTuple):
     out: torch.Tensor
     channels_last: bool
 
-    def run(self, kernel: Any, input: torch.Tensor, key: tuple | None,
-            **constants: Any) -> torch.Tensor:
-        """Launch ``kernel`` over ``out`` (none for an empty output) and return ``out``;
-        on CUDA, keep the launch under ``key`` for the next calls."""
+    def arguments(self, input: Any, **constants: Any) -> tuple[tuple[int], tuple, dict]:
+        """The grid, the arguments after the two pointers, and the constexprs of the
+        launch over ``out`` (``constants``: the kernel's own ones)."""
         out, total = self.out, self.out.numel()
-        if not total:
-            return out
         _, c, oh, ow = out.shape
         args = (total, c, input.shape[2], input.shape[3], oh, ow, *input.stride(),
                 *out.stride())
@@ -248,11 +246,20 @@ class _Launch(NamedTuple):
                          PH=self.p[0], PW=self.p[1], CHANNELS_LAST=self.channels_last,
                          BIG=max(total, input.numel()) + _BLOCK >= 2**31,
                          F64=input.dtype == torch.float64, BLOCK=_BLOCK)
-        grid = (triton.cdiv(total, _BLOCK),)
-        if interpreting() or key is None:
-            kernel[grid](input, out, *args, num_warps=4, **constants)
+        return (triton.cdiv(total, _BLOCK),), args, constants
+
+    def run(self, kernel: Any, input: torch.Tensor, key: tuple | None,
+            **constants: Any) -> torch.Tensor:
+        """Launch ``kernel`` over ``out`` (none for an empty output) and return ``out``;
+        on CUDA, keep the launch under ``key`` for the next calls."""
+        out, total = self.out, self.out.numel()
+        if not total:
             return out
-        compiled = kernel.warmup(input, out, *args, grid=grid, num_warps=4, **constants)
+        grid, args, constants = self.arguments(input, **constants)
+        if interpreting() or key is None:
+            kernel[grid](input, out, *args, num_warps=_WARPS, **constants)
+            return out
+        compiled = kernel.warmup(input, out, *args, grid=grid, num_warps=_WARPS, **constants)
         values = args + tuple(constants[n] for n in kernel.arg_names[2 + len(args):])
         prepared = _Prepared(tuple(out.shape), out.stride(), Binary(compiled), (grid[0], 1, 1),
                              values)
@@ -264,17 +271,19 @@ class _Launch(NamedTuple):
 
 
 def _launch(input: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any,
-            ceil_mode: bool) -> _Launch | None:
+            ceil_mode: bool, planning: bool = False) -> _Launch | None:
     """The launch of a pool over ``input`` with these arguments, its output allocated in
     eager's shape and layout; None where torch's op must run (what the kernels do not
-    take, and arguments eager rejects: it raises its own error)."""
+    take, and arguments eager rejects: it raises its own error). ``planning``: for the
+    precompile, ``input`` may be a meta tensor, and so is the output."""
     k = _pair(kernel_size)
     s = k if stride is None or (isinstance(stride, (tuple, list)) and not stride) \
         else _pair(stride)
     p, d = _pair(padding), _pair(dilation)
     if k is None or s is None or p is None or d is None \
             or not isinstance(input, torch.Tensor) or input.dim() != 4 \
-            or input.dtype not in _FLOATS or not (input.is_cuda or interpreting()) \
+            or input.dtype not in _FLOATS \
+            or not (input.is_cuda or interpreting() or planning and input.is_meta) \
             or (input.requires_grad and torch.is_grad_enabled()) \
             or min(*k, *s, *d) < 1 or p[0] < 0 or p[1] < 0 \
             or p[0] > k[0] // 2 or p[1] > k[1] // 2:
@@ -308,12 +317,20 @@ def max_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
     prepared = _prepared(key, input)
     if prepared is not None:
         return prepared.run(input)
-    launch = None if return_indices else _launch(input, kernel_size, stride, padding,
-                                                  dilation, ceil_mode)
-    if launch is None:
+    call = _max_call(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+    if call is None:
         return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode,
                             return_indices)
-    return launch.run(_max_pool2d_kernel, input, key, DH=launch.d[0], DW=launch.d[1])
+    return call[0].run(_max_pool2d_kernel, input, key, **call[1])
+
+
+def _max_call(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
+              dilation: Any = 1, ceil_mode: bool = False, return_indices: bool = False,
+              planning: bool = False) -> tuple[_Launch, dict] | None:
+    """:func:`max_pool2d`'s launch and its kernel's own constexprs, or None."""
+    launch = None if return_indices else _launch(input, kernel_size, stride, padding,
+                                                  dilation, ceil_mode, planning)
+    return None if launch is None else (launch, {"DH": launch.d[0], "DW": launch.d[1]})
 
 
 def avg_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
@@ -333,16 +350,46 @@ def avg_pool2d(input: torch.Tensor, kernel_size: Any, stride: Any = None, paddin
     prepared = _prepared(key, input)
     if prepared is not None:
         return prepared.run(input)
+    call = _avg_call(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override)
+    if call is None:
+        return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                            divisor_override)
+    return call[0].run(_avg_pool2d_kernel, input, key, **call[1])
+
+
+def _avg_call(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
+              ceil_mode: bool = False, count_include_pad: bool = True,
+              divisor_override: Any = None, planning: bool = False) -> tuple[_Launch, dict] | None:
+    """:func:`avg_pool2d`'s launch and its kernel's own constexprs, or None."""
     plain = type(ceil_mode) is bool and type(count_include_pad) is bool and (
         divisor_override is None or type(divisor_override) is int
         and 0 < divisor_override < 2**31)
-    launch = _launch(input, kernel_size, stride, padding, 1, ceil_mode) if plain else None
+    launch = _launch(input, kernel_size, stride, padding, 1, ceil_mode, planning) \
+        if plain else None
     if launch is None:
-        return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                            divisor_override)
-    return launch.run(_avg_pool2d_kernel, input, key, INCLUDE_PAD=count_include_pad,
-                      DIVISOR=divisor_override or 0,
-                      ROUND_BF16=input.dtype == torch.bfloat16 and interpreting())
+        return None
+    return launch, {"INCLUDE_PAD": count_include_pad, "DIVISOR": divisor_override or 0,
+                    "ROUND_BF16": input.dtype == torch.bfloat16 and interpreting()}
+
+
+def planned_launch(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """For the parallel precompile (``codegen/runtime/precompile.py``): the compile a call
+    ``target(*args, **kwargs)`` of :func:`max_pool2d` or :func:`avg_pool2d` makes, its
+    input a meta tensor of the layout the call will give, as ``(source_id, fn, args,
+    grid, constexprs, num_warps)``; None where the call runs torch's op, or nothing."""
+    kernel, call = (_max_pool2d_kernel, _max_call) if target is max_pool2d \
+        else (_avg_pool2d_kernel, _avg_call)
+    try:
+        found = call(*args, **kwargs, planning=True)
+    except TypeError:  # arguments the op rejects: it says so when it runs
+        return None
+    if found is None or not found[0].out.numel():
+        return None
+    launch, constants = found
+    grid, values, constexprs = launch.arguments(args[0], **constants)
+    return (f"{kernel.__module__}.{kernel.__name__}", kernel, [args[0], launch.out, *values], grid,
+            constexprs, _WARPS)
 
 
 def use_pool_kernels(gm: GraphModule) -> bool:

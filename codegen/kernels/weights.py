@@ -36,9 +36,10 @@ from fxlite.passes.channels_last import CONVS
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 
-__all__ = ["channels_last_copies", "pack_weight_copies"]
+__all__ = ["channels_last_copies", "pack_weight_copies", "planned_launch"]
 
 _BLOCK = 1024
+_WARPS = 4
 _MAX_ELEMENTS = 2**31 - _BLOCK  # offsets are int32
 _MAX_WEIGHTS = 32  # a kernel's branches; more weights take several kernels
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -100,17 +101,39 @@ def _takes(ws: tuple) -> bool:
                and not (grad and w.requires_grad) for w in ws)
 
 
-def _prepare(ws: tuple, key: tuple) -> _Prepared:
+def _kernel(ws: tuple, device: Any) -> tuple[Any, tuple[int, int, int], list[torch.Tensor]]:
+    """The kernel for these weights' shapes, its grid, and its arguments: each weight,
+    then a new channels-last tensor of its shape on ``device``."""
     shapes = tuple(tuple(w.shape) for w in ws)
     fn = load_module(_source(shapes), "channels_last_copies").channels_last_copies
     grid = (sum(-(-w.numel() // _BLOCK) for w in ws), 1, 1)
-    strides = tuple(dense_strides(sh, _CHANNELS_LAST) for sh in shapes)
+    outs = [torch.empty_strided(sh, dense_strides(sh, _CHANNELS_LAST), dtype=ws[0].dtype,
+                                device=device) for sh in shapes]
+    return fn, grid, [t for pair in zip(ws, outs) for t in pair]
+
+
+def planned_launch(ws: tuple) -> tuple | None:
+    """For the parallel precompile (``codegen/runtime/precompile.py``): the compile a call
+    ``channels_last_copies(*ws)`` makes, ``ws`` meta tensors of the weights' layouts, as
+    ``(source_id, fn, args, grid, constexprs, num_warps)``; None where the call makes
+    torch's clones."""
+    if not ws or len(ws) > _MAX_WEIGHTS or not all(
+            isinstance(w, torch.Tensor) and w.is_meta for w in ws):
+        return None
+    if not all(w.dim() == 4 and w.dtype == ws[0].dtype and w.dtype.is_floating_point
+               and 0 < w.numel() <= _MAX_ELEMENTS and w.is_contiguous() for w in ws):
+        return None
+    fn, grid, args = _kernel(ws, "meta")
+    return f"{fn.__module__}.{fn.__name__}", fn, args, grid[:1], {"BLOCK": _BLOCK}, _WARPS
+
+
+def _prepare(ws: tuple, key: tuple) -> _Prepared:
+    fn, grid, args = _kernel(ws, ws[0].device)
+    shapes = tuple(tuple(w.shape) for w in ws)
+    strides = tuple(a.stride() for a in args[1::2])
     binary = None
     if not interpreting():
-        outs = [torch.empty_strided(sh, st, dtype=ws[0].dtype, device=ws[0].device)
-                for sh, st in zip(shapes, strides)]
-        args = [t for pair in zip(ws, outs) for t in pair]
-        binary = Binary(fn.warmup(*args, grid=grid[:1], BLOCK=_BLOCK, num_warps=4))
+        binary = Binary(fn.warmup(*args, grid=grid[:1], BLOCK=_BLOCK, num_warps=_WARPS))
     if len(_PREPARED) >= 256:  # ever new weight shapes: start over
         _PREPARED.clear()
     prepared = _PREPARED[key] = _Prepared(fn, binary, grid, shapes, strides)
@@ -136,7 +159,7 @@ def channels_last_copies(*ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for sh, st in zip(prepared.shapes, prepared.strides))
     args = [t for pair in zip(ws, outs) for t in pair]
     if prepared.binary is None:
-        prepared.fn[prepared.grid[:1]](*args, BLOCK=_BLOCK, num_warps=4)
+        prepared.fn[prepared.grid[:1]](*args, BLOCK=_BLOCK, num_warps=_WARPS)
     else:
         prepared.binary.launch(prepared.grid, [*args, _BLOCK], device.index or 0)
     return outs

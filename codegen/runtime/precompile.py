@@ -24,18 +24,22 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from fxlite.codegen.kernels import pool, weights
 from fxlite.codegen.runtime.binaries import binary_key, has_binary
 from fxlite.codegen.runtime.cache import kernel_dir
 from fxlite.codegen.runtime.cat import CatKernel
 from fxlite.codegen.runtime.kernel import generate_kernel, interpreting
 from fxlite.codegen.runtime.launch import BINARIES
 
-from fxlite.graph_module import GraphModule
+from fxlite.graph_module import GraphModule, attr_at
+from fxlite.node import Node, map_arg
+from fxlite.tensor_meta import TensorMetadata
 
 __all__ = ["precompile"]
 
@@ -85,21 +89,28 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     groups = kernels = 0
     sources: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        sub = gm.get_submodule(node.target)
-        kind = getattr(sub, "meta", {}).get("fused_kind")
-        if kind in (None, "region"):
-            continue  # (a region's kernels come from its autodiff graphs)
-        groups += 1
-        inputs = _example_inputs(sub)
-        if inputs is None:
-            continue
-        planned = _planned(sub, kind, inputs, f"triton_{node.target}")
-        if planned is None:
+        if node.op == "call_function" and node.target in _OWN_KERNELS:
+            args = _meta_args(gm, node)
+            found = None if args is None else _OWN_KERNELS[node.target](node.target, *args)
+            if found is None:
+                continue
+            source_id, fn, args, grid, constexprs, warps = found
+            planned = source_id, (0, fn, grid, args, constexprs, warps)
+        elif node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            kind = getattr(sub, "meta", {}).get("fused_kind")
+            if kind in (None, "region"):
+                continue  # (a region's kernels come from its autodiff graphs)
+            groups += 1
+            inputs = _example_inputs(sub)
+            planned = None if inputs is None else \
+                _planned(sub, kind, inputs, f"triton_{node.target}")
+            if planned is None:
+                continue
+            kernels += 1
+        else:
             continue
         source_id, launch = planned
-        kernels += 1
         sources.add(source_id)
         if launch is None:
             continue
@@ -109,6 +120,37 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
                tuple(sorted(constexprs.items())), warps)
         jobs.setdefault(key, (fn, args, grid, constexprs, warps))
     return jobs, groups, kernels, sources
+
+
+# ops that launch kernels of their own, the pools and the packed weight copies: target ->
+# the compile a call with these (meta) arguments makes (each module's planned_launch)
+_OWN_KERNELS: dict[Any, Callable[..., tuple | None]] = {
+    pool.max_pool2d: pool.planned_launch,
+    pool.avg_pool2d: pool.planned_launch,
+    weights.channels_last_copies: lambda target, args, kwargs: weights.planned_launch(args),
+}
+
+
+def _meta_args(gm: GraphModule, node: Node) -> tuple[tuple, dict] | None:
+    """``node``'s arguments with each input a meta tensor of its layout (its ShapeProp
+    metadata, or for an attribute the attribute's own); None where one is not known."""
+    unknown = False
+
+    def meta(n: Node) -> Any:
+        nonlocal unknown
+        tm = n.meta.get("tensor_meta")
+        if n.op == "get_attr":
+            value = attr_at(gm, n.target, "precompile")
+            if isinstance(value, torch.Tensor):
+                return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                           device="meta")
+        elif isinstance(tm, TensorMetadata) and tm.stride != ():
+            return torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta")
+        unknown = True
+        return None
+
+    args, kwargs = map_arg(node.args, meta), map_arg(node.kwargs, meta)
+    return None if unknown else (args, kwargs)
 
 
 def _planned(sub: GraphModule, kind: str, inputs: list[Any],

@@ -668,3 +668,31 @@ def test_inference_converts_its_weights_in_one_kernel_that_follows_every_write(
     x = torch.randn(2, 3, 7, 6)
     train(x).sum().backward()
     assert "channels_last_copies" not in train.code
+
+
+def test_the_precompile_plans_the_weight_copies_kernel():
+    """The parallel precompile compiles the packed weight copies ahead (the first call
+    once compiled them itself): the kernel and arguments it plans on meta tensors are
+    the ones a call on the weights makes; weights it would not take are not planned."""
+    from fxlite.codegen.kernels import weights
+    from fxlite.codegen.runtime import precompile as pre
+
+    model = Tower().eval()
+    graph = fxlite.Graph()
+    a, w = graph.placeholder("a"), graph.get_attr("w")  # an input, and an attribute
+    graph.output(graph.call_function(weights.channels_last_copies, (a, w)))
+    root = nn.Module()
+    root.w = model.c.weight
+    gm = fxlite.GraphModule(root, graph)
+    x = model.a.weight
+    ShapeProp(gm).propagate(x)
+    jobs, _, _, _ = pre._plan(gm, torch.device("cpu"))
+    assert len(jobs) == 1
+    fn, args, _, constexprs, _ = next(iter(jobs.values()))
+    want_fn, _, want_args = weights._kernel((x, gm.w), "cpu")
+    assert fn is want_fn and constexprs == {"BLOCK": weights._BLOCK}
+    assert [a.dtype for a in args] == [a.dtype for a in want_args]
+    assert weights.planned_launch((x.to("meta"), gm.w.to("meta")))[2][1].stride() == \
+        want_args[1].stride()
+    assert weights.planned_launch((x.to("meta").half(), gm.w.to("meta"))) is None  # two dtypes
+    assert weights.planned_launch((x.to("meta").transpose(2, 3),)) is None  # not contiguous

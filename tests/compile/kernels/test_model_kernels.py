@@ -424,6 +424,60 @@ def test_precompile_compiles_what_the_first_call_launches():
         torch.testing.assert_close(run(x), model(x), rtol=1e-3, atol=1e-3)
 
 
+class _Stem(nn.Module):
+    """A conv net's pieces the precompile must foresee under channels-last: BatchNorm
+    groups after converted convolutions, a max and an average pool, a cat of branches,
+    the packed weight copies (odd sizes: no earlier test compiled these kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 11, 3, stride=2, bias=False)
+        self.bn = _bn(11)
+        self.a = nn.Conv2d(11, 7, 1, bias=False)
+        self.a_bn = _bn(7)
+        self.b = nn.Conv2d(11, 5, 3, padding=1, bias=False)
+        self.b_bn = _bn(5)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.bn(self.stem(x))), 3, 2, ceil_mode=True)
+        y = torch.cat([F.relu(self.a_bn(self.a(y))), F.relu(self.b_bn(self.b(y)))], 1)
+        return F.avg_pool2d(y, 2, ceil_mode=True)
+
+
+@pytest.mark.gpu
+def test_after_the_precompile_a_conv_nets_first_call_compiles_nothing(monkeypatch):
+    """Metadata left in the recording's NCHW layout planned the BatchNorm groups of a
+    channels-last net for the wrong strides, and cat kernels, pools and weight copies
+    were not planned at all: each compiled at the first call, one after another
+    (googlenet on an H200: 16 such compiles)."""
+    import fxlite.codegen.lower.pipeline as pipeline
+    import triton.runtime.jit as jit
+
+    planned, late = [], []
+    real_precompile, real_compile = pipeline.precompile, jit.JITFunction._do_compile
+
+    def precompile(gm, device):
+        report = real_precompile(gm, device)
+        planned.append(report)
+        return report
+
+    def compile_(self, *args, **kwargs):
+        if planned:
+            late.append(self.__name__)
+        return real_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "precompile", precompile)
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", compile_)
+    model = _Stem().eval().cuda().to(torch.bfloat16)
+    f = fxlite.compile(model)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 3, 37, 37, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(f(x), model(x), rtol=2e-2, atol=2e-2)
+    assert planned and planned[0]["compiles"] >= 4, planned
+    assert not late, late
+
+
 def test_an_in_place_relu_module_on_a_private_temporary_fuses():
     """nn.ReLU(inplace=True) after BN overwrites a value only it reads: one kernel. On a
     value someone else reads (or a group input) the generator refuses, and eager runs."""

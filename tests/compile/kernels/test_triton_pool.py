@@ -157,3 +157,33 @@ def test_later_calls_reuse_the_launch_only_for_the_same_key():
     w = base.clone().requires_grad_()
     avg_pool2d(w, 2, ceil_mode=True).sum().backward()  # autograd records torch's op
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_the_precompile_plans_the_launch_each_pool_makes(layout):
+    """The parallel precompile compiles the pools' kernels ahead, from the graph's
+    metadata (it once left them to the first call): planned on meta tensors, each launch
+    is the one the call makes on the real input."""
+    from fxlite.codegen.kernels import pool
+    from fxlite.codegen.runtime import precompile as pre
+    from fxlite.passes.shape_prop import ShapeProp
+
+    def fn(x):
+        y = F.max_pool2d(x, 3, 2, 1)
+        return F.avg_pool2d(y, 2, ceil_mode=True), F.max_pool2d(x, 2, return_indices=True)[0]
+
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 4, 9, 11, device=DEVICE).contiguous(memory_format=fmt)
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(x)
+    assert use_pool_kernels(gm)
+    jobs, _, _, _ = pre._plan(gm, torch.device(DEVICE))
+    y = F.max_pool2d(x, 3, 2, 1)
+    launches = [pool._max_call(x, 3, 2, 1)[0].arguments(x, DH=1, DW=1),
+                pool._avg_call(y, 2, ceil_mode=True)[0].arguments(
+                    y, INCLUDE_PAD=True, DIVISOR=0, ROUND_BF16=False)]
+    assert len(jobs) == 2  # the pool that returns indices runs torch's op
+    for (fn_, args, grid, constexprs, warps), (want_grid, values, want_constexprs) in zip(
+            jobs.values(), launches):
+        assert fn_ in (pool._max_pool2d_kernel, pool._avg_pool2d_kernel)
+        assert args[2:] == list(values) and grid == want_grid and constexprs == want_constexprs
