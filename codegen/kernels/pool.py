@@ -387,8 +387,9 @@ def planned_launch(target: Any, args: tuple, kwargs: dict) -> tuple | None:
     if found is None or not found[0].out.numel():
         return None
     launch, constants = found
-    grid, values, constexprs = launch.arguments(args[0], **constants)
-    return (f"{kernel.__module__}.{kernel.__name__}", kernel, [args[0], launch.out, *values], grid,
+    input = args[0] if args else kwargs["input"]
+    grid, values, constexprs = launch.arguments(input, **constants)
+    return (f"{kernel.__module__}.{kernel.__name__}", kernel, [input, launch.out, *values], grid,
             constexprs, _WARPS)
 
 

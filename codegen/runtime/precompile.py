@@ -6,8 +6,10 @@ another on one core (convnext_tiny: 59 kernels, 20 s on an H200 host, most of it
 each group's inputs from its ShapeProp metadata, builds the kernel and the exact launch
 the first call will make (memory order, block sizes, argument specialization), drops the
 launches that compile to the same binary (identical sources: the repeated blocks of a
-network), and compiles the rest on a thread pool. The first call then finds every binary
-in Triton's in-process cache::
+network), and compiles the rest on a thread pool. Cat groups plan their one kernel of the
+layout given (``CatKernel.planned_launch``); the ops that launch kernels of their own,
+the pools and the packed weight copies, plan theirs from their arguments' metadata. The
+first call then finds every binary in Triton's in-process cache::
 
     fused = fuse(gm)
     report = precompile(fused, torch.device("cuda"))   # {"groups": 59, "compiles": 17, ...}
@@ -90,12 +92,9 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     sources: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _OWN_KERNELS:
-            args = _meta_args(gm, node)
-            found = None if args is None else _OWN_KERNELS[node.target](node.target, *args)
-            if found is None:
+            planned = _op_planned(gm, node)
+            if planned is None:
                 continue
-            source_id, fn, args, grid, constexprs, warps = found
-            planned = source_id, (0, fn, grid, args, constexprs, warps)
         elif node.op == "call_module":
             sub = gm.get_submodule(node.target)
             kind = getattr(sub, "meta", {}).get("fused_kind")
@@ -129,6 +128,19 @@ _OWN_KERNELS: dict[Any, Callable[..., tuple | None]] = {
     pool.avg_pool2d: pool.planned_launch,
     weights.channels_last_copies: lambda target, args, kwargs: weights.planned_launch(args),
 }
+
+
+def _op_planned(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
+    """What :func:`_planned` gives for a group, for a call of one of ``_OWN_KERNELS``."""
+    args = _meta_args(gm, node)
+    try:
+        found = None if args is None else _OWN_KERNELS[node.target](node.target, *args)
+    except Exception:  # a plan that fails here fails (and falls back) at run time
+        return None
+    if found is None:
+        return None
+    source_id, fn, args, grid, constexprs, warps = found
+    return source_id, (0, fn, grid, args, constexprs, warps)
 
 
 def _meta_args(gm: GraphModule, node: Node) -> tuple[tuple, dict] | None:
@@ -203,7 +215,8 @@ def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
 
     Returns:
         ``{"groups", "kernels", "sources", "compiles", "seconds"}``: fused groups, groups
-        with a kernel, distinct kernel sources, distinct binaries compiled, and wall time.
+        with a kernel, distinct kernel sources (the ops' kernels too), distinct binaries
+        compiled, and wall time.
 
     Example::
 
