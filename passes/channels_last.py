@@ -31,6 +31,9 @@ What this pass changes, and what it keeps:
   an alias eager's result had. So is one where such a value meets an op whose result
   depends on the layout (``view``, ``as_strided``, ``stride()``, storing it with
   ``setattr``);
+- the metadata of the values whose layout changes (the recorded ``tensor_meta_rec``, or
+  ShapeProp's ``tensor_meta``) is computed again on meta tensors, so that the passes after
+  it, and the parallel precompile, see the strides the graph runs with;
 - the weights of those convolutions (attributes, or inputs when a training step takes
   the model as an argument) are converted on each call, in the graph, by the same
   clone: a Triton copy kernel. Under autograd the clone's backward kernel writes the
