@@ -72,6 +72,7 @@ from fxlite.passes.shape_prop import (
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg, target_name
+from fxlite.ops import lookup
 
 __all__ = ["CONVS", "channels_last_convs"]
 
@@ -249,7 +250,9 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
     eager's layout, and the parallel precompile plans kernels for what it says. Planned
     for NCHW, a BatchNorm group after a converted convolution keyed its per-channel
     operands as another layout, and compiled again, one kernel after another, at the
-    first call. Only strides change; a value that cannot be computed keeps what it had.
+    first call. Only strides change; a value that cannot be computed keeps what it had,
+    and so does a node with effects other than writing its input (it is not run again,
+    not even on meta tensors).
 
     Example (a conv's output, ``tensor_meta_rec``)::
 
@@ -257,7 +260,7 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
         ((8, 8, 7, 7), (392, 49, 7, 1), ...)      ((8, 8, 7, 7), (392, 1, 56, 8), ...)
     """
     work = GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
-    names = {n.name for n in changed}
+    names = {n.name for n in changed if _runs_again(n, gm)}
     for n in work.graph.nodes:
         if n.name in names:
             for key in ("tensor_meta", "type"):
@@ -265,7 +268,10 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
         elif n.meta.get("tensor_meta_rec") is not None:
             n.meta["tensor_meta"] = recorded_metadata(n.meta["tensor_meta_rec"])
             n.meta["type"] = torch.Tensor
-    fill_missing_meta(work)
+    try:
+        fill_missing_meta(work)
+    except Exception:  # the metadata serves planning only: left as it was
+        return
     found = {n.name: n.meta.get("tensor_meta") for n in work.graph.nodes if n.name in names}
     for n in changed:
         tm = found.get(n.name)
@@ -276,6 +282,20 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
             n.meta["tensor_meta_rec"] = (rec[0], tuple(tm.stride), *rec[2:])
         if isinstance(old, TensorMetadata) and old.shape == tm.shape and old.dtype == tm.dtype:
             n.meta["tensor_meta"] = old._replace(stride=tm.stride, memory_format=tm.memory_format)
+
+
+def _runs_again(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` may run again, on meta tensors, for its layout: a pure op, or a tensor
+    op that writes its input (``relu_``, ``F.relu(inplace=True)``, ``x.add_``); not a
+    function with other effects."""
+    if not n.is_impure(impure_random=False):
+        return True
+    info = lookup(n, gm)
+    if info is not None:
+        return info.kind != "effect"
+    name = target_name(n)
+    return n.op in ("call_function", "call_method") and name.endswith("_") \
+        and not name.startswith("_") and callable(getattr(torch.Tensor, name, None))
 
 
 _RESHAPES = frozenset({"flatten", "reshape", "squeeze", "unsqueeze"})

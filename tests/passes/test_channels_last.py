@@ -21,6 +21,17 @@ from fxlite.passes.shape_prop import ShapeProp
 import fxlite
 
 CL = torch.channels_last
+_NOTED: list = []
+
+
+def _noted(t):
+    """A function with an effect (it notes each call), kept by the tracer as a call."""
+    _NOTED.append(t.shape)
+    return t
+
+
+fxlite.wrap("_noted")
+fxlite.has_side_effect(_noted)
 
 
 def needs_kernels() -> None:
@@ -241,6 +252,24 @@ def test_the_metadata_gives_the_layout_each_value_has_after_the_conversion(sourc
         shape, stride = (meta[0], meta[1]) if source == "tensor_meta_rec" else \
             (meta.shape, meta.stride)
         assert (tuple(shape), tuple(stride)) == (value.shape, value.stride()), n.format_node()
+
+
+def test_recomputing_the_metadata_runs_no_effect_of_the_graph():
+    """Only pure ops and in-place torch ops are run again (on meta tensors) for their
+    layout: a function with effects downstream of a converted conv is not called."""
+    def fn(x, w):
+        y = torch.relu_(F.conv2d(x, w, padding=1))
+        return _noted(y) * 2
+
+    x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3)
+    gm = traced(fn, x, w)
+    assert len(_NOTED) == 1  # ShapeProp's run
+    assert channels_last_convs(gm)
+    assert len(_NOTED) == 1
+    relu = next(n for n in gm.graph.nodes if n.name.startswith("relu"))
+    assert relu.meta["tensor_meta"].memory_format is CL  # the in-place op was run on meta
+    out = gm(x, w)
+    assert len(_NOTED) == 2 and out.stride() == fn(x, w).stride()
 
 
 @pytest.fixture
