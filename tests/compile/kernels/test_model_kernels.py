@@ -453,6 +453,8 @@ def test_after_the_precompile_a_conv_nets_first_call_compiles_nothing(monkeypatc
     import fxlite.codegen.lower.pipeline as pipeline
     import triton.runtime.jit as jit
 
+    if not hasattr(jit.JITFunction, "_do_compile"):  # (Triton 3.6 to 3.9 have it)
+        pytest.skip("this Triton compiles through another method: nothing to count")
     planned, late = [], []
     real_precompile, real_compile = pipeline.precompile, jit.JITFunction._do_compile
 
