@@ -384,7 +384,7 @@ class CompiledFunction:
             try:
                 outs = seg.run(*seg.arguments(env))
             except Exception as e:  # (for _nothing_written: how far the call got)
-                _note_ran_before(e, len(path))
+                _note_ran(e, path, seg)
                 raise
             path.append(seg)
             if seg.read is None:
@@ -953,23 +953,35 @@ def _pure(rec: Any) -> bool:
     random draw, no effect), so that running its function again is safe."""
     pure = getattr(rec, "_fxlite_pure", None)
     if pure is None:
-        pure = rec._fxlite_pure = not any(
-            n.meta.get("impure") and "read" not in n.meta and "checks" not in n.meta
-            for n in rec.graph.nodes)
+        pure = rec._fxlite_pure = _changes_nothing(rec)
     return pure
 
 
+def _changes_nothing(gm: Any) -> bool:
+    """Whether a recorded graph (a call's, or a segment's piece) has no node that writes,
+    draws random numbers or has an effect, besides reads and checks."""
+    return not any(n.meta.get("impure") and "read" not in n.meta and "checks" not in n.meta
+                   for n in gm.graph.nodes)
+
+
 def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
-    """Whether the call that raised ``error`` in ``seg`` wrote nothing yet, so
-    that running its function again is safe: ``seg`` is the call's first segment and the
-    one that raised (or the whole call), the graph that ran writes only in the write-backs
-    at its end (``copy_``, after every op that could raise; no draw, no effect), and the
+    """Whether the call that raised ``error`` on the path from ``seg`` (its first segment)
+    wrote nothing yet, so that running its function again is safe: the segments that
+    completed before the one that raised change nothing (no write, no draw, no effect:
+    reads and checks only), the graph that raised writes only in the write-backs at its
+    end (``copy_``, after every op that could raise; no draw, no effect), and the
     exception came from before them. A buffer update before an integer division by zero
-    then takes effect, as in eager (fuzz seeds 7102901, 7413326)."""
-    compiled = seg.compiled
-    first = seg.read is None or getattr(error, "_fxlite_ran_before", None) == 0
-    if first and compiled is not None and not isinstance(seg.run, Trial) \
-            and _writes_last(compiled.gm):
+    then takes effect, as in eager (fuzz seeds 7102901, 7413326), also after a graph break
+    (8023118: a branch on a value read first)."""
+    if seg.read is None:  # the whole call is one segment
+        done, raised = [], seg
+    else:
+        done, raised = getattr(error, "_fxlite_ran", (None, None))
+        if raised is None:
+            return False
+    compiled = raised.compiled
+    if all(_changes_nothing(s.gm) for s in done) and compiled is not None \
+            and not isinstance(raised.run, Trial) and _writes_last(compiled.gm):
         tb = getattr(error, "__traceback__", None)
         while tb is not None:  # a generated forward's line that writes back: too late
             code = tb.tb_frame.f_code
@@ -982,10 +994,11 @@ def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
     return False
 
 
-def _note_ran_before(error: BaseException, segments: int) -> None:
-    """Mark ``error`` with how many of the call's segments completed before it."""
+def _note_ran(error: BaseException, done: list[Segment], raised: Segment) -> None:
+    """Mark ``error`` with the call's segments that completed before it, and the one that
+    raised it."""
     try:
-        error._fxlite_ran_before = segments  # type: ignore[attr-defined]
+        error._fxlite_ran = (list(done), raised)  # type: ignore[attr-defined]
     except Exception:  # an exception type without attributes: nothing is assumed
         pass
 

@@ -643,7 +643,20 @@ class _DecayDivideThenBranch(_DecayThenDivide):
         return x * 2 if bool((x > 0).all()) else x - 1
 
 
-@pytest.mark.parametrize("model", [_DecayThenDivide, _DecayDivideThenBranch])
+class _BranchThenDecayDivide(_DecayThenDivide):
+    """A graph break before the update and the division: the segment that raises is the
+    call's second, after one that only read (fuzz seed 8023118: the compiled call kept
+    the buffer's old value where eager's update had landed before it raised)."""
+
+    def forward(self, x, d):
+        if bool((x > 6).all()):
+            self.ema.mul_(0.9).add_(self.ema.mean() * 0.1)
+        x //= d
+        return x
+
+
+@pytest.mark.parametrize("model", [_DecayThenDivide, _DecayDivideThenBranch,
+                                   _BranchThenDecayDivide])
 def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included(
         model):
     """Before: a compiled segment writes its buffers back at its end, so a call whose
