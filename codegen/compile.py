@@ -972,7 +972,9 @@ def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
     end (``copy_``, after every op that could raise; no draw, no effect), and the
     exception came from before them. A buffer update before an integer division by zero
     then takes effect, as in eager (fuzz seeds 7102901, 7413326), also after a graph break
-    (8023118: a branch on a value read first)."""
+    (a branch on a value read first, as in 8023118). Where a segment before the one that
+    raised wrote (8023118 itself writes an input first), the call cannot run again, and
+    the exception propagates with that segment's writes done and the raising one's lost."""
     if seg.read is None:  # the whole call is one segment
         done, raised = [], seg
     else:

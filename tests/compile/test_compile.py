@@ -645,8 +645,9 @@ class _DecayDivideThenBranch(_DecayThenDivide):
 
 class _BranchThenDecayDivide(_DecayThenDivide):
     """A graph break before the update and the division: the segment that raises is the
-    call's second, after one that only read (fuzz seed 8023118: the compiled call kept
-    the buffer's old value where eager's update had landed before it raised)."""
+    call's second, after one that only read (fuzz seed 8023118 without its first write:
+    the compiled call kept the buffer's old value where eager's update had landed before
+    it raised)."""
 
     def forward(self, x, d):
         if bool((x > 6).all()):
