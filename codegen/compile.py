@@ -56,7 +56,7 @@ from fxlite.codegen.dynamic import DynamicFunction
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.batch_norm import update_running_stats
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
-from fxlite.codegen.lower.segment import compile_segment, expand_kernels
+from fxlite.codegen.lower.segment import compile_segment, direct_forward, expand_kernels
 from fxlite.codegen.options import MODES, Settings, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
@@ -381,11 +381,19 @@ class CompiledFunction:
         env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
         path = []
         while True:
+            taken, before = seg.arguments(env), ambient()
             try:
-                outs = seg.run(*seg.arguments(env))
+                outs = seg.run(*taken)
             except Exception as e:  # (for _nothing_written: how far the call got)
-                _note_ran(e, path, seg)
-                raise
+                if not path or not _raised_before_writes(seg, e):
+                    _note_ran_before(e, len(path))
+                    raise
+                # a later segment that raised before writing (running the call again
+                # would repeat the earlier segments' writes): its recorded ops, eager's,
+                # write in eager's order up to the op that raises, and raise eager's
+                # exception, or, where only the kernels raised, give eager's results
+                set_ambient(before)
+                outs = direct_forward(seg.gm)(*taken)
             path.append(seg)
             if seg.read is None:
                 self._last = path
@@ -953,83 +961,87 @@ def _pure(rec: Any) -> bool:
     random draw, no effect), so that running its function again is safe."""
     pure = getattr(rec, "_fxlite_pure", None)
     if pure is None:
-        pure = rec._fxlite_pure = _changes_nothing(rec)
+        pure = rec._fxlite_pure = not any(
+            n.meta.get("impure") and "read" not in n.meta and "checks" not in n.meta
+            for n in rec.graph.nodes)
     return pure
 
 
-def _changes_nothing(gm: Any) -> bool:
-    """Whether a recorded graph (a call's, or a segment's piece) has no node that writes,
-    draws random numbers or has an effect, besides reads and checks."""
-    return not any(n.meta.get("impure") and "read" not in n.meta and "checks" not in n.meta
-                   for n in gm.graph.nodes)
-
-
 def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
-    """Whether the call that raised ``error`` on the path from ``seg`` (its first segment)
-    wrote nothing yet, so that running its function again is safe: the segments that
-    completed before the one that raised change nothing (no write, no draw, no effect:
-    reads and checks only), the graph that raised writes only in the write-backs at its
-    end (``copy_``, after every op that could raise; no draw, no effect), and the
-    exception came from before them. A buffer update before an integer division by zero
-    then takes effect, as in eager (fuzz seeds 7102901, 7413326), also after a graph break
-    (a branch on a value read first, as in 8023118). Where a segment before the one that
-    raised wrote (8023118 itself writes an input first), the call cannot run again, and
-    the exception propagates with that segment's writes done and the raising one's lost."""
-    if seg.read is None:  # the whole call is one segment
-        done, raised = [], seg
-    else:
-        done, raised = getattr(error, "_fxlite_ran", (None, None))
-        if raised is None:
+    """Whether the call that raised ``error`` in ``seg`` wrote nothing yet, so that
+    running its function again is safe: ``seg`` is the call's first segment and the one
+    that raised (or the whole call), and it raised before writing
+    (:func:`_raised_before_writes`). A buffer update before an integer division by zero
+    then takes effect, as in eager (fuzz seeds 7102901, 7413326). A later segment that
+    raises so runs its recorded ops instead (``_walk_path``; 8023118)."""
+    first = seg.read is None or getattr(error, "_fxlite_ran_before", None) == 0
+    return first and _raised_before_writes(seg, error)
+
+
+def _raised_before_writes(seg: Segment, error: BaseException | None) -> bool:
+    """Whether ``seg``'s compiled graph raised ``error`` before writing anything: it
+    writes only in the write-backs at its end (``copy_``, after every op that could raise;
+    no draw, no effect), and the exception came from before them."""
+    compiled = seg.compiled
+    writes = None if compiled is None or isinstance(seg.run, Trial) \
+        else _write_calls(compiled.gm)
+    if writes is None:
+        return False
+    tb = getattr(error, "__traceback__", None)
+    while tb is not None:  # a generated forward's line that writes: too late
+        code = tb.tb_frame.f_code
+        line = linecache.getline(code.co_filename, tb.tb_lineno)
+        if code.co_filename.startswith("<") and any(w in line for w in writes):
             return False
-    compiled = raised.compiled
-    if all(_changes_nothing(s.gm) for s in done) and compiled is not None \
-            and not isinstance(raised.run, Trial) and _writes_last(compiled.gm):
-        tb = getattr(error, "__traceback__", None)
-        while tb is not None:  # a generated forward's line that writes back: too late
-            code = tb.tb_frame.f_code
-            line = linecache.getline(code.co_filename, tb.tb_lineno)
-            if code.co_filename.startswith("<") and (".copy_(" in line
-                                                     or "update_running_stats(" in line):
-                return False
-            tb = tb.tb_next
-        return True
-    return False
+        tb = tb.tb_next
+    return True
 
 
-def _note_ran(error: BaseException, done: list[Segment], raised: Segment) -> None:
-    """Mark ``error`` with the call's segments that completed before it, and the one that
-    raised it."""
+def _note_ran_before(error: BaseException, segments: int) -> None:
+    """Mark ``error`` with how many of the call's segments completed before it."""
     try:
-        error._fxlite_ran = (list(done), raised)  # type: ignore[attr-defined]
+        error._fxlite_ran_before = segments  # type: ignore[attr-defined]
     except Exception:  # an exception type without attributes: nothing is assumed
         pass
 
 
-def _writes_last(gm: GraphModule) -> bool:
-    """Whether ``gm``'s only writes are ``copy_`` write-backs (and a training BatchNorm's
-    ``update_running_stats``, which ``lower/batch_norm.py`` moves to the end) after all its
-    other ops, and nothing else in it is impure (a random draw, an effect): what a
-    functionalized segment compiles to::
+_FILLS = frozenset({"fill_", "zero_"})  # in-place writes that raise before writing, if at all
+
+
+def _write_calls(gm: GraphModule) -> frozenset[str] | None:
+    """For a graph whose writes all come after its other ops, with nothing else in it
+    impure (a random draw, an effect), the text of its writing calls as generated lines
+    spell them (``.copy_(``); None for any other graph. The writes: ``copy_`` write-backs,
+    a training BatchNorm's ``update_running_stats`` (which ``lower/batch_norm.py`` moves
+    to the end), and fills of the graph's inputs that the program ends with (``x0.fill_(3)``,
+    fuzz seed 8023118). Not other in-place ops: one that raises partway (an integer
+    ``floor_divide_`` by zero) has written some elements, and the straight line's
+    generated code has no source lines for the traceback check of
+    :func:`_raised_before_writes` to see it by. What a functionalized segment compiles to::
 
         fused_0 = triton_fused_0(b0, x0)
         fused_1 = self.fused_1(x0, x1)        # may raise: nothing is written yet
         copy_ = b0.copy_(fused_0)
         copy__1 = x0.copy_(fused_1)
     """
-    found = getattr(gm, "_fxlite_writes_last", None)
-    if found is None:
-        found, writing = True, False
+    found = getattr(gm, "_fxlite_write_calls", False)
+    if found is False:
+        calls: set[str] | None = set()
         for n in gm.graph.nodes:
             if n.op not in ("call_function", "call_method", "call_module"):
                 continue
-            if n.op == "call_method" and n.target == "copy_" or n.target is update_running_stats:
-                writing = True
-            elif writing or is_impure(n, gm) and "read" not in n.meta \
-                    and "checks" not in n.meta:  # (a read or a check changes
-                # nothing: `bool(t)` that ends a segment)
-                found = False
+            if n.target is update_running_stats:
+                calls.add("update_running_stats(")
+            elif n.op == "call_method" and (n.target == "copy_" or n.target in _FILLS
+                                            and getattr(n.args[0], "op", None) == "placeholder"):
+                calls.add(f".{n.target}(")
+            elif calls or is_impure(n, gm) and "read" not in n.meta \
+                    and "checks" not in n.meta and n.target is not torch._assert:
+                # (a read or a check changes nothing: `bool(t)` that ends a segment,
+                # timm's `torch._assert` of a shape)
+                calls = None
                 break
-        gm._fxlite_writes_last = found
+        found = gm._fxlite_write_calls = None if calls is None else frozenset(calls)
     return found
 
 

@@ -656,8 +656,23 @@ class _BranchThenDecayDivide(_DecayThenDivide):
         return x
 
 
+class _WriteBranchDecayDivide(_DecayThenDivide):
+    """Fuzz seed 8023118: an input written before the read (so the call cannot run again),
+    a shape check, and an input filled at the end. The segment that raised wrote nothing
+    yet, so its recorded ops run: the update lands, and the input is written once."""
+
+    def forward(self, x, d):
+        x.add_(1)
+        if bool((x > 7).all()):
+            self.ema.mul_(0.9).add_(self.ema.mean() * 0.1)
+        torch._assert(x.dim() == 1, "rank")
+        y = x // d
+        x.fill_(3)
+        return y
+
+
 @pytest.mark.parametrize("model", [_DecayThenDivide, _DecayDivideThenBranch,
-                                   _BranchThenDecayDivide])
+                                   _BranchThenDecayDivide, _WriteBranchDecayDivide])
 def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included(
         model):
     """Before: a compiled segment writes its buffers back at its end, so a call whose
