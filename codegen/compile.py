@@ -381,7 +381,7 @@ class CompiledFunction:
         env = {name: leaf for name, leaf in zip(rec.placeholders, leaves) if name is not None}
         path = []
         while True:
-            taken, before = seg.arguments(env), ambient()
+            taken = seg.arguments(env)
             try:
                 outs = seg.run(*taken)
             except Exception as e:  # (for _nothing_written: how far the call got)
@@ -391,8 +391,9 @@ class CompiledFunction:
                 # a later segment that raised before writing (running the call again
                 # would repeat the earlier segments' writes): its recorded ops, eager's,
                 # write in eager's order up to the op that raises, and raise eager's
-                # exception, or, where only the kernels raised, give eager's results
-                set_ambient(before)
+                # exception, or, where only the kernels raised, give eager's results.
+                # (Grad mode and autocast are as the segment began: a graph that changes
+                # them is not one whose writes come last.)
                 outs = direct_forward(seg.gm)(*taken)
             path.append(seg)
             if seg.read is None:
@@ -979,9 +980,9 @@ def _nothing_written(seg: Segment, error: BaseException | None) -> bool:
 
 
 def _raised_before_writes(seg: Segment, error: BaseException | None) -> bool:
-    """Whether ``seg``'s compiled graph raised ``error`` before writing anything: it
-    writes only in the write-backs at its end (``copy_``, after every op that could raise;
-    no draw, no effect), and the exception came from before them."""
+    """Whether ``seg``'s compiled graph raised ``error`` before writing anything: its
+    writes all come after every op that could raise, with no draw and no effect
+    (:func:`_write_calls`), and the exception came from before them."""
     compiled = seg.compiled
     writes = None if compiled is None or isinstance(seg.run, Trial) \
         else _write_calls(compiled.gm)
