@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from fxlite.passes.shape_prop import (
+    CONVS,
     TensorMetadata,
     fill_missing_meta,
     memory_format_of,
@@ -77,7 +78,6 @@ from fxlite.ops import lookup
 __all__ = ["CONVS", "channels_last_convs"]
 
 CL = torch.channels_last
-CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # ops whose result may share memory with an argument (a conservative list: any other op
 # makes a new tensor)

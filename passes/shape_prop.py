@@ -28,7 +28,7 @@ from fxlite.tensor_meta import (
     rebuild_tensor_metadata,
 )
 
-__all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
+__all__ = ["CONVS", "FORMAT_RANKS", "MEMORY_FORMATS", "ShapeProp", "TensorMetadata",
            "extract_tensor_metadata", "fill_missing_meta", "recorded_metadata"]
 
 # The name pickles made before TensorMetadata moved to fxlite.tensor_meta refer to.
@@ -220,7 +220,7 @@ def _run_on_meta(n: Node, env: dict[Node, Any], strict: bool) -> Any:
         return _UNKNOWN  # the op cannot run on meta tensors: leave it unknown
 
 
-_CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})
+CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})  # (the channels-last pass's too)
 
 
 def _conv_layout(target: Any, args: tuple, value: Any) -> Any:
@@ -229,7 +229,7 @@ def _conv_layout(target: Any, args: tuple, value: Any) -> Any:
     oneDNN return channels-last when the input or the weight is channels-last (cuDNN
     keeps float64 NCHW), and the precompile plans a channels-last net's kernels from
     this metadata."""
-    if target not in _CONVS or not isinstance(value, torch.Tensor) or value.dim() != 4:
+    if target not in CONVS or not isinstance(value, torch.Tensor) or value.dim() != 4:
         return value
     if any(isinstance(a, torch.Tensor) and a.dim() == 4 and not a.is_contiguous()
            and a.is_contiguous(memory_format=torch.channels_last) for a in args[:2]):
