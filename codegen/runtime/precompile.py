@@ -41,7 +41,6 @@ from fxlite.codegen.runtime.launch import BINARIES
 
 from fxlite.graph_module import GraphModule, attr_at
 from fxlite.node import Node, map_arg
-from fxlite.tensor_meta import TensorMetadata
 
 __all__ = ["precompile"]
 
@@ -50,15 +49,24 @@ __all__ = ["precompile"]
 _SCALARS = {int: 2, float: 2.0, bool: True}
 
 
+def _meta(n: Node) -> torch.Tensor | None:
+    """A ``meta`` tensor laid out as ``n``'s ShapeProp metadata says; None where it
+    describes no one strided tensor."""
+    tm = n.meta.get("tensor_meta")
+    if hasattr(tm, "shape") and hasattr(tm, "stride") and tm.stride != ():
+        return torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta")
+    return None
+
+
 def _example_inputs(group: GraphModule) -> list[Any] | None:
     """Inputs like the ones the group's ShapeProp run saw: ``meta`` tensors and scalars."""
     out: list[Any] = []
     for n in group.graph.nodes:
         if n.op != "placeholder":
             continue
-        tm = n.meta.get("tensor_meta")
-        if hasattr(tm, "shape") and hasattr(tm, "stride") and tm.stride != ():
-            out.append(torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta"))
+        t = _meta(n)
+        if t is not None:
+            out.append(t)
         elif n.meta.get("type") in _SCALARS:
             out.append(_SCALARS[n.meta["type"]])
         else:
@@ -150,16 +158,14 @@ def _meta_args(gm: GraphModule, node: Node) -> tuple[tuple, dict] | None:
 
     def meta(n: Node) -> Any:
         nonlocal unknown
-        tm = n.meta.get("tensor_meta")
         if n.op == "get_attr":
             value = attr_at(gm, n.target, "precompile")
-            if isinstance(value, torch.Tensor):
-                return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                           device="meta")
-        elif isinstance(tm, TensorMetadata) and tm.stride != ():
-            return torch.empty_strided(tm.shape, tm.stride, dtype=tm.dtype, device="meta")
-        unknown = True
-        return None
+            t = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                    device="meta") if isinstance(value, torch.Tensor) else None
+        else:
+            t = _meta(n)
+        unknown = unknown or t is None
+        return t
 
     args, kwargs = map_arg(node.args, meta), map_arg(node.kwargs, meta)
     return None if unknown else (args, kwargs)
