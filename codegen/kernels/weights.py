@@ -85,17 +85,18 @@ class _Prepared(NamedTuple):
 _PREPARED: dict[tuple, _Prepared] = {}
 
 
-def _takes(ws: tuple) -> bool:
+def _takes(ws: tuple, planning: bool = False) -> bool:
     """Whether the kernel takes these values: 4-d contiguous float tensors or parameters
     (no other subclass: a fake tensor has no address) of one dtype on one CUDA device (or
-    the CPU under the interpreter), none empty or needing autograd."""
+    the CPU under the interpreter), none empty or needing autograd. ``planning``: for the
+    precompile, they may be meta tensors instead, and autograd is the call's to see."""
     if not ws or len(ws) > _MAX_WEIGHTS or not all(type(w) in _PLAIN for w in ws):
         return False
     first = ws[0]
-    if not (first.is_cuda or interpreting() and first.device.type == "cpu") \
-            or not first.dtype.is_floating_point:
+    if not (first.is_cuda or interpreting() and first.device.type == "cpu"
+            or planning and first.is_meta) or not first.dtype.is_floating_point:
         return False
-    grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and not planning
     return all(w.dim() == 4 and w.dtype == first.dtype and w.device == first.device
                and 0 < w.numel() <= _MAX_ELEMENTS and w.is_contiguous()
                and not (grad and w.requires_grad) for w in ws)
@@ -117,11 +118,7 @@ def planned_launch(ws: tuple) -> tuple | None:
     ``channels_last_copies(*ws)`` makes, ``ws`` meta tensors of the weights' layouts, as
     ``(source_id, fn, args, grid, constexprs, num_warps)``; None where the call makes
     torch's clones."""
-    if not ws or len(ws) > _MAX_WEIGHTS or not all(
-            isinstance(w, torch.Tensor) and w.is_meta for w in ws):
-        return None
-    if not all(w.dim() == 4 and w.dtype == ws[0].dtype and w.dtype.is_floating_point
-               and 0 < w.numel() <= _MAX_ELEMENTS and w.is_contiguous() for w in ws):
+    if not _takes(ws, planning=True) or not ws[0].is_meta:
         return None
     fn, grid, args = _kernel(ws, "meta")
     return f"{fn.__module__}.{fn.__name__}", fn, args, grid[:1], {"BLOCK": _BLOCK}, _WARPS
