@@ -57,6 +57,12 @@ def update_running_stats(*stats: tuple) -> None:
     One call for all of them, with torch's multi-tensor (``_foreach``) ops: a handful of
     launches for a network rather than about ten small kernels per BatchNorm (resnet18's
     training step made 200 of them, 0.3 ms of GPU time on an H200).
+
+    As in eager, the running buffers' version counters stay as they were: eager's
+    batch_norm writes them inside its kernel, unseen by autograd, which saves them for
+    its backward. So a second forward before the first's backward (two inputs through
+    one network, then one loss) must not make that backward fail its version check.
+    (``num_batches_tracked`` is counted up, as eager's ``add_(1)`` does.)
     """
     buffers = [id(b) for s in stats for b in s[:3] if b is not None]
     if len(set(buffers)) < len(buffers) and len(stats) > 1:
@@ -65,6 +71,8 @@ def update_running_stats(*stats: tuple) -> None:
         for entry in stats:
             update_running_stats(entry)
         return
+    running = tuple(b for s in stats for b in s[:2] if b is not None)
+    versions = tuple(b._version for b in running)
     with torch.no_grad():
         counters = [s[2] for s in stats if s[2] is not None]
         if counters:
@@ -94,6 +102,19 @@ def update_running_stats(*stats: tuple) -> None:
                 scaled = torch._foreach_mul(batch[k], factors[k])
                 torch._foreach_mul_(runs[k], [1 - f for f in factors[k]])
                 torch._foreach_add_(runs[k], scaled)
+    _set_versions(running, versions)
+
+
+def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+    """Put back the version counters of ``tensors`` (what torch's
+    ``torch.autograd.grad_mode._unsafe_preserve_version_counter`` does)."""
+    if not tensors:
+        return
+    try:
+        torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+    except TypeError:  # a torch whose setter takes one tensor at a time
+        for t, v in zip(tensors, versions):
+            torch._C._autograd._unsafe_set_version_counter(t, v)
 
 
 def _cumulative(running_mean: Any, running_var: Any, tracked: Any, mean: torch.Tensor,

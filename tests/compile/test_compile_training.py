@@ -739,3 +739,28 @@ def test_activation_checkpointing_gives_eagers_gradients(where, reentrant):
     said = [str(w.message) for w in caught if "torch.utils.checkpoint" in str(w.message)
             or "reentrant checkpointing" in str(w.message)]
     assert len(said) == (1 if where == "inside" or not reentrant else 0), said
+
+
+def test_two_forwards_of_a_compiled_batch_norm_net_before_one_backward():
+    # Regression: the compiled running-stat update counted up the buffers' version
+    # counters, which eager's batch_norm leaves alone. The backward of the first
+    # forward (the recording call's eager batch_norm, which saves the running stats)
+    # then failed autograd's version check after the second forward.
+    model = small_convnet()
+    ref = copy.deepcopy(model)
+    compiled = fxlite.compile(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for i in range(4):
+        x = torch.randn(8, 3, 8, 8, device=DEVICE)
+        y = torch.randint(0, 4, (8,), device=DEVICE)
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            o.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss = F.cross_entropy(m(x[:4]), y[:4]) + F.cross_entropy(m(x[4:]), y[4:])
+            loss.backward()
+            o.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=f"step {i}")
+        torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+        assert [b._version for b in model.buffers()] == [b._version for b in ref.buffers()]
