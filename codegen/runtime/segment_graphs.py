@@ -33,9 +33,12 @@ its graph assumed and otherwise runs that region's nodes normally:
 
 Tensors a region hands to the caller are copied out of the graph's memory. A loss
 returned by a captured step comes back without its autograd graph: its backward already
-ran inside the region. A segment whose regions cannot be captured (an output that needs
-autograd outside the region, an input that requires grad but changes every call, a
-failed capture) runs as it would without graphs, from then on.
+ran inside the region. A region whose outputs need autograd after it (a compiled module
+whose backward the caller runs, as inside DistributedDataParallel) gets its backward
+captured as a second graph and replays as one autograd node (``graphed_backward.py``).
+A segment whose regions cannot be captured (an input that requires grad but changes
+every call, a module backward hook, a failed capture) runs as it would without graphs,
+from then on.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any
 import torch
 from fxlite.codegen.capture.guards import LayoutCheck
 from fxlite.codegen.runtime.cudagraphs import end_failed_capture, reference_counts, side_stream
+from fxlite.codegen.runtime.graphed_backward import GraphedBackward, NotGraphable
 from fxlite.codegen.runtime.host_nodes import host_function
 
 from fxlite.graph_module import GraphModule
@@ -139,6 +143,17 @@ def regions(nodes: list[Node], host: set[Node], min_ops: int = 2) -> list[list[N
     return out
 
 
+def _leaf(t: torch.Tensor) -> bool:
+    """A parameter-like tensor: autograd accumulates into it rather than through it."""
+    return t.is_leaf and t.requires_grad
+
+
+def _alias(leaf: torch.Tensor, aliases: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    view = leaf.view_as(leaf)
+    aliases.append((view, leaf))
+    return view
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_aggregate(value, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
@@ -171,13 +186,21 @@ class _Runner(Interpreter):
             run = self._flat[key] = host_function(nodes, self.fetch_attr, self.submodules)
         run(env)
 
-    def capture_nodes(self, nodes: list[Node]) -> None:
-        """``run_nodes`` under a capture: a failure names the node it happened at."""
+    def capture_nodes(self, nodes: list[Node], aliases: list | None = None) -> None:
+        """``run_nodes`` under a capture: a failure names the node it happened at.
+
+        With ``aliases`` (a list), each parameter (leaf that requires grad) a node gives is
+        replaced by a view of it made in the capture, and ``(view, parameter)`` appended:
+        a backward captured later differentiates with respect to the views.
+        """
+        env = self.env
         for n in nodes:
             try:
-                self.env[n] = self.run_node(n)
+                env[n] = value = self.run_node(n)
             except Exception as e:
                 raise RuntimeError(f"at {n.format_node()}: {str(e).splitlines()[0]}") from e
+            if aliases is not None and isinstance(value, torch.Tensor) and _leaf(value):
+                env[n] = _alias(value, aliases)
 
 
 class _Region:
@@ -193,6 +216,10 @@ class _Region:
         # outputs the segment returns: copied out of the graph's memory for the caller
         self.returned = {n for n in self.outputs if any(u.op == "output" for u in n.users)}
         self.backward = any(map(runs_backward, nodes))
+        # outputs need autograd after the region: its backward is captured too (set by _plan)
+        self.autograd = False
+        self.back: GraphedBackward | None = None
+        self.leaves: tuple[tuple[int, bool], ...] = ()  # (address, requires_grad) of its leaves
         self.ambient = [n for n in nodes if ambient_node(n)]
         self.graph: Any = None
         self.feeds: list[tuple[int, Any, Any]] = []  # (input, "same"/"copy"/"value", ref)
@@ -225,6 +252,8 @@ class _Region:
             elif same:
                 feeds.append((i, "same", v))
                 args.append(v)
+            elif v.requires_grad:  # a copy of it would get the gradients, not the caller's
+                raise _NotCapturable(f"{node.name} requires grad and is a new tensor each call")
             else:
                 buf = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
                 buf.copy_(v)
@@ -243,9 +272,21 @@ class _Region:
         torch.clear_autocast_cache()
         torch.set_autocast_cache_enabled(False)
         try:
+            aliases: list[tuple[torch.Tensor, torch.Tensor]] | None = None
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=_ERROR_MODE):
-                runner.capture_nodes(self.nodes)
-            values = [self._kept(n, env[n]) for n in self.outputs]
+                if self.autograd:
+                    aliases = []
+                    for node in self.inputs:
+                        if isinstance(env[node], torch.Tensor) and _leaf(env[node]):
+                            env[node] = _alias(env[node], aliases)
+                runner.capture_nodes(self.nodes, aliases)
+            # (outputs the observed calls handed on with an autograd graph may not have
+            # one now: those of a region after a captured backward, say)
+            if aliases is not None and any(t.requires_grad for n in self.outputs
+                                           for t in _tensors(env[n])):
+                values = self._capture_backward(env, pool, aliases)
+            else:
+                values = [self._kept(n, env[n]) for n in self.outputs]
         except BaseException:
             for t, g in zip(leaves, before):  # the capture's gradients were never computed
                 t.grad = g
@@ -263,15 +304,50 @@ class _Region:
         self.grads = [(t, g, t.grad) for t, g in zip(leaves, before)
                       if t.grad is not g and t.grad is not None]
         self.values = values
-        graph.replay()  # the capture computed nothing: this call's values come from here
-        self._bind(env, originals)
+        # the capture computed nothing: this call's values come from here
+        self._bind(env, originals, self._replayed())
         env.update(zip(self.inputs, originals))  # later nodes see the caller's tensors
+
+    def _capture_backward(self, env: dict[Node, Any], pool: Any,
+                          aliases: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        """Capture the backward of the region's outputs that need autograd after it, with
+        respect to the views of the parameters (``aliases``) its nodes read.
+
+        Why views: autograd would otherwise reach each parameter's gradient accumulator,
+        which remembers the stream it was made on. DistributedDataParallel keeps those
+        from before, on the default stream, and a capture may not wait on that stream
+        ("operation would make the legacy stream depend on a capturing blocking stream").
+
+        Its values (as ``self.values``): the outputs, detached.
+        """
+        if any(not isinstance(env[n], torch.Tensor) and any(map(_leaf, _tensors(env[n])))
+               for n in self.nodes):  # (in a container, it was not replaced by a view)
+            raise _NotCapturable("a parameter passes through it in a container")
+        raw = [env[n] for n in self.outputs]
+        flat = _tensors(raw)
+        try:
+            self.back = GraphedBackward(flat, aliases, pool, _ERROR_MODE)
+        except NotGraphable as e:
+            raise _NotCapturable(str(e)) from e
+        self.leaves = tuple((t.data_ptr(), t.requires_grad) for t in self.back.leaves)
+        return [map_aggregate(v, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
+                for v in raw]
+
+    def _replayed(self) -> list[Any]:
+        """Replay the graph; the values of the region's outputs."""
+        if self.back is None:
+            self.graph.replay()
+            return self.values
+        outs = iter(self.back.apply(self.graph.replay))
+        return [map_aggregate(v, lambda x: next(outs) if isinstance(x, torch.Tensor) else x)
+                for v in self.values]
 
     def _kept(self, n: Node, value: Any) -> Any:
         """An output as the region keeps it: detached (replays build no autograd graph).
 
         Only a region that runs a backward may hand on values that require grad: their
-        autograd graph was used up inside it, as the backward frees it in eager.
+        autograd graph was used up inside it, as the backward frees it in eager. (One
+        whose observed calls handed them on captures its backward: ``_capture_backward``.)
         """
         if not self.backward and any(t.requires_grad for t in _tensors(value)):
             raise _NotCapturable(f"{n.name} needs autograd after the region ({self.end})")
@@ -283,7 +359,7 @@ class _Region:
         # (comprehensions only: no local of this frame may still hold a tensor below)
         self.held = list({id(t): t for t in [g for _, _, g in self.grads] + [
             t for v in self.values for t in _tensors(v)
-            if t.untyped_storage().data_ptr() not in inputs]}.values())
+            if t.untyped_storage().data_ptr() not in inputs and not _leaf(t)]}.values())
         # (their storages stay valid while self.held holds the tensors)
         self.storages = [t.untyped_storage()._cdata for t in self.held]
         # The baseline as a replay will see it: by then each parameter's .grad is back to
@@ -316,8 +392,8 @@ class _Region:
         for i, kind, ref in self.others:
             if kind == "copy":
                 ref.copy_(env[inputs[i]])
-        self.graph.replay()
-        self._bind(env, [env[n] for n in inputs] if self.writes else [])
+        originals = [env[n] for n in inputs] if self.writes else []
+        self._bind(env, originals, self._replayed())
         runner.run_nodes(self.ambient)
         return True
 
@@ -342,14 +418,16 @@ class _Region:
         for t, before, _ in self.grads:
             if t.grad is not before:
                 return False
-        return True
+        # the parameters its backward differentiates: where they were, and still trained
+        return self.back is None or self.leaves == tuple(
+            (t.data_ptr(), t.requires_grad) for t in self.back.leaves)
 
-    def _bind(self, env: dict[Node, Any], originals: list[Any]) -> None:
+    def _bind(self, env: dict[Node, Any], originals: list[Any], values: list[Any]) -> None:
         for i, buf in self.writes:
             originals[i].copy_(buf)
         for t, _, after in self.grads:
             t.grad = after
-        env.update(zip(self.outputs, self.values))
+        env.update(zip(self.outputs, values))
 
 
 class _NotCapturable(Exception):
@@ -366,6 +444,7 @@ class _Layout:
         self.host: dict[Node, str] = {}  # observed host nodes, and why
         self.objects: list[dict[Node, Any]] = []  # per observed call: node -> weakref
         self.regions: list[_Region] | None = None
+        self.needs_grad: set[Node] = set()  # nodes whose values carried an autograd graph
         self.returned: set[Node] = set()  # region outputs the segment returns
 
 
@@ -476,6 +555,8 @@ class SegmentGraphs:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             seen[n] = _python_part(value)
         layout.seen.append(seen)
+        layout.needs_grad = {n for n, v in env.items()
+                             if any(t.requires_grad and not t.is_leaf for t in _tensors(v))}
         layout.objects.append({n: weakref.ref(v) for n, v in env.items()
                                if isinstance(v, torch.Tensor)})
         result = runner.run_node(self.out_node)
@@ -494,8 +575,11 @@ class SegmentGraphs:
         made = []
         for nodes in regions(self.nodes, set(why)):
             after = self.nodes[self.position[nodes[-1]] + 1]
-            made.append(_Region(nodes, f"the region ends at {after.name}: "
-                                f"{why.get(after, 'the end of the segment')}"))
+            region = _Region(nodes, f"the region ends at {after.name}: "
+                             f"{why.get(after, 'the end of the segment')}")
+            region.autograd = not region.backward and any(
+                n in layout.needs_grad for n in region.outputs)
+            made.append(region)
         if not made:
             raise _NotCapturable("it has no device work to replay")
         # Values no node reads from a region's start on are dropped there, before its
@@ -523,8 +607,10 @@ class SegmentGraphs:
                 stable = [i in made or self._stable(layout, i) for i in region.inputs]
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
+                # (a pool of its own: its saved tensors must outlive other regions' replays)
+                pool = torch.cuda.graph_pool_handle() if region.autograd else self.pool
                 try:
-                    region.capture(runner, stable, self.pool)
+                    region.capture(runner, stable, pool)
                     made.update(region.outputs)
                     continue
                 except Exception as e:  # never a crash where eager works: run it normally
@@ -533,11 +619,14 @@ class SegmentGraphs:
             elif not capture:
                 for n in region.drop:
                     env.pop(n, None)
-                if region.replay(runner):
+                if region.back is not None and region.back.busy():
+                    pass  # the last replay's backward is still to come (not a miss)
+                elif region.replay(runner):
                     continue
-                self.misses += 1
-                if self.misses > MAX_MISSES:
-                    self._give_up("its graphs' inputs or outputs kept changing hands")
+                else:
+                    self.misses += 1
+                    if self.misses > MAX_MISSES:
+                        self._give_up("its graphs' inputs or outputs kept changing hands")
             runner.run_nodes(region.nodes)
         runner.run_nodes(nodes[done:-1])
         returned = layout.returned
@@ -572,5 +661,6 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _copy_out(value: Any) -> Any:
-    return map_aggregate(value, lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
+    return map_aggregate(value, lambda x: x.clone() if isinstance(x, torch.Tensor)
+                         and not _leaf(x) else x)
 

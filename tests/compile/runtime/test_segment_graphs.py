@@ -228,3 +228,123 @@ def test_inference_with_a_read_and_an_input_written_in_place():
             torch.testing.assert_close(a, b)
     first = fn._last[0].run
     assert isinstance(first, SegmentGraphs) and first.off is None and first.captured >= 1
+
+
+# ---------------------------------------------------------------- backward outside the segment
+# A compiled module trained by a step the compiler does not see (as inside
+# DistributedDataParallel): the forward region's outputs need autograd after it, so its
+# backward is captured as a graph of its own (codegen/runtime/graphed_backward.py).
+
+
+def _module_runner(compiled):
+    run = compiled._compiled._last[0].run
+    return run if isinstance(run, SegmentGraphs) else None
+
+
+def _outside_step(model, opt, x, y, accumulate=1):
+    """A step whose backward runs outside the compiled module, after ``accumulate``
+    forwards (gradient accumulation: their autograd graphs are all alive at once)."""
+    opt.zero_grad()
+    losses = [F.cross_entropy(model(x[k::accumulate]), y[k::accumulate])
+              for k in range(accumulate)]
+    sum(losses).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return torch.stack(losses).detach(), grads
+
+
+def _compare_outside(base, data, steps, trial, monkeypatch, **step_kw):
+    monkeypatch.setenv("FXLITE_TRIAL", "1" if trial else "0")
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        x = x + 0.01 * i  # a fresh input each step
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _outside_step(compiled, opt, x, y, **step_kw)
+        want = _outside_step(ref, ref_opt, x, y, **step_kw)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5, msg=f"loss at {i}")
+        for a, b in zip(got[1], want[1]):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=f"gradient at {i}")
+        torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-3, atol=1e-4,
+                                   msg=lambda m: f"weights or running stats after {i}: {m}")
+    return compiled
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("trial", [False, True])
+def test_a_module_trained_outside_replays_its_forward_and_backward_graphs(trial, monkeypatch):
+    base, data = _net_and_batches(3)
+    compiled = _compare_outside(base, data, 30, trial, monkeypatch)
+    run = _module_runner(compiled)
+    assert run is not None and run.off is None and run.captured >= 1, getattr(run, "off", run)
+    regions = [r for lay in run.layouts.values() for r in lay.regions]
+    assert any(r.back is not None for r in regions)
+
+
+@pytest.mark.gpu
+@cuda
+def test_two_forwards_before_one_backward_do_not_share_the_graphs_memory(monkeypatch):
+    # The second forward comes while the first's backward is still to come: it must run
+    # its nodes, not overwrite the saved tensors the first backward reads.
+    base, data = _net_and_batches(2)
+    data = [(torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])) for x, y in data]
+    compiled = _compare_outside(base, data, 10, False, monkeypatch, accumulate=2)
+    run = _module_runner(compiled)
+    assert run is not None and run.off is None and run.captured >= 1
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_graphed_backward_run_twice_and_gradients_accumulated_over_calls(monkeypatch):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    base, data = _net_and_batches(2)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    for i in range(8):  # no zero_grad: .grad accumulates over the calls, as in eager
+        x = data[i % 2][0] + i
+        for m in (compiled, ref):
+            loss = m(x).square().mean()
+            loss.backward(retain_graph=True)
+            loss.backward()  # the same autograd graph a second time
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4)
+    assert _module_runner(compiled).captured >= 1
+
+
+@pytest.mark.gpu
+@cuda
+def test_an_input_that_requires_grad_gets_its_gradient_on_every_call(monkeypatch):
+    # A fresh leaf input each call (input gradients, adversarial steps): a graph would
+    # give the gradient to its own copy of the input, so it must not be captured so.
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    base, data = _net_and_batches(1)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    for i in range(8):
+        x = data[0][0] + i
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        compiled(xs[0]).sum().backward()
+        ref(xs[1]).sum().backward()
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_parameters_gradient_hook_runs_on_every_backward(monkeypatch):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    base, data = _net_and_batches(1)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    seen: dict[str, list[float]] = {"got": [], "want": []}
+    model.fc.weight.register_hook(lambda g: seen["got"].append(float(g.sum())))
+    ref.fc.weight.register_hook(lambda g: seen["want"].append(float(g.sum())))
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    for i in range(8):
+        x = data[0][0] + i
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+    assert len(seen["got"]) == 8
+    torch.testing.assert_close(seen["got"], seen["want"], rtol=1e-3, atol=1e-4)
