@@ -47,6 +47,23 @@ def train(ddp_model, steps, data):
     return losses, statistics.median(times[len(times) // 2:])
 
 
+def _graphs(compiled) -> list[dict]:
+    """Per segment of the latest call: CUDA graphs captured (forward and backward
+    regions), and why graphs are off where they are."""
+    from fxlite.codegen.runtime.segment_graphs import SegmentGraphs
+
+    out = []
+    for seg in compiled._compiled._last:
+        run = seg.run
+        if isinstance(run, SegmentGraphs):
+            regions = [r for lay in run.layouts.values() for r in lay.regions or []]
+            out.append({"captured": run.captured, "off": run.off,
+                        "with_backward": sum(r.back is not None for r in regions)})
+        else:
+            out.append({"runner": type(run).__name__})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -72,7 +89,8 @@ def main() -> None:
         result = {"world_size": dist.get_world_size(), "mode": args.mode or "default", "device": torch.cuda.get_device_name(),
                   "eager_losses": eager_losses, "fxlite_losses": fx_losses,
                   "max_rel_diff": rel, "eager_step_ms": eager_ms, "fxlite_step_ms": fx_ms,
-                  "kernels": len(compiled.kernels), "fallbacks": compiled.fallbacks[:5]}
+                  "kernels": len(compiled.kernels), "fallbacks": compiled.fallbacks[:5],
+                  "graphs": _graphs(compiled)}
         print(json.dumps(result, indent=2))
         if args.json:
             with open(args.json, "w") as f:

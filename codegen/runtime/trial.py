@@ -233,10 +233,15 @@ class GraphedTrial(Trial):
         decide: called once with ``(kernels_win, kernels_ms, recorded_ms, winner)``.
         warm: untimed calls a side first (observed calls and the capture).
 
-    A side that gave up its graphs on trial (``off`` set: a module's forward whose outputs
-    need autograd after it, as inside DistributedDataParallel) cannot capture them later
-    either. When it wins, it runs plainly (``plain``) rather than being observed node by
-    node for three more calls and failing to capture again.
+    A call's time runs from its start to the next call's start, each at a synchronized
+    device: what the program does between calls counts too. For a module whose backward
+    runs after it (``loss.backward()`` outside, or DistributedDataParallel's), that is
+    the side's backward, which timing the call alone would leave out.
+
+    A side that gave up its graphs on trial (``off`` set: say a module with a backward
+    hook, whose outputs need autograd after it) cannot capture them later either. When it
+    wins, it runs plainly (``plain``) rather than being observed node by node for three
+    more calls and failing to capture again.
     """
 
     def __init__(self, make: tuple[Callable[[], Any], Callable[[], Any]],
@@ -245,32 +250,38 @@ class GraphedTrial(Trial):
         self.times: tuple[list[float], list[float]] = ([], [])
         self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.side, self.calls, self.done = 0, 0, False
+        self.started: float | None = None  # when the latest timed call started
         self.runner: Any = make[0]()
 
     def __call__(self, *args: Any) -> Any:
+        if self.started is not None:  # the latest call was timed: its time ends here
+            torch.cuda.synchronize()
+            times = self.times[self.side]
+            times.append((time.perf_counter() - self.started) * 1e3)
+            self.started = None
+            if len(times) >= _ROUNDS:
+                self._next_side()
         if self.done or self.calls < self.warm:
             self.calls += 1
             return self.runner(*args)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = self.runner(*args)
-        torch.cuda.synchronize()
-        times = self.times[self.side]
-        times.append((time.perf_counter() - start) * 1e3)
-        if len(times) >= _ROUNDS:
-            self.off[self.side] = getattr(self.runner, "off", None)
-            self.runner = None  # its graphs go before the next side captures its own
-            if self.side == 0:
-                self.side, self.calls = 1, 0
-                self.runner = self.make[1]()
-            else:
-                ours, theirs = (statistics.median(t) for t in self.times)
-                self.done = True
-                winner = 0 if ours <= theirs else 1
-                runner = self.make[winner]()
-                self.runner = runner if self.off[winner] is None else runner.plain
-                self.decide_with(ours <= theirs, ours, theirs, self.runner)
-        return out
+        self.started = time.perf_counter()
+        return self.runner(*args)
+
+    def _next_side(self) -> None:
+        """Drop the side just timed; make the other, or (both timed) the winner."""
+        self.off[self.side] = getattr(self.runner, "off", None)
+        self.runner = None  # its graphs go before the next side captures its own
+        if self.side == 0:
+            self.side, self.calls = 1, 0
+            self.runner = self.make[1]()
+            return
+        ours, theirs = (statistics.median(t) for t in self.times)
+        self.done = True
+        winner = 0 if ours <= theirs else 1
+        runner = self.make[winner]()
+        self.runner = runner if self.off[winner] is None else runner.plain
+        self.decide_with(ours <= theirs, ours, theirs, self.runner)
 
 
 def _graphed_trial(seg: Any) -> GraphedTrial:

@@ -107,7 +107,8 @@ def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slo
     decided = []
     trial = GraphedTrial((lambda: Side("kernels"), lambda: Side("recorded")),
                          lambda *a: decided.append(a), warm=5)
-    assert [trial(1) for _ in range(16)] == [2] * 16
+    # (the last timed call's time ends where the 17th call starts: the winner runs it)
+    assert [trial(1) for _ in range(17)] == [2] * 17
     kernels_win, ours, theirs, winner = decided[0]
     winner_name = "kernels" if kernels_win else "recorded"
     assert kernels_win is (slow == "recorded") and winner.name == winner_name
@@ -115,10 +116,41 @@ def test_a_graphed_trial_keeps_one_sides_graphs_alive_at_a_time(monkeypatch, slo
     assert (ours > theirs) is (slow == "kernels")
 
 
-@pytest.mark.parametrize("off", [None, "its outputs need autograd after the region"])
+@pytest.mark.parametrize("slow", ["kernels", "recorded"])
+def test_a_graphed_trial_counts_the_work_after_each_call(monkeypatch, slow):
+    # A module whose backward runs after it (DistributedDataParallel's, or a user's
+    # loss.backward()): a side with the faster forward but the slower backward must lose.
+    import time as _time
+
+    from fxlite.codegen.runtime.trial import GraphedTrial
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    last = []
+
+    class Side:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, x):
+            last.append(self.name)
+            _time.sleep(0.002 if self.name != slow else 0.0)  # the faster forward
+            return x + 1
+
+    decided = []
+    trial = GraphedTrial((lambda: Side("kernels"), lambda: Side("recorded")),
+                         lambda *a: decided.append(a), warm=5)
+    for _ in range(18):
+        trial(1)
+        _time.sleep(0.008 if last[-1] == slow else 0.0)  # its backward, after the call
+    kernels_win = decided[0][0]
+    assert kernels_win is (slow == "recorded")
+
+
+@pytest.mark.parametrize("off", [None, "a module in it has a backward hook"])
 def test_a_graphed_trials_winner_that_gave_up_its_graphs_runs_plainly(monkeypatch, off):
-    # Inside DistributedDataParallel no side can capture (the forward's outputs need
-    # autograd after it): the winner then runs plainly, not observed and captured again.
+    # A side that could not capture (here a module backward hook in a forward whose
+    # outputs need autograd after it): the winner then runs plainly, not observed and
+    # captured again.
     from fxlite.codegen.runtime.trial import GraphedTrial
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
