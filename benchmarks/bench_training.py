@@ -11,6 +11,9 @@ Each compiler compiles the whole step, as the compile tutorial does::
     def train(model, opt, x, y):
         opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
 
+or, with ``--compile model``, only the model: ``model = compiler(model)``, with the
+step's loss, backward and optimizer left to eager (as inside DistributedDataParallel).
+
 Cases (``--cases``; ``gpt2_lm_step``, ``gpt2_124m``, ``resnet50`` and ``vit_b_16`` on
 request): the
 tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
@@ -162,7 +165,7 @@ def time_steps(step, model, opt, data, steps):
 ROUNDS = 3  # timed rounds; each round times every contender in turn
 
 
-def run_case(name, case, steps, mode=None):
+def run_case(name, case, steps, mode=None, what="step"):
     """One case: each contender's cold step, first 20 steps and peak memory in turn, then
     the steady-state steps in ``ROUNDS`` interleaved rounds (every contender's model and
     optimizer stay alive), so that a slow spell of the host falls on all of them alike."""
@@ -180,12 +183,16 @@ def run_case(name, case, steps, mode=None):
         opt = make_opt(model, fused=True) if label == "eager_fused" else make_opt(model)
         if label.startswith("eager"):
             fn = step
+        elif what == "model":  # (the optimizer holds the same parameters)
+            fn = step
+            model = (torch.compile if label == "torch.compile" else fxlite.compile)(
+                model, mode=mode)
         elif label == "torch.compile":
             fn = torch.compile(step, mode=mode)
         else:
             fn = fxlite.compile(step, mode=mode)
         if label == "fxlite":
-            fx_step = fn
+            fx_step = model if what == "model" else fn
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -221,7 +228,7 @@ def run_case(name, case, steps, mode=None):
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["fxlite"], losses["eager"]))
     kernels = fx_step.kernels if fx_step is not None else []
     directions = [getattr(k, "direction", "forward") for k in kernels]
-    return {"case": name, "mode": mode or "default", **{f"{k}_ms": v["ms"] for k, v in results.items()},
+    return {"case": name, "mode": mode or "default", "compiled": what, **{f"{k}_ms": v["ms"] for k, v in results.items()},
             **{f"{k}_round_ms": v["times"] for k, v in results.items()},
             **{f"{k}_cold_s": v["cold_s"] for k, v in results.items()},
             **{f"{k}_first20_s": v["first20_s"] for k, v in results.items()},
@@ -234,7 +241,7 @@ def run_case(name, case, steps, mode=None):
             "kernels_forward": directions.count("forward"),
             "kernels_backward": directions.count("backward"),
             "fallbacks": list(fx_step.fallbacks) if fx_step is not None else [],
-            "fxlite_tier": fx_step.tier.split(":")[0] if fx_step is not None else "-"}
+            "fxlite_tier": getattr(fx_step, "tier", "-").split(":")[0]}
 
 
 def main() -> None:
@@ -243,6 +250,8 @@ def main() -> None:
     parser.add_argument("--cases", default="resnet18,gpt2_block_f32,gpt2_block_bf16")
     parser.add_argument("--mode", default=None, help="compile mode of both compilers "
                         "(default, reduce-overhead, max-autotune)")
+    parser.add_argument("--compile", default="step", choices=("step", "model"),
+                        help="what each compiler compiles: the whole step, or the model only")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -258,7 +267,7 @@ def main() -> None:
     steps = 10 if args.quick else 30
     rows = []
     for name in args.cases.split(","):
-        rows.append(run_case(name, makers[name](), steps, args.mode))
+        rows.append(run_case(name, makers[name](), steps, args.mode, args.compile))
         r = rows[-1]
         print(f"{name}: eager {r['eager_ms']:.2f} ms, inductor {r['torch.compile_ms']:.2f}, "
               f"fxlite {r['fxlite_ms']:.2f} ({r['fxlite_tier']}); peak GiB eager "
@@ -277,7 +286,7 @@ def main() -> None:
                 for k in ("eager", "eager_fused", "torch.compile", "fxlite")), flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of "
           f"{ROUNDS} interleaved rounds of {max(1, steps // ROUNDS)} steps; TF32 on; mode "
-          f"{args.mode or 'default'}")
+          f"{args.mode or 'default'}; compiled: the {args.compile}")
     print(tabulate([[r["case"], f"{r['eager_ms']:.2f}", f"{r['torch.compile_ms']:.2f}",
                      f"{r['fxlite_ms']:.2f}", f"{r['eager_fused_ms']:.2f}",
                      f"{r['fxlite_vs_eager']:.2f}x", f"{r['fxlite_vs_eager_fused']:.2f}x",
