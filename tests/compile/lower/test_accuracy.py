@@ -341,3 +341,41 @@ def test_the_reference_runs_in_float32_where_every_value_is_a_half(dtypes, wide,
     assert made and set(made) == {wide}
     wrong = once + 0.5 * once.abs().max()
     assert reference_problem(graph_of(steps), [x, y], wrong, eager, "differs") is not None
+
+
+def eight_groups_counted(x, eye, count):
+    count.add_(1)  # a write to an input, as a training BatchNorm's buffers
+    return eight_groups(x, eye)
+
+
+class NudgedChecked(Nudged):
+    """``Nudged``, already checked in an earlier process: only the segment's check sees it."""
+
+
+@pytest.mark.parametrize("kernel", [RoundsOnce, NudgedChecked], ids=["rounds_once", "wrong"])
+def test_a_segment_that_writes_an_input_is_still_judged_against_a_float64_run(
+        monkeypatch, kernel):
+    # Before: a check run that wrote to its inputs got no float64 run (it would not start
+    # from eager's inputs), so rounding alone sent the segment to eager: resnet50's
+    # training forward under TF32, whose BatchNorm buffers the check run updates. Now the
+    # float64 run starts from copies taken before the check run.
+    made = []
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda group, example, name="k", **kw: made.append(
+                            kernel(group, name, 0, checked=True)) or made[-1])
+    x = torch.randn(16, 16, device=DEVICE).to(torch.bfloat16)
+    eye = torch.eye(16, device=DEVICE, dtype=torch.bfloat16)
+    count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    c = fxlite.compile(eight_groups_counted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [c(x, eye, count) for _ in range(2)]
+    assert int(count) == 2  # each call wrote once, as eager
+    disagreed = [str(w.message) for w in caught if "disagreed" in str(w.message)]
+    if kernel is RoundsOnce:
+        assert disagreed == [] and c.fallbacks == [] and len(c.kernels) >= 8, c.fallbacks
+        eager = eight_groups(x, eye)
+        assert not torch.allclose(outs[1], eager, rtol=1.6e-2, atol=1.6e-2)  # it drifted
+    else:
+        assert disagreed and "against a float32 run" in disagreed[0], disagreed
+        torch.testing.assert_close(outs[1], eight_groups(x, eye))  # eager's ops
