@@ -56,7 +56,12 @@ from fxlite.codegen.dynamic import DynamicFunction
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.lower.batch_norm import update_running_stats
 from fxlite.codegen.lower.pipeline import ambient, ambient_restored, lint_failure, set_ambient
-from fxlite.codegen.lower.segment import compile_segment, direct_forward, expand_kernels
+from fxlite.codegen.lower.segment import (
+    CompiledSegment,
+    compile_segment,
+    direct_forward,
+    expand_kernels,
+)
 from fxlite.codegen.options import MODES, Settings, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
@@ -306,7 +311,8 @@ class CompiledFunction:
             self._last, self._last_eager = [], self._eager_why.get(key)
             return self._fn(*args, **kwargs)
         if root.read is None and root.compiled is not None and root.compiled.kernels and (
-                fast is not None and straight or graphs is not None and tensors_only) \
+                fast is not None and straight or graphs is not None and tensors_only
+                and not _trains(root.compiled)) \
                 and root.picks is not None and not isinstance(root.run, Trial):
             self._last = [root]
             try:
@@ -996,6 +1002,16 @@ def _raised_before_writes(seg: Segment, error: BaseException | None) -> bool:
             return False
         tb = tb.tb_next
     return True
+
+
+def _trains(compiled: CompiledSegment) -> bool:
+    """Whether ``compiled``'s kernels include autograd groups: a training forward, whose
+    outputs carry an autograd graph. Such a call is not replayed from one CUDA graph of
+    the whole call, which would hand back the capture's autograd graph each time; its
+    segment's own graphs (``SegmentGraphs``) capture the backward too."""
+    if compiled.trains is None:
+        compiled.trains = any(hasattr(k, "_variants") for k in compiled.kernels)
+    return compiled.trains
 
 
 def _note_ran_before(error: BaseException, segments: int) -> None:

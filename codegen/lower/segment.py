@@ -89,6 +89,10 @@ class CompiledSegment:
     # ``recorded`` without its channels-last convolutions, where it has them: what runs
     # where the recorded ops win and then lose a second trial to it (runtime/trial.py)
     plain: GraphModule | None = None
+    # whether its kernels include autograd groups (a training forward): a whole call's
+    # CUDA graph would hand back its capture's autograd graph on every replay (None: not
+    # asked yet; compile._whole_graph_safe)
+    trains: bool | None = None
 
 
 def direct_forward(gm: GraphModule) -> Callable[..., Any]:

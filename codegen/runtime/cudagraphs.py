@@ -118,22 +118,47 @@ class GraphReplays:
                 or not all(a.is_cuda and a.numel() <= SMALL_NUMEL for a in tensors)
                 or torch.cuda.is_current_stream_capturing()):
             return fn(*args)
-        self._graphs[key] = tag, self._capture_pair(fn, args)
-        out = self.replay(key)
-        return fn(*args) if out is GraphReplays.MISS else out[0]
+        out, pair = self._first_run(fn, args)
+        self._graphs[key] = tag, pair
+        return out
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _capture_pair(self, fn: Callable[..., Any], args: tuple) -> list[_Captured]:
+    def _first_run(self, fn: Callable[..., Any], args: tuple) -> tuple[Any, list[_Captured]]:
+        """This call, run on a side stream (the warm-up a capture wants: allocator and lazy
+        init), and the pair of graphs captured after it (a capture computes nothing).
+
+        The warm-up is the call's own run, so its writes (a buffer counted up) happen
+        once, as in eager; before, it ran besides the capture's replay, and wrote twice.
+        No pair where the outputs carry an autograd graph (a training forward): each
+        replay would hand back the capture's, used up by the first backward.
+        """
+        current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(current)
         with torch.cuda.stream(side):
-            fn(*args)  # warm-up outside capture: allocator and lazy init
-        torch.cuda.current_stream().wait_stream(side)
+            out = fn(*args)
+        current.wait_stream(side)
+        flat = _tensors_in(out)
+        for t in flat:  # made on the side stream, used on this one
+            t.record_stream(current)
+        if any(t.requires_grad for t in flat):
+            return out, []  # (an empty pair: never replayed)
+        del flat
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return [_Captured(fn, args, self._pool), _Captured(fn, args, self._pool)]
+        return out, [_Captured(fn, args, self._pool), _Captured(fn, args, self._pool)]
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 _SIDE: dict[int, Any] = {}  # device -> side stream

@@ -226,3 +226,28 @@ def test_gpu_dynamo_graph_takes_the_straight_line_with_sizes_and_keyed_floats(mo
     (graph,) = c._compiled._graphs
     assert graph._fast and len(graph._fast) >= 2
     assert len({k.values for k in graph._fast}) == 2
+
+
+class _Counted(torch.nn.Module):
+    """Counts its calls in a buffer, as a module tracking its batches does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), device="cuda"))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(x) * self.calls
+
+
+@pytest.mark.gpu
+@native_gpu
+def test_gpu_reduce_overhead_first_replayed_call_writes_once():
+    # Regression: a call captured for replay ran once as the capture's warm-up and once
+    # more as the capture's first replay, so a buffer it counts up moved twice.
+    model, ref = _Counted(), _Counted()
+    c = fxlite.compile(model, mode="reduce-overhead")
+    x = torch.randn(8, 8, device="cuda")
+    for i in range(6):
+        torch.testing.assert_close(c(x), ref(x), msg=f"call {i}")
+        assert float(model.calls) == float(ref.calls) == i + 1

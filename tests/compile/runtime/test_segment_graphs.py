@@ -348,3 +348,99 @@ def test_a_parameters_gradient_hook_runs_on_every_backward(monkeypatch):
         ref(x).sum().backward()
     assert len(seen["got"]) == 8
     torch.testing.assert_close(seen["got"], seen["want"], rtol=1e-3, atol=1e-4)
+
+
+class _Block(nn.Module):
+    """A pre-norm attention block with a tuple output: the logits and their argmax."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.drop(self.attn(h, h, h, need_weights=False)[0])
+        logits = self.head(F.gelu(x)).mean(1)
+        return logits, logits.argmax(-1)
+
+
+def _block_loss(model, x, y):
+    logits, picked = model(x)
+    return F.cross_entropy(logits, y), picked
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16_autocast"])
+def test_an_attention_block_with_a_tuple_output_trained_outside(monkeypatch, autocast):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    torch.manual_seed(0)
+    base = _Block().cuda()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-3, atol=1e-4)
+    for i in range(12):
+        x = torch.randn(4, 8, 16, device="cuda")
+        y = torch.randint(0, 10, (4,), device="cuda")
+        results = []
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss, picked = _block_loss(m, x, y)
+            loss.backward()
+            results.append((loss.detach(), picked, [p.grad.clone() for p in m.parameters()]))
+            o.step()
+        (got, got_pick, got_grads), (want, want_pick, want_grads) = results
+        torch.testing.assert_close(got, want, **tol, msg=f"loss at {i}")
+        assert got_pick.dtype == want_pick.dtype and not got_pick.requires_grad
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, **tol, msg=f"gradient at {i}")
+    run = _module_runner(compiled)
+    assert run is not None and run.off is None and run.captured >= 1, getattr(run, "off", run)
+
+
+@pytest.mark.gpu
+@cuda
+def test_dropout_in_a_module_trained_outside_draws_new_masks(monkeypatch):
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    torch.manual_seed(0)
+    model = _Block(p=0.5).cuda()
+    compiled = fxlite.compile(model, mode="reduce-overhead")
+    x = torch.randn(4, 8, 16, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+    losses = set()
+    for _ in range(10):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss, _ = _block_loss(compiled, x, y)
+        loss.backward()  # no optimizer: the weights stay, only the masks differ
+        losses.add(float(loss))
+    assert len(losses) >= 8
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@cuda
+def test_two_compiled_modules_chained_under_one_backward(monkeypatch):
+    # The second module's input carries the first one's autograd graph: it must not be
+    # captured as if it did not (its gradient would never reach the first module).
+    monkeypatch.setenv("FXLITE_TRIAL", "0")
+    torch.manual_seed(0)
+    base = nn.ModuleList([_Net().cuda(), nn.Sequential(nn.Linear(10, 10), nn.ReLU()).cuda()])
+    got, want = copy.deepcopy(base), copy.deepcopy(base)
+    first, second = (fxlite.compile(m, mode="reduce-overhead") for m in got)
+    for i in range(10):
+        x = torch.randn(4, 3, 8, 8, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            second(first(x)).square().mean().backward()
+        want[1](want[0](x)).square().mean().backward()
+        for a, b in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4, msg=f"call {i}")
+    assert _module_runner(first).captured >= 1
