@@ -260,6 +260,9 @@ def _tanh_of(e: Emitter, x: str, ct: torch.dtype) -> str:
 def _gelu(e: Emitter, x: str, a: dict, ct: torch.dtype) -> str:
     approx = a.get("approximate", "none")
     if approx == "none":
+        # gelu(+inf) = +inf here, as CUDA's eager kernel gives; CPU eager's vectorized
+        # loop gives NaN for it (its scalar loop, one element alone, gives +inf): fuzz
+        # seeds 8027637, 8036813, 8046723
         return f"0.5 * {x} * (1.0 + tl.erf({x} * {1 / math.sqrt(2)!r}))"
     if approx != "tanh":
         raise Unsupported(f"gelu approximate={approx!r}")
