@@ -34,6 +34,7 @@ convolution followed by BatchNorm and ReLU in one kernel::
 
 from __future__ import annotations
 
+import itertools
 import keyword
 import math
 import operator
@@ -47,9 +48,11 @@ from fxlite.codegen.runtime.launch import fingerprint
 
 from fxlite.interpreter import freed_after
 from fxlite.node import Node, target_name
+from fxlite.python_code import PythonCode
 
 __all__ = ["AttrCheck", "Forward", "StraightRunner", "attr_key", "fast_key", "straight_line"]
 
+_NUMBERS = itertools.count()  # the straight lines' file names
 _LOCAL = re.compile(r"v\d+")  # the names of a forward's values (arguments are the caller's)
 _READ = re.compile(r"\bv\d+\b")  # such a name, as a word of a line
 _ASSIGN = re.compile(r"^\s*(v\d+) = ")  # a line's target
@@ -412,8 +415,11 @@ def straight_line(gm: Any, args: Sequence[Any]) -> tuple[Any, Any, list[torch.Te
     if w.escaped or _escapes(w):
         return None, result, w.attrs, w.complete
     source = f"def forward({', '.join(params)}):\n" + "\n".join(_release(w.lines)) + "\n"
-    exec(compile(source, "<fxlite-straight-line>", "exec"), w.namespace)
-    return w.namespace["forward"], result, w.attrs, w.complete
+    # a name of its own, with its lines in linecache while it lives: tracebacks show
+    # them, and so does compile._raised_before_writes's check of the line that raised
+    forward = PythonCode(source, w.namespace).compile(
+        f"<fxlite-straight-line-{next(_NUMBERS)}>")
+    return forward, result, w.attrs, w.complete
 
 
 def _release(lines: list[str]) -> list[str]:

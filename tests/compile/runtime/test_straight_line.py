@@ -520,3 +520,34 @@ def test_release_frees_each_value_after_its_last_read():
             assert name not in freed and i >= last.get(name, i), (name, i)
             freed[name] = i
     assert set(freed) == {f"v{i}" for i in range(1, 59) if i != 3}  # all but the returned
+
+
+def test_a_straight_lines_lines_are_in_tracebacks_while_it_lives() -> None:
+    # Before, every straight line was compiled as "<fxlite-straight-line>" with no source
+    # lines: a traceback showed none, and compile._raised_before_writes could not tell a
+    # write-back line that raised from an earlier op.
+    import gc
+    import linecache
+    import traceback
+
+    x = torch.randn(4, 8)
+
+    def build(g):
+        a = g.placeholder("x")
+        g.output(g.call_function(torch.Tensor.view, (g.call_function(torch.relu, (a,)), 8, 4)))
+
+    fn, _, _, _ = straight_line(_module(build), (x,))
+    name = fn.__code__.co_filename
+    assert name.startswith("<fxlite-straight-line-") and linecache.getlines(name)
+    other, _, _, _ = straight_line(_module(build), (x,))
+    assert other.__code__.co_filename != name  # each its own lines
+    try:
+        fn(torch.randn(4, 7))  # no view of 28 elements as 8 x 4
+    except RuntimeError as e:
+        lines = [f.line for f in traceback.extract_tb(e.__traceback__) if f.filename == name]
+        assert lines and "(8, 4)" in lines[0], lines  # the line of the view (as strided)
+    else:
+        raise AssertionError("the view should have raised")
+    del fn
+    gc.collect()
+    assert linecache.getlines(name) == []  # released with the function
