@@ -137,9 +137,11 @@ class GraphReplays:
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            out = fn(*args)
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                out = fn(*args)
+        finally:  # (also when it raises: later work must follow what it enqueued)
+            current.wait_stream(side)
         flat = _tensors_in(out)
         for t in flat:  # made on the side stream, used on this one
             t.record_stream(current)
