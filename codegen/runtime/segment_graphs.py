@@ -290,6 +290,9 @@ class _Region:
         except BaseException:
             for t, g in zip(leaves, before):  # the capture's gradients were never computed
                 t.grad = g
+            # the region then runs its nodes: on the caller's tensors, not on the copies
+            # (whose writes would not reach the caller) or the parameters' views
+            env.update(zip(self.inputs, originals))
             raise
         finally:
             torch.set_autocast_cache_enabled(cache)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from test_compile_training import train_step  # isort: skip  (zero_grad, loss, backward, step)
 
+import contextlib
 import copy
 import warnings
 
@@ -16,7 +17,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fxlite.codegen.runtime.segment_graphs import SegmentGraphs, ambient_node, host_node, regions
+from fxlite.codegen.runtime.segment_graphs import (
+    SegmentGraphs,
+    _Region,
+    _Runner,
+    ambient_node,
+    host_node,
+    regions,
+)
 
 import fxlite
 
@@ -444,3 +452,34 @@ def test_two_compiled_modules_chained_under_one_backward(monkeypatch):
         for a, b in zip(got.parameters(), want.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4, msg=f"call {i}")
     assert _module_runner(first).captured >= 1
+
+
+def test_a_failed_capture_leaves_the_callers_tensors_for_the_nodes_to_run(monkeypatch):
+    # Regression: a capture puts its own copies of changing inputs in the env; when it
+    # failed, the region's nodes then ran on those copies, so an in-place write never
+    # reached the caller's tensor. (CPU: the capture is made to fail as it starts.)
+    def f(x):
+        x.add_(1)
+        return x * 2
+
+    gm = fxlite.symbolic_trace(f)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_method" or n.op == "call_function"]
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+
+    @contextlib.contextmanager
+    def failing(*args, **kwargs):
+        raise RuntimeError("capture failed")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    runner = _Runner(gm)
+    x = torch.zeros(3)
+    runner.env = {placeholder: x}
+    region = _Region(nodes)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        region.capture(runner, [False], None)
+    assert runner.env[placeholder] is x  # the caller's tensor, not the capture's copy
+    runner.run_nodes(region.nodes)
+    assert x.tolist() == [1.0, 1.0, 1.0]
