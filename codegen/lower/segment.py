@@ -91,7 +91,7 @@ class CompiledSegment:
     plain: GraphModule | None = None
     # whether its kernels include autograd groups (a training forward): a whole call's
     # CUDA graph would hand back its capture's autograd graph on every replay (None: not
-    # asked yet; compile._whole_graph_safe)
+    # asked yet; compile._trains)
     trains: bool | None = None
 
 

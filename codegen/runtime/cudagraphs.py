@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["GraphReplays", "end_failed_capture", "reference_counts", "side_stream"]
+from fxlite.node import map_aggregate
+
+__all__ = ["GraphReplays", "end_failed_capture", "reference_counts", "side_stream",
+           "tensors_in"]
 
 SMALL_NUMEL = 1 << 20  # inputs above this gain little from replay and cost memory
 MAX_KEYS = 16
@@ -142,7 +145,7 @@ class GraphReplays:
                 out = fn(*args)
         finally:  # (also when it raises: later work must follow what it enqueued)
             current.wait_stream(side)
-        flat = _tensors_in(out)
+        flat = tensors_in(out)
         for t in flat:  # made on the side stream, used on this one
             t.record_stream(current)
         if any(t.requires_grad for t in flat):
@@ -153,14 +156,11 @@ class GraphReplays:
         return out, [_Captured(fn, args, self._pool), _Captured(fn, args, self._pool)]
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    return []
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, through its tuples, lists and dicts, in order."""
+    found: list[torch.Tensor] = []
+    map_aggregate(value, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
+    return found
 
 
 _SIDE: dict[int, Any] = {}  # device -> side stream

@@ -53,7 +53,12 @@ from typing import Any
 
 import torch
 from fxlite.codegen.capture.guards import LayoutCheck
-from fxlite.codegen.runtime.cudagraphs import end_failed_capture, reference_counts, side_stream
+from fxlite.codegen.runtime.cudagraphs import (
+    end_failed_capture,
+    reference_counts,
+    side_stream,
+    tensors_in,
+)
 from fxlite.codegen.runtime.graphed_backward import GraphedBackward, NotGraphable
 from fxlite.codegen.runtime.host_nodes import host_function
 
@@ -154,12 +159,6 @@ def _alias(leaf: torch.Tensor, aliases: list[tuple[torch.Tensor, torch.Tensor]])
     return view
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_aggregate(value, lambda x: found.append(x) if isinstance(x, torch.Tensor) else x)
-    return found
-
-
 def _python_part(value: Any) -> Any:
     """``value`` with its tensors blanked out (to compare what Python passes along)."""
     return map_aggregate(value, lambda x: None if isinstance(x, torch.Tensor) else x)
@@ -241,7 +240,7 @@ class _Region:
         for i, (node, same) in enumerate(zip(self.inputs, stable)):
             v = env[node]
             if not isinstance(v, torch.Tensor):
-                if _tensors(v):
+                if tensors_in(v):
                     raise _NotCapturable(f"{node.name} passes tensors in a container")
                 feeds.append((i, "value", v))
                 args.append(v)
@@ -283,7 +282,7 @@ class _Region:
             # (outputs the observed calls handed on with an autograd graph may not have
             # one now: those of a region after a captured backward, say)
             if aliases is not None and any(t.requires_grad for n in self.outputs
-                                           for t in _tensors(env[n])):
+                                           for t in tensors_in(env[n])):
                 values = self._capture_backward(env, pool, aliases)
             else:
                 values = [self._kept(n, env[n]) for n in self.outputs]
@@ -323,11 +322,11 @@ class _Region:
 
         Its values (as ``self.values``): the outputs, detached.
         """
-        if any(not isinstance(env[n], torch.Tensor) and any(map(_leaf, _tensors(env[n])))
+        if any(not isinstance(env[n], torch.Tensor) and any(map(_leaf, tensors_in(env[n])))
                for n in self.nodes):  # (in a container, it was not replaced by a view)
             raise _NotCapturable("a parameter passes through it in a container")
         raw = [env[n] for n in self.outputs]
-        flat = _tensors(raw)
+        flat = tensors_in(raw)
         try:
             self.back = GraphedBackward(flat, aliases, pool, _ERROR_MODE)
         except NotGraphable as e:
@@ -352,7 +351,7 @@ class _Region:
         autograd graph was used up inside it, as the backward frees it in eager. (One
         whose observed calls handed them on captures its backward: ``_capture_backward``.)
         """
-        if not self.backward and any(t.requires_grad for t in _tensors(value)):
+        if not self.backward and any(t.requires_grad for t in tensors_in(value)):
             raise _NotCapturable(f"{n.name} needs autograd after the region ({self.end})")
         return map_aggregate(value, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
 
@@ -361,7 +360,7 @@ class _Region:
         inputs = {t.untyped_storage().data_ptr() for _, kind, t in self.feeds if kind == "same"}
         # (comprehensions only: no local of this frame may still hold a tensor below)
         self.held = list({id(t): t for t in [g for _, _, g in self.grads] + [
-            t for v in self.values for t in _tensors(v)
+            t for v in self.values for t in tensors_in(v)
             if t.untyped_storage().data_ptr() not in inputs and not _leaf(t)]}.values())
         # (their storages stay valid while self.held holds the tensors)
         self.storages = [t.untyped_storage()._cdata for t in self.held]
@@ -544,7 +543,7 @@ class SegmentGraphs:
                     env[n] = value = runner.run_node(n)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            touched = _tensors(value) + _tensors(runner.fetch_args_kwargs_from_env(n))
+            touched = tensors_in(value) + tensors_in(runner.fetch_args_kwargs_from_env(n))
             synced = [w for w in caught if "synchroniz" in str(w.message)]
             if synced and layout.calls == WARMUP:  # earlier calls may check new kernels
                 layout.host[n] = "synchronizes with the device"
@@ -559,7 +558,7 @@ class SegmentGraphs:
             seen[n] = _python_part(value)
         layout.seen.append(seen)
         layout.needs_grad = {n for n, v in env.items()
-                             if any(t.requires_grad and not t.is_leaf for t in _tensors(v))}
+                             if any(t.requires_grad and not t.is_leaf for t in tensors_in(v))}
         layout.objects.append({n: weakref.ref(v) for n, v in env.items()
                                if isinstance(v, torch.Tensor)})
         result = runner.run_node(self.out_node)
