@@ -31,6 +31,7 @@ but the kernel is the closer of the two to the float32 run, so it is kept.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -45,7 +46,7 @@ from fxlite.ops import attribute_at, lookup
 
 __all__ = ["HALF", "OTHER", "TF32", "TOLERANCE", "Checked", "Tolerance", "allclose", "assert_as_accurate",
            "assert_same", "attributes", "check_group", "reference_problem", "reproducible",
-           "versions"]
+           "tf32_allowed", "versions"]
 
 
 class Tolerance(NamedTuple):
@@ -76,12 +77,14 @@ _SEEDED = frozenset({"draw_seed", "seeded_dropout"})
 _CHECKS = frozenset({torch._assert})
 
 
-_SLICE = 1 << 24  # elements compared at once (allclose)
+# elements compared at once (allclose, _compare_one): a float64 comparison of three
+# slices of 2**24 took 0.7 GiB of temporaries on a swin_t's first call (bf16, batch 32)
+_SLICE = 1 << 21
 
 
 def allclose(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     """``torch.allclose(a, b, rtol, atol, equal_nan=True)`` for tensors of one shape, dtype
-    and device, compared a slice (a view) of at most 2**24 elements at a time: its
+    and device, compared a slice (a view) of at most ``_SLICE`` elements at a time: its
     temporaries are a slice's, not the tensors' (checking a GPT-2 step's float32 logits
     took 3 GiB on top of the step's own memory).
 
@@ -269,12 +272,36 @@ def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: 
 
 def _reference_dtypes(values: Sequence[Any]) -> tuple[torch.dtype, torch.dtype]:
     """The real and complex dtypes of the wider run: float32 and complex64 where every
-    floating tensor among ``values`` is a half, else float64 and complex128."""
-    kinds = [t.dtype for t in _leaves(list(values)) if isinstance(t, torch.Tensor)
-             and (t.is_floating_point() or t.is_complex())]
-    if kinds and all(d in HALF for d in kinds):
+    floating tensor among ``values`` is a half, or a half or float32 on a GPU that allows
+    TF32 (the wider run turns TF32 off: float32 is then a thousand times closer than the
+    run it judges, and takes half the memory of float64: resnet50's first call peaked at
+    2.7x eager's with a float64 copy of its weights and activations); else float64 and
+    complex128."""
+    tensors = [t for t in _leaves(list(values)) if isinstance(t, torch.Tensor)
+               and (t.is_floating_point() or t.is_complex())]
+    kinds = {t.dtype for t in tensors}
+    if kinds and kinds <= set(HALF):
+        return torch.float32, torch.complex64
+    if kinds and kinds <= {*HALF, torch.float32} and tf32_allowed() and any(t.is_cuda for t in tensors):
         return torch.float32, torch.complex64
     return torch.float64, torch.complex128
+
+
+def tf32_allowed() -> bool:
+    """Whether torch may run float32 convolutions or matmuls in TF32 on a GPU."""
+    return torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+
+
+@contextlib.contextmanager
+def _no_tf32() -> Iterator[None]:
+    """TF32 off for convolutions and matmuls, as the wider run needs them (float32's
+    rounding, not TF32's); the settings are put back after."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def reproducible(gm: GraphModule) -> bool:
@@ -327,7 +354,7 @@ def _run_reference(gm: GraphModule, args: Sequence[Any], wide: tuple[torch.dtype
     try:  # the wide module shares gm's graph, which a GraphModule takes as its own
         reference = GraphModule(root, gm.graph, "WideReference")
         with torch.no_grad(), torch.autocast("cuda", enabled=False), \
-                torch.autocast("cpu", enabled=False):
+                torch.autocast("cpu", enabled=False), _no_tf32():
             return reference(*[_widen(a, wide) for a in args])
     finally:  # give it back: else the graph keeps the wide copies of the weights alive
         gm.graph.owning_module = owner
@@ -371,8 +398,7 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
         count += r.numel()
     error, eager_error, scale = (math.sqrt(s / count) if count else 0.0 for s in squares)
     tolerance = TOLERANCE[expected.dtype].rtol if expected.dtype in HALF else OTHER.atol
-    if expected.dtype == torch.float32 and expected.is_cuda and (
-            torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32):
+    if expected.dtype == torch.float32 and expected.is_cuda and tf32_allowed():
         tolerance = TF32.rtol
     if error <= 2 * eager_error + tolerance / 10 * scale:
         return None

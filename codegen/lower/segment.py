@@ -37,6 +37,7 @@ from fxlite.codegen.lower.accuracy import (
     attributes,
     check_group,
     reference_problem,
+    tf32_allowed,
     versions,
 )
 from fxlite.codegen.lower.autograd import make_autograd_group
@@ -500,7 +501,7 @@ def _disagreement(outputs: Any, expected: list[Any] | None,
     fused kernels (rounding once) and eager (rounding each op) make differently."""
     if expected is None or outputs is None:
         return None
-    tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+    tf32 = tf32_allowed()
     for i, (got, want) in enumerate(zip(outputs, expected)):
         if want is None:
             continue

@@ -343,6 +343,41 @@ def test_the_reference_runs_in_float32_where_every_value_is_a_half(dtypes, wide,
     assert reference_problem(graph_of(steps), [x, y], wrong, eager, "differs") is not None
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu])])
+def test_under_tf32_a_float32_graph_is_judged_against_a_float32_run_without_tf32(
+        device, monkeypatch):
+    """On a GPU that allows TF32, eager's float32 convolutions and matmuls are only as
+    close as TF32 (about 1e-3), so float32 without TF32 judges them as well as float64
+    does, at half the memory (resnet50's first call peaked at 2.7x eager's with a float64
+    copy of its weights and activations). The run turns TF32 off and puts it back; on
+    the CPU, where float32 is float32, float64 still judges."""
+    seen = []
+    real_widen = accuracy._widen
+
+    def spy(value, to):
+        out = real_widen(value, to)
+        seen.append((to[0], torch.backends.cuda.matmul.allow_tf32,
+                     torch.backends.cudnn.allow_tf32))
+        return out
+
+    monkeypatch.setattr(accuracy, "_widen", spy)
+    x = torch.randn(64, device=device)
+    eager = twenty_steps(x)
+    once = twenty_steps(x.double()).float()
+    wrong = once + 0.5 * once.abs().max()
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        assert reference_problem(graph_of(twenty_steps), [x], once, eager, "differs") is None
+        wide = torch.float32 if device == "cuda" else torch.float64
+        assert seen[-1] == (wide, False, False)  # the inputs are widened inside the run
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert reference_problem(graph_of(twenty_steps), [x], wrong, eager, "differs")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
 def eight_groups_counted(x, eye, count):
     count.add_(1)  # a write to an input, as a training BatchNorm's buffers
     return eight_groups(x, eye)

@@ -487,6 +487,46 @@ def test_each_value_dies_after_the_last_op_that_reads_it() -> None:
     assert seen == [True, True, True], seen  # the writing call, then the forward twice
 
 
+def test_the_writing_call_drops_a_value_once_its_views_are_made() -> None:
+    """A chain of views is written where an op reads it, from the chain's first tensor:
+    the writing call kept that tensor, and every view left unwritten (one nothing reads),
+    until it returned. vit_b_16's writing call peaked at 5x eager's memory, every layer's
+    activations kept by its attention's views."""
+    import weakref
+
+    x = torch.randn(4, 8)
+    made: list[weakref.ref] = []
+
+    def double(a):
+        out = a * 2
+        made.append(weakref.ref(out))
+        return out
+
+    seen: list[bool] = []
+
+    def probe(a):
+        seen.append(made[-1]() is None)  # read through views by the second kernel only
+        return a + 1
+
+    first = _Kernel("double", double, (x,))
+    second = _Kernel("neg", torch.neg, (x,))
+    third = _Kernel("probe", probe, (x,))
+
+    def build(g):
+        y = g.call_function(first, (g.placeholder("x"),))
+        g.call_method("view", (y, -1))  # read by nothing: never written
+        twice = g.call_method("transpose", (g.call_method("transpose", (y, 0, 1)), 0, 1))
+        g.output(g.call_function(third, (g.call_function(second, (twice,)),)))
+
+    fn, result, _, complete = straight_line(_module(build), (x,))
+    assert complete
+    torch.testing.assert_close(result, -(x * 2) + 1)
+    for _ in range(2):
+        y = torch.randn(4, 8)
+        torch.testing.assert_close(fn(y), -(y * 2) + 1)
+    assert seen == [True, True, True], seen  # the writing call, then the forward twice
+
+
 def test_release_frees_each_value_after_its_last_read():
     """_release finds each line's reads with a regex (parsing each line was 18 ms for a
     vit_b_16-sized forward). No value is freed before a line that reads it, by ast's
