@@ -351,8 +351,7 @@ def test_under_tf32_a_float32_graph_is_judged_against_a_float32_run_without_tf32
     close as TF32 (about 1e-3), so float32 without TF32 judges them as well as float64
     does, at half the memory (resnet50's first call peaked at 2.7x eager's with a float64
     copy of its weights and activations). The run turns TF32 off and puts it back; on
-    the CPU, where float32 is float32, float64 still judges. (A graph of halves keeps
-    the setting: its float32 run without TF32 took more cuDNN workspace.)"""
+    the CPU, where float32 is float32, float64 still judges."""
     seen = []
     real_widen = accuracy._widen
 
@@ -371,9 +370,8 @@ def test_under_tf32_a_float32_graph_is_judged_against_a_float32_run_without_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         assert reference_problem(graph_of(twenty_steps), [x], once, eager, "differs") is None
-        # (the inputs are widened inside the run; float64 needs no TF32 setting)
-        assert seen[-1] == ((torch.float32, False, False) if device == "cuda"
-                            else (torch.float64, True, True))
+        wide = torch.float32 if device == "cuda" else torch.float64
+        assert seen[-1] == (wide, False, False)  # the inputs are widened inside the run
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
         assert reference_problem(graph_of(twenty_steps), [x], wrong, eager, "differs")
     finally:
