@@ -42,6 +42,7 @@ from fxlite.codegen.capture.kinds import mutation_candidates, random_op, state_n
 from fxlite.codegen.runtime import kernel as runtime_kernel
 
 from fxlite.graph_module import GraphModule
+from fxlite.node import target_name
 from fxlite.ops import attribute_at, lookup
 
 __all__ = ["HALF", "OTHER", "TF32", "TOLERANCE", "Checked", "Tolerance", "allclose", "assert_as_accurate",
@@ -260,7 +261,7 @@ def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: 
     if not reproducible(gm):
         return problem
     read = [*args, *attributes(gm)]
-    real, _ = wide = _reference_dtypes(read)
+    real, _ = wide = _reference_dtypes(read, tf32_allowed() and _runs_tf32(gm))
     name = str(real).removeprefix("torch.")
     try:
         reference = _run_reference(gm, args, wide)
@@ -270,21 +271,44 @@ def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: 
     return None if verdict is None else f"{problem}; against a {name} run, {verdict}"
 
 
-def _reference_dtypes(values: Sequence[Any]) -> tuple[torch.dtype, torch.dtype]:
+def _reference_dtypes(values: Sequence[Any], tf32: bool = False
+                      ) -> tuple[torch.dtype, torch.dtype]:
     """The real and complex dtypes of the wider run: float32 and complex64 where every
-    floating tensor among ``values`` is a half, or a half or float32 on a GPU that allows
-    TF32 (the wider run turns TF32 off: float32 is then a thousand times closer than the
-    run it judges, and takes half the memory of float64: resnet50's first call peaked at
-    2.7x eager's with a float64 copy of its weights and activations); else float64 and
-    complex128."""
+    floating tensor among ``values`` is a half, or, with ``tf32`` (the graph runs
+    convolutions or matmuls that TF32 rounds), a half or float32 on a GPU. The wider run
+    turns TF32 off, so float32 is then about a thousand times closer than the run it
+    judges, at half the memory of float64 (resnet50's first call peaked at 2.7x eager's
+    with a float64 copy of its weights and activations). Else float64 and complex128:
+    for a graph of pointwise ops and reductions, float32 would be eager's own rounding."""
     tensors = [t for t in _leaves(list(values)) if isinstance(t, torch.Tensor)
                and (t.is_floating_point() or t.is_complex())]
     kinds = {t.dtype for t in tensors}
     if kinds and kinds <= set(HALF):
         return torch.float32, torch.complex64
-    if kinds and kinds <= {*HALF, torch.float32} and tf32_allowed() and any(t.is_cuda for t in tensors):
+    if kinds and kinds <= {*HALF, torch.float32} and tf32 and any(t.is_cuda for t in tensors):
         return torch.float32, torch.complex64
     return torch.float64, torch.complex128
+
+
+# ops that TF32 rounds (cuBLAS and cuDNN), by name, and modules by class name prefix
+_TF32_OPS = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "_convolution", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm",
+    "addbmm", "linear", "bilinear", "padded_linear", "einsum", "tensordot",
+    "scaled_dot_product_attention", "multi_head_attention_forward"})
+_TF32_MODULES = ("Conv", "Linear", "LazyConv", "LazyLinear", "Bilinear", "MultiheadAttention")
+
+
+def _runs_tf32(gm: GraphModule) -> bool:
+    """Whether ``gm`` calls an op that TF32 rounds (an opaque submodule does not count)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            module = attribute_at(gm, n.target)
+            if type(module).__name__.startswith(_TF32_MODULES):
+                return True
+        elif n.op in ("call_function", "call_method") and target_name(n) in _TF32_OPS:
+            return True
+    return False
 
 
 def tf32_allowed() -> bool:

@@ -343,15 +343,21 @@ def test_the_reference_runs_in_float32_where_every_value_is_a_half(dtypes, wide,
     assert reference_problem(graph_of(steps), [x, y], wrong, eager, "differs") is not None
 
 
+def matmul_steps(x, w):
+    return twenty_steps(x @ w)
+
+
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu])])
-def test_under_tf32_a_float32_graph_is_judged_against_a_float32_run_without_tf32(
-        device, monkeypatch):
+@pytest.mark.parametrize("steps", [matmul_steps, twenty_steps], ids=["matmul", "pointwise"])
+def test_under_tf32_a_float32_graph_of_matmuls_is_judged_against_a_float32_run_without_tf32(
+        device, steps, monkeypatch):
     """On a GPU that allows TF32, eager's float32 convolutions and matmuls are only as
     close as TF32 (about 1e-3), so float32 without TF32 judges them as well as float64
     does, at half the memory (resnet50's first call peaked at 2.7x eager's with a float64
-    copy of its weights and activations). The run turns TF32 off and puts it back; on
-    the CPU, where float32 is float32, float64 still judges."""
+    copy of its weights and activations). The run turns TF32 off and puts it back. A
+    graph without such ops, or on the CPU, where float32 is float32, is still judged in
+    float64: float32 would be eager's own rounding."""
     seen = []
     real_widen = accuracy._widen
 
@@ -362,18 +368,19 @@ def test_under_tf32_a_float32_graph_is_judged_against_a_float32_run_without_tf32
         return out
 
     monkeypatch.setattr(accuracy, "_widen", spy)
-    x = torch.randn(64, device=device)
-    eager = twenty_steps(x)
-    once = twenty_steps(x.double()).float()
-    wrong = once + 0.5 * once.abs().max()
+    x, w = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device) / 8
+    args = [x, w] if steps is matmul_steps else [x]
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
-        assert reference_problem(graph_of(twenty_steps), [x], once, eager, "differs") is None
-        wide = torch.float32 if device == "cuda" else torch.float64
+        eager = steps(*args)
+        once = steps(*(a.double() for a in args)).float()
+        wrong = once + 0.5 * once.abs().max()
+        assert reference_problem(graph_of(steps), args, once, eager, "differs") is None
+        wide = torch.float32 if device == "cuda" and steps is matmul_steps else torch.float64
         assert seen[-1] == (wide, False, False)  # the inputs are widened inside the run
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        assert reference_problem(graph_of(twenty_steps), [x], wrong, eager, "differs")
+        assert reference_problem(graph_of(steps), args, wrong, eager, "differs")
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
