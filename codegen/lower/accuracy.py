@@ -144,7 +144,7 @@ class Checked(NamedTuple):
 
 def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
                 direction: str = "forward", autotune: bool = False,
-                through: torch.dtype | None = None) -> Checked:
+                through: torch.dtype | None = None, eager_goes_on: bool = False) -> Checked:
     """Build ``group``'s kernel and check it against ``group``'s eager ops on ``args``.
 
     Args:
@@ -158,6 +158,9 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
         through: a dtype the values were computed in, whose tolerance applies if looser
             (the backward's least precise input: a float32 gradient of bfloat16 values is
             only as close as bfloat16).
+        eager_goes_on: the caller goes on with eager's result, not the kernel's: where the
+            check runs in pieces, the kernel's result is overwritten with eager's, piece by
+            piece, and returned as both (one buffer less at the check's peak).
 
     Returns:
         The kernel, its result and eager's, or no kernel and the reason.
@@ -184,13 +187,72 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
         before = versions(args)
         got = kernel(*args)
         if not kernel.checked:  # else it matched eager before (the disk index says)
-            expected = group(*args)
-            assert_as_accurate(graph, args, got, expected, before, through)
+            expected = _checked_in_pieces(group, graph, args, got, before, through,
+                                          eager_goes_on)
+            if expected is None:
+                expected = group(*args)
+                assert_as_accurate(graph, args, got, expected, before, through)
             kernel.mark_checked()
     except Exception as e:
         return Checked(None, None, group(*args) if expected is None else expected,
                        f"its kernel disagreed with eager: {e}")
     return Checked(kernel, got, expected, "")
+
+
+_PIECE_BYTES = 16 << 20  # the outputs of one piece of a pointwise group's eager run
+
+
+def _checked_in_pieces(group: torch.nn.Module, graph: GraphModule, args: Sequence[Any],
+                       got: Any, before: list[int], through: torch.dtype | None,
+                       overwrite: bool) -> Any:
+    """Eager's result of a large pointwise group, run and compared with ``got`` a slice
+    of the first dim at a time (:func:`assert_as_accurate` on each); None, having run
+    nothing, where the group is small or not one that slices.
+
+    Why: run whole, the group's eager ops (decomposed: a BatchNorm and GELU is eleven)
+    held several temporaries of the full size beside the kernel's result. maxvit_t's
+    first call at batch 32 took 1.5 GiB to check one such group of 392 MiB. In pieces,
+    the check holds the kernel's result, eager's and one piece's temporaries; with
+    ``overwrite``, eager's pieces are written over the kernel's once compared, and the
+    kernel's result is returned as eager's.
+
+    A group slices when every op in it is pointwise and draws nothing, each tensor
+    input has the outputs' first dim or broadcasts over it, and each output is a tensor
+    of its own with that first dim: the ops' values then depend on their row alone.
+    """
+    outs = list(got) if isinstance(got, (tuple, list)) else [got]
+    if not outs or not all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outs):
+        return None
+    rows, total = outs[0].shape[0], sum(o.numel() * o.element_size() for o in outs)
+    if total <= _PIECE_BYTES or rows < 2 or any(
+            o.shape[0] != rows or o.dim() != outs[0].dim() for o in outs):
+        return None
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    mine = {a.untyped_storage().data_ptr() for a in inputs}
+    if len({o.untyped_storage().data_ptr() for o in outs}) < len(outs) or any(
+            o.untyped_storage().data_ptr() in mine for o in outs):
+        return None  # an output that is an input, or another output
+    if any(a.dim() == outs[0].dim() and a.shape[0] not in (1, rows) or a.dim() > outs[0].dim()
+           for a in inputs):
+        return None
+    for n in graph.graph.nodes:
+        if n.op in ("call_module", "get_attr") or n.op in ("call_function", "call_method") and (
+                getattr(lookup(n, graph), "kind", None) != "pointwise"):
+            return None
+    if not reproducible(graph):
+        return None
+    step = max(1, rows * _PIECE_BYTES // total)
+    expected = outs if overwrite else [torch.empty_like(o) for o in outs]
+    for start in range(0, rows, step):
+        piece = slice(start, start + step)
+        part = [a[piece] if isinstance(a, torch.Tensor) and a.dim() == outs[0].dim()
+                and a.shape[0] == rows else a for a in args]
+        want = group(*part)
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        assert_as_accurate(graph, part, [o[piece] for o in outs], want, before, through)
+        for e, w in zip(expected, want):
+            e[piece].copy_(w)
+    return type(got)(expected) if isinstance(got, (tuple, list)) else expected[0]
 
 
 def assert_same(got: Any, expected: Any, through: torch.dtype | None = None, *,

@@ -419,7 +419,7 @@ class _KernelCheck(_Replay):
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._autograd_group(target, getattr(sub, "inner", sub), args)
         checked = check_group(sub, args, f"{self._prefix}{target}", autotune=self._mode in (
-            "max-autotune", "max-autotune-no-cudagraphs"))
+            "max-autotune", "max-autotune-no-cudagraphs"), eager_goes_on=True)
         if checked.kernel is None:
             self.fallbacks.append(f"{target} ({', '.join(sub.meta.get('nodes', []))}) runs in "
                                   f"eager: {checked.reason}{_site_of(sub)}")

@@ -421,3 +421,111 @@ def test_a_segment_that_writes_an_input_is_still_judged_against_a_float64_run(
     else:
         assert disagreed and "against a float32 run" in disagreed[0], disagreed
         torch.testing.assert_close(outs[1], eight_groups(x, eye))  # eager's ops
+
+
+def bn_gelu(x, mean, rstd, weight, bias):
+    return torch.nn.functional.gelu((x - mean) * rstd * weight + bias)
+
+
+def bn_gelu_flat(x, mean, rstd, weight, bias):
+    return bn_gelu(x, mean, rstd, weight, bias).reshape(8, -1)
+
+
+class _Spied(torch.nn.Module):
+    """A group whose eager runs are recorded (the first dim of their first input)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.inner = fxlite.symbolic_trace(fn)
+        self.rows = []
+
+    def forward(self, *args):
+        self.rows.append(args[0].shape[0])
+        return self.inner(*args)
+
+
+class LastRowOff(FakeKernel):
+    def __call__(self, *args):
+        out = self.group(*args).clone()
+        out[-1] += 1
+        return out
+
+
+def _bn_gelu_args():
+    x = torch.randn(8, 4, 3, 3)
+    return [x, torch.randn(4, 1, 1), torch.rand(4, 1, 1) + 0.5, torch.randn(4, 1, 1),
+            torch.randn(4, 1, 1)]
+
+
+@pytest.mark.parametrize("kernel, rows", [(FakeKernel, [3, 3, 2]), (RoundsOnce, [3, 3, 2]),
+                                          (LastRowOff, [3, 3, 2, 8])],
+                         ids=["right", "rounds_once", "wrong_in_one_row"])
+def test_a_large_pointwise_groups_eager_ops_run_a_slice_of_rows_at_a_time(
+        kernel, rows, monkeypatch):
+    """Run whole, a BatchNorm-and-GELU group's eager ops held several temporaries of
+    its full size beside the kernel's result (maxvit_t's first call took 1.5 GiB to check
+    one of 392 MiB). A pointwise group's rows are independent, so its eager ops run, and
+    are compared, a slice of rows at a time; per-channel inputs go in whole. A kernel
+    wrong in one row is caught (and its group runs whole, as the fallback); one that
+    rounds differently passes on the wider run of each slice."""
+    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 512)  # 8 rows of 144 bytes: 3 at a time
+    group, args = _Spied(bn_gelu), _bn_gelu_args()
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda g, example, name="k", **kw: kernel(g, name, 0))
+    checked = accuracy.check_group(group, args, "bn_gelu")
+    assert group.rows == rows
+    want = bn_gelu(*args)
+    if kernel is LastRowOff:
+        assert checked.kernel is None and "disagreed" in checked.reason
+        assert torch.equal(checked.expected, want)
+        over = accuracy.check_group(group, args, "bn_gelu", eager_goes_on=True)
+        assert over.kernel is None and torch.equal(over.expected, want)
+        return
+    assert checked.kernel is not None and checked.reason == ""
+    assert torch.equal(checked.expected, want)  # eager's values, which go on
+    assert checked.expected.stride() == checked.got.stride()
+    assert torch.equal(checked.got, kernel(group.inner, "again", 0)(*args))  # the kernel's
+    # A caller that goes on with eager's values (a compiled segment's first call) gets
+    # them written over the kernel's result, one buffer less
+    group.rows.clear()
+    over = accuracy.check_group(group, args, "bn_gelu", eager_goes_on=True)
+    assert group.rows == rows and over.expected is over.got and torch.equal(over.got, want)
+
+
+def test_a_group_that_views_or_is_small_runs_its_eager_ops_whole(monkeypatch):
+    monkeypatch.setattr(triton_mod, "generate_kernel",
+                        lambda g, example, name="k", **kw: FakeKernel(g, name, 0))
+    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 512)
+    flat = _Spied(bn_gelu_flat)  # its reshape names the sizes: a slice would not fit
+    checked = accuracy.check_group(flat, _bn_gelu_args(), "flat")
+    assert flat.rows == [8] and checked.kernel is not None
+    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 1 << 20)
+    small = _Spied(bn_gelu)
+    accuracy.check_group(small, _bn_gelu_args(), "small")
+    assert small.rows == [8]
+
+
+def test_a_compiled_segment_checks_its_large_pointwise_groups_in_pieces(monkeypatch):
+    """Through fxlite.compile, with real kernels: the first call goes on with eager's
+    values (written over the kernel's result, piece by piece) and keeps its kernels;
+    later calls run them."""
+    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 256)  # 8 rows of 256 bytes: 1 at a time
+    pieces = []
+    real = accuracy._checked_in_pieces
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        pieces.append(out is not None)
+        return out
+
+    monkeypatch.setattr(accuracy, "_checked_in_pieces", spy)
+    args = _bn_gelu_args()
+    args = [a.to(DEVICE) for a in args]
+    c = fxlite.compile(bn_gelu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        first = c(*args)
+    assert pieces == [True]
+    assert torch.equal(first, bn_gelu(*args)) and len(c.kernels) == 1
+    fresh = [torch.randn_like(args[0]), *args[1:]]
+    torch.testing.assert_close(c(*fresh), bn_gelu(*fresh))
