@@ -448,43 +448,50 @@ def test_views_are_made_before_an_op_that_may_move_their_tensors_storage() -> No
     torch.testing.assert_close(fn(x + 1), ((x + 1) * 2).view(3, 4) + 1)
 
 
-def test_each_value_dies_after_the_last_op_that_reads_it() -> None:
-    """A forward drops its intermediates as eager Python does: a training step's segment
-    kept every activation and gradient alive until it returned (3x eager's peak memory).
-    So does the call that writes it (a GPT-2 step's first kernel call peaked 1.5 GiB above
-    the next ones)."""
+def _first_dies_before_third(build) -> None:
+    """Write the forward of ``build(g, first, second, third)`` and run it twice more.
+    ``first`` doubles, ``second`` negates and ``third`` adds one, noting whether
+    ``first``'s output is gone by then (the graph lets only ``second`` read it): it must
+    be, in the writing call and in each call of the forward."""
     import weakref
 
     x = torch.randn(4, 8)
     made: list[weakref.ref] = []
+    seen: list[bool] = []
 
     def double(a):
         out = a * 2
         made.append(weakref.ref(out))
         return out
 
-    seen: list[bool] = []
-
     def probe(a):
-        seen.append(made[-1]() is None)  # the first kernel's output, read by the second only
+        seen.append(made[-1]() is None)
         return a + 1
 
-    first = _Kernel("double", double, (x,))
-    second = _Kernel("neg", torch.neg, (x,))
-    third = _Kernel("probe", probe, (x,))
+    kernels = (_Kernel("double", double, (x,)), _Kernel("neg", torch.neg, (x,)),
+               _Kernel("probe", probe, (x,)))
+    fn, result, _, complete = straight_line(_module(lambda g: build(g, *kernels)), (x,))
+    assert complete
+    torch.testing.assert_close(result, -(x * 2) + 1)
+    for _ in range(2):
+        y = torch.randn(4, 8)
+        torch.testing.assert_close(fn(y), -(y * 2) + 1)
+    assert seen == [True, True, True], seen  # the writing call, then the forward twice
 
-    def build(g):
+
+def test_each_value_dies_after_the_last_op_that_reads_it() -> None:
+    """A forward drops its intermediates as eager Python does: a training step's segment
+    kept every activation and gradient alive until it returned (3x eager's peak memory).
+    So does the call that writes it (a GPT-2 step's first kernel call peaked 1.5 GiB above
+    the next ones)."""
+
+    def build(g, first, second, third):
         a = g.placeholder("x")
         unused = g.call_function(torch.sin, (a,))  # read by nothing: dies where it is made
         del unused
         g.output(g.call_function(third, (g.call_function(second, (g.call_function(first, (a,)),)),)))
 
-    fn, result, _, complete = straight_line(_module(build), (x,))
-    assert complete
-    for _ in range(2):
-        y = torch.randn(4, 8)
-        torch.testing.assert_close(fn(y), -(y * 2) + 1)
-    assert seen == [True, True, True], seen  # the writing call, then the forward twice
+    _first_dies_before_third(build)
 
 
 def test_the_writing_call_drops_a_value_once_its_views_are_made() -> None:
@@ -492,39 +499,14 @@ def test_the_writing_call_drops_a_value_once_its_views_are_made() -> None:
     the writing call kept that tensor, and every view left unwritten (one nothing reads),
     until it returned. vit_b_16's writing call peaked at 5x eager's memory, every layer's
     activations kept by its attention's views."""
-    import weakref
 
-    x = torch.randn(4, 8)
-    made: list[weakref.ref] = []
-
-    def double(a):
-        out = a * 2
-        made.append(weakref.ref(out))
-        return out
-
-    seen: list[bool] = []
-
-    def probe(a):
-        seen.append(made[-1]() is None)  # read through views by the second kernel only
-        return a + 1
-
-    first = _Kernel("double", double, (x,))
-    second = _Kernel("neg", torch.neg, (x,))
-    third = _Kernel("probe", probe, (x,))
-
-    def build(g):
+    def build(g, first, second, third):
         y = g.call_function(first, (g.placeholder("x"),))
         g.call_method("view", (y, -1))  # read by nothing: never written
         twice = g.call_method("transpose", (g.call_method("transpose", (y, 0, 1)), 0, 1))
         g.output(g.call_function(third, (g.call_function(second, (twice,)),)))
 
-    fn, result, _, complete = straight_line(_module(build), (x,))
-    assert complete
-    torch.testing.assert_close(result, -(x * 2) + 1)
-    for _ in range(2):
-        y = torch.randn(4, 8)
-        torch.testing.assert_close(fn(y), -(y * 2) + 1)
-    assert seen == [True, True, True], seen  # the writing call, then the forward twice
+    _first_dies_before_third(build)
 
 
 def test_release_frees_each_value_after_its_last_read():
