@@ -13,17 +13,21 @@ every op's result to the tensor's dtype. Over a few ops the two agree at the dty
 tolerance, but over a deep bfloat16 model (GPT-2's twelve blocks), or after convolutions
 that cuDNN runs with other algorithms (channels-last, TF32), their final values drift apart
 by more than that while neither is wrong. So where the plain comparison fails, both are
-measured against the same graph run wider: in float64, or in float32 where every floating
-value is a half (bfloat16, float16), whose rounding float32's is as far below, in half the
-memory (the float64 run of a bfloat16 GPT-2 LM at batch 32 took 3.3 GiB on an H200). The
-compiled result passes if its error is
-at most twice eager's, plus a tenth of the dtype's tolerance, the rule PyTorch's own
-benchmark suite applies to compiled models. A wrong kernel (a dropped term, a wrong index)
+measured against the same graph run wider: in float64, or in float32 without TF32 where
+every floating value is a half (bfloat16, float16), whose rounding float32's is as far
+below, or where a GPU allows TF32 and the graph runs convolutions or matmuls, whose TF32
+rounding (about 1e-3) float32's is as far below; each in half the memory (the float64
+run of a bfloat16 GPT-2 LM at batch 32 took 3.3 GiB on an H200). The compiled result
+passes if its error is at most twice eager's, plus a tenth of the dtype's tolerance, the
+rule PyTorch's own benchmark suite applies to compiled models. A wrong kernel (a dropped term, a wrong index)
 is off by far more than eager's rounding and still fails.
 
 Graphs the wider run cannot reproduce get no second look: ones that draw random numbers
 a value reads, call submodules, or wrote to their inputs while they were checked (see
 ``versions``).
+
+A large pointwise group's eager ops run, and compare, a slice of rows at a time
+(:func:`_checked_in_pieces`): run whole, their temporaries were the check's peak memory.
 
 Example: ``x`` in bfloat16 through twenty ``x = x * 1.01 + 0.1`` steps. Eager rounds twenty
 times, the fused kernel once; they differ by ~3% at the end, so the plain check fails,
