@@ -18,7 +18,14 @@ graph returns the input itself where it returned the written tensor::
 Writes through views, into memory another value shares, by ``out=`` arguments, by ops
 without a pure spelling, into an input that requires grad, or (under grad mode) with a
 result that does, stay as they are: they are impure nodes, which the fusion
-partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
+partitioner never moves anything across. In a graph that keeps such a node (or a random
+draw, or an effect), each write goes back right after the value it writes, in eager's
+order, not at the end: an op between them that raises (an integer division by zero)
+must find eager's writes done, since the call cannot run again::
+
+    # before                                   # after, with x[:2].add_(1) kept first
+    add_ = b.add_(1)                           add = b.add(1);  copy_ = b.copy_(add)
+    floordiv = x // d                          floordiv = x // d Needs the capture's ``meta["mutated"]``; nodes
 without it (graphs from ``symbolic_trace``) are left alone.
 """
 
@@ -55,25 +62,21 @@ def functionalize(gm: GraphModule) -> GraphModule:
     """
     graph = gm.graph
     final: dict[Node, Node] = {}  # input placeholder -> the last pure value written to it
+    last: dict[Node, Node] = {}  # input placeholder -> the last node writing it, kept or pure
     root_of: dict[Node, Node] = {}
     by_name = {n.name: n for n in graph.nodes}
     changed = False
     for node in list(graph.nodes):
         plan = _pure_form(node)
         if plan is None:
+            if node.meta.get("mutated") and node.args and isinstance(node.args[0], Node):
+                kept = _root(node.args[0], root_of, by_name)  # a write left as it is
+                if kept in final:  # (into a pure value written back: after it, then)
+                    last[kept] = node
             continue
         target, args, kwargs = plan
         written = node.args[0]
-        root = root_of.get(written, written)
-        # an in-place write left as it is (``b.copy_(v)``) returns the tensor it wrote:
-        # a pure write to its result is a write to that tensor
-        seen = {root}
-        while root.op != "placeholder" and root.meta.get("same_object") in by_name:
-            older = by_name[root.meta["same_object"]]
-            root = root_of.get(older, older)
-            if root in seen:
-                break
-            seen.add(root)
+        root = _root(written, root_of, by_name)
         if root.op == "placeholder" and (_requires_grad(root) or (
                 node.meta.get("grad_enabled") and _requires_grad(node))):
             # (under no_grad too: the write-back goes before the output, where the
@@ -93,13 +96,20 @@ def functionalize(gm: GraphModule) -> GraphModule:
         value = _keep_dtype(node, written)
         root_of[value] = root
         if root.op == "placeholder":
-            final[root] = value
+            final[root] = last[root] = value
     if final:
         out = graph.output_node()
+        # Where the graph keeps something impure (a write left as it is, a draw, an
+        # effect), an input's write-back goes right after the last node that writes it,
+        # as eager's last write: an op after it that raises (an integer remainder by
+        # zero) then finds eager's writes done, the kept ones and these alike (fuzz seed
+        # 8223430). Else each goes at the end, before which compile.py can run the
+        # function again if the graph raises.
+        early = _keeps_impure(graph)
         _count_in_place(graph, final, out)
         backs: dict[Node, Node] = {}
         for root, value in final.items():
-            with graph.inserting_before(out):
+            with graph.inserting_after(last[root]) if early else graph.inserting_before(out):
                 back = graph.call_method("copy_", (root, value))
             back.meta.update(impure=True, mutated=[root.name], aliased=False,
                              stack_trace=value.meta.get("stack_trace"))
@@ -112,6 +122,30 @@ def functionalize(gm: GraphModule) -> GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _root(written: Node, root_of: dict[Node, Node], by_name: dict[str, Node]) -> Node:
+    """The tensor a write into ``written`` writes: an input, where ``written`` is a pure
+    value standing for it (``root_of``) or an in-place write left as it is into one
+    (``b.copy_(v)`` returns the tensor it wrote, so a write to its result writes that
+    tensor)."""
+    root = root_of.get(written, written)
+    seen = {root}
+    while root.op != "placeholder" and root.meta.get("same_object") in by_name:
+        older = by_name[root.meta["same_object"]]
+        root = root_of.get(older, older)
+        if root in seen:
+            break
+        seen.add(root)
+    return root
+
+
+def _keeps_impure(graph: Any) -> bool:
+    """Whether ``graph`` keeps an impure node besides what changes nothing: a read that
+    ends a segment (``bool(t)``), a check (timm's ``torch._assert`` of a shape)."""
+    return any(n.op not in ("placeholder", "output") and n.meta.get("impure")
+               and "read" not in n.meta and "checks" not in n.meta
+               and n.target is not torch._assert for n in graph.nodes)
 
 
 def _requires_grad(node: Node) -> bool:

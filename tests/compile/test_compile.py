@@ -671,8 +671,21 @@ class _WriteBranchDecayDivide(_DecayThenDivide):
         return y
 
 
+class _KeptWriteDecayDivide(_DecayThenDivide):
+    """Fuzz seed 8223430: a write the compile keeps in place (through a view) comes first,
+    so the call cannot run again; the buffer update after it was written back at the
+    segment's end, after the division that raised, and never landed."""
+
+    def forward(self, x, d):
+        x[:2].add_(1)
+        self.ema.mul_(0.9).add_(self.ema.mean() * 0.1)
+        y = x // d
+        return y
+
+
 @pytest.mark.parametrize("model", [_DecayThenDivide, _DecayDivideThenBranch,
-                                   _BranchThenDecayDivide, _WriteBranchDecayDivide])
+                                   _BranchThenDecayDivide, _WriteBranchDecayDivide,
+                                   _KeptWriteDecayDivide])
 def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes_included(
         model):
     """Before: a compiled segment writes its buffers back at its end, so a call whose

@@ -110,19 +110,13 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 # does not. Fixed in session 15: 3301 (a group output that is a view written in place
 # under autograd) and 5712 (a decomposed rms_norm's layout broke a later .view(-1)).
 # From the 10,760-program CPU run of session 27 (seeds 7100000 on; 7107124 fixed there):
-# 7102901, a buffer written before an op that raises (integer division by zero) keeps
-# its old value: the compiled segment writes its buffers back at its end, and a
-# recording that writes is not run again on an exception. Where all of the graph's
-# writes come after the op that raised, the call now runs again (test_compile.py); here
-# x0 shares memory with another input, so `x0.floor_divide_(x1)` stays in place before
-# the write-backs, where it may have written part of x0; 7105288, a fused group's backward
+# 7105288, a fused group's backward
 # recomputes a sigmoid from its input, which the program writes in place later, so it
 # raises where eager's, which saved the sigmoid's output, does not. (Groups no longer
 # check saved values only a result the loss does not use needs: 7200785, 7326012.)
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="open findings of the fuzzer")
 @pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (6065, "grad"),
-                                        (9133, "grad"), (7102901, "triton"),
-                                        (7105288, "grad")])
+                                        (9133, "grad"), (7105288, "grad")])
 def test_open_findings(seed: int, path: str) -> None:
     from fuzz_check import STATS
 
@@ -134,6 +128,20 @@ def test_open_findings(seed: int, path: str) -> None:
     else:
         failures = check_compiled(program, "triton", DEVICE)
     STATS["failures"] = counted
+    assert not failures, _report(program, failures)
+
+
+@pytest.mark.parametrize("seed", [7102901, 8223430])
+def test_a_buffer_written_before_an_op_that_raises_keeps_eagers_value(seed: int) -> None:
+    """Findings fixed in session 35: a buffer update, then an op that raises (an integer
+    division or remainder by zero), in a graph whose compiled form keeps a write in
+    place before it (7102901: ``x0.floor_divide_(x1)`` into an input sharing memory with
+    another; 8223430: ``x2 **= 2``, whose input the capture saw aliased). The call could
+    not run again, and the buffer's write-back came at the segment's end, after the op
+    that raised: the buffer kept its old value where eager's update had landed.
+    Write-backs now go after their last write in such graphs (``passes/functionalize.py``)."""
+    program = generate(RandomDraw(seed), seed, draw_step)
+    failures = check_compiled(program, "triton", DEVICE)
     assert not failures, _report(program, failures)
 
 
