@@ -131,12 +131,13 @@ def test_open_findings(seed: int, path: str) -> None:
     assert not failures, _report(program, failures)
 
 
-@pytest.mark.parametrize("seed", [7102901, 8223430])
+@pytest.mark.parametrize("seed", [7102901, 8220896, 8223430])
 def test_a_buffer_written_before_an_op_that_raises_keeps_eagers_value(seed: int) -> None:
     """Findings fixed in session 35: a buffer update, then an op that raises (an integer
     division or remainder by zero), in a graph whose compiled form keeps a write in
     place before it (7102901: ``x0.floor_divide_(x1)`` into an input sharing memory with
-    another; 8223430: ``x2 **= 2``, whose input the capture saw aliased). The call could
+    another; 8223430: ``x2 **= 2``, whose input the capture saw aliased; 8220896: a
+    ``multinomial`` draw, and an in-place ``leaky_relu`` of the buffer). The call could
     not run again, and the buffer's write-back came at the segment's end, after the op
     that raised: the buffer kept its old value where eager's update had landed.
     Write-backs now go after their last write in such graphs (``passes/functionalize.py``)."""
