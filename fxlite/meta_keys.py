@@ -76,7 +76,8 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("checks", "bool (True only)",
             "an op kept though its result is unused, for the error it may raise (a Cholesky "
             "tested for positive definiteness): impure for dead-code elimination, safe to run "
-            "again when a replay raises", (_CAPTURE,), ("codegen/compile.py",)),
+            "again when a replay raises", (_CAPTURE,),
+            ("codegen/compile.py", "passes/functionalize.py")),
     MetaKey("example_value", "torch.SymInt (or a fake tensor)",
             "Dynamo's example of the node's value: a placeholder holding one of its SymInts "
             "is a size taken as an input", (), ("codegen/capture/symbolic.py",)),
@@ -133,7 +134,8 @@ NODE_META: dict[str, MetaKey] = _table(
             "functionalize clears it on the writes it turns into copies",
             (_CAPTURE, "passes/functionalize.py"),
             ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py",
-             "codegen/runtime/straight_line.py", "fxlite/ops/records.py", "passes/attention.py")),
+             "codegen/runtime/straight_line.py", "fxlite/ops/records.py", "passes/attention.py",
+             "passes/functionalize.py")),
     MetaKey("external", "bool",
             "the call is recorded whole and runs as recorded, outside kernels and skipped "
             "by checks (t.backward(), an optimizer's step, GradScaler.unscale_)",
@@ -143,7 +145,8 @@ NODE_META: dict[str, MetaKey] = _table(
             "the call gives Python a value read from tensors (t.item(), bool(t), a tensor's "
             "address): the call's name; the segment ends after it",
             (_CAPTURE,),
-            ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py", "codegen/explain.py")),
+            ("codegen/capture/follow.py", _CAPTURE, "codegen/compile.py", "codegen/explain.py",
+             "passes/functionalize.py")),
     MetaKey("mutated", "list[str]", "the names of the tensors the call wrote in place",
             (_CAPTURE, "passes/functionalize.py"),
             ("codegen/capture/follow.py", _CAPTURE, "codegen/capture/run.py",
