@@ -18,15 +18,17 @@ graph returns the input itself where it returned the written tensor::
 Writes through views, into memory another value shares, by ``out=`` arguments, by ops
 without a pure spelling, into an input that requires grad, or (under grad mode) with a
 result that does, stay as they are: they are impure nodes, which the fusion
-partitioner never moves anything across. In a graph that keeps such a node (or a random
-draw, or an effect), each write goes back right after the value it writes, in eager's
-order, not at the end: an op between them that raises (an integer division by zero)
-must find eager's writes done, since the call cannot run again::
+partitioner never moves anything across. Needs the capture's ``meta["mutated"]``; nodes
+without it (graphs from ``symbolic_trace``) are left alone.
+
+In a graph that keeps such a node (or a random draw, or an effect), an input's
+write-back goes right after the last node that writes it, not at the end: an op after
+that which raises (an integer division by zero) must find eager's writes done, since
+the call cannot run again::
 
     # before                                   # after, with x[:2].add_(1) kept first
     add_ = b.add_(1)                           add = b.add(1);  copy_ = b.copy_(add)
-    floordiv = x // d                          floordiv = x // d Needs the capture's ``meta["mutated"]``; nodes
-without it (graphs from ``symbolic_trace``) are left alone.
+    floordiv = x // d                          floordiv = x // d
 """
 
 from __future__ import annotations
