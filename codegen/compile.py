@@ -67,10 +67,10 @@ from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
 from fxlite.codegen.runtime.straight_line import AttrCheck, StraightRunner, fast_key
 from fxlite.codegen.runtime.trial import Trial, choose_runner
+from fxlite.passes.functionalize import changes_state
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
 from fxlite.logs import log_break, log_graph
-from fxlite.ops import is_impure
 from fxlite.proxy import TraceError
 
 __all__ = ["CompiledFunction", "CompiledModule", "compile"]
@@ -1052,10 +1052,7 @@ def _write_calls(gm: GraphModule) -> frozenset[str] | None:
             elif n.op == "call_method" and (n.target == "copy_" or n.target in _FILLS
                                             and getattr(n.args[0], "op", None) == "placeholder"):
                 calls.add(f".{n.target}(")
-            elif calls or is_impure(n, gm) and "read" not in n.meta \
-                    and "checks" not in n.meta and n.target is not torch._assert:
-                # (a read or a check changes nothing: `bool(t)` that ends a segment,
-                # timm's `torch._assert` of a shape)
+            elif calls or changes_state(n, gm):
                 calls = None
                 break
         found = gm._fxlite_write_calls = None if calls is None else frozenset(calls)

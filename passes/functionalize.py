@@ -39,9 +39,9 @@ import torch
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-from fxlite.ops import lookup
+from fxlite.ops import is_impure, lookup
 
-__all__ = ["functionalize"]
+__all__ = ["changes_state", "functionalize"]
 
 _DUNDERS = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div",
             "__ifloordiv__": "floor_divide", "__imod__": "remainder", "__ipow__": "pow",
@@ -107,7 +107,8 @@ def functionalize(gm: GraphModule) -> GraphModule:
         # zero) then finds eager's writes done, the kept ones and these alike (fuzz seed
         # 8223430). Else each goes at the end, before which compile.py can run the
         # function again if the graph raises.
-        early = _keeps_impure(graph)
+        early = any(changes_state(n, gm) for n in graph.nodes
+                    if n.op not in ("placeholder", "output"))
         _count_in_place(graph, final, out)
         backs: dict[Node, Node] = {}
         for root, value in final.items():
@@ -142,12 +143,11 @@ def _root(written: Node, root_of: dict[Node, Node], by_name: dict[str, Node]) ->
     return root
 
 
-def _keeps_impure(graph: Any) -> bool:
-    """Whether ``graph`` keeps an impure node besides what changes nothing: a read that
-    ends a segment (``bool(t)``), a check (timm's ``torch._assert`` of a shape)."""
-    return any(n.op not in ("placeholder", "output") and n.meta.get("impure")
-               and "read" not in n.meta and "checks" not in n.meta
-               and n.target is not torch._assert for n in graph.nodes)
+def changes_state(node: Node, module: Any) -> bool:
+    """Whether ``node`` is impure (``is_impure``) other than by what changes nothing: a
+    read that ends a segment (``bool(t)``), a check (timm's ``torch._assert`` of a shape)."""
+    return is_impure(node, module) and "read" not in node.meta \
+        and "checks" not in node.meta and node.target is not torch._assert
 
 
 def _requires_grad(node: Node) -> bool:
