@@ -509,7 +509,7 @@ def test_a_compiled_segment_checks_its_large_pointwise_groups_in_pieces(monkeypa
     """Through fxlite.compile, with real kernels: the first call goes on with eager's
     values (written over the kernel's result, piece by piece) and keeps its kernels;
     later calls run them."""
-    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 256)  # 8 rows of 256 bytes: 1 at a time
+    monkeypatch.setattr(accuracy, "_PIECE_BYTES", 256)  # 8 rows of 144 bytes: 1 at a time
     pieces = []
     real = accuracy._checked_in_pieces
 
