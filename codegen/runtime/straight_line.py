@@ -574,6 +574,7 @@ class StraightRunner:
         self.plain = type(gm).forward.__get__(gm)  # gm.forward without Module.__call__
         self.lines: dict[tuple, Forward] = {}  # by the arguments' layouts (fast_key)
         self.off = False
+        self.writes = 0  # forwards written so far (first-call work: the trial leaves it out)
 
     def __call__(self, *args: Any) -> Any:
         if self.off:
@@ -589,6 +590,7 @@ class StraightRunner:
         else:
             rewrites = self._REWRITES
         made = straight_line(self.gm, args)
+        self.writes += 1
         if made is None:
             self.off = True  # a graph it cannot write
             return self.plain(*args)

@@ -5,21 +5,28 @@ step whose groups each add an autograd node can cost more host time than the ker
 on the device. So on a GPU a compiled segment starts on trial, each user call running one
 side once::
 
-    calls 1-5: compiled, recorded, compiled, recorded, compiled (warm-ups, not timed)
-    calls 6-8: recorded, timed as a block      calls 9-11: compiled, timed as a block
-    then: the faster one runs every later call (from call 12); when the two are within
-    10%, one more block each (calls 12-17) decides, on both blocks' times
+    calls 1-2: compiled, recorded (warm-ups, not timed)
+    calls 3-5: compiled, timed as a block      calls 6-8: recorded, timed as a block
+    then: the faster one runs every later call (from call 9); when the two are within
+    10%, one more block each (calls 9-14) decides, on both blocks' times
 
-The compiled side's first calls also write its straight-line forward for the call's
-layout and write it again once its kernels' launches are prepared
-(``codegen/runtime/straight_line.py``): about 12-16 ms each for convnext_tiny on an H200
-host against 2.8 ms for a later call, and the recorded side's first two calls were slow
-too (vit_b_16: 145 and 55 ms against 8). The warm-ups leave all of these out. So do
-later calls at sizes a side has not run before (a Dynamo graph with symbolic sizes, given
-a new sequence length: its first call writes a straight line again, and Triton may compile
-its kernels for the new sizes): such a call voids its block, which is run again. Measured
-on GPT-2 124M under ``fxlite.compile(dynamic=True)`` at four lengths, before this: the
-kernels' blocks took 126 ms a call against the recorded ops' 13.7, and the kernels lost.
+(The calls are the trial's own; the compiled function's first call, which compiles and
+checks the kernels, comes before them, so the winner runs from the user's tenth call.)
+Each side's first call is left out: the compiled side's first call writes its straight-line
+forward
+for the call's layout (``codegen/runtime/straight_line.py``: 30 to 40 ms for vit_b_16,
+convnext_tiny and resnet50 on an H200 host, against 3 to 8 ms for a later call), and the
+recorded side's first call ran up to 1.3x its later ones. A block in which the compiled
+side writes a forward again (its kernels' launches were not all prepared, or the
+attributes' layouts changed) is void, and run again; so is a block with a call at sizes
+its side has not run before (a Dynamo graph with symbolic sizes, given a new sequence
+length: its first call writes a straight line again, and Triton may compile its kernels
+for the new sizes). Measured on GPT-2 124M under ``fxlite.compile(dynamic=True)`` at four
+lengths, before this: the kernels' blocks took 126 ms a call against the recorded ops'
+13.7, and the kernels lost. After ``_VOIDS`` void blocks the blocks count as they come (a
+program whose sizes change on every call would otherwise stay on trial). (An earlier trial warmed up with five calls, when the compiled
+side wrote its forward twice and the recorded side's first two calls took 145 and 55 ms
+for vit_b_16; neither happens now, measured at 52bcb3b.)
 
 A block is three consecutive calls of one side, timed from a synchronized start to a
 synchronized end, so that the host's launches of one call overlap the GPU's work on the
@@ -40,7 +47,7 @@ Both sides give eager's results (the compiled one was checked; the recorded one 
 user's own ops), so the trial costs only the synchronizations of its blocks. When the
 recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why. Recorded
 ops that carry channels-last convolutions then go on a second trial of the same shape,
-against the same ops without that rewrite (``_layout_trial``; calls 12-22 or later).
+against the same ops without that rewrite (``_layout_trial``; the trial's calls 9-16 or later).
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ from fxlite.graph_module import GraphModule
 __all__ = ["GraphedTrial", "Trial", "choose_runner"]
 
 _ROUNDS = 3  # timed calls of each side (GraphedTrial)
-_WARM = 5  # untimed calls first, taking turns from the compiled side
+_WARM = 2  # untimed calls first: one of each side, the compiled side's first
 _BLOCK = 3  # consecutive calls of one side: one timed block
+_VOIDS = 4  # void blocks run again at most this many times in all
 _CLOSE = 1.1  # sides within this ratio after one block each get a second block each
 
 
@@ -89,7 +97,8 @@ class Trial:
         self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.calls = 0
         self.sizes: tuple[set, set] = (set(), set())  # the arguments' sizes each side ran
-        self._void = False  # whether the current block met sizes new to its side
+        self._void = False  # whether the current block did first-call work (left out)
+        self.voids = 0  # blocks left out so far
         self.decide = decide
         self.done = False
         self._start = 0.0
@@ -104,19 +113,22 @@ class Trial:
             self.sizes[turn % 2].add(sizes)
             return self.sides[turn % 2](*args)
         block, place = divmod(turn - _WARM, _BLOCK)
-        side = 1 - block % 2  # the recorded ops' block first: the compiled side just ran
+        side = block % 2  # the compiled side's block first, then the recorded ops'
         new = sizes not in self.sizes[side]
         self.sizes[side].add(sizes)
         if place == 0:
             torch.cuda.synchronize()
             self._start, self._void = time.perf_counter(), False
-        self._void = self._void or new
+        writes = _writes(self.sides[side])
         out = self.sides[side](*args)
+        self._void = self._void or new or _writes(self.sides[side]) != writes
         if place == _BLOCK - 1:
             torch.cuda.synchronize()
-            if not self._void:
+            if self._void and self.voids < _VOIDS:
+                self.voids += 1
+            else:
                 self.times[side].append((time.perf_counter() - self._start) * 1e3 / _BLOCK)
-            if side == 0 and all(self.times):
+            if side == 1 and all(self.times):
                 self._settle()
         return out
 
@@ -127,6 +139,12 @@ class Trial:
         if len(self.times[0]) >= 2 or max(ours, theirs) > _CLOSE * min(ours, theirs):
             self.done, self._winner = True, int(ours > theirs)
             self.decide(ours <= theirs, ours, theirs)
+
+
+def _writes(side: Callable[..., Any]) -> int:
+    """How many straight-line forwards ``side`` has written (a ``StraightRunner``'s
+    first-call work); 0 for other runners."""
+    return getattr(side, "writes", 0)
 
 
 def choose_runner(seg: Any, cuda: bool, graphed: bool) -> Callable[..., Any]:
