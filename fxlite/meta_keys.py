@@ -124,7 +124,7 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("autocast", "bool (True only)", "the call was recorded under autocast",
             (_CAPTURE,),
             ("codegen/lower/autocast.py", "codegen/lower/pad_matmul.py",
-             "codegen/lower/pipeline.py")),
+             "codegen/lower/pipeline.py", "passes/attention.py")),
     MetaKey("site", "tuple (file, line, function, source) | None",
             "the user's frame that made the call (codegen/capture/records.py user_site)",
             (_CAPTURE,), (_CAPTURE,)),

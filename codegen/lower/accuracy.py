@@ -361,7 +361,8 @@ _TF32_OPS = frozenset({
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "convolution", "_convolution", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm",
     "addbmm", "linear", "bilinear", "padded_linear", "einsum", "tensordot",
-    "scaled_dot_product_attention", "multi_head_attention_forward"})
+    "scaled_dot_product_attention", "multi_head_attention_forward",
+    "_native_multi_head_attention"})
 
 
 def _runs_tf32(gm: GraphModule) -> bool:
