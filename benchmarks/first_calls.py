@@ -9,8 +9,9 @@ Each case is ``model:dtype:batch`` with the models and dtypes of ``bench_models.
 ``torch.no_grad()``. Eager is warmed up with 5 calls and timed over 20, each call
 synchronized; then a fresh ``fxlite.compile`` is timed call by call over its first 20
 calls, and both in a loop of 30. Printed per case: eager's median call, fxlite's 20 calls,
-the worst of calls 3 to 20 over eager's median, the loop times, the kernels kept and the
-fallbacks.
+the worst of calls 3 to 20 over eager's median, the loop times, the kernels kept, how each
+segment's trial ended (its winner runs from the call after the trial's last, counting the
+compiled function's first call, which compiles) and the fallbacks.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
               + " ".join(f"{t:.1f}" for t in calls)
               + f"; worst from call 3: {max(calls[2:]) / eager:.2f}x eager; loop ms eager "
               f"{eager_loop:.2f} fxlite {fx_loop:.2f}; kernels {len(compiled.kernels)} "
+              f"trials {[str(t) for t in compiled.trials]} "
               f"fallbacks {[f[:90] for f in compiled.fallbacks]}", flush=True)
         del model, compiled
         torch.cuda.empty_cache()

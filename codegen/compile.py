@@ -149,6 +149,8 @@ class CompiledFunction:
     Attributes:
         kernels: the Triton kernels the latest call ran.
         fallbacks: why parts of it run in eager PyTorch.
+        trials: on a GPU, how each segment's race of its kernels against its recorded ops
+            ended (``codegen/runtime/trial.py``).
         code: the generated Python of each segment the latest call ran.
         recompile_limit: how many paths and keys are recorded before new ones run eagerly.
     """
@@ -781,6 +783,15 @@ class CompiledFunction:
     def _kernel_groups(self) -> list[Any]:
         return [k for seg in self._last if seg.compiled for k in seg.compiled.kernels
                 if hasattr(k, "_variants")]
+
+    @property
+    def trials(self) -> list[Any]:
+        """How the trials of the segments the latest call ran ended, on a GPU: a
+        ``TrialResult`` each (which side won, after how many calls, at what time a call);
+        none while a segment is still on trial, or where it had none."""
+        if self._dynamo is not None:
+            return []
+        return [t for seg in self._last for t in seg.trials]
 
     @property
     def fallbacks(self) -> list[str]:

@@ -55,6 +55,7 @@ class Segment:
     # the positions of the call's arguments a root takes, when it takes them all but a
     # Dynamo graph's keyed floats (compile._picks): its calls may take the straight line
     picks: tuple[int, ...] | None = None
+    trials: list[Any] = field(default_factory=list)  # how its trials ended (runtime/trial.py)
 
     def arguments(self, env: dict[str, Any]) -> list[Any]:
         """The values of this segment's inputs, from the call's env."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fxlite.codegen.lower.segment import CompiledSegment, direct_forward
@@ -64,7 +64,7 @@ from fxlite.codegen.runtime.segment_graphs import WARMUP, SegmentGraphs, runs_ba
 from fxlite import config
 from fxlite.graph_module import GraphModule
 
-__all__ = ["GraphedTrial", "Trial", "choose_runner"]
+__all__ = ["GraphedTrial", "Trial", "TrialResult", "choose_runner"]
 
 _ROUNDS = 3  # timed calls of each side (GraphedTrial)
 _WARM = 2  # untimed calls first: one of each side, the compiled side's first
@@ -78,6 +78,20 @@ def _sizes(args: tuple) -> tuple:
     and ints (a Dynamo graph's sizes taken as inputs)."""
     return tuple(a.shape if isinstance(a, torch.Tensor) else a if type(a) is int else None
                  for a in args)
+
+
+class TrialResult(NamedTuple):
+    """How one trial of a segment ended (``fxlite.compile(...).trials``)."""
+
+    race: str  # "kernels against recorded ops", or the second trial's "layouts"
+    winner: str  # "kernels", "recorded ops", "channels-last" or "no channels-last"
+    ms: tuple[float, float]  # a call of the first side, and of the second (block means)
+    calls: int  # the trial's calls until it decided (the compiled function's first
+    #            call, which compiles, comes before them)
+
+    def __str__(self) -> str:
+        return (f"{self.race}: {self.winner} won after {self.calls} calls ({self.ms[0]:.3f} "
+                f"against {self.ms[1]:.3f} ms a call)")
 
 
 class Trial:
@@ -175,6 +189,8 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
     compiled, recorded = seg.compiled, _recorded_side(seg)
 
     def decide(kernels_win: bool, ours: float, theirs: float) -> None:
+        seg.trials.append(TrialResult("kernels against recorded ops", "kernels" if kernels_win
+                                      else "recorded ops", (ours, theirs), trial.calls))
         winner = _keep(seg, recorded, kernels_win, ours, theirs)
         if not kernels_win and not graphed and compiled.plain is not None:
             seg.run = _layout_trial(seg, compiled.plain)
@@ -182,7 +198,8 @@ def _on_trial(seg: Any, graphed: bool) -> Trial:
         seg.run = SegmentGraphs(winner.gm, winner.run, winner.fallbacks) if graphed \
             else winner.run
 
-    return Trial(compiled.run, recorded.run, decide)
+    trial = Trial(compiled.run, recorded.run, decide)
+    return trial
 
 
 def _layout_trial(seg: Any, plain_gm: GraphModule) -> Trial:
@@ -200,6 +217,8 @@ def _layout_trial(seg: Any, plain_gm: GraphModule) -> Trial:
                             fallbacks=list(laid_out.fallbacks))
 
     def decide(layout_wins: bool, ours: float, theirs: float) -> None:
+        seg.trials.append(TrialResult("layouts", "channels-last" if layout_wins
+                                      else "no channels-last", (ours, theirs), trial.calls))
         if not layout_wins:
             plain.fallbacks.append(
                 f"its recorded ops ran faster without channels-last convolutions ({theirs:.3f} "
@@ -207,7 +226,8 @@ def _layout_trial(seg: Any, plain_gm: GraphModule) -> Trial:
             seg.compiled = plain
         seg.run = seg.compiled.run
 
-    return Trial(laid_out.run, plain.run, decide)
+    trial = Trial(laid_out.run, plain.run, decide)
+    return trial
 
 
 def _recorded_side(seg: Any) -> CompiledSegment:
@@ -268,10 +288,12 @@ class GraphedTrial(Trial):
         self.times: tuple[list[float], list[float]] = ([], [])
         self.off: list[Any] = [None, None]  # why each side gave up its graphs, if it did
         self.side, self.calls, self.done = 0, 0, False
+        self.seen = 0  # calls in all
         self.started: float | None = None  # when the latest timed call started
         self.runner: Any = make[0]()
 
     def __call__(self, *args: Any) -> Any:
+        self.seen += 1
         if self.started is not None:  # the latest call was timed: its time ends here
             torch.cuda.synchronize()
             times = self.times[self.side]
@@ -315,12 +337,16 @@ def _graphed_trial(seg: Any) -> GraphedTrial:
     compiled, recorded = seg.compiled, _recorded_side(seg)
 
     def decide(kernels_win: bool, ours: float, theirs: float, winner: Any) -> None:
+        seg.trials.append(TrialResult("kernels against recorded ops, from CUDA graphs",
+                                      "kernels" if kernels_win else "recorded ops",
+                                      (ours, theirs), trial.seen - 1))  # (at a call's start)
         _keep(seg, recorded, kernels_win, ours, theirs, "replayed from CUDA graphs, ")
         seg.run = winner
 
-    return GraphedTrial((lambda: SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
+    trial = GraphedTrial((lambda: SegmentGraphs(compiled.gm, compiled.run, compiled.fallbacks),
                          lambda: SegmentGraphs(recorded.gm, recorded.run, recorded.fallbacks)),
-                        decide, warm=WARMUP + 2)
+                         decide, warm=WARMUP + 2)
+    return trial
 
 
 def _graphed_recording(seg: Any, compiled: CompiledSegment) -> SegmentGraphs:

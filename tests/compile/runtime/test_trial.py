@@ -399,3 +399,30 @@ def test_a_block_at_sizes_new_to_its_side_is_not_timed(monkeypatch):
             break
     assert decided and decided[0][0], decided  # the kernels, faster at every seen size
     assert decided[0][1] < 2 and decided[0][2] < 4
+
+
+def test_a_compiled_function_says_how_its_trials_ended(monkeypatch):
+    # compiled.trials: which side won, after how many of the trial's calls, at what time a
+    # call; nothing while the trial runs. (Under the interpreter the kernels are slow, so
+    # the recorded ops win.)
+    from fxlite.codegen.runtime.trial import TrialResult, choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    model = LinearRelu().to(DEVICE).eval()
+    c = fxlite.compile(model)
+    with torch.no_grad():
+        c(rand(4, 8))
+        seg = c._last[0]
+        seg.run = choose_runner(seg, cuda=True, graphed=False)
+        for call in range(1, 11):
+            x = rand(4, 8)
+            torch.testing.assert_close(c(x), model(x))
+            assert len(c.trials) == (call >= 8), call
+    (result,) = c.trials
+    assert isinstance(result, TrialResult) and result.calls == 8
+    assert result.race == "kernels against recorded ops"
+    assert result.winner == ("kernels" if result.ms[0] <= result.ms[1] else "recorded ops")
+    assert str(result).startswith(f"kernels against recorded ops: {result.winner} won after 8")
+    assert (result.winner == "recorded ops") == any("recorded ops ran faster" in f
+                                                     for f in c.fallbacks)
