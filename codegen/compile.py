@@ -261,9 +261,12 @@ class CompiledFunction:
         # code never reads): the straight line takes them as they are
         straight = tensors_only or (self._graph_args and not kwargs and _graph_args(args))
         fkey = _NO_FAST_KEY
+        # the state key, once a call: its walk of the modules runs every 16th key
+        state: StateKey | None = None
         if fast is not None and straight:  # laid out as seen before: launch directly
             keyed = self._keyed
-            fkey = FastKey(fast_key(args), ambient_key(), self._state_key(),
+            state = self._state_key()
+            fkey = FastKey(fast_key(args), ambient_key(), state,
                            tuple(args[i].item() for i in keyed) if keyed else ())
             found = fast.get(fkey)
             if found is not None and found.check():
@@ -275,7 +278,8 @@ class CompiledFunction:
                     return self._replay_failed(seg, args, kwargs)
         replay_key = None
         if graphs is not None and tensors_only:  # a CUDA graph captured for these inputs
-            replay_key = graphs.key(args, (ambient_key(), self._state_key()))
+            state = state or self._state_key()
+            replay_key = graphs.key(args, (ambient_key(), state))
             found = graphs.replay(replay_key)
             if found is not graphs.MISS:
                 self._last = [found[1]]
@@ -290,7 +294,8 @@ class CompiledFunction:
         arg_modules = tuple(x for x in leaves if isinstance(x, torch.nn.Module))
         base = CallKey(spec, ambient_key(), input_key(leaves, False, self._alias,
                                                       symbolic=self._symbolic, keyed=self._keyed),
-                       self._state_key(arg_modules))
+                       state if state is not None and not arg_modules
+                       else self._state_key(arg_modules))
         key = self._sized_key(base, leaves)
         root = self._trees.get(key)
         if root is None and self._followed:

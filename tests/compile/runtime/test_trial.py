@@ -426,3 +426,31 @@ def test_a_compiled_function_says_how_its_trials_ended(monkeypatch):
     assert str(result).startswith(f"kernels against recorded ops: {result.winner} won after 8")
     assert (result.winner == "recorded ops") == any("recorded ops ran faster" in f
                                                      for f in c.fallbacks)
+
+
+def test_a_call_on_trial_computes_its_state_key_once(monkeypatch):
+    # On a GPU a call whose straight line is not ready (its segment on trial) missed the
+    # fast path and computed the state key a second time, so the walk of the modules
+    # meant for every 16th call ran every 8th: on an H200 it landed on vit_b_16's ninth
+    # call, the trial's last, with 1-2 ms of host time.
+    import fxlite.codegen.capture.guards as guards
+    from fxlite.codegen.runtime.trial import choose_runner
+
+    monkeypatch.setenv("FXLITE_TRIAL", "1")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the fast path is on
+    keys = []
+    real = guards.StateGuard.key
+    monkeypatch.setattr(guards.StateGuard, "key", lambda self, *a: keys.append(1) or real(self, *a))
+    model = LinearRelu().to(DEVICE).eval()
+    c = fxlite.compile(model)
+    assert c._fast is not None
+    with torch.no_grad():
+        c(rand(4, 8))
+        seg = c._last[0]
+        seg.run = choose_runner(seg, cuda=True, graphed=False)
+        for _ in range(5):
+            keys.clear()
+            x = rand(4, 8)
+            torch.testing.assert_close(c(x), model(x))
+            assert len(keys) == 1
