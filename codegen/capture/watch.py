@@ -668,6 +668,23 @@ def is_stateful(value: Any) -> bool:
 def user_class(cls: type) -> bool:
     """A class of the user's (not torch's, fxlite's or the standard library's), whose
     plain class attributes (``Defaults.eps``) a call may read."""
+    try:
+        return _USER_CLASSES[cls]
+    except KeyError:
+        found = _USER_CLASSES[cls] = _user_class(cls)
+        if len(_USER_CLASSES) > 4096:  # (classes made on the fly, in a loop)
+            _USER_CLASSES.clear()
+        return found
+    except TypeError:  # (a metaclass without __hash__)
+        return _user_class(cls)
+
+
+# user_class by class: the guard asks it of the same few classes on every call (a
+# transformers model's loggers and registries: 44 times a call of a T5 encoder)
+_USER_CLASSES: dict[type, bool] = {}
+
+
+def _user_class(cls: type) -> bool:
     module = getattr(cls, "__module__", "") or ""
     return not module.startswith(("torch", "fxlite", "builtins", "typing", "collections",
                                   "enum", "abc", "numpy", "transformers", "timm")) \
@@ -688,8 +705,8 @@ def contents_key(value: Any, depth: int = 0) -> Any:
                      for k, v in value.items())
     if isinstance(value, (list, bytearray, collections.deque)):
         return (len(value), tuple(_leaf(v, depth) for v in value))
-    if isinstance(value, set):
-        return (len(value), frozenset(v if isinstance(v, _PLAIN) else id(v) for v in value))
+    if isinstance(value, set):  # (its items are hashable: a copy compares them, in C)
+        return (len(value), frozenset(value))
     rng = _rng_key(value) if type(value).__module__.startswith("numpy.random") else None
     if rng is not None:
         return rng
