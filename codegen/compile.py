@@ -261,7 +261,7 @@ class CompiledFunction:
         # code never reads): the straight line takes them as they are
         straight = tensors_only or (self._graph_args and not kwargs and _graph_args(args))
         fkey = _NO_FAST_KEY
-        # the state key, once a call: its walk of the modules runs every 16th key
+        # the state key, once a call (the guard walks a part of the modules each key)
         state: StateKey | None = None
         if fast is not None and straight:  # laid out as seen before: launch directly
             keyed = self._keyed
@@ -278,7 +278,8 @@ class CompiledFunction:
                     return self._replay_failed(seg, args, kwargs)
         replay_key = None
         if graphs is not None and tensors_only:  # a CUDA graph captured for these inputs
-            state = state or self._state_key()
+            if state is None:
+                state = self._state_key()
             replay_key = graphs.key(args, (ambient_key(), state))
             found = graphs.replay(replay_key)
             if found is not graphs.MISS:

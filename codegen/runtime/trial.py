@@ -12,21 +12,22 @@ side once::
 
 (The calls are the trial's own; the compiled function's first call, which compiles and
 checks the kernels, comes before them, so the winner runs from the user's tenth call.)
-Each side's first call is left out: the compiled side's first call writes its straight-line
-forward
-for the call's layout (``codegen/runtime/straight_line.py``: 30 to 40 ms for vit_b_16,
-convnext_tiny and resnet50 on an H200 host, against 3 to 8 ms for a later call), and the
-recorded side's first call ran up to 1.3x its later ones. A block in which the compiled
-side writes a forward again (its kernels' launches were not all prepared, or the
-attributes' layouts changed) is void, and run again; so is a block with a call at sizes
-its side has not run before (a Dynamo graph with symbolic sizes, given a new sequence
-length: its first call writes a straight line again, and Triton may compile its kernels
-for the new sizes). Measured on GPT-2 124M under ``fxlite.compile(dynamic=True)`` at four
-lengths, before this: the kernels' blocks took 126 ms a call against the recorded ops'
-13.7, and the kernels lost. After ``_VOIDS`` void blocks the blocks count as they come (a
-program whose sizes change on every call would otherwise stay on trial). (An earlier trial warmed up with five calls, when the compiled
-side wrote its forward twice and the recorded side's first two calls took 145 and 55 ms
-for vit_b_16; neither happens now, measured at 52bcb3b.)
+Each side's first call is left out: there the compiled side writes its straight-line
+forward for the call's layout (``codegen/runtime/straight_line.py``: 30 to 40 ms for
+vit_b_16, convnext_tiny and resnet50 on an H200 host, against 3 to 8 ms for a later
+call), and the recorded side ran up to 1.3x its later calls. An earlier trial warmed up with five calls,
+when the compiled side wrote its forward twice and the recorded side's first two calls
+took 145 and 55 ms for vit_b_16; neither happens now (measured at 52bcb3b).
+
+A block in which the compiled side writes a forward again (its kernels' launches were not
+all prepared, or the attributes' layouts changed) is void, and run again; so is a block
+with a call at sizes its side has not run before (a Dynamo graph with symbolic sizes,
+given a new sequence length: its first call writes a straight line again, and Triton may
+compile its kernels for the new sizes). Measured on GPT-2 124M under
+``fxlite.compile(dynamic=True)`` at four lengths, before this: the kernels' blocks took
+126 ms a call against the recorded ops' 13.7, and the kernels lost. After ``_VOIDS`` void
+blocks the blocks count as they come (a program whose sizes change on every call would
+otherwise stay on trial).
 
 A block is three consecutive calls of one side, timed from a synchronized start to a
 synchronized end, so that the host's launches of one call overlap the GPU's work on the
@@ -47,7 +48,8 @@ Both sides give eager's results (the compiled one was checked; the recorded one 
 user's own ops), so the trial costs only the synchronizations of its blocks. When the
 recorded ops win, the segment's kernels are dropped and ``fallbacks`` says why. Recorded
 ops that carry channels-last convolutions then go on a second trial of the same shape,
-against the same ops without that rewrite (``_layout_trial``; the trial's calls 9-16 or later).
+against the same ops without that rewrite (``_layout_trial``; the trial's calls 9-16 or
+later).
 """
 
 from __future__ import annotations
