@@ -6,6 +6,7 @@ tests/compile/test_compile_gpu.py; here a recording stand-in replaces the compil
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fxlite.codegen.runtime.binaries import binary_key
 from fxlite.codegen.runtime.launch import (
@@ -167,3 +168,27 @@ def test_binary_key_changes_with_specialization_not_with_float_values() -> None:
     assert base != binary_key("src", "pointwise", [x, 64, 0.5], {"BLOCK": 512}, 4)
     assert base != binary_key("src", "pointwise", [x, 64, 0.5], {"BLOCK": 1024}, 8)
     assert base != binary_key("src2", "pointwise", [x, 64, 0.5], {"BLOCK": 1024}, 4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_same_values_compares_in_slices_and_finds_one_differing_element(monkeypatch, layout):
+    # The direct launch's check compares its output with the general launch's a slice of
+    # memory at a time (a whole-tensor comparison made a temporary of the output's size).
+    import fxlite.codegen.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "_SLICE", 64)  # many slices on a small tensor
+    compares = []
+    real = launch._same
+    monkeypatch.setattr(launch, "_same", lambda a, b: compares.append(a.numel()) or real(a, b))
+    x = torch.randn(2, 8, 6, 5)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x[:, ::2]  # not dense: compared whole
+    x[0, 0, 0, 0] = float("nan")
+    y = x.clone(memory_format=torch.preserve_format)
+    assert launch.same_values(x, y)
+    assert max(compares) == (x.numel() if layout == "strided" else 64)
+    y[1, 3, 5, 4] = 0.5 + y[1, 3, 5, 4]  # one element off, in the last slices
+    assert not launch.same_values(x, y)
+    assert launch.same_values(torch.tensor([0.0]), torch.tensor([-0.0]))  # as torch.equal
