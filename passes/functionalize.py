@@ -72,7 +72,9 @@ def functionalize(gm: GraphModule) -> GraphModule:
         plan = _pure_form(node)
         if plan is None:
             if node.meta.get("mutated") and node.args and isinstance(node.args[0], Node):
-                kept = _root(node.args[0], root_of, by_name)  # a write left as it is
+                written = node.args[0]  # a write left as it is; through a view, its base's
+                kept = _root(_viewed(written, gm) if node.meta.get("aliased") else written,
+                             root_of, by_name)
                 if kept in final:  # (into a pure value written back: after it, then)
                     last[kept] = node
             continue
@@ -141,6 +143,20 @@ def _root(written: Node, root_of: dict[Node, Node], by_name: dict[str, Node]) ->
             break
         seen.add(root)
     return root
+
+
+def _viewed(node: Node, gm: GraphModule) -> Node:
+    """What ``node`` is a view of, through a chain of view ops (``b.unsqueeze(0)[1]``):
+    a write left in place into a view of a pure value writes that value, so the value's
+    write-back goes after it (fuzz seed 8612778: ``b += 1; b.unsqueeze(-2).pow_(2)``, whose
+    buffer was written back before the ``pow_``)."""
+    while node.op in ("call_function", "call_method") and node.args and \
+            isinstance(node.args[0], Node):
+        info = lookup(node, gm)
+        if info is None or info.kind != "view":
+            break
+        node = node.args[0]
+    return node
 
 
 def changes_state(node: Node, module: Any) -> bool:
