@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from fxlite.codegen.capture.kinds import mutation_candidates, random_op, state_name
 from fxlite.codegen.runtime import kernel as runtime_kernel
+from fxlite.codegen.runtime.launch import slices
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import target_name
@@ -98,27 +99,17 @@ def allclose(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool
         allclose(torch.ones(3), torch.ones(3) + 1e-7, 1e-5, 1e-5)   # True
     """
     return all(torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
-               for x, y in zip(_slices(a), _slices(b)))
-
-
-def _slices(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Views that cover ``t``, each of at most ``_SLICE`` elements (or one element); two
-    tensors of one shape give matching slices."""
-    if t.numel() <= _SLICE or t.dim() == 0:
-        yield t
-        return
-    d = max(range(t.dim()), key=t.size)
-    for piece in t.split(max(1, t.size(d) * _SLICE // t.numel()), d):
-        yield from _slices(piece)
+               for x, y in zip(slices(a, _SLICE), slices(b, _SLICE)))
 
 
 def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b|`` in float64 (complex: in ``a``'s dtype), NaN counted as 0, computed a
     slice at a time."""
     if a.is_complex():
-        return max(float((x - y).abs().max()) for x, y in zip(_slices(a), _slices(b)) if x.numel())
+        return max(float((x - y).abs().max())
+                   for x, y in zip(slices(a, _SLICE), slices(b, _SLICE)) if x.numel())
     return max((float((x.double() - y.double()).abs().nan_to_num().max())
-                for x, y in zip(_slices(a), _slices(b)) if x.numel()), default=0.0)
+                for x, y in zip(slices(a, _SLICE), slices(b, _SLICE)) if x.numel()), default=0.0)
 
 
 def versions(tensors: Iterable[Any]) -> list[int]:
@@ -470,7 +461,7 @@ def _compare_one(got: Any, expected: torch.Tensor, reference: Any) -> str | None
     if not (expected.is_floating_point() or expected.is_complex()):
         return None if torch.equal(got.detach(), expected.detach()) else "values differ"
     squares, count = [0.0, 0.0, 0.0], 0  # of the errors, eager's errors and the values
-    for pieces in zip(*(_slices(t.detach()) for t in (got, expected, reference))):
+    for pieces in zip(*(slices(t.detach(), _SLICE) for t in (got, expected, reference))):
         g, e, r = (t.to(torch.complex128 if t.is_complex() else torch.float64) for t in pieces)
         finite = torch.isfinite(e)
         if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(

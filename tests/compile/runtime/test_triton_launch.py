@@ -184,11 +184,11 @@ def test_same_values_compares_in_slices_and_finds_one_differing_element(monkeypa
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     elif layout == "strided":
-        x = x[:, ::2]  # not dense: compared whole
+        x = x[:, ::2]  # not dense: sliced as views all the same
     x[0, 0, 0, 0] = float("nan")
     y = x.clone(memory_format=torch.preserve_format)
     assert launch.same_values(x, y)
-    assert max(compares) == (x.numel() if layout == "strided" else 64)
+    assert len(compares) > 1 and max(compares) <= 64
     y[1, 3, 5, 4] = 0.5 + y[1, 3, 5, 4]  # one element off, in the last slices
     assert not launch.same_values(x, y)
     assert launch.same_values(torch.tensor([0.0]), torch.tensor([-0.0]))  # as torch.equal
