@@ -39,7 +39,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-from fxlite.ops import is_impure, lookup
+from fxlite.ops import is_impure, lookup, view_base
 
 __all__ = ["changes_state", "functionalize"]
 
@@ -150,12 +150,8 @@ def _viewed(node: Node, gm: GraphModule) -> Node:
     a write left in place into a view of a pure value writes that value, so the value's
     write-back goes after it (fuzz seed 8612778: ``b += 1; b.unsqueeze(-2).pow_(2)``, whose
     buffer was written back before the ``pow_``)."""
-    while node.op in ("call_function", "call_method") and node.args and \
-            isinstance(node.args[0], Node):
-        info = lookup(node, gm)
-        if info is None or info.kind != "view":
-            break
-        node = node.args[0]
+    while (base := view_base(node, gm)) is not None:
+        node = base
     return node
 
 

@@ -30,8 +30,10 @@ from fxlite.ops.table import (
     resolve,
     result_dtype,
     same_literal,
+    view_base,
 )
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args",
            "canonical_target", "dtype_of", "has_side_effect", "is_impure", "lookup",
-           "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal"]
+           "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
+           "view_base"]

@@ -25,7 +25,8 @@ import torch
 from fxlite.node import Node
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of",
-           "lookup", "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal"]
+           "lookup", "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
+           "view_base"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,20 @@ def lookup(node: Node, module: torch.nn.Module | None = None) -> OpInfo | None:
     if info is None or info.refine is None:
         return info
     return _refined(node, info, module)[0]
+
+
+def view_base(node: Node, module: torch.nn.Module | None = None) -> Node | None:
+    """The node ``node`` is a view of (the input of an op the table calls a view), or None.
+
+    Example::
+
+        view_base(x_unsqueezed)   # the node of x, for x.unsqueeze(0)
+    """
+    info = lookup(node, module) if node.op in ("call_function", "call_method") else None
+    if info is None or info.kind != "view":
+        return None
+    base = node.args[0] if node.args else node.kwargs.get("input")
+    return base if isinstance(base, Node) else None
 
 
 def resolve(node: Node, module: torch.nn.Module | None = None) -> tuple[OpInfo, dict[str, Any]] | None:

@@ -22,7 +22,7 @@ import torch
 from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 
 from fxlite.node import Node, map_aggregate
-from fxlite.ops import OpInfo, canonical_args, is_impure, lookup
+from fxlite.ops import OpInfo, canonical_args, is_impure, lookup, view_base
 from fxlite.ops.shapes import broadcast_shapes
 from fxlite.tensor_meta import reduced_dims
 
@@ -181,7 +181,7 @@ def _seen_outside(src: Node, view: Node, module: torch.nn.Module) -> bool:
     through ``view``: ``src``'s root along view ops is an input or attribute, or it or
     one of its views (all of them, down the view ops) is returned."""
     root = src
-    while (base := _viewed(root, module)) is not None:
+    while (base := view_base(root, module)) is not None:
         root = base
     if root.op in ("placeholder", "get_attr"):
         return True
@@ -193,14 +193,5 @@ def _seen_outside(src: Node, view: Node, module: torch.nn.Module) -> bool:
         family.add(n)
         if n is not view and _returned(n):
             return True
-        todo.extend(u for u in n.users if _viewed(u, module) is n)
+        todo.extend(u for u in n.users if view_base(u, module) is n)
     return False
-
-
-def _viewed(node: Node, module: torch.nn.Module) -> Node | None:
-    """The node ``node`` is a view of (an op-table view op's input), or None."""
-    info = lookup(node, module) if node.op in ("call_function", "call_method") else None
-    if info is None or info.kind != "view":
-        return None
-    base = node.args[0] if node.args else node.kwargs.get("input")
-    return base if isinstance(base, Node) else None
