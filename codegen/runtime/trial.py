@@ -15,9 +15,10 @@ checks the kernels, comes before them, so the winner runs from the user's tenth 
 Each side's first call is left out: there the compiled side writes its straight-line
 forward for the call's layout (``codegen/runtime/straight_line.py``: 30 to 40 ms for
 vit_b_16, convnext_tiny and resnet50 on an H200 host, against 3 to 8 ms for a later
-call), and the recorded side ran up to 1.3x its later calls. An earlier trial warmed up with five calls,
-when the compiled side wrote its forward twice and the recorded side's first two calls
-took 145 and 55 ms for vit_b_16; neither happens now (measured at 52bcb3b).
+call), and the recorded side ran up to 1.3x its later calls. An earlier trial warmed up
+with five calls, when the compiled side wrote its forward twice and the recorded side's
+first two calls took 145 and 55 ms for vit_b_16; neither happens now (measured at
+52bcb3b).
 
 A block in which the compiled side writes a forward again (its kernels' launches were not
 all prepared, or the attributes' layouts changed) is void, and run again; so is a block
