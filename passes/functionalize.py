@@ -98,6 +98,7 @@ def functionalize(gm: GraphModule) -> GraphModule:
         node.meta.pop("mutated", None)
         changed = True
         value = _keep_dtype(node, written)
+        by_name[value.name] = value
         root_of[value] = root
         if root.op == "placeholder":
             final[root] = last[root] = value
@@ -266,6 +267,19 @@ def _keep_dtype(node: Node, written: Node) -> Node:
     with graph.inserting_after(node):
         cast = graph.call_method("to", (node, dtype))
     cast.meta.update({k: v for k, v in node.meta.items() if k != "mutated"})
+    for user in list(node.users):
+        if user is cast:
+            continue
+        # The cast stands for the written tensor, in the names its readers recorded too:
+        # a later in-place write into it (``x.mul_(long_mask); x /= 2``) writes the cast's
+        # value, so it too has a pure form (fuzz seed 8553095, whose kept ``div_`` made
+        # the graph return a new tensor where eager returns ``x``).
+        for key in ("mutated", "same_object"):
+            names = user.meta.get(key)
+            if names == node.name:
+                user.meta[key] = cast.name
+            elif isinstance(names, list) and node.name in names:
+                user.meta[key] = [cast.name if m == node.name else m for m in names]
     node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
     return cast
 

@@ -411,3 +411,20 @@ def test_a_new_path_that_writes_through_a_view_checks_from_the_values_before_the
         assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
         torch.testing.assert_close(got, f(theirs))
         torch.testing.assert_close(mine, theirs)
+
+
+def test_a_write_after_a_cast_back_still_returns_the_argument_itself():
+    # x0.mul_(long mask) promotes in its pure form, so functionalize casts it back to
+    # float; the next write, ``x0 /= -1.5``, recorded the mul_ as the tensor it writes,
+    # not the cast, so it stayed in place and the graph returned the cast's value, a new
+    # tensor, where eager returns x0 itself (fuzz seed 8553095).
+    def f(x0):
+        x0.mul_((1e-3 < x0).long())
+        x0 /= -1.5
+        return x0
+
+    compiled = _run(f, [(torch.randn(4, 5, device=DEVICE),)] * 4)
+    for _ in range(3):
+        x = torch.randn(4, 5, device=DEVICE)
+        assert compiled(x) is x
+    assert len(compiled.kernels) == 1 and "div_" not in compiled.code
