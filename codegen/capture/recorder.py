@@ -648,8 +648,9 @@ class Recorder(TorchFunctionMode):
         range (``x[idx]``, ``gather``, ``index_select``), an integer division by zero
         (``fmod``, ``remainder``). Their results are read by nothing (or only by other
         unused ops), so dead-code elimination would drop them and the error with them;
-        they stay, as ``checks`` (pure: safe to run again). Called once the graph has its
-        output."""
+        they stay, as ``checks`` (pure: safe to run again). Any other unused op of the
+        recorded values makes the recording one per size (``sizes_read``): it may raise
+        at other sizes (``x.reshape(9, 1)``). Called once the graph has its output."""
         dead: set[Node] = set()  # its values read by nothing, or only by dead nodes
         for node in reversed(list(self.graph.nodes)):
             if node.op in ("call_function", "call_method") and not node.meta.get(
@@ -666,6 +667,12 @@ class Recorder(TorchFunctionMode):
             if name in _INDEXING or name in _DIVIDING and integer or name in (
                     "getitem", "__getitem__") and _nodes_in(node.args[1:]):
                 node.meta.update(impure=True, checks=True)
+        if not self.symbolic and any(_nodes_in((n.args, n.kwargs)) for n in dead
+                                     if not n.meta.get("checks")):
+            # The others may raise at other sizes (``x.reshape(9, 1)``, ``x + y``), where
+            # eager's raises too: the key holds the sizes, so a call at new ones records
+            # again (fuzz seed 8516201: a dead reshape of a resized input).
+            self.rec.sizes_read = True
 
     # ------------------------------------------------------------------ opaque calls
     def call_opaque(self, target: Any, runner: Callable[..., Any], args: tuple,

@@ -562,3 +562,35 @@ def test_an_unused_op_that_raises_raises_as_in_eager(fn, good, bad):
         assert outcomes[0] == outcomes[1], outcomes
         if outcomes[0] is None:
             assert compiled.kernels
+
+
+def _unused_reshape(x, y):
+    x.reshape(9, 1)  # unused: eager raises at any size but 9 elements
+    return x.sin()
+
+
+def _unused_add(x, y):
+    x + y  # unused: eager raises where the sizes do not broadcast
+    return x.cos() * 2
+
+
+@pytest.mark.parametrize("fn", [_unused_reshape, _unused_add])
+def test_an_unused_op_of_the_inputs_raises_at_new_sizes_as_in_eager(fn):
+    # Fuzz seed 8516201: a recording that reads no size serves every size, and dead-code
+    # elimination had dropped the op whose error the new sizes raise in eager. A recording
+    # with an unused op of its inputs is now one per size; calls of the first size still
+    # run kernels.
+    compiled = fxlite.compile(fn)
+    for shape in ((3, 3), (3, 3), (3, 3), (3, 5), (3, 3), (4, 2)):
+        args = (rand(*shape), rand(3, 3))
+        outcomes = []
+        for f in (fn, compiled):
+            try:
+                f(*args)
+                outcomes.append(None)
+            except RuntimeError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], (shape, outcomes)
+        if shape == (3, 3):
+            assert outcomes[0] is None and compiled.kernels
+    assert outcomes[0] is not None  # (4, 2) raises in both
