@@ -280,10 +280,10 @@ class _GroupFunction(torch.autograd.Function):
             k = grad.grads[i]
             if i not in reached:
                 out.append(None)
-            elif k is not None:
+            elif k is not None and results[k] is not None:
                 g = results[k]
                 out.append(g if g.shape == spec[0] else g.expand(spec[0]))
-            elif i in grad.zero_grads:
+            elif i in grad.zero_grads or k is not None:  # (zero: without_tangents)
                 out.append(torch.zeros(spec[0], dtype=spec[1], device=spec[2]))
             else:
                 out.append(None)

@@ -507,7 +507,7 @@ def test_an_op_without_a_rule_runs_under_eager_autograd():
 
 def test_without_tangents_drops_the_terms_of_unused_outputs():
     # y = exp(x) and z = x * w: with z's tangent unused, x's gradient is g_y * exp(x)
-    # alone, and w's gradient (reached only through z) reads nothing but the zero tangent
+    # alone, and w's gradient (reached only through z) is zero: None, computing nothing
     from fxlite.codegen.lower.autodiff import differentiate, without_tangents
 
     gm = normalize(fxlite.symbolic_trace(lambda x, w: (torch.exp(x), x * w)))
@@ -516,12 +516,35 @@ def test_without_tangents_drops_the_terms_of_unused_outputs():
     pruned = without_tangents(grad.backward, len(grad.tangents), [1])
     tangent = [n for n in pruned.graph.nodes if n.op == "placeholder"][-1]
     adds = [n for n in pruned.graph.nodes if n.op == "call_function" and n.target is torch.add]
-    assert not adds and len(tangent.users) <= 1  # x's sum is gone; only w's term reads it
+    assert not adds and not tangent.users  # x's sum is gone, and w's term
     assert grad.saved == [("input", 0), ("input", 1)]
     g_y = torch.randn(3)
     with torch.no_grad():
         got = pruned(x, w, g_y, torch.zeros(3))
         torch.testing.assert_close(got[grad.grads[0]], g_y * torch.exp(x))
+        assert got[grad.grads[1]] is None
+
+
+def test_a_gradient_only_an_unused_output_reaches_is_zero_not_nan():
+    # t = trunc(x) and m = x * t, the loss reading t alone: x's gradient is trunc's, 0.
+    # The group's backward computed m's term with its zero tangent, 0 * t, NaN where x is
+    # infinite; and read t, which a write in place since made the backward raise where
+    # eager's does not (fuzz seed 8542728).
+    def f(x):
+        t = x.trunc()
+        return t, x * t
+
+    compiled = fxlite.compile(f)
+    for values in ([0.5, 2.0], [float("inf"), 1.5], [3.0, float("-inf")], [1.0, 2.0]):
+        grads = []
+        for fn in (f, compiled):
+            x = torch.tensor(values, device=DEVICE, requires_grad=True)
+            t, _ = fn(x)
+            t[0] = 5.0  # written in place: the backward of x * t, never run, saved t
+            t.std().backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[1], grads[0])
+    assert compiled.kernels and compiled.fallbacks == []
 
 
 def test_a_detached_copy_of_a_value_is_the_value_once_the_rules_have_run():
