@@ -114,6 +114,9 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 # recomputes a sigmoid from its input, which the program writes in place later, so it
 # raises where eager's, which saved the sigmoid's output, does not. (Groups no longer
 # check saved values only a result the loss does not use needs: 7200785, 7326012.)
+# 6065 goes without its steps whose values nothing uses: since session 37 such a step
+# makes the recording one per size, and its dead ``sin`` hid the finding, which its
+# resized call shows.
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="open findings of the fuzzer")
 @pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (6065, "grad"),
                                         (9133, "grad"), (7105288, "grad")])
@@ -121,6 +124,8 @@ def test_open_findings(seed: int, path: str) -> None:
     from fuzz_check import STATS
 
     program = generate(RandomDraw(seed), seed, draw_step)
+    if seed == 6065:
+        program = rebuild(program, lambda i, s, used=program.value_steps(): i in used)
     counted = STATS["failures"]  # known findings: the summary counts the fuzz runs alone
     if path == "grad":
         program = gradable(program)
