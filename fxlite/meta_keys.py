@@ -77,7 +77,7 @@ NODE_META: dict[str, MetaKey] = _table(
             "an op kept though its result is unused, for the error it may raise (a Cholesky "
             "tested for positive definiteness): impure for dead-code elimination, safe to run "
             "again when a replay raises", (_CAPTURE,),
-            ("codegen/compile.py", "passes/functionalize.py")),
+            ("codegen/compile.py", _CAPTURE, "passes/functionalize.py")),
     MetaKey("example_value", "torch.SymInt (or a fake tensor)",
             "Dynamo's example of the node's value: a placeholder holding one of its SymInts "
             "is a size taken as an input", (), ("codegen/capture/symbolic.py",)),
@@ -155,7 +155,8 @@ NODE_META: dict[str, MetaKey] = _table(
             (_CAPTURE, "passes/functionalize.py"), ("passes/functionalize.py",)),
     MetaKey("same_object", "str",
             "the name of the tensor this in-place call returned (a later version of it)",
-            (_CAPTURE,), (_CAPTURE, "passes/channels_last.py", "passes/functionalize.py")),
+            (_CAPTURE, "passes/functionalize.py"),
+            (_CAPTURE, "passes/channels_last.py", "passes/functionalize.py")),
     MetaKey("returns_input", "bool (True only)",
             "the call returned its input object unchanged (x.float() of a float tensor)",
             (_CAPTURE,), ("codegen/capture/follow.py", _CAPTURE, "passes/channels_last.py")),
