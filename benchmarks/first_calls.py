@@ -6,12 +6,15 @@ Run on a CUDA machine (torchvision and transformers installed)::
     PYTHONPATH=$PWD python benchmarks/first_calls.py vit_b_16:f32:32,t5_encoder:bf16:32
 
 Each case is ``model:dtype:batch`` with the models and dtypes of ``bench_models.py``, under
-``torch.no_grad()``. Eager is warmed up with 5 calls and timed over 20, each call
-synchronized; then a fresh ``fxlite.compile`` is timed call by call over its first 20
-calls, and both in a loop of 30. Printed per case: eager's median call, fxlite's 20 calls,
-the worst of calls 3 to 20 over eager's median, the loop times, the kernels kept, how each
-segment's trial ended (its winner runs from the call after the trial's last, counting the
-compiled function's first call, which compiles) and the fallbacks.
+``torch.no_grad()``. Eager is warmed up with 5 calls; then a fresh ``fxlite.compile`` is
+timed call by call over its first 20 calls, each synchronized, with one eager call timed
+just before each (interleaved: the host's speed drifts by 30% within minutes on the H200
+machines, and an eager median taken apart from fxlite's calls made eager-speed calls look
+1.3x slower), and both in a loop of 30. Printed per case: eager's median call, fxlite's
+20 calls, the worst of calls 3 to 20 over eager's median and over the eager call just
+before it, the loop times, the kernels kept, how each segment's trial ended (its winner
+runs from the call after the trial's last, counting the compiled function's first call,
+which compiles) and the fallbacks.
 """
 
 from __future__ import annotations
@@ -65,13 +68,18 @@ def main() -> None:
         model, inputs = bm.cast(*bm.build(name, False, int(batch), "cuda"), dtype)
         with torch.no_grad():
             per_call(model, inputs, 5)
-            eager = statistics.median(per_call(model, inputs, 20))
             compiled = fxlite.compile(model)
-            calls = per_call(compiled, inputs, 20)
+            eagers, calls = [], []
+            for _ in range(20):
+                eagers += per_call(model, inputs, 1)
+                calls += per_call(compiled, inputs, 1)
+            eager = statistics.median(eagers)
             eager_loop, fx_loop = loop_ms(model, inputs), loop_ms(compiled, inputs)
+        beside = max(c / e for c, e in zip(calls[2:], eagers[2:]))
         print(f"{case}: eager {eager:.2f} ms a call; fxlite calls 1-20: "
               + " ".join(f"{t:.1f}" for t in calls)
-              + f"; worst from call 3: {max(calls[2:]) / eager:.2f}x eager; loop ms eager "
+              + f"; worst from call 3: {max(calls[2:]) / eager:.2f}x eager's median, "
+              f"{beside:.2f}x the eager call before it; loop ms eager "
               f"{eager_loop:.2f} fxlite {fx_loop:.2f}; kernels {len(compiled.kernels)} "
               f"trials {[str(t) for t in compiled.trials]} "
               f"fallbacks {[f[:90] for f in compiled.fallbacks]}", flush=True)
