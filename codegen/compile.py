@@ -62,6 +62,7 @@ from fxlite.codegen.lower.segment import (
     direct_forward,
     expand_kernels,
 )
+from fxlite.codegen.lower.written_inputs import written_later
 from fxlite.codegen.options import MODES, Settings, resolve
 from fxlite.codegen.report import kernel_report
 from fxlite.codegen.runtime.cudagraphs import GraphReplays, side_stream
@@ -734,6 +735,7 @@ class CompiledFunction:
             real_env = dict(env)  # (env takes the checks' values as they come)
             settled = _settled(rec, real_env)
             after_steps: dict[str, Any] = {}  # written by an earlier segment's settled step
+            recorded = list(rec.graph.nodes)
             for seg in segments[start:]:
                 sample = []
                 for n in seg.inputs:
@@ -754,6 +756,7 @@ class CompiledFunction:
                     else:
                         sample.append(seg.seeds[n] if n in seg.seeds else env[n])
                 _mark_unscales(seg, rec, private, real_env)
+                written_later(recorded, seg.gm)  # (before a backward: not saved by groups)
                 for node in seg.gm.graph.nodes:  # (the check copies them in: _Replay)
                     if node.name in settled:
                         node.meta["settled"] = [(n, ref) for n, ref in settled[node.name]

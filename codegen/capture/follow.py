@@ -122,6 +122,7 @@ from fxlite.codegen.capture.records import (
 )
 from fxlite.codegen.capture.rules import map_tensors, same_func, spelling
 from fxlite.codegen.capture.structure import flatten
+from fxlite.codegen.lower.written_inputs import written_later
 from torch.overrides import TorchFunctionMode
 
 from fxlite import ops as op_table
@@ -315,6 +316,7 @@ class Follow:
             if not recorded and not _resize(gm, values):
                 return False
             piece.shapes = shapes
+            written_later(list(self.nodes.values()), gm)  # (not saved by groups)
             piece.compiled = self._compile(gm, values)
             outs = piece.compiled.outputs
             piece.compiled.outputs = None

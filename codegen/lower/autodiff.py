@@ -298,8 +298,8 @@ def _recomputable(n: Node) -> bool:
     return info is not None and info.kind in ("pointwise", "view") and not info.impure
 
 
-def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs: set[Node]
-             ) -> tuple[list[Node], list[Node]]:
+def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs: set[Node],
+             unsaved: frozenset[Node] | set[Node] = frozenset()) -> tuple[list[Node], list[Node]]:
     """Choose which forward values to save: ``(saved, recomputed)``, in graph order.
 
     The rule: save the set of values of least cost from which the backward can recompute
@@ -316,7 +316,8 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
     backward reads drain to the sink. Example: for ``softmax(x)`` the backward needs
     ``exp(x - max)`` and the sum; saving ``x`` (an input), the max and the sum (rows) is
     cheaper than saving the exponentials (an intermediate), which the backward kernel
-    recomputes as it reads ``x``.
+    recomputes as it reads ``x``. A value in ``unsaved`` is never saved (its cost is
+    infinite): the cut moves to values computed from it.
     """
     inf = float("inf")
     index = {n: i for i, n in enumerate(forward)}
@@ -335,7 +336,8 @@ def _min_cut(forward: list[Node], needs: set[Node], primals: set[Node], outputs:
     for n in forward:
         i = index[n]
         size = _bytes(n)
-        edge(2 * i, 2 * i + 1, size if n in primals or n in outputs else 2 * size)
+        edge(2 * i, 2 * i + 1, inf if n in unsaved else
+             size if n in primals or n in outputs else 2 * size)
         if _recomputable(n) and n not in compared:
             for u in n.all_input_nodes:
                 edge(2 * index[u] + 1, 2 * i, inf)
@@ -443,11 +445,16 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
 
     Returns:
         A :class:`GroupGrad`. The graphs are specialized on which dims of each input are
-        broadcast (size 1), not on sizes.
+        broadcast (size 1), not on sizes. An input or result marked
+        ``meta["written_later"]`` (``codegen/lower/written_inputs.py``: the program writes
+        it in place before its backward runs, where eager's own ops saved what they
+        computed from it, rms_norm's float32 copy or sigmoid's result) is never saved: the
+        backward reads values computed from it instead, which may cost more memory.
 
     Raises:
         NotDifferentiable: an op has no derivative rule (as ``floor_divide`` has none in
-            eager either), or the graph holds something other than canonical calls.
+            eager either), the graph holds something other than canonical calls, or the
+            backward needs a value marked ``written_later`` itself.
 
     Example::
 
@@ -472,7 +479,8 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
              if i not in backward_side}
     needs |= {g for g in grad_nodes if g not in backward_side}  # (a grad that is an input)
     primals = set(joint.primals)
-    saved, recomputed = _min_cut(forward, needs, primals, set(joint.outputs))
+    unsaved = {n for n in forward if n.meta.get("written_later")}
+    saved, recomputed = _min_cut(forward, needs, primals, set(joint.outputs), unsaved)
 
     outputs = list(graph.result[:len(joint.outputs)])
     extra = [n for n in saved if n not in primals and n not in outputs]

@@ -25,6 +25,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
                        groups only it reads as one
     autograd_regions   training: one autograd
                        node per region of groups
+    written_inputs     training: inputs written
+                       later are not saved
     precompile         CUDA: kernels in parallel
     autocast_off       groups without autocast
 
@@ -57,6 +59,7 @@ from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.lower.written_inputs import mark_written_inputs
 from fxlite.codegen.runtime.precompile import precompile
 from fxlite.passes.decompose import decompose
 from fxlite.passes.fold_constants import fold_constants
@@ -271,6 +274,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
          when=lambda gm, low: not low.training and (low.cuda is not None or interpreting())),
     Pass("autograd_regions", _on(autograd_regions),  # groups joined by table ops: one autograd node
          when=lambda gm, low: low.training and REGIONS),
+    Pass("written_inputs", _on(mark_written_inputs),  # inputs written later: not saved
+         when=lambda gm, low: low.training),
     Pass("precompile", lambda gm, low: precompile(gm, low.cuda),  # every distinct kernel at once
          when=lambda gm, low: PRECOMPILE and _on_cuda(gm, low)),
     Pass("autocast_off", _on(_groups_without_autocast), when=lambda gm, low: low.autocast),

@@ -109,17 +109,14 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 # NaN inputs, 9133 eager raises in backward on a saved value written in place and fxlite
 # does not. Fixed in session 15: 3301 (a group output that is a view written in place
 # under autograd) and 5712 (a decomposed rms_norm's layout broke a later .view(-1)).
-# From the 10,760-program CPU run of session 27 (seeds 7100000 on; 7107124 fixed there):
-# 7105288, a fused group's backward
-# recomputes a sigmoid from its input, which the program writes in place later, so it
-# raises where eager's, which saved the sigmoid's output, does not. (Groups no longer
-# check saved values only a result the loss does not use needs: 7200785, 7326012.)
+# (Groups no longer check saved values only a result the loss does not use needs:
+# 7200785, 7326012; 7105288, fixed in session 37, is below.)
 # 6065 goes without its steps whose values nothing uses: since session 37 such a step
 # makes the recording one per size, and its dead ``sin`` hid the finding, which its
 # resized call shows.
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="open findings of the fuzzer")
 @pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (6065, "grad"),
-                                        (9133, "grad"), (7105288, "grad")])
+                                        (9133, "grad")])
 def test_open_findings(seed: int, path: str) -> None:
     from fuzz_check import STATS
 
@@ -133,6 +130,21 @@ def test_open_findings(seed: int, path: str) -> None:
     else:
         failures = check_compiled(program, "triton", DEVICE)
     STATS["failures"] = counted
+    assert not failures, _report(program, failures)
+
+
+@pytest.mark.parametrize("seed", [7105288, 8532012])
+def test_a_value_written_in_place_before_the_backward_is_not_saved_by_a_group(
+        seed: int) -> None:
+    """Findings of sessions 27 and 36, fixed in session 37. 7105288: ``sigmoid(v0)`` and
+    ``rms_norm(v0)`` in one group, then ``v0.mul_(2)`` past a graph break; the group
+    saved ``v0`` (its result) to recompute the sigmoid. 8532012: a float16 ``rms_norm``
+    of ``v0``, then ``v0[..., ::2] = -1.5``; the group saved ``v0`` (its input), where
+    eager saved a float32 copy. Either backward raised "modified by an inplace
+    operation" where eager's does not. Such values are now never saved
+    (``codegen/lower/written_inputs.py``)."""
+    program = gradable(generate(RandomDraw(seed), seed, draw_step))
+    failures = check_backward(program, DEVICE)
     assert not failures, _report(program, failures)
 
 
