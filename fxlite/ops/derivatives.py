@@ -255,27 +255,42 @@ def _mean(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 
 
 def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
-    # d prod / d x_i is the product of the others: out / x_i without zeros; with one zero
-    # only that element gets the product of the rest; the others' products hold a zero:
-    # 0, or NaN where another element is inf or NaN (0 * inf), as eager's exact products
+    # d prod / d x_i is the product of the others. Eager takes it as out / x_i when the
+    # input holds no zero at all (NaN at an infinite x_i), and otherwise, for every row,
+    # as the exclusive products from both ends multiplied (prod_safe_zeros_backward):
+    # NaN where the others hold a NaN or both an inf and a 0, else 0 where they hold a 0,
+    # else an inf of their sign where they hold one, else their finite product (fuzz
+    # seeds 6065, 8707468). Of the whole input's product (no dim), two zeros or more
+    # give zeros (eager's shortcut outside grad mode), even where g is NaN (8512012).
     x = a["input"]
     a = {**a, "dim": a.get("dim")}
     rank = _rank(x)
     dims = reduced_dims(a["dim"], rank)
     g, p = expand_reduced(g, a, rank), expand_reduced(out, a, rank)
-    zero = x == 0
-    zeros = torch.sum(zero, dims, keepdim=True)
-    others = torch.where(zero, 1.0, x)
-    for d in dims:  # torch.prod takes one dim at a time
-        others = torch.prod(others, d, keepdim=True)
-    bad = torch.logical_not(torch.isfinite(x))
-    bad_count = torch.sum(bad, dims, keepdim=True)
-    others_bad = torch.where(bad, bad_count - 1, bad_count) > 0
-    if a["dim"] is None:  # eager's prod of all elements gives all zeros for two or more
-        others_bad = torch.logical_and(others_bad, zeros == 1)
-    rest = g * torch.where(others_bad, math.nan, 0.0)
-    one_zero = torch.where(torch.logical_and(zero, zeros == 1), g * others, rest)
-    return {"input": torch.where(zeros == 0, g * p / x, one_zero)}
+
+    def rows(op: Any, v: Any) -> Any:
+        for d in dims:  # torch.prod takes one dim at a time
+            v = op(v, d, keepdim=True)
+        return v
+
+    zero, nan, inf = x == 0, torch.isnan(x), torch.isinf(x)
+    plain = torch.logical_not(torch.logical_or(zero, torch.logical_or(nan, inf)))
+    finite = rows(torch.prod, torch.where(plain, x, 1.0))  # the finite nonzero factors
+    signs = rows(torch.prod, torch.where(inf, torch.sign(x), 1.0))  # the infinities' signs
+    zeros = rows(torch.sum, zero)
+    others_zero = torch.where(zero, zeros - 1, zeros) > 0
+    others_nan = torch.where(nan, rows(torch.sum, nan) - 1, rows(torch.sum, nan)) > 0
+    others_inf = torch.where(inf, rows(torch.sum, inf) - 1, rows(torch.sum, inf)) > 0
+    rest = torch.where(plain, finite / x, finite)  # the others' finite nonzero factors
+    sign = torch.where(inf, signs * torch.sign(x), signs) * torch.where(rest < 0, -1.0, 1.0)
+    others = torch.where(others_inf, sign * math.inf, rest)
+    others = torch.where(others_zero, 0.0, others)
+    others = torch.where(torch.logical_or(others_nan, torch.logical_and(
+        others_inf, others_zero)), math.nan, others)
+    grad = torch.where(torch.sum(zero) > 0, g * others, g * p / x)
+    if a["dim"] is None:  # (zeros, whatever g holds: a NaN gradient too)
+        grad = torch.where(zeros > 1, 0.0, grad)
+    return {"input": grad}
 
 
 def _extreme(reduce: Callable[..., Any]) -> Rule:

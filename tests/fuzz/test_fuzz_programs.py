@@ -105,24 +105,18 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 
 # Open findings of the 10,000-program H200 run (BENCHMARKS.md, "Program fuzzer") that
 # reproduce on the CPU: 5344 float16 overflow inside a fused kernel, 9969 training
-# batch_norm of a bool tensor (falls back where eager raises), 6065 a prod gradient with
-# NaN inputs, 9133 eager raises in backward on a saved value written in place and fxlite
-# does not. Fixed in session 15: 3301 (a group output that is a view written in place
-# under autograd) and 5712 (a decomposed rms_norm's layout broke a later .view(-1)).
-# (Groups no longer check saved values only a result the loss does not use needs:
-# 7200785, 7326012; 7105288, fixed in session 37, is below.)
-# 6065 goes without its steps whose values nothing uses: since session 37 such a step
-# makes the recording one per size, and its dead ``sin`` hid the finding, which its
-# resized call shows.
+# batch_norm of a bool tensor (falls back where eager raises), 9133 eager raises in
+# backward on a saved value written in place and fxlite does not. Fixed in session 15:
+# 3301 (a group output that is a view written in place under autograd) and 5712 (a
+# decomposed rms_norm's layout broke a later .view(-1)). (Groups no longer check saved
+# values only a result the loss does not use needs: 7200785, 7326012; 7105288 and 6065,
+# fixed in session 37, are below.)
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="open findings of the fuzzer")
-@pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (6065, "grad"),
-                                        (9133, "grad")])
+@pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (9133, "grad")])
 def test_open_findings(seed: int, path: str) -> None:
     from fuzz_check import STATS
 
     program = generate(RandomDraw(seed), seed, draw_step)
-    if seed == 6065:
-        program = rebuild(program, lambda i, s, used=program.value_steps(): i in used)
     counted = STATS["failures"]  # known findings: the summary counts the fuzz runs alone
     if path == "grad":
         program = gradable(program)
@@ -130,6 +124,21 @@ def test_open_findings(seed: int, path: str) -> None:
     else:
         failures = check_compiled(program, "triton", DEVICE)
     STATS["failures"] = counted
+    assert not failures, _report(program, failures)
+
+
+@pytest.mark.parametrize("seed", [6065, 8707468])
+def test_a_prod_gradient_at_infinities_is_eagers(seed: int) -> None:
+    """Open since the first fuzz runs (6065) and found again in session 37 (8707468):
+    a prod over rows holding an infinity, in an input holding a zero elsewhere. Eager's
+    gradient is then the product of the others (an infinity), fxlite's rule gave
+    ``out / x``, NaN. 6065 goes without its steps whose values nothing uses: its dead
+    ``sin`` makes the recording one per size, which hid the finding its resized call
+    shows. The rule now follows eager's (``fxlite/ops/derivatives.py``, ``_prod``)."""
+    program = generate(RandomDraw(seed), seed, draw_step)
+    program = rebuild(program, lambda i, s, used=program.value_steps(): i in used)
+    program = gradable(program)
+    failures = check_backward(program, DEVICE)
     assert not failures, _report(program, failures)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from test_triton_kernels import DEVICE  # isort: skip
 
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -263,6 +265,30 @@ def test_reductions(name, decomposed, directions):
     # the kernel generator has no all-element max/min: that forward runs eagerly
     check_grads(REDUCTIONS[name], lambda: [req(_ties(3, 5))], directions, decomposed=decomposed,
                 eager_ok=("(max_1", "(min_1"))
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.prod(x, -1), lambda x: torch.prod(x),
+                                lambda x: torch.prod(x, 0, keepdim=True)],
+                         ids=["row", "all", "column"])
+def test_prod_gradient_at_zeros_infinities_and_nans_is_eagers(fn):
+    # Eager's rule switches on whether the whole input holds a zero, and then multiplies
+    # each element's exclusive products from both ends: NaN where the others hold a NaN
+    # or both an inf and a 0, an inf of their sign where they hold an inf (the rule gave
+    # NaN for inf / inf: fuzz seeds 6065, 8707468), and zeros for two zeros or more in the
+    # whole product, whatever the incoming gradient (NaN there: 8512012).
+    specials = [0.0, -0.0, math.inf, -math.inf, math.nan]
+    gen = torch.Generator().manual_seed(0)
+    compiled = fxlite.compile(lambda x: torch.sigmoid(fn(x)).sum())
+    for _ in range(40):
+        x = torch.randn(3, 4, generator=gen, dtype=F64) * 2
+        pick = torch.rand(3, 4, generator=gen) < 0.4
+        x[pick] = torch.tensor(specials, dtype=F64)[
+            torch.randint(0, len(specials), (int(pick.sum()),), generator=gen)]
+        want, got = x.clone().requires_grad_(), x.to(DEVICE).requires_grad_()
+        torch.sigmoid(fn(want)).sum().backward()
+        compiled(got).backward()
+        torch.testing.assert_close(got.grad.cpu(), want.grad, equal_nan=True)
+    assert compiled.kernels
 
 
 def test_prod_with_zeros(directions):
