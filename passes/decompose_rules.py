@@ -540,7 +540,11 @@ def _silu(x: Any, inplace: bool = False) -> Any:
 
 
 def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
-    # sum((x - mean)**2) / (n - correction), n the number of reduced elements
+    # (sum(c**2) - sum(c)**2 / n) / (n - correction), c = x - mean, n the number of
+    # reduced elements: the corrected two-pass sum, whose second term takes out the
+    # rounding of the mean. A constant row's mean can miss its value by an ulp, and
+    # sum(c**2) alone then made its std a tiny positive number, whose gradient, eager's
+    # 0 there, came out near 1 / sqrt(n) (fuzz seed 8732652)
     shape = _shape(x)
     dims = _dims(dim, len(shape)) if shape is not None else None
     if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
@@ -552,7 +556,12 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
     centered = x - (torch.sum(x, dims, keepdim=True) / n).detach()
     # divided by max(n - correction, 0), as torch does; n is only known when the graph runs
     denominator = x.tracer.create_proxy("call_function", _nonnegative, (n - correction,), {})
-    return torch.sum(centered * centered, dims, keepdim=keepdim) / denominator, out
+    total = torch.sum(centered, dims, keepdim=keepdim)
+    # (at least 0: the difference of two roundings may fall below it; the correction cut
+    # from autograd as the mean is, whose NaN for a row holding an inf it would spread)
+    squares = torch.sum(centered * centered, dims, keepdim=keepdim) - (total * total / n).detach()
+    squares = torch.where(squares < 0, 0.0, squares)  # (NaN passes, with its gradient)
+    return squares / denominator, out
 
 
 @register_decomposition(torch.var)

@@ -291,6 +291,29 @@ def test_prod_gradient_at_zeros_infinities_and_nans_is_eagers(fn):
     assert compiled.kernels
 
 
+@pytest.mark.parametrize("fn", [lambda x: torch.std(F.elu(x, 0.5), -2, correction=0),
+                                lambda x: torch.std(x, 0, keepdim=True),
+                                lambda x: torch.var(x * 3, 1)], ids=["elu_std", "std", "var"])
+def test_std_of_a_constant_row_is_zero_with_eagers_zero_gradient(fn):
+    # A constant row's mean, a sum divided by n, can miss its value by an ulp: the centred
+    # values were then that ulp, the std a tiny positive number, and its gradient (eager:
+    # 0) near 1 / sqrt(n) (fuzz seed 8732652). The sum of squares is now corrected by the
+    # centred values' own sum; other rows still give eager's values and gradients.
+    compiled = fxlite.compile(fn)
+    gen = torch.Generator().manual_seed(0)
+    for k in range(8):
+        row = torch.randn(1, 3, generator=gen) * 3
+        x = (row.expand(3, 3) if k % 2 == 0 else row.t().expand(3, 3)).contiguous() \
+            if k < 6 else torch.randn(3, 3, generator=gen)
+        want, got = x.clone().requires_grad_(), x.to(DEVICE).requires_grad_()
+        out_want, out_got = fn(want), compiled(got)
+        out_want.sum().backward()
+        out_got.sum().backward()
+        torch.testing.assert_close(out_got.cpu(), out_want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got.grad.cpu(), want.grad, atol=1e-5, rtol=1e-5)
+    assert compiled.kernels
+
+
 def test_prod_with_zeros(directions):
     def make():
         x = edgy(4, 3)
