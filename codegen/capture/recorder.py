@@ -647,15 +647,16 @@ class Recorder(TorchFunctionMode):
         """Keep the unused ops that raise on some values, as eager does: an index out of
         range (``x[idx]``, ``gather``, ``index_select``), an integer division by zero
         (``fmod``, ``remainder``). Their results are read by nothing (or only by other
-        unused ops), so dead-code elimination would drop them and the error with them;
+        unused ops, in-place writes into such a value among them), so dead-code
+        elimination would drop them (functionalize makes those writes pure) and the error;
         they stay, as ``checks`` (pure: safe to run again). Any other unused op of the
         recorded values makes the recording one per size (``sizes_read``): it may raise
         at other sizes (``x.reshape(9, 1)``). Called once the graph has its output."""
         dead: set[Node] = set()  # its values read by nothing, or only by dead nodes
         for node in reversed(list(self.graph.nodes)):
-            if node.op in ("call_function", "call_method") and not node.meta.get(
-                    "impure") and all(user in dead or _layout_only(user, node)
-                                      for user in node.users):
+            if node.op in ("call_function", "call_method") and (
+                    not node.meta.get("impure") or _private_write(node)) and all(
+                    user in dead or _layout_only(user, node) for user in node.users):
                 dead.add(node)
         for node in self.graph.nodes:
             if node not in dead:
@@ -873,6 +874,17 @@ class Prefix:
 
 _LAYOUT_READERS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "zeros_like",
                              "ones_like", "empty_like", "full_like"})
+
+
+def _private_write(node: Node) -> bool:
+    """Whether ``node`` writes in place only the value of a pure op, which shares its
+    memory with nothing (``v0 = x.reshape(9, 1)`` of a copy, then ``v0.relu_()``):
+    functionalize makes such a write pure, so it is as dead as that value."""
+    mutated = node.meta.get("mutated")
+    first = node.args[0] if node.args else None
+    return isinstance(first, Node) and mutated == [first.name] and \
+        node.meta.get("aliased") is False and first.op in ("call_function", "call_method") \
+        and not first.meta.get("impure")
 
 
 def _layout_only(user: Node, node: Node) -> bool:

@@ -523,6 +523,12 @@ def _unused_index(x, idx):
     return x * 2
 
 
+def _unused_index_written(x, idx):
+    v = x[idx]  # a copy (an index tensor), written in place and read by nothing else
+    v.relu_()
+    return x * 2
+
+
 def _unused_fmod(a, b):
     a.fmod(b)  # unused: eager raises for an integer division by zero
     return a + 1
@@ -540,10 +546,12 @@ def _read_for_its_layout(a, b):
      lambda: (torch.tensor([1, 0, 3, 4], device=DEVICE), torch.tensor(5, device=DEVICE))),
     (_unused_index, lambda: (rand(4, 8), torch.tensor([1], device=DEVICE)),
      lambda: (rand(4, 8), torch.tensor([7], device=DEVICE))),
+    (_unused_index_written, lambda: (rand(4, 8), torch.tensor([1], device=DEVICE)),
+     lambda: (rand(4, 8), torch.tensor([7], device=DEVICE))),
     (_unused_fmod, lambda: (torch.arange(4, device=DEVICE),
                             torch.tensor([1, 2, 3, 4], device=DEVICE)),
      lambda: (torch.arange(4, device=DEVICE), torch.tensor([1, 0, 3, 4], device=DEVICE))),
-], ids=["layout_only", "index", "fmod"])
+], ids=["layout_only", "index", "index_written", "fmod"])
 def test_an_unused_op_that_raises_raises_as_in_eager(fn, good, bad):
     # Fuzz seed 7604534 and session 30's probe: dead-code elimination dropped the op and
     # its error; such ops are kept as checks, and the good calls still run kernels.
@@ -574,12 +582,19 @@ def _unused_add(x, y):
     return x.cos() * 2
 
 
-@pytest.mark.parametrize("fn", [_unused_reshape, _unused_add])
+def _unused_reshape_written(x, y):
+    v = x.t().reshape(9, 1)  # a copy (x.t() is not contiguous), written in place only
+    v.relu_()
+    return x.sin()
+
+
+@pytest.mark.parametrize("fn", [_unused_reshape, _unused_add, _unused_reshape_written])
 def test_an_unused_op_of_the_inputs_raises_at_new_sizes_as_in_eager(fn):
     # Fuzz seed 8516201: a recording that reads no size serves every size, and dead-code
-    # elimination had dropped the op whose error the new sizes raise in eager. A recording
-    # with an unused op of its inputs is now one per size; calls of the first size still
-    # run kernels.
+    # elimination had dropped the op whose error the new sizes raise in eager (there, a
+    # reshape whose copy only an in-place relu_ read, which functionalize makes pure). A
+    # recording with an unused op of its inputs is now one per size; calls of the first
+    # size still run kernels.
     compiled = fxlite.compile(fn)
     for shape in ((3, 3), (3, 3), (3, 3), (3, 5), (3, 3), (4, 2)):
         args = (rand(*shape), rand(3, 3))
