@@ -158,7 +158,7 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/capture/segments.py", "codegen/compile.py",
              "codegen/lower/written_inputs.py", "passes/functionalize.py")),
     MetaKey("aliased", "bool", "the in-place write went through a view (it writes its base too)",
-            (_CAPTURE, "passes/functionalize.py"), ("passes/functionalize.py",)),
+            (_CAPTURE, "passes/functionalize.py"), (_CAPTURE, "passes/functionalize.py")),
     MetaKey("same_object", "str",
             "the name of the tensor this in-place call returned (a later version of it)",
             (_CAPTURE, "passes/functionalize.py"),
