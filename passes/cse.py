@@ -125,8 +125,11 @@ def _written(node: Node, gm: GraphModule | None) -> bool:
             if user.op in _CALLS and is_impure(user, gm):
                 return True
             found = resolve(user, gm) if user.op in _CALLS else None
-            aliasing = user.op == "call_method" if found is None else \
-                found[0].kind == "view" or found[0].name in _MAY_RETURN_INPUT
+            aliasing = (user.op == "call_method" or user.target is getattr) if found is None \
+                else found[0].kind == "view" or found[0].name in _MAY_RETURN_INPUT
+            # (getattr: a field of a result, ``torch.min(x, 0).values``, is its tensor:
+            # ``v = torch.min(x, 0).values; v[0] = 0`` wrote the other min's values too,
+            # once the two mins merged: fuzz seed 8829871)
             if aliasing and user not in seen:
                 seen.add(user)
                 todo.append(user)
