@@ -39,7 +39,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-from fxlite.ops import is_impure, lookup, view_base
+from fxlite.ops import is_impure, lookup, view_root
 
 __all__ = ["changes_state", "functionalize"]
 
@@ -72,8 +72,11 @@ def functionalize(gm: GraphModule) -> GraphModule:
         plan = _pure_form(node)
         if plan is None:
             if node.meta.get("mutated") and node.args and isinstance(node.args[0], Node):
-                written = node.args[0]  # a write left as it is; through a view, its base's
-                kept = _root(_viewed(written, gm) if node.meta.get("aliased") else written,
+                # A write left as it is; through a view, a write of the view's base: the
+                # base's write-back goes after it (fuzz seed 8612778: ``b += 1;
+                # b.unsqueeze(-2).pow_(2)``, whose buffer was written back before the pow_)
+                written = node.args[0]
+                kept = _root(view_root(written, gm) if node.meta.get("aliased") else written,
                              root_of, by_name)
                 if kept in final:  # (into a pure value written back: after it, then)
                     last[kept] = node
@@ -144,16 +147,6 @@ def _root(written: Node, root_of: dict[Node, Node], by_name: dict[str, Node]) ->
             break
         seen.add(root)
     return root
-
-
-def _viewed(node: Node, gm: GraphModule) -> Node:
-    """What ``node`` is a view of, through a chain of view ops (``b.unsqueeze(0)[1]``):
-    a write left in place into a view of a pure value writes that value, so the value's
-    write-back goes after it (fuzz seed 8612778: ``b += 1; b.unsqueeze(-2).pow_(2)``, whose
-    buffer was written back before the ``pow_``)."""
-    while (base := view_base(node, gm)) is not None:
-        node = base
-    return node
 
 
 def changes_state(node: Node, module: Any) -> bool:

@@ -31,9 +31,10 @@ from fxlite.ops.table import (
     result_dtype,
     same_literal,
     view_base,
+    view_root,
 )
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args",
            "canonical_target", "dtype_of", "has_side_effect", "is_impure", "lookup",
            "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
-           "view_base"]
+           "view_base", "view_root"]

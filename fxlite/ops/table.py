@@ -26,7 +26,7 @@ from fxlite.node import Node
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of",
            "lookup", "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
-           "view_base"]
+           "view_base", "view_root"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,19 @@ def view_base(node: Node, module: torch.nn.Module | None = None) -> Node | None:
         return None
     base = node.args[0] if node.args else node.kwargs.get("input")
     return base if isinstance(base, Node) else None
+
+
+def view_root(node: Node, module: torch.nn.Module | None = None) -> Node:
+    """The node at the bottom of ``node``'s chain of view ops (``node`` itself if it is no
+    view): whose memory ``node`` shares.
+
+    Example::
+
+        view_root(x_unsqueezed_row)   # the node of x, for x.unsqueeze(0)[1]
+    """
+    while (base := view_base(node, module)) is not None:
+        node = base
+    return node
 
 
 def resolve(node: Node, module: torch.nn.Module | None = None) -> tuple[OpInfo, dict[str, Any]] | None:

@@ -22,7 +22,7 @@ import torch
 from fxlite.passes.shape_prop import MEMORY_FORMATS, TensorMetadata
 
 from fxlite.node import Node, map_aggregate
-from fxlite.ops import OpInfo, canonical_args, is_impure, lookup, view_base
+from fxlite.ops import OpInfo, canonical_args, is_impure, lookup, view_base, view_root
 from fxlite.ops.shapes import broadcast_shapes
 from fxlite.tensor_meta import reduced_dims
 
@@ -180,9 +180,7 @@ def _seen_outside(src: Node, view: Node, module: torch.nn.Module) -> bool:
     """Whether the memory ``view`` shares with ``src`` reaches outside the graph other than
     through ``view``: ``src``'s root along view ops is an input or attribute, or it or
     one of its views (all of them, down the view ops) is returned."""
-    root = src
-    while (base := view_base(root, module)) is not None:
-        root = base
+    root = view_root(src, module)
     if root.op in ("placeholder", "get_attr"):
         return True
     family, todo = set(), [root]
