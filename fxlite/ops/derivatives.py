@@ -273,14 +273,17 @@ def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
             v = op(v, d, keepdim=True)
         return v
 
+    def in_others(mask: Any, count: Any) -> Any:  # whether the row's others hold one
+        return torch.where(mask, count - 1, count) > 0
+
     zero, nan, inf = x == 0, torch.isnan(x), torch.isinf(x)
     plain = torch.logical_not(torch.logical_or(zero, torch.logical_or(nan, inf)))
     finite = rows(torch.prod, torch.where(plain, x, 1.0))  # the finite nonzero factors
     signs = rows(torch.prod, torch.where(inf, torch.sign(x), 1.0))  # the infinities' signs
     zeros = rows(torch.sum, zero)
-    others_zero = torch.where(zero, zeros - 1, zeros) > 0
-    others_nan = torch.where(nan, rows(torch.sum, nan) - 1, rows(torch.sum, nan)) > 0
-    others_inf = torch.where(inf, rows(torch.sum, inf) - 1, rows(torch.sum, inf)) > 0
+    others_zero = in_others(zero, zeros)
+    others_nan = in_others(nan, rows(torch.sum, nan))
+    others_inf = in_others(inf, rows(torch.sum, inf))
     rest = torch.where(plain, finite / x, finite)  # the others' finite nonzero factors
     sign = torch.where(inf, signs * torch.sign(x), signs) * torch.where(rest < 0, -1.0, 1.0)
     others = torch.where(others_inf, sign * math.inf, rest)
