@@ -518,6 +518,15 @@ def test_running_stats_updated_before_a_later_op_raises_are_kept():
         torch.testing.assert_close(compiled_module.var, eager.var, equal_nan=True)
 
 
+def _raised(f, args, catch):
+    """The exception of class ``catch`` that ``f(*args)`` raised, or None."""
+    try:
+        f(*args)
+    except catch as e:
+        return e
+    return None
+
+
 def _unused_index(x, idx):
     x[idx]  # unused: eager raises IndexError for an index out of range
     return x * 2
@@ -560,13 +569,8 @@ def test_an_unused_op_that_raises_raises_as_in_eager(fn, good, bad):
     compiled = fxlite.compile(fn)
     for make in (good, bad, good, bad):
         args = make()
-        outcomes = []
-        for f in (fn, compiled):
-            try:
-                f(*args)
-                outcomes.append(None)
-            except Exception as e:
-                outcomes.append(type(e))
+        outcomes = [None if e is None else type(e)
+                    for e in (_raised(f, args, Exception) for f in (fn, compiled))]
         assert outcomes[0] == outcomes[1], outcomes
         if outcomes[0] is None:
             assert compiled.kernels
@@ -598,13 +602,8 @@ def test_an_unused_op_of_the_inputs_raises_at_new_sizes_as_in_eager(fn):
     compiled = fxlite.compile(fn)
     for shape in ((3, 3), (3, 3), (3, 3), (3, 5), (3, 3), (4, 2)):
         args = (rand(*shape), rand(3, 3))
-        outcomes = []
-        for f in (fn, compiled):
-            try:
-                f(*args)
-                outcomes.append(None)
-            except RuntimeError as e:
-                outcomes.append(str(e))
+        outcomes = [None if e is None else str(e)
+                    for e in (_raised(f, args, RuntimeError) for f in (fn, compiled))]
         assert outcomes[0] == outcomes[1], (shape, outcomes)
         if shape == (3, 3):
             assert outcomes[0] is None and compiled.kernels

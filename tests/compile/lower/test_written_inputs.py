@@ -89,27 +89,19 @@ def test_a_value_eager_saved_and_the_program_wrote_raises_as_in_eager():
 def test_a_write_after_the_backward_leaves_the_groups_saved_values_alone():
     # a step's update of w comes after loss.backward(), which read what the groups saved:
     # they save as before, and keep their kernels
+    def stepping(w):
+        def step(x):
+            loss = (torch.sigmoid(x * w) * w).sum()
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(0.1 * w.grad)
+                w.grad = None
+            return loss.detach()
+        return step
+
     w = torch.randn(4, device=DEVICE, requires_grad=True)
-
-    def step(x):
-        loss = (torch.sigmoid(x * w) * w).sum()
-        loss.backward()
-        with torch.no_grad():
-            w.sub_(0.1 * w.grad)
-            w.grad = None
-        return loss.detach()
-
     eager_w = w.detach().clone().requires_grad_()
-
-    def eager_step(x):
-        loss = (torch.sigmoid(x * eager_w) * eager_w).sum()
-        loss.backward()
-        with torch.no_grad():
-            eager_w.sub_(0.1 * eager_w.grad)
-            eager_w.grad = None
-        return loss.detach()
-
-    compiled = fxlite.compile(step)
+    compiled, eager_step = fxlite.compile(stepping(w)), stepping(eager_w)
     for _ in range(4):
         x = torch.randn(3, 4, device=DEVICE)
         torch.testing.assert_close(compiled(x), eager_step(x))
