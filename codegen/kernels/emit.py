@@ -68,6 +68,9 @@ class Emitter:
     # cover the whole space, see ``source.emit_value``).
     index: str | None = None
     space: frozenset[int] = frozenset()  # the non-trivial dims ``index`` runs over
+    # A row kernel's reduced dims: a quotient of a value along them by a value constant
+    # along them (softmax's ``exp / sum``) multiplies by the row's reciprocal (ops._div).
+    reduced: frozenset[int] = frozenset()
 
     def tmp(self, expr: str) -> str:
         """Assign ``expr`` to a fresh variable (for an operand used several times)."""

@@ -309,7 +309,7 @@ def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:
     k = _Kernel(plan)
     # with the reduced dims innermost, row r and column c are element r * cols + c
     e = Emitter(libdevice=libdevice, index="(r * cols + c)" if k.trailing else None,
-                space=frozenset(k.kept + k.red))
+                space=frozenset(k.kept + k.red), reduced=frozenset(k.red))
     _persistent(k, e)
     persistent = e.lines
     e.lines = []

@@ -328,6 +328,10 @@ def emit_value(e: Emitter, v: Value, indent: str) -> None:
                 for k, a in v.args.items()}
         if v.op in ("to", "truediv"):  # a cast, and a quotient rounded as eager's dtype
             args["_out_dtype"] = v.dtype
+        other = v.args.get("other")
+        if v.op == "truediv" and isinstance(other, Value) and v.span & e.reduced \
+                and not other.span & e.reduced:
+            args["_by_row"] = True
         index = e.index
         if not e.space <= v.span:  # the index names elements of the whole space only
             e.index = None
@@ -429,7 +433,8 @@ class KernelSource:
 
     Attributes:
         text: the module source (imports, helpers, kernels).
-        functions: variant (``"pointwise"``, ``"persistent"``, ``"looped"``) -> function name.
+        functions: variant (``"pointwise"``, ``"persistent"``, ``"late"``, ``"looped"``) ->
+            function name.
         args: one :class:`KernelArg` per runtime argument, in signature order.
         tile: for a pointwise kernel with a ``"transpose"`` variant, the dims its tiles
             run along: those contiguous in the input, then those contiguous in the output.

@@ -154,6 +154,34 @@ def test_norms_are_one_kernel(name, dtype, variant):
     same(k(*inputs), fn(*inputs))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_quotient_by_a_row_value(variant):
+    """``full / row`` multiplies by the row's reciprocal (ops._quot_by_row); a block
+    holding a row whose divisor is subnormal or above 2**126 divides, so each quotient
+    stays within eager's rounding, including 0, inf and NaN rows."""
+    kw = VARIANTS[variant]
+    fn = lambda a: a / a.sum(-1, keepdim=True)  # noqa: E731
+    x = rand(6, 32)
+    k = check(fn, x, **kw)
+    assert "tl.div_rn(tl.full(" in k.source  # one division per row, not per element
+    # sums exact in any order, so the quotients must equal eager's
+    tiny = torch.full((6, 32), 2.0 ** -140, device=DEVICE)  # sum 2**-135: 1 / sum is inf
+    mixed = torch.cat([tiny[:1], x[1:]])                    # such a row among normal ones
+    huge = torch.zeros(6, 32, device=DEVICE)
+    huge[:, :3] = torch.tensor([2.0 ** 127, 2.0 ** 125, -(2.0 ** 120)])  # 1 / sum: subnormal
+    special = torch.zeros(6, 32, device=DEVICE)
+    special[:, :2] = torch.tensor([[0.0, 0.0], [float("inf"), 1.0], [float("nan"), 1.0],
+                                   [1.0, -1.0], [-0.0, 0.0], [3.0, float("-inf")]])
+    for t in (tiny, mixed, huge, special, x * 1e-3):
+        for _ in range(2):
+            got, want = k(t), fn(t)
+            same(got, want)
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    for t in (tiny, huge):
+        assert torch.equal(k(t), fn(t))
+    assert torch.equal(k(mixed)[0], fn(mixed)[0])
+
+
 def test_norm_resize_reuses_the_kernel():
     w, b = rand(24), rand(24)
     x = rand(5, 24)
