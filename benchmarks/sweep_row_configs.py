@@ -6,7 +6,7 @@ Run on a CUDA machine::
     PYTHONPATH=$PWD python benchmarks/sweep_row_configs.py
 
 For each case, ``fxlite.compile`` builds the kernel; each config (persistent rows of 1 or
-2 with 4 to 32 warps, the same with late loads where the kernel has them, looped chunks of 2048 or 4096 with 8 or 16 warps) is then launched
+2 with 4 to 32 warps, looped chunks of 2048 or 4096 with 8 or 16 warps) is then launched
 through the kernel's own runner and timed by ``triton.testing.do_bench``. Printed: the
 heuristic's config and its percentage of copy (copy time over kernel time; add+layer_norm
 moves 1.5 copies), the best config, and the next five. The figures behind
@@ -39,10 +39,9 @@ def _recording_call(self, *inputs):
     return _CALL(self, *inputs)
 
 
-def _configs(n: int, late: bool) -> list[dict]:
+def _configs(n: int) -> list[dict]:
     width = triton.next_power_of_2(n)
-    out = [{"variant": v, "ROWS": rows, "BLOCK_C": width, "num_warps": w}
-           for v in ("persistent", "late")[:1 + late]
+    out = [{"variant": "persistent", "ROWS": rows, "BLOCK_C": width, "num_warps": w}
            for rows in (1, 2) if rows * width <= 16384 for w in (4, 8, 16, 32)]
     return out + [{"variant": "looped", "ROWS": 1, "BLOCK_C": bc, "num_warps": w}
                   for bc in (2048, 4096) for w in (8, 16)]
@@ -78,7 +77,7 @@ def main() -> None:
                 _, heuristic = spec.config(shape)
                 ideal = copy * copies
                 timed = []
-                for cfg in _configs(n, "late" in spec.launch.variants):
+                for cfg in _configs(n):
                     try:
                         timed.append((_ms(spec, inputs, shape, cfg), cfg))
                     except Exception:  # a config that does not compile

@@ -134,8 +134,8 @@ def tile_config(lena: int, lenb: int) -> dict[str, Any]:
 
 
 def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
-                     max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1,
-                     late: bool = False) -> list[dict[str, Any]]:
+                     max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1
+                     ) -> list[dict[str, Any]]:
     """The warps a reduction holding rows of at least :data:`WIDE_ROW` elements times on
     its first GPU call, in every mode (empty for other reductions: the heuristic stands).
 
@@ -145,32 +145,26 @@ def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
     88% with 16 and under 63% with 4; rms_norm in bfloat16 97% with 4 and 90% with 16.
     Narrower rows are many, cheap and well served by the heuristic; these are few (a wide
     model's norms and softmaxes), so the cost is a few compiles of the kernels that gain.
-    ``late``: the kernel has a ``late`` variant (an input first read after a reduction,
-    ``reduction._persistent``), timed with 8 and 16 warps, where it won in bfloat16.
 
     Example::
 
         [c["num_warps"] for c in wide_row_configs(8192, 8192)]   # [16, 4, 8, 32]
-        [c["variant"] for c in wide_row_configs(8192, 8192, late=True)][-2:]
-        # ['late', 'late']
         wide_row_configs(8192, 1024)                              # []
     """
     base = launch_config("reduction", rows, cols, trailing=trailing, max_block=max_block,
                          row_inputs=row_inputs)
     if not trailing or base["variant"] != "persistent" or base["BLOCK_C"] < WIDE_ROW:
         return []
-    out = [base] + [{**base, "num_warps": w} for w in (4, 8, 16, 32) if w != base["num_warps"]]
-    return out + [{**base, "variant": "late", "num_warps": w} for w in (8, 16) if late]
+    return [base] + [{**base, "num_warps": w} for w in (4, 8, 16, 32) if w != base["num_warps"]]
 
 
 def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = True,
-                      max_block: int = DEFAULT_MAX_BLOCK, tiles: bool = False,
-                      late: bool = False) -> list[dict[str, Any]]:
+                      max_block: int = DEFAULT_MAX_BLOCK, tiles: bool = False
+                      ) -> list[dict[str, Any]]:
     """Configurations ``TritonKernel.autotune`` times (``mode="max-autotune"``).
 
     The heuristic's choice comes first; ``tiles``: the kernel has a transpose variant,
-    whose tile shapes come before; ``late``: a reduction's ``late`` variant, timed with
-    each count of warps of the persistent one. Example::
+    whose tile shapes come before. Example::
 
         candidate_configs("pointwise", 1 << 20)[0]["BLOCK"]  # 1024
     """
@@ -194,8 +188,6 @@ def candidate_configs(kind: str, rows: int, cols: int = 1, *, trailing: bool = T
     else:
         for warps in (2, 4, 8, 16, 32):
             out.append({**base, "num_warps": warps})
-            if late and base["variant"] == "persistent":
-                out.append({**base, "variant": "late", "num_warps": warps})
         if base["variant"] == "persistent":
             for nrows in (1, 2, 4, 8):
                 if nrows != base["ROWS"] and nrows * base["BLOCK_C"] <= 2 * max_block:

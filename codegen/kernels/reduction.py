@@ -8,9 +8,7 @@ such as a reduction's result) are ``[ROWS, 1]``.
 Two variants are generated, and the launcher picks one from the row length:
 
 - ``<name>_persistent`` loads a whole row (``BLOCK_C >= cols``) once, keeps it in
-  registers and runs every stage (softmax: max, exp, sum, divide) on it. Where an input
-  is first read after a reduction (a layer_norm's weight), ``<name>_late`` is the same
-  kernel with each load where it is first read: a launch config that wide rows time.
+  registers and runs every stage (softmax: max, exp, sum, divide) on it.
 - ``<name>_looped`` runs one loop over the row per reduction *level* (a reduction whose
   input depends on an earlier reduction is one level deeper), recomputing that loop's
   prologue from loads and the row values found so far. A full-size output is stored by
@@ -25,8 +23,6 @@ does, through a ``tl.reduce`` with a NaN-aware combine. Half types accumulate in
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from fxlite.codegen.kernels.analysis import Plan, Value, computed_outputs, used_values
@@ -92,7 +88,7 @@ def _deps(row: bool, col: bool) -> frozenset[str]:
 
 
 class _Kernel:
-    """Layout facts shared by the variants of one plan."""
+    """Layout facts shared by both variants of one plan."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -186,33 +182,15 @@ def _col_prelude(k: _Kernel, start: str, ind: str) -> list[str]:
     return [ind + ln for ln in lines]
 
 
-def _persistent(k: _Kernel, e: Emitter, late: bool = False) -> None:
-    """One row block per program, every input loaded once. ``late``: each input is
-    loaded where it is first read, so that a weight read after the reductions (a
-    layer_norm's) holds no registers through them.
-
-    Measured on an H200 (bf16 layer_norm, 8 or 16 warps): 2048x16384, 83% of copy
-    loaded late against 70% at the start; 8192x8192, 93% against 91%. In float32 the
-    start won (2048x16384: 89% against 83%), so the late variant is one more launch
-    config that wide rows time (``config.wide_row_configs``), not the default.
-    (A grid-stride loop over row blocks with num_stages pipelining measured slower on
-    an H200: 75% vs 93% of copy for an fp32 softmax.)
-    """
+def _persistent(k: _Kernel, e: Emitter) -> None:
+    # One row block per program. (A grid-stride loop over row blocks with num_stages
+    # pipelining measured slower on an H200: 75% vs 93% of copy for an fp32 softmax.)
     ind = "    "
     e.lines += [_pid(k.plan.int64)] + _row_prelude(k, "pid", ind)
     e.lines += scalar_lines(k.plan, k.used, "[ROWS, 1]", ind) + _col_prelude(k, "", ind)
-    waiting = dict(k.loads)
-
-    def load(vs: list[Value]) -> None:
-        for v in vs:
-            acc = waiting.pop(v, None)
-            if acc is not None:
-                e.lines.append(ind + load_line(v, acc, _load_mask(acc), "[ROWS, 1]"))
-
-    if not late:
-        load(list(waiting))
+    for v, acc in k.loads:
+        e.lines.append(ind + load_line(v, acc, _load_mask(acc), "[ROWS, 1]"))
     for v in k.plan.values:
-        load(v.deps())
         if v.kind == "reduce":
             block = _reduce_input(e, v)
             red = _final(v.op, _reduce_ct(v), block, e)
@@ -221,7 +199,6 @@ def _persistent(k: _Kernel, e: Emitter, late: bool = False) -> None:
             e.lines.append(f"{ind}{v.name} = {red}")
         elif v.kind in ("pw", "count"):
             emit_value(e, v, ind)
-    load(list(waiting))  # an input stored as it is
     for j, v, acc in k.stores:
         e.lines.append(ind + _store(e, k, j, v, acc))
 
@@ -319,36 +296,32 @@ def _looped(k: _Kernel, e: Emitter) -> None:
 
 
 def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:
-    """Generate the row-kernel variants for ``plan``.
+    """Generate both row-kernel variants for ``plan``.
 
     Args:
         plan: an analyzed group with at least one reduction.
         libdevice: use libdevice functions (GPU); False for the CPU interpreter.
 
     Returns:
-        The source with ``<name>_persistent``, ``<name>_looped`` and, where an input is
-        first read after a reduction, ``<name>_late`` (:func:`_persistent`), and their
-        (shared) launch arguments.
+        The source with ``<name>_persistent`` and ``<name>_looped``, and their (shared)
+        launch arguments.
     """
     k = _Kernel(plan)
     # with the reduced dims innermost, row r and column c are element r * cols + c
     e = Emitter(libdevice=libdevice, index="(r * cols + c)" if k.trailing else None,
                 space=frozenset(k.kept + k.red), reduced=frozenset(k.red))
-    variants = {}
-    for variant, build in (("persistent", _persistent), ("looped", _looped),
-                           ("late", functools.partial(_persistent, late=True))):
-        e.lines, e._counter = [], 0  # the same temporaries' names in each variant
-        build(k, e)
-        variants[variant] = e.lines
-    if variants["late"] == variants["persistent"]:  # nothing is read after a reduction
-        del variants["late"]
-    body = "\n".join(line for lines in variants.values() for line in lines)
+    _persistent(k, e)
+    persistent = e.lines
+    e.lines = []
+    _looped(k, e)
+    looped = e.lines
+    body = "\n".join(persistent + looped)
     sig, args, nospec = signature(plan, body, k.used, k.loads, k.stores, ["rows", "cols"])
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
     params = ", ".join(sig) + ", ROWS: tl.constexpr, BLOCK_C: tl.constexpr"
     text = header(body, e.helpers)
     fns = {}
-    for variant, lines in variants.items():
+    for variant, lines in (("persistent", persistent), ("looped", looped)):
         fn = f"{plan.name}_{variant}"
         fns[variant] = fn
         text += f"\n\n{deco}\ndef {fn}({params}):\n" + "\n".join(lines) + "\n"

@@ -448,8 +448,7 @@ class TritonKernel:
         counts, _ = spec.config(iteration_space(list(inputs)))
         configs = wide_row_configs(counts["rows"], counts["cols"],
                                    trailing=spec.launch.row_config, max_block=self._max_block,
-                                   row_inputs=spec.launch.row_inputs,
-                                   late="late" in spec.launch.variants)
+                                   row_inputs=spec.launch.row_inputs)
         return self.autotune(*inputs, configs=configs) if len(configs) > 1 else None
 
     def autotune(self, *inputs: Any, configs: list[dict[str, Any]] | None = None
@@ -474,8 +473,7 @@ class TritonKernel:
             rows = counts.get("numel", counts.get("rows", 1))
             configs = candidate_configs(self.kind, rows, counts.get("cols", 1),
                                         trailing=spec.launch.row_config, max_block=self._max_block,
-                                        tiles="lena" in counts,
-                                        late="late" in spec.launch.variants)
+                                        tiles="lena" in counts)
         best, best_ms = base, float("inf")
         for cfg in configs:
             try:

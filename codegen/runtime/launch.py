@@ -93,7 +93,7 @@ class LaunchPlan:
     Attributes:
         args: the kernel's runtime arguments, in signature order (``KernelSource.args``).
         variants: the kernel's functions (``"pointwise"``, ``"rows"``, ``"transpose"``,
-            ``"persistent"``, ``"late"``, ``"looped"``).
+            ``"persistent"``, ``"looped"``).
         tile: the dims a ``"transpose"`` variant's tiles run along (``KernelSource.tile``).
         results: what the group returns, in order (:class:`GroupResult`): an input itself
             or one of the kernel's outputs.

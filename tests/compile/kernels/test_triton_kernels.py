@@ -466,11 +466,6 @@ def test_wide_rows_time_their_warps_and_narrow_ones_keep_the_heuristic():
     assert wide[0] == launch_config("reduction", 64, WIDE_ROW)  # the heuristic's first
     assert sorted(c["num_warps"] for c in wide) == [4, 8, 16, 32]
     assert all({**c, "num_warps": 0} == {**wide[0], "num_warps": 0} for c in wide)
-    # a kernel with a late variant (a weight read after the reductions) times it too
-    late = wide_row_configs(64, WIDE_ROW, late=True)
-    assert late[:4] == wide and [(c["variant"], c["num_warps"]) for c in late[4:]] == [
-        ("late", 8), ("late", 16)]
-    assert wide_row_configs(64, WIDE_ROW // 2, late=True) == []
     assert wide_row_configs(64, WIDE_ROW // 2) == []
     assert wide_row_configs(64, WIDE_ROW, trailing=False) == []
     assert wide_row_configs(4, 100_000) == []  # looped: its chunk's warps were measured
