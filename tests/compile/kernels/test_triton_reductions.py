@@ -164,6 +164,8 @@ def test_quotient_by_a_row_value(variant):
     x = rand(6, 32)
     k = check(fn, x, **kw)
     assert "tl.div_rn(tl.full(" in k.source  # one division per row, not per element
+    for dtype in (torch.float16, torch.bfloat16):  # halves divide in fp32 too
+        check(fn, rand(6, 32, dtype=dtype), **kw)
     # sums exact in any order, so the quotients must equal eager's
     tiny = torch.full((6, 32), 2.0 ** -140, device=DEVICE)  # sum 2**-135: 1 / sum is inf
     mixed = torch.cat([tiny[:1], x[1:]])                    # such a row among normal ones
