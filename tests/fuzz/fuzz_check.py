@@ -296,7 +296,7 @@ _HALF_NAMES = {torch.bfloat16: r"bfloat16|BFloat16", torch.float16: r"(?<!b)floa
 def _dead_code_error(program: Program, error: BaseException) -> bool:
     """Whether eager raised in a step whose value nothing uses (an ``expand`` to the old
     size of a value never read). A compiled function drops such code, so it does not
-    raise; counted in STATS, not a failure."""
+    raise; counted in STATS and noted with the seed (NOTES), not a failure."""
     import traceback
 
     filename = f"<fuzz program {program.seed}>"
@@ -306,6 +306,8 @@ def _dead_code_error(program: Program, error: BaseException) -> bool:
     if step is None or step in program.value_steps():
         return False
     STATS["eager errors only in dead code (not raised when compiled)"] += 1
+    NOTES.append((program.seed, f"eager raised {type(error).__name__} in dead code only "
+                                f"(step {step}); compiled did not"))
     return True
 
 
