@@ -433,8 +433,7 @@ class KernelSource:
 
     Attributes:
         text: the module source (imports, helpers, kernels).
-        functions: variant (``"pointwise"``, ``"persistent"``, ``"late"``, ``"looped"``) ->
-            function name.
+        functions: variant (``"pointwise"``, ``"persistent"``, ``"looped"``) -> function name.
         args: one :class:`KernelArg` per runtime argument, in signature order.
         tile: for a pointwise kernel with a ``"transpose"`` variant, the dims its tiles
             run along: those contiguous in the input, then those contiguous in the output.

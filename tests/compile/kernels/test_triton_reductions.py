@@ -156,8 +156,8 @@ def test_norms_are_one_kernel(name, dtype, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_quotient_by_a_row_value(variant):
-    """``full / row`` multiplies by the row's reciprocal (ops._quot_by_row); a block
-    holding a row whose divisor is subnormal or above 2**126 divides, so each quotient
+    """``full / row`` multiplies by the row's reciprocal (ops._quot_by_row); a divisor
+    that is subnormal or above 2**126 is scaled by a power of 2 first, so each quotient
     stays within eager's rounding, including 0, inf and NaN rows."""
     kw = VARIANTS[variant]
     fn = lambda a: a / a.sum(-1, keepdim=True)  # noqa: E731
