@@ -34,7 +34,13 @@ def test_notebook_runs(path, monkeypatch):
     book = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError, with the cell and its traceback
+    try:
+        client.execute()  # raises CellExecutionError, with the cell and its traceback
+    except nbclient.exceptions.CellExecutionError as err:
+        # what the cells before printed (their warnings too): a rare failure says why
+        printed = [f"[{c.get('id')}] " + "".join(o.get("text", "")) for c in book.cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream"]
+        raise AssertionError("\n".join(printed[-12:]) + f"\n{err}") from err
     errors = [o for c in book.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
