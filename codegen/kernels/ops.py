@@ -174,7 +174,7 @@ def _quot_by_row(e: Emitter, x: str, y: str) -> str:
         tmp2 = tl.div_rn(tl.full(sum.shape, 1.0, tl.float32), sum * tmp1)
         truediv = exp * tmp2 * tmp1
     """
-    x, y = (t if t.isidentifier() else e.tmp(t) for t in (x, y))
+    y = y if y.isidentifier() else e.tmp(y)  # (read four times; ``x`` once)
     scale = e.tmp(f"tl.where(tl.abs({y}) < {2.0 ** -100!r}, {2.0 ** 64!r}, "
                   f"tl.where(tl.abs({y}) > {2.0 ** 100!r}, {2.0 ** -64!r}, 1.0))")
     inv = e.tmp(f"tl.div_rn(tl.full({y}.shape, 1.0, tl.float32), {y} * {scale})")
