@@ -23,38 +23,29 @@ import subprocess
 import sys
 import tempfile
 
-_OPS = ("layer_norm", "rms_norm", "softmax")
-
 
 def _dump(folder: str) -> None:
     """(Child, under the interpreter.) Write each kernel's GPU source to ``folder``."""
     import torch
-    import torch.nn.functional as F
     from fxlite.codegen.kernels.generate import generate_source
     from fxlite.codegen.runtime import kernel as runtime_kernel
 
     import fxlite
 
-    seen: dict[str, tuple] = {}
-    call = runtime_kernel.TritonKernel.__call__
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sweep_row_configs as sweep  # its recorder of each kernel's latest inputs
+    from bench_kernels import layer_norm, rms_norm, softmax
 
-    def recording(self, *inputs):
-        seen[self.name] = inputs
-        return call(self, *inputs)
-
-    runtime_kernel.TritonKernel.__call__ = recording
-    fns = {"layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), 3),
-           "rms_norm": (lambda x, w: F.rms_norm(x, x.shape[-1:], w, eps=1e-6), 2),
-           "softmax": (lambda x: torch.softmax(x, -1), 1)}
-    for name, (fn, n) in fns.items():
+    runtime_kernel.TritonKernel.__call__ = sweep._recording_call
+    for fn, n in ((layer_norm, 3), (rms_norm, 2), (softmax, 1)):
         for dtype in (torch.float32, torch.bfloat16):
             args = [torch.randn(4, 64, dtype=dtype)] + [torch.randn(64, dtype=dtype)
                                                         for _ in range(n - 1)]
             compiled = fxlite.compile(fn)
             compiled(*args)
             k = compiled.kernels[0]
-            _, src = generate_source(k.group, list(seen[k.name]), True)
-            with open(os.path.join(folder, f"{name}_{str(dtype)[6:]}.py"), "w") as f:
+            _, src = generate_source(k.group, list(sweep._SEEN[k.name]), True)
+            with open(os.path.join(folder, f"{fn.__name__}_{str(dtype)[6:]}.py"), "w") as f:
                 f.write(src.text)
 
 
