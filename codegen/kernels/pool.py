@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fxlite.codegen.kernels.generate import interpreting
-from fxlite.codegen.runtime.launch import Binary
+from fxlite.codegen.runtime.launch import TRITON_OPTIONS, Binary
 
 from fxlite.graph_module import GraphModule
 
@@ -257,9 +257,10 @@ class _Launch(NamedTuple):
             return out
         grid, args, constants = self.arguments(input, **constants)
         if interpreting() or key is None:
-            kernel[grid](input, out, *args, num_warps=_WARPS, **constants)
+            kernel[grid](input, out, *args, num_warps=_WARPS, **constants, **TRITON_OPTIONS)
             return out
-        compiled = kernel.warmup(input, out, *args, grid=grid, num_warps=_WARPS, **constants)
+        compiled = kernel.warmup(input, out, *args, grid=grid, num_warps=_WARPS, **constants,
+                                 **TRITON_OPTIONS)
         values = args + tuple(constants[n] for n in kernel.arg_names[2 + len(args):])
         prepared = _Prepared(tuple(out.shape), out.stride(), Binary(compiled), (grid[0], 1, 1),
                              values)

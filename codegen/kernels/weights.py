@@ -30,7 +30,7 @@ import torch
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.kernels.layout import dense_strides
 from fxlite.codegen.runtime.cache import load_module
-from fxlite.codegen.runtime.launch import Binary
+from fxlite.codegen.runtime.launch import TRITON_OPTIONS, Binary
 from fxlite.passes.channels_last import CONVS
 
 from fxlite.graph_module import GraphModule
@@ -130,7 +130,8 @@ def _prepare(ws: tuple, key: tuple) -> _Prepared:
     strides = tuple(a.stride() for a in args[1::2])
     binary = None
     if not interpreting():
-        binary = Binary(fn.warmup(*args, grid=grid[:1], BLOCK=_BLOCK, num_warps=_WARPS))
+        binary = Binary(fn.warmup(*args, grid=grid[:1], BLOCK=_BLOCK, num_warps=_WARPS,
+                                  **TRITON_OPTIONS))
     if len(_PREPARED) >= 256:  # ever new weight shapes: start over
         _PREPARED.clear()
     prepared = _PREPARED[key] = _Prepared(fn, binary, grid, shapes, strides)
@@ -156,7 +157,7 @@ def channels_last_copies(*ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for sh, st in zip(prepared.shapes, prepared.strides))
     args = [t for pair in zip(ws, outs) for t in pair]
     if prepared.binary is None:
-        prepared.fn[prepared.grid[:1]](*args, BLOCK=_BLOCK, num_warps=_WARPS)
+        prepared.fn[prepared.grid[:1]](*args, BLOCK=_BLOCK, num_warps=_WARPS, **TRITON_OPTIONS)
     else:
         prepared.binary.launch(prepared.grid, [*args, _BLOCK], device.index or 0)
     return outs

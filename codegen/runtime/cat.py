@@ -23,6 +23,7 @@ from fxlite.codegen.kernels.source import KernelArg
 from fxlite.codegen.runtime.cache import load_module
 from fxlite.codegen.runtime.launch import (
     SLOT,
+    TRITON_OPTIONS,
     Binary,
     DirectLaunch,
     GroupResult,
@@ -124,7 +125,7 @@ class CatKernel:
                 out = torch.empty_strided(src.shape, src.strides, dtype=self.dtype,
                                           device=tensors[0].device)
                 binary = Binary(fn.warmup(*(inputs[g] for g in positions), out, grid=grid[:1],
-                                          BLOCK=BLOCK, num_warps=_WARPS))
+                                          BLOCK=BLOCK, num_warps=_WARPS, **TRITON_OPTIONS))
         except Unsupported:
             return None
         except Exception:  # a compile that fails must never break a model: eager ops run
@@ -174,7 +175,8 @@ class CatKernel:
             return out
         args = [inputs[g] for g in prepared.positions]
         if prepared.binary is None:
-            prepared.fn[prepared.grid[:1]](*args, out, BLOCK=BLOCK, num_warps=_WARPS)
+            prepared.fn[prepared.grid[:1]](*args, out, BLOCK=BLOCK, num_warps=_WARPS,
+                                            **TRITON_OPTIONS)
             return out
         values = [*args, out, BLOCK]
         prepared.binary.launch(prepared.grid, values, device.index or 0)

@@ -91,6 +91,7 @@ from fxlite.codegen.runtime.cat import CatKernel
 from fxlite.codegen.runtime.launch import (
     BINARIES,
     SLOT,
+    TRITON_OPTIONS,
     Binary,
     DirectLaunch,
     LastLaunch,
@@ -235,7 +236,7 @@ class _Spec:
             # Triton's interpreter patches triton.language globally while a kernel runs,
             # so two threads interpreting at once break each other: take turns.
             with _INTERPRETER_LOCK:
-                fn[grid](*args, **constexprs, num_warps=num_warps)
+                fn[grid](*args, **constexprs, num_warps=num_warps, **TRITON_OPTIONS)
             return
         # A binary compiled before (maybe by another process) skips Triton's JIT.
         key = binary_key(self.source_id, variant, args, constexprs, num_warps)
@@ -243,7 +244,8 @@ class _Spec:
         if binary is None:
             found = load_binary(kernel_dir(), key, fn)
             if found is None:  # compile only: launching through Triton would build its launcher
-                compiled = fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps)
+                compiled = fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps,
+                                     **TRITON_OPTIONS)
                 save_binary(kernel_dir(), key, compiled)
                 found = compiled, False
             binary = BINARIES[key] = Binary(*found, key=key)

@@ -21,6 +21,7 @@ tensors changing. Each one is checked once against the general launch before it 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -32,11 +33,20 @@ from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magi
 
 from fxlite import config
 
-__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "Binary", "DirectLaunch", "GroupResult",
-           "LastLaunch", "LaunchPlan", "TensorSlot", "fingerprint", "same_values", "slices"]
+__all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "TRITON_OPTIONS", "Binary", "DirectLaunch",
+           "GroupResult", "LastLaunch", "LaunchPlan", "TensorSlot", "fingerprint", "same_values",
+           "slices"]
 
 # A tensor's place in a remembered launch (LastLaunch.values): the launch keeps no tensor.
 SLOT = object()
+
+# The Triton options of every kernel fxlite compiles or launches through Triton, beside
+# ``num_warps``. FP fusion (a * b + c as one rounded FMA) stays on, as Triton <= 3.9 and
+# inductor have it: Triton 3.9 warns when a compile leaves it unset, and 3.10 turns it off
+# by default, which would change fxlite's rounding and speed with the Triton version. A
+# user who sets TRITON_DEFAULT_FP_FUSION (or TRITON_FORCE_DISABLE_FP_FUSION) decides.
+TRITON_OPTIONS: dict[str, Any] = (
+    {} if os.environ.get("TRITON_DEFAULT_FP_FUSION") is not None else {"enable_fp_fusion": True})
 
 # binary_key -> Binary, for this process (binaries.py keeps the index on disk)
 BINARIES: dict[str, Binary] = {}

@@ -37,7 +37,7 @@ from fxlite.codegen.runtime.binaries import binary_key, has_binary
 from fxlite.codegen.runtime.cache import kernel_dir
 from fxlite.codegen.runtime.cat import CatKernel
 from fxlite.codegen.runtime.kernel import generate_kernel, interpreting
-from fxlite.codegen.runtime.launch import BINARIES
+from fxlite.codegen.runtime.launch import BINARIES, TRITON_OPTIONS
 
 from fxlite.graph_module import GraphModule, attr_at
 from fxlite.node import Node, map_arg
@@ -251,7 +251,7 @@ def precompile(gm: GraphModule, device: torch.device | str | None = None, *,
         nonlocal done
         fn, args, grid, constexprs, warps = job
         try:
-            fn.warmup(*args, grid=grid, **constexprs, num_warps=warps)
+            fn.warmup(*args, grid=grid, **constexprs, num_warps=warps, **TRITON_OPTIONS)
         except Exception:  # compiled (and reported) again when the launch happens
             pass
         with lock:

@@ -533,3 +533,30 @@ def test_batch_norm_relu_global_pool_is_one_kernel_with_one_output():
     assert any(n.startswith("sum") for n in run.module.get_submodule(name).meta["nodes"])
     (call,) = [n for n in run.module.graph.nodes if n.target == name]
     assert "tensor_meta" in call.meta and hasattr(call.meta["tensor_meta"], "shape")  # one output
+
+
+def test_every_kernel_launch_and_compile_asks_for_fp_fusion(monkeypatch):
+    """Triton 3.10 turns FP fusion (``a * b + c`` as one FMA) off by default, and 3.9
+    warns on the first compile that leaves it unset: every kernel fxlite compiles or
+    launches through Triton (fused groups, cats, pools; on CUDA the weight copies and the
+    precompile too) asks for it, so fxlite's kernels round and run alike under each."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    asked = []
+    for cls in (JITFunction, InterpretedFunction):
+        def run(self, *args, _real=cls.run, **kwargs):
+            asked.append((self.__name__, kwargs.get("enable_fp_fusion")))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    model = _Stem().eval().to(DEVICE)
+    f = fxlite.compile(model)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 17, 17, device=DEVICE)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    names = {name for name, _ in asked}
+    kinds = ("cat", "pool") if DEVICE == "cuda" else ("cat",)  # pools: CUDA's layouts
+    assert len(names) >= 2 and all(any(k in n for n in names) for k in kinds), names
+    assert all(fusion is True for _, fusion in asked), asked
