@@ -460,12 +460,16 @@ def test_launch_heuristic():
 
 def test_wide_rows_time_their_warps_and_narrow_ones_keep_the_heuristic():
     """Rows held whole from 8192 elements: the first GPU call times 4, 8, 16 and 32 warps
-    (the best differs by op there); others, looped rows and strided ones time nothing."""
+    (the best differs by op there), and from 16,384 the looped variant too; others,
+    looped rows and strided ones time nothing."""
     from fxlite.codegen.kernels.config import WIDE_ROW, wide_row_configs
     wide = wide_row_configs(64, WIDE_ROW)
     assert wide[0] == launch_config("reduction", 64, WIDE_ROW)  # the heuristic's first
     assert sorted(c["num_warps"] for c in wide) == [4, 8, 16, 32]
     assert all({**c, "num_warps": 0} == {**wide[0], "num_warps": 0} for c in wide)
+    wider = wide_row_configs(64, 2 * WIDE_ROW)
+    assert [c["variant"] for c in wider] == ["persistent"] * 4 + ["looped"] * 2
+    assert wide_row_configs(64, 2 * WIDE_ROW, max_block=WIDE_ROW) == []  # looped already
     assert wide_row_configs(64, WIDE_ROW // 2) == []
     assert wide_row_configs(64, WIDE_ROW, trailing=False) == []
     assert wide_row_configs(4, 100_000) == []  # looped: its chunk's warps were measured
@@ -479,6 +483,38 @@ def test_wide_rows_time_their_warps_and_narrow_ones_keep_the_heuristic():
         ln = fxlite.compile(lambda a: F.layer_norm(a, (WIDE_ROW,)))
         torch.testing.assert_close(ln(x), F.layer_norm(x, (WIDE_ROW,)), rtol=1e-4, atol=1e-4)
         assert ln.kernels[0]._current.tuned[WIDE_ROW]["num_warps"] in (4, 8, 16, 32)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax"])
+def test_every_config_timed_for_rows_of_16384_gives_eager_s_result(op):
+    """Whichever candidate the first GPU call's timing keeps for a 16,384-wide row (held
+    whole at 4 to 32 warps, or looped over chunks of 2048 or 4096) computes eager's
+    result: each is forced in turn and run on fresh bfloat16 inputs, two calls each."""
+    from fxlite.codegen.kernels.config import WIDE_ROW, wide_row_configs
+    n = 2 * WIDE_ROW
+    fn = {"layer_norm": lambda a, w: F.layer_norm(a, (n,), w, w),
+          "rms_norm": lambda a, w: F.rms_norm(a, (n,), w, eps=1e-6),
+          "softmax": lambda a, w: torch.softmax(a * w, -1)}[op]
+    compiled = fxlite.compile(fn)
+    new = lambda: (rand(2, n, dtype=torch.bfloat16), rand(n, dtype=torch.bfloat16))  # noqa: E731
+    compiled(*new())
+    kernel = compiled.kernels[0]
+    spec, launched = kernel._current, []
+    real_launch = spec._launch
+    spec._launch = lambda variant, *rest: (launched.append(variant), real_launch(variant, *rest))
+    configs = wide_row_configs(2, n, trailing=spec.launch.row_config, max_block=kernel._max_block,
+                               row_inputs=spec.launch.row_inputs)
+    assert {c["variant"] for c in configs} == {"persistent", "looped"}
+    if interpreting():  # it runs no warps: one config per variant and chunk
+        configs = list({(c["variant"], c["BLOCK_C"]): c for c in configs}.values())
+    for cfg in configs:
+        spec.tuned[n] = cfg
+        spec._configs.clear()
+        for _ in range(2):
+            launched.clear()
+            x, w = new()
+            torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=2e-2, atol=2e-2)
+            assert launched == [cfg["variant"]], (cfg, launched)
 
 
 def test_bytes_moved():
