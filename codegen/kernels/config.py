@@ -134,8 +134,8 @@ def tile_config(lena: int, lenb: int) -> dict[str, Any]:
 
 
 def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
-                     max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1
-                     ) -> list[dict[str, Any]]:
+                     max_block: int = DEFAULT_MAX_BLOCK, row_inputs: int = 1,
+                     itemsize: int = 4) -> list[dict[str, Any]]:
     """The warps a reduction holding rows of at least :data:`WIDE_ROW` elements times on
     its first GPU call, in every mode (empty for other reductions: the heuristic stands).
 
@@ -146,17 +146,20 @@ def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
     Narrower rows are many, cheap and well served by the heuristic; these are few (a wide
     model's norms and softmaxes), so the cost is a few compiles of the kernels that gain.
 
-    Rows of 16,384 and more also time the looped variant (chunks of 2048 and 4096, 16
-    warps): a row held whole there needs up to 255 registers a thread (one row in flight
-    an SM), and in three sweeps on H200s bfloat16 layer_norm at 2048x16384 ran at 54 to
-    65% of copy held whole, 73 to 77% looped over chunks of 4096; bfloat16 rms_norm 64 to
-    72% against 76 to 88% (``benchmarks/results/issue38/row_reduction_config_sweep*``).
-    Float32 and softmax stay faster held whole, which the timing keeps.
+    Rows of 16-bit values 16,384 wide or more (``itemsize`` is the widest full-size
+    tensor's) also time the looped variant (chunks of 2048 and 4096, 16 warps): a row held
+    whole there takes up to 255 registers a thread (one row in flight an SM), and in three
+    sweeps on H200s bfloat16 layer_norm at 2048x16384 ran at 54 to 65% of copy held whole,
+    73 to 77% looped over chunks of 4096, and bfloat16 rms_norm at 64 to 72% against 76 to
+    88% (``benchmarks/results/issue38/row_reduction_config_sweep*``). Float32 rows were
+    faster held whole in every sweep (layer_norm 85 to 87% against 76 to 77%), so they
+    skip the two compiles.
 
     Example::
 
         [c["num_warps"] for c in wide_row_configs(8192, 8192)]   # [16, 4, 8, 32]
-        [c["variant"] for c in wide_row_configs(2048, 16384)][-2:]  # ['looped', 'looped']
+        [c["variant"] for c in wide_row_configs(2048, 16384, itemsize=2)][-2:]
+        # ['looped', 'looped']
         wide_row_configs(8192, 1024)                              # []
     """
     base = launch_config("reduction", rows, cols, trailing=trailing, max_block=max_block,
@@ -165,7 +168,7 @@ def wide_row_configs(rows: int, cols: int, *, trailing: bool = True,
         return []
     held = [{**base, "num_warps": w} for w in (4, 8, 16, 32) if w != base["num_warps"]]
     looped = [{"variant": "looped", "ROWS": 1, "BLOCK_C": chunk, "num_warps": 16}
-              for chunk in (2048, 4096) if base["BLOCK_C"] >= 2 * WIDE_ROW]
+              for chunk in (2048, 4096) if base["BLOCK_C"] >= 2 * WIDE_ROW and itemsize <= 2]
     return [base] + held + looped
 
 

@@ -448,9 +448,11 @@ class TritonKernel:
         if spec is None:
             return None
         counts, _ = spec.config(iteration_space(list(inputs)))
+        full = [t.element_size() for t in inputs if isinstance(t, torch.Tensor)
+                and t.numel() == counts["rows"] * counts["cols"]]
         configs = wide_row_configs(counts["rows"], counts["cols"],
                                    trailing=spec.launch.row_config, max_block=self._max_block,
-                                   row_inputs=spec.launch.row_inputs)
+                                   row_inputs=spec.launch.row_inputs, itemsize=max(full or [4]))
         return self.autotune(*inputs, configs=configs) if len(configs) > 1 else None
 
     def autotune(self, *inputs: Any, configs: list[dict[str, Any]] | None = None
