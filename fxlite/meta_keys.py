@@ -133,6 +133,10 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("site", "tuple (file, line, function, source) | None",
             "the user's frame that made the call (codegen/capture/records.py user_site)",
             (_CAPTURE,), (_CAPTURE,)),
+    MetaKey("in_place", "bool",
+            "the node is an in-place write that functionalize made a new value: eager "
+            "stored it in the written tensor's dtype, so a kernel's readers read it rounded",
+            ("passes/functionalize.py",), ("codegen/kernels/analysis.py",)),
     MetaKey("impure", "bool",
             "the node has an effect (a write, randomness, an external call, a read of "
             "state): dead-code elimination keeps it and a replay cannot skip it; "

@@ -101,6 +101,7 @@ def functionalize(gm: GraphModule) -> GraphModule:
         node.meta.pop("mutated", None)
         changed = True
         value = _keep_dtype(node, written)
+        value.meta["in_place"] = True  # eager rounds it to the tensor's dtype: so do kernels
         by_name[value.name] = value
         root_of[value] = root
         if root.op == "placeholder":
