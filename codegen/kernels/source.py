@@ -101,11 +101,21 @@ def _round_half_even(x):
 @triton.jit
 def _round_bf16(x):
     # fp32 -> nearest bf16 (ties to even), kept in fp32. The interpreter's own conversion
-    # truncates; the GPU path uses the hardware conversion instead of this helper.
+    # truncates; the GPU path uses the hardware conversion, except for the roundings it
+    # must keep (Emitter.rounded), which LLVM cannot see through integer ops.
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     r = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, r)
+''',
+    "_round_f16": '''
+@triton.jit
+def _round_f16(x):
+    # fp32 -> nearest f16 (ties to even), kept in fp32, by one conversion LLVM cannot see
+    # through (Emitter.rounded's kept roundings; GPU only: the interpreter runs no asm).
+    h = tl.inline_asm_elementwise("cvt.rn.f16.f32 $0, $1;", "=h,r", [x], dtype=tl.float16,
+                                  is_pure=True, pack=1)
+    return h.to(tl.float32)
 ''',
     "_tanh": '''
 @triton.jit
@@ -264,7 +274,7 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
             v.stored or consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
-        expr = e.rounded(v.name, v.dtype)
+        expr = e.rounded(v.name, v.dtype, kept=v.stored)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
     if common in _HALVES and dtype != common:
         wide = expr if compute_dtype(dtype) == torch.float32 else f"{expr}.to(tl.float32)"

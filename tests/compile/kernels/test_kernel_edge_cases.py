@@ -8,6 +8,7 @@ the first-call check of ``fxlite.compile`` is never what makes these pass.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 from test_triton_kernels import DEVICE, group, same  # isort: skip  (sets TRITON_INTERPRET)
@@ -398,21 +399,11 @@ def test_a_chain_of_in_place_writes_to_a_half_buffer_rounds_each_write_as_eager(
     """Before: ``b.mul_(0.9).add_(m); b **= 2`` on a float16 buffer ran as one kernel that
     rounded only the last value, where eager rounds each write into the buffer: the
     buffer drifted from eager's from the second call on, the squaring amplifying it (38
-    apart at call 4, fuzz seed 8910782). Each write's readers now read it rounded, so the
-    buffer and an input written the same way stay equal to eager's, bit for bit."""
-    class Buffer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("b", torch.randn(4, 1, generator=torch.Generator()
-                                                  .manual_seed(1001)).to(dtype))
-
-        def forward(self, x, y):
-            self.b.mul_(0.9).add_(x.mean() * 0.1)
-            self.b **= 2
-            y.mul_(0.7).add_(self.b).sub_(x)
-            return x.clamp(0) * 3
-
-    compiled_model, eager_model = Buffer().to(DEVICE), Buffer().to(DEVICE)
+    apart at call 4, fuzz seed 8910782). Each write's readers now read it rounded, so a
+    chain of correctly rounded writes whose operands eager and the kernel hold alike (the
+    inputs; ``x.mean() * 0.1`` is an unrounded float32 value in the kernel) leaves the
+    buffer and an input written the same way equal to eager's, bit for bit."""
+    compiled_model, eager_model = _InPlaceChain(dtype).to(DEVICE), _InPlaceChain(dtype).to(DEVICE)
     compiled = fxlite.compile(compiled_model)
     for _ in range(5):
         x, y = (torch.randn(4, 1, device=DEVICE).to(dtype) for _ in range(2))
@@ -422,6 +413,79 @@ def test_a_chain_of_in_place_writes_to_a_half_buffer_rounds_each_write_as_eager(
         assert torch.equal(y, y_eager)
         torch.testing.assert_close(got, want)
     assert compiled.kernels
+
+
+class _InPlaceChain(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.register_buffer("b", torch.randn(4, 1, generator=torch.Generator()
+                                              .manual_seed(1001)).to(dtype))
+
+    def forward(self, x, y):
+        self.b.mul_(0.9).add_(x).mul_(x)
+        self.b += 0.25
+        y.mul_(0.7).add_(self.b).sub_(x)
+        return x.clamp(0) * 3
+
+
+_COMPILE_FOR_SM90 = """
+import re, sys, importlib.util
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("k", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+for name in sys.argv[3:]:
+    fn = getattr(module, name)
+    sig = {a: ("*" + sys.argv[2]) if a.endswith("_ptr") else "constexpr" if a.isupper()
+           else "i32" for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, {a: 128 for a, t in sig.items() if t == "constexpr"}),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "enable_fp_fusion": True})
+    print("\\n".join(l.strip() for l in k.asm["ptx"].splitlines()
+                    if re.match(r"\\s*(fma|mul|add|sub|cvt)\\.", l)))
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_gpu_source_keeps_each_in_place_rounding_through_fp_fusion(dtype, tmp_path,
+                                                                       monkeypatch):
+    """The kernel of the chain above, as generated for a GPU and compiled for sm_90 with
+    FP fusion on (Triton's CUDA backend, no GPU needed): written as plain round trips,
+    LLVM narrowed the writes to half ops and contracted ``(...) * x`` and the ``+ 0.25``
+    after it into one half FMA (``fma.rn.bf16``), which skips eager's rounding between
+    them (a bfloat16 buffer one ulp off eager's at the fifth call on an H200). The kept
+    roundings leave the PTX no FMA at all: every product is rounded before its sum."""
+    import subprocess
+    import sys
+
+    from fxlite.codegen.kernels.generate import generate_source
+    from fxlite.codegen.runtime.kernel import TritonKernel
+
+    seen = []
+    real_call = TritonKernel.__call__
+    monkeypatch.setattr(TritonKernel, "__call__",
+                        lambda self, *inputs: (seen.append((self, inputs)),
+                                               real_call(self, *inputs))[1])
+    model = _InPlaceChain(dtype).to(DEVICE)
+    compiled = fxlite.compile(model)
+    compiled(torch.randn(4, 1, device=DEVICE).to(dtype), torch.randn(4, 1, device=DEVICE).to(dtype))
+    kernel, inputs = next((k, i) for k, i in seen if len(k.nodes) > 4)  # (not the clamp)
+    _, src = generate_source(kernel.group, list(inputs), True)
+    path = tmp_path / "chain.py"
+    path.write_text(src.text)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, str(path),
+                           "bf16" if dtype == torch.bfloat16 else "fp16",
+                           *src.functions.values()],
+                          env=env, capture_output=True, text=True)
+    if done.returncode and ("ptxas" in done.stderr or "No such file" in done.stderr):
+        pytest.skip("this Triton has no CUDA backend tools to compile with")
+    assert done.returncode == 0, done.stderr[-2000:]
+    floats = [line for line in done.stdout.splitlines() if re.match(r"(mul|add)\.\S*f(32|16)", line)]
+    assert floats and not any(line.startswith("fma") for line in done.stdout.splitlines()), \
+        done.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
