@@ -104,15 +104,15 @@ def test_compiled_gradients_on_a_seed_range() -> None:
 
 
 # Open findings of the 10,000-program H200 run (BENCHMARKS.md, "Program fuzzer") that
-# reproduce on the CPU: 5344 float16 overflow inside a fused kernel, 9969 training
-# batch_norm of a bool tensor (falls back where eager raises), 9133 eager raises in
-# backward on a saved value written in place and fxlite does not. Fixed in session 15:
+# reproduce on the CPU: 9969 training batch_norm of a bool tensor (falls back where eager
+# raises), 9133 eager raises in backward on a saved value written in place and fxlite
+# does not. 5344 (float16 overflow inside a fused kernel) is fixed, below. Fixed in session 15:
 # 3301 (a group output that is a view written in place under autograd) and 5712 (a
 # decomposed rms_norm's layout broke a later .view(-1)). (Groups no longer check saved
 # values only a result the loss does not use needs: 7200785, 7326012; 7105288 and 6065,
 # fixed in session 37, are below.)
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="open findings of the fuzzer")
-@pytest.mark.parametrize("seed, path", [(5344, "triton"), (9969, "triton"), (9133, "grad")])
+@pytest.mark.parametrize("seed, path", [(9969, "triton"), (9133, "grad")])
 def test_open_findings(seed: int, path: str) -> None:
     from fuzz_check import STATS
 
@@ -123,6 +123,23 @@ def test_open_findings(seed: int, path: str) -> None:
         failures = check_backward(program, DEVICE)
     else:
         failures = check_compiled(program, "triton", DEVICE)
+    STATS["failures"] = counted
+    assert not failures, _report(program, failures)
+
+
+@pytest.mark.parametrize("seed", [5344, 8910782])
+def test_a_half_buffer_written_in_place_is_read_as_eager_stored_it(seed: int) -> None:
+    """Open since the first fuzz runs (5344: ``b0.exp_()`` of a float16 buffer, then
+    ``sin(b0)``) and found again in session 38 (8910782: ``b1.mul_(0.9).add_(m)``, then
+    ``b1 **= 2``): a kernel read an in-place write of a half buffer unrounded where eager
+    reads what it stored, so an exp that overflowed to inf gave sin a number, not NaN,
+    and the chain's buffer drifted from eager's over the calls. functionalize now marks
+    such writes and the kernel reads them rounded (``meta["in_place"]``)."""
+    from fuzz_check import STATS
+
+    program = generate(RandomDraw(seed), seed, draw_step)
+    counted = STATS["failures"]
+    failures = check_compiled(program, "triton", DEVICE)
     STATS["failures"] = counted
     assert not failures, _report(program, failures)
 
