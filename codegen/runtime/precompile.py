@@ -2,7 +2,9 @@
 
 Without this, each group's kernel is compiled when the first call reaches it, one after
 another on one core (convnext_tiny: 59 kernels, 20 s on an H200 host, most of it in
-``ptxas``, LLVM and Triton's MLIR passes, which release the GIL). :func:`precompile` reads
+``ptxas``, LLVM and Triton's MLIR passes). Triton holds the GIL for much of a compile, so
+threads gain less than their count: 1.7x over one thread for resnet50's 12 compiles on a
+16-core H200 host. Worker processes lost to them (BENCHMARKS.md, fifteenth session). :func:`precompile` reads
 each group's inputs from its ShapeProp metadata, builds the kernel and the exact launch
 the first call will make (memory order, block sizes, argument specialization), drops the
 launches that compile to the same binary (identical sources: the repeated blocks of a
