@@ -105,6 +105,7 @@ class Value:
     # eager stores it in its dtype, so its readers read it rounded: a group output, or an
     # in-place write made a new value (b.mul_(0.9).add_(m) of a float16 buffer)
     stored: bool = False
+    written: bool = False  # that in-place write: its rounding must survive FP fusion
 
     def deps(self) -> list[Value]:
         return [a for a in self.args.values() if isinstance(a, Value)]
@@ -409,7 +410,8 @@ class _Builder:
         span = frozenset().union(*(a.span for a in ops))
         v = Value(self.fresh(name), "pw", tm.dtype, dims, span,
                   op=name, args=args, node=node.name, exact=name == "to",
-                  stored=bool(node.meta.get("in_place")))
+                  stored=bool(node.meta.get("in_place")),
+                  written=bool(node.meta.get("in_place")))
         self.check_shape(v, node)
         self.env[node] = self.add(v)
 

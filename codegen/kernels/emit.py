@@ -86,12 +86,14 @@ class Emitter:
     def rounded(self, expr: str, dtype: torch.dtype, *, kept: bool = False) -> str:
         """``expr`` (fp32) rounded to half type ``dtype``, still as fp32.
 
-        ``kept``: a rounding the GPU must not lose (a value eager stored: an in-place
-        write, an output read again). Written as a plain round trip, LLVM narrows the ops
-        around it to half ops and, with FP fusion on, contracts a product and the sum it
-        feeds into one half FMA, which skips the rounding between them (seen in the PTX
-        for ``b.mul_(x).add_(0.25)`` of a bfloat16 buffer: ``fma.rn.bf16``). A kept one
-        goes through integer ops (bfloat16) or an opaque conversion (float16) instead.
+        ``kept``: a rounding the GPU must not lose (an in-place write, whose value eager
+        stored: a buffer or parameter that drifts from eager's by an ulp a call stays
+        apart). Written as a plain round trip, LLVM narrows the ops around it to half ops
+        and, with FP fusion on, contracts a product and the sum it feeds into one half
+        FMA, which skips the rounding between them (seen in the PTX for
+        ``b.mul_(x).add_(0.25)`` of a bfloat16 buffer: ``fma.rn.bf16``). A kept one goes
+        through integer ops (bfloat16) or an opaque conversion (float16) instead. Other
+        roundings keep the round trip, and with it the FMAs (an ulp, within tolerance).
         """
         if dtype == torch.bfloat16 and (kept or not self.libdevice):
             return f"{self.helper('_round_bf16')}({expr})"

@@ -274,7 +274,7 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
             v.stored or consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
-        expr = e.rounded(v.name, v.dtype, kept=v.stored)
+        expr = e.rounded(v.name, v.dtype, kept=v.written)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
     if common in _HALVES and dtype != common:
         wide = expr if compute_dtype(dtype) == torch.float32 else f"{expr}.to(tl.float32)"
