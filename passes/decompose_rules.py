@@ -550,6 +550,11 @@ def _var_parts(x: Any, dim: Any, correction: Any, keepdim: bool) -> Any:
     if dims is None or not isinstance(correction, (int, float)) or isinstance(correction, bool):
         return NotImplemented
     n = _count(x, dims)
+    if (dim is None or len(shape) == 0) and all(type(s) is int for s in shape) \
+            and math.prod(shape) - correction <= 0:
+        # no degree of freedom left in a var of the whole tensor: eager's gradient has a
+        # case of its own there (fxlite/ops/derivatives.py, _var_grad), which the op keeps
+        return NotImplemented
     x, out = _opmath(x, _dtype(x))
     # the mean's own gradient term is 0 (the centred values sum to 0), so it is cut from
     # autograd: differentiated, it would spread a row's NaN (x - inf) over the whole row

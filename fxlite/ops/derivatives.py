@@ -321,18 +321,25 @@ def _max_all(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any] | Any:
     return {"input": hit * (g / torch.sum(hit, dims, keepdim=True))}
 
 
-def _var_grad(g: Any, x: Any, dims: tuple[int, ...], correction: Any) -> Any:
-    # d var / dx = 2 (x - mean) / (n - correction)
+def _var_grad(g: Any, x: Any, dims: tuple[int, ...], correction: Any, whole: bool) -> Any:
+    # d var / dx = 2 (x - mean) / (n - correction). ``whole``: a var of the whole tensor
+    # (no dim given, or a 0-dim input), where eager's var_backward has a case of its own
+    # for no degree of freedom left (n <= correction): g * inf where x differs from the
+    # mean (a NaN does), NaN where it equals it, whatever the sign of x - mean.
     n = _count(x, dims)
-    centered = x - torch.sum(x, dims, keepdim=True) / n
+    mean = torch.sum(x, dims, keepdim=True) / n
+    dof = n - correction
+    if whole and isinstance(dof, (int, float)) and dof <= 0:
+        return torch.where(x == mean, g * math.nan, g * math.inf)
     # (a runtime Python float would reach the kernel as fp32: divide by the int instead)
-    return g * centered * 2 / (n - correction)
+    return g * (x - mean) * 2 / dof
 
 
 def _var(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     x = a["input"]
     dims = reduced_dims(a.get("dim"), _rank(x))
-    return {"input": _var_grad(expand_reduced(g, a, _rank(x)), x, dims, a.get("correction", 1))}
+    return {"input": _var_grad(expand_reduced(g, a, _rank(x)), x, dims, a.get("correction", 1),
+                               a.get("dim") is None or _rank(x) == 0)}
 
 
 def _std(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
@@ -341,7 +348,8 @@ def _std(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     dims = reduced_dims(a.get("dim"), _rank(x))
     std = expand_reduced(out, a, _rank(x))
     g_var = torch.where(std == 0, 0.0, expand_reduced(g, a, _rank(x)) / (std * 2))
-    return {"input": _var_grad(g_var, x, dims, a.get("correction", 1))}
+    return {"input": _var_grad(g_var, x, dims, a.get("correction", 1),
+                               a.get("dim") is None or _rank(x) == 0)}
 
 
 # ---------------------------------------------------------------------- composites

@@ -50,6 +50,21 @@ def test_var_gradient_of_a_row_holding_an_infinity():
     _grads(lambda t: torch.var(t, -1, unbiased=False), [(torch.randn(2, 3),), (x,), (x,)])
 
 
+def test_var_gradient_of_a_whole_tensor_with_no_degree_of_freedom():
+    # Fuzz seed 8918352 (``fmod(x, 0.5).var()`` of a 0-dim NaN): eager's var_backward has
+    # a case of its own for a var of the whole tensor (no dim, or a 0-dim input) with
+    # n <= correction: the gradient is g * inf where x differs from the mean (a NaN
+    # does), NaN where it equals it, whatever the sign. The rule 2 (x - mean) / (n - c)
+    # gave NaN for a NaN and -inf below the mean. Over a dim, eager keeps the formula.
+    nan = float("nan")
+    reduce = torch.var
+    _grads(lambda t: torch.fmod(reduce(t), 7.0) * 1.5,
+           [(torch.tensor(nan),), (torch.tensor(3.0),), (torch.tensor(nan),)])
+    _grads(lambda t: reduce(t) * 1.5, [(torch.tensor([nan]),), (torch.tensor([3.0]),)] * 2)
+    _grads(lambda t: reduce(t, correction=2) * 1.5, [(torch.tensor([1.0, 3.0]),)] * 3)
+    _grads(lambda t: reduce(t, 0, correction=2) * 1.5, [(torch.tensor([1.0, 3.0]),)] * 3)
+
+
 def test_std_gradient_where_std_is_zero():
     # Found with the one above (seeds 847, 6000, 7445): std's gradient is 0 where std is 0
     # in eager (std_backward masks it); sqrt's derivative there is g / 0, and NaN once
