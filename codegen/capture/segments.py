@@ -167,6 +167,12 @@ def _build(rec: Recording, k: int, nodes: list[Node], outs: list[str], read: Rea
             continue
         new = graph.placeholder(inp.name)
         new.meta = dict(inp.meta)
+        # what the op that made it wrote, and into which node of the earlier segment, is
+        # not this graph's: a placeholder with ``same_object`` naming another graph's node
+        # took, in functionalize, a node of that name here for the tensor it wrote (fuzz
+        # seed 9014541: a float16 result returned as the float32 buffer written after it)
+        for key in ("mutated", "same_object", "aliased"):
+            new.meta.pop(key, None)
         val_map[inp] = new
         inputs.append(inp.name)
         if inp.op == "get_attr":

@@ -428,3 +428,31 @@ def test_a_write_after_a_cast_back_still_returns_the_argument_itself():
         x = torch.randn(4, 5, device=DEVICE)
         assert compiled(x) is x
     assert len(compiled.kernels) == 1 and "div_" not in compiled.code
+
+
+def test_a_result_passed_past_a_graph_break_is_not_the_buffer_written_there():
+    # Fuzz seed 9014541: ``v3 = v0.to(float16); v3 **= 2``, a graph break, then
+    # ``self.b0.add_(v3.sum())`` and ``return v3``. The second segment's placeholder for
+    # v3 kept the first segment's meta (``same_object``: "to", the node pow_ wrote); the
+    # second segment's own cast back to b0's dtype was also named "to", so functionalize
+    # took v3 for a write into b0 and returned b0's write-back: from the second call on
+    # the result was the float32 buffer, not the float16 tensor (with NaN values, where
+    # the kernel's check ran; other values took another path).
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b0", torch.tensor(0.3, device=DEVICE))
+
+        def forward(self, x1, x2):
+            v3 = (self.b0 * float("nan")).to(torch.float16)
+            v3 **= 2
+            if (x2 > True).any():
+                x1.mul_(2)
+            self.b0.add_(v3.sum())
+            return v3
+
+    model = Model()
+    compiled = _run(model, [(torch.randn(1, device=DEVICE).half(),
+                             torch.tensor([True], device=DEVICE))] * 4)
+    out = compiled(torch.randn(1, device=DEVICE).half(), torch.tensor([True], device=DEVICE))
+    assert out.dtype == torch.float16 and out is not model.b0
