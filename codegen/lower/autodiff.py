@@ -68,7 +68,8 @@ class GroupGrad:
         tangents: the output positions that carry a gradient (one tangent each, in order).
         grads: per group input, the index of its gradient among the backward's results, or
             None (the input needs none, or gets zero).
-        zero_grads: inputs that need a gradient but get zero (piecewise-constant ops).
+        zero_grads: inputs that need a gradient but get zero (only unused outputs'
+            tangents reach them; a piecewise-constant op passes a tensor of zeros back).
         sources: per tangent, the inputs a differentiable path joins to its output. An
             input that no output with a gradient reaches gets None, as in eager (an output
             the loss does not use gets no gradient).
@@ -215,8 +216,6 @@ def _apply_rule(n: Node, cotangent: dict[Node, Any], live: set[Node], tracer: _R
     rule = op_derivatives.VJP.get(found[0].name) if found is not None else None
     if rule is None:
         raise NotDifferentiable(f"no derivative rule for {n.format_node()}")
-    if rule is op_derivatives.ZERO:
-        return
     info, args = found
     g = cotangent[n]
     rank = len(n.meta["tensor_meta"].shape)

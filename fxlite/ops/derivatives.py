@@ -24,7 +24,7 @@ rules may unsqueeze it at the reduced dims. Rules start from ``g`` (``g * o * o`
 from the forward (``x.size(d)``): Python ints, which the forward computes and saves.
 
 Two markers stand for rules without a formula: :data:`ZERO` (piecewise-constant ops such
-as ``floor``: their gradient is zero, as eager's) and ops absent from :data:`VJP`
+as ``floor``: their gradient is a tensor of zeros, as eager's) and ops absent from :data:`VJP`
 (``floor_divide``, whose derivative eager does not implement either), which autodiff
 refuses. Ops with bool or integer results (comparisons, ``isnan``, bitwise ops) carry
 no gradient and need no rule.
@@ -53,7 +53,15 @@ Rule = Callable[[Any, dict[str, Any], Any], dict[str, Any]]
 
 
 def ZERO(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
-    """The rule of a piecewise-constant op: its gradient is zero everywhere."""
+    """The rule of a piecewise-constant op: its gradient is zero everywhere, as a tensor of
+    zeros, which eager's backward passes on too: the rules before it then compute with it,
+    and give NaN where eager's do (``x.amax().floor()`` of a row holding a NaN: amax's
+    rule divides the zeros by a count of 0 maxima)."""
+    return {"input": torch.zeros_like(g)}
+
+
+def _no_gradient(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    """``detach``'s rule: its input gets no gradient at all (not zeros)."""
     return {}
 
 
@@ -111,8 +119,9 @@ def _not_outside(x: Any, low: Any, high: Any, g: Any) -> Any:
 
 # ---------------------------------------------------------------------- arithmetic
 def _truediv(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
-    if a.get("rounding_mode") is not None:
-        return {}  # floor/trunc division: piecewise constant
+    if a.get("rounding_mode") is not None:  # floor/trunc division: piecewise constant,
+        zeros = torch.zeros_like(g)           # zeros to each tensor operand, as eager's
+        return {k: zeros for k in ("input", "other") if _tensor(a.get(k))}
     x, y = a["input"], a["other"]
     # d(x/y)/dy = -x / y**2, as -(g x / y) / y: every op reads g, so none is an op on
     # saved row values alone (a kernel of its own: fuse groups it apart)
@@ -513,7 +522,8 @@ VJP: dict[str, Rule] = {
     "erf": lambda g, a, o: {"input": g * torch.exp(-(a["input"] * a["input"])) * _TWO_OVER_SQRT_PI},
     "sigmoid": lambda g, a, o: {"input": g * o * (1 - o)},
     "tanh": lambda g, a, o: {"input": g * (1 - o * o)},
-    **{name: ZERO for name in ("floor", "ceil", "trunc", "round", "sign", "detach")},
+    **{name: ZERO for name in ("floor", "ceil", "trunc", "round", "sign")},
+    "detach": _no_gradient,
     # activations
     # (eager's backward zeroes where x <= 0, so a NaN input's gradient passes: as here)
     "relu": lambda g, a, o: {"input": torch.where(a["input"] <= 0, 0.0, g)},

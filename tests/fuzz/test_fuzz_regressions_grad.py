@@ -65,6 +65,19 @@ def test_var_gradient_of_a_whole_tensor_with_no_degree_of_freedom():
     _grads(lambda t: reduce(t, 0, correction=2) * 1.5, [(torch.tensor([1.0, 3.0]),)] * 3)
 
 
+def test_a_piecewise_constant_op_passes_zeros_back_as_eager():
+    # Fuzz seed 9010224 (``x.amax().div(0.0, rounding_mode="floor")``): the gradient of a
+    # piecewise-constant op (floor, sign, round, a floor division) is zero, and eager
+    # passes a tensor of zeros back, which amax's backward divides by its count of maxima:
+    # NaN everywhere for an input holding a NaN. The rule passed nothing back, so the
+    # compiled gradient was 0 from the second call on. Benign inputs keep zero gradients.
+    nan = float("nan")
+    special = torch.tensor([[nan, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    for f in (lambda t: t.amax().floor(), lambda t: t.amax().div(0.0, rounding_mode="floor"),
+              lambda t: torch.sign(t.amin(-1)), lambda t: (t / t.sum(-1, keepdim=True)).round()):
+        _grads(f, [(torch.randn(3, 4),), (special,), (torch.randn(3, 4),), (special,)])
+
+
 def test_std_gradient_where_std_is_zero():
     # Found with the one above (seeds 847, 6000, 7445): std's gradient is 0 where std is 0
     # in eager (std_backward masks it); sqrt's derivative there is g / 0, and NaN once
