@@ -102,10 +102,10 @@ class Value:
     exact: bool = False  # a half-typed value that holds exactly its rounded value
     empty_ok: bool = False  # a max/min that may reduce nothing (softmax's): no error then
     layout: tuple[int, ...] | None = None  # an output's dim order as eager lays it out
-    # eager stores it in its dtype, so its readers read it rounded: a group output, or an
-    # in-place write made a new value (b.mul_(0.9).add_(m) of a float16 buffer)
-    stored: bool = False
-    written: bool = False  # that in-place write: its rounding must survive FP fusion
+    stored: bool = False  # an output: the kernel stores it (so its readers read it rounded)
+    # an in-place write made a new value (b.mul_(0.9).add_(m) of a float16 buffer): eager
+    # stored it, so its readers read it rounded too, a rounding FP fusion must not drop
+    written: bool = False
 
     def deps(self) -> list[Value]:
         return [a for a in self.args.values() if isinstance(a, Value)]
@@ -410,7 +410,6 @@ class _Builder:
         span = frozenset().union(*(a.span for a in ops))
         v = Value(self.fresh(name), "pw", tm.dtype, dims, span,
                   op=name, args=args, node=node.name, exact=name == "to",
-                  stored=bool(node.meta.get("in_place")),
                   written=bool(node.meta.get("in_place")))
         self.check_shape(v, node)
         self.env[node] = self.add(v)

@@ -262,8 +262,8 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
 
     Half values are computed in fp32 and rounded only at the store, except where the
     difference would show: when ``consumer`` is discrete (a comparison, a cast, floor...)
-    or computes in another dtype (f16 promoted to f32), or ``v`` is stored itself (its
-    readers then read what the caller sees: an ``exp_`` of a float16 buffer that
+    or computes in another dtype (f16 promoted to f32), or ``v`` is stored itself or
+    written in place (its readers then read what the caller sees: an ``exp_`` of a float16 buffer that
     overflowed to inf, eager's value, and not the fp32 value; fuzz seed 7404901), ``v`` is
     rounded first. An operand
     of another dtype than a half ``common`` (a 0-dim fp32 tensor in a bf16 op, an f16
@@ -272,7 +272,7 @@ def operand(v: Value, consumer: Value | None = None, e: Emitter | None = None,
     expr = v.name
     e = e or Emitter()
     if consumer is not None and v.dtype in _HALVES and not v.exact and (
-            v.stored or consumer.op in DISCRETE or consumer.dtype != v.dtype
+            v.stored or v.written or consumer.op in DISCRETE or consumer.dtype != v.dtype
             or (consumer.op == "truediv" and consumer.args.get("rounding_mode"))):
         expr = e.rounded(v.name, v.dtype, kept=v.written)
     dtype = scalar_dtype(v) if v.kind == "scalar" else v.dtype
