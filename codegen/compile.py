@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import linecache
+import operator
 import sys
 import threading
 import types
@@ -72,6 +73,8 @@ from fxlite.passes.functionalize import changes_state
 
 from fxlite.graph_module import QUIET_CALLERS, GraphModule
 from fxlite.logs import log_break, log_graph
+from fxlite.node import Node
+from fxlite.ops import lookup, lookup_target
 from fxlite.proxy import TraceError
 
 __all__ = ["CompiledFunction", "CompiledModule", "compile"]
@@ -1072,11 +1075,40 @@ def _write_calls(gm: GraphModule) -> frozenset[str] | None:
             elif n.op == "call_method" and (n.target == "copy_" or n.target in _FILLS
                                             and getattr(n.args[0], "op", None) == "placeholder"):
                 calls.add(f".{n.target}(")
+            elif not calls and _local_write(n, gm):
+                continue  # a tensor the graph made: lost with it if the call raises
             elif calls or changes_state(n, gm):
                 calls = None
                 break
         found = gm._fxlite_write_calls = None if calls is None else frozenset(calls)
     return found
+
+
+def _local_write(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` writes in place (``y[0] = -1``, ``y.add_(1)``) into a tensor made in
+    ``gm`` itself, through views at most: a kernel's or a pointwise op's fresh result, not
+    an input, an attribute or a view of one. If the call raises before its first write of
+    state, such a write has reached nothing the rerun of the user's function could see
+    (fuzz seed 9313724: ``y = torch.fmod(x, d); y[0] = -1`` after a training BatchNorm,
+    where an integer division by zero raised and the BatchNorm's update was lost)."""
+    name = n.target if n.op == "call_method" else None
+    if n.target is not operator.setitem and not (
+            isinstance(name, str) and (name in _FILLS or name == "copy_" or name.endswith("_")
+                                       and _kind(lookup_target(getattr(torch, name[:-1], None)))
+                                       == "pointwise")):
+        return False
+    base = n.args[0] if n.args else None
+    while isinstance(base, Node) and (base.meta.get("returns_input")
+                                      or _kind(lookup(base, gm)) == "view"):
+        base = base.args[0] if base.args else None
+    if not isinstance(base, Node) or base.meta.get("impure"):
+        return False
+    return base.op == "call_module" or base.op in ("call_function", "call_method") and _kind(
+        lookup(base, gm)) in ("pointwise", "reduction")
+
+
+def _kind(info: Any) -> str | None:
+    return getattr(info, "kind", None)
 
 
 def _settled(rec: Any, env: dict[str, Any]) -> dict[str, list[tuple[str, Any]]]:

@@ -712,6 +712,47 @@ def test_a_call_that_raises_leaves_eagers_state_buffer_writes_and_partial_writes
     assert compiled.kernels
 
 
+class _NormThenDivideWriteResult(nn.Module):
+    """A training BatchNorm's statistics update (which the compile moves to the end of
+    the graph), then an integer ``fmod`` that raises where a divisor is 0, and writes into
+    its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+
+    def forward(self, x, d):
+        F.batch_norm(x.float(), self.mean, self.var, training=True, momentum=0.1)
+        y = torch.fmod(x, d)
+        y[0] = -1
+        y[1].add_(2)
+        return y
+
+
+def test_a_call_that_raises_before_writing_state_runs_again_despite_writes_to_its_own_values():
+    """Before: fuzz seed 9313724. The statistics update comes last in the compiled graph,
+    after the ``fmod`` that raised, so the call can run again in eager and land it, as
+    for the divisions above; but the writes into ``fmod``'s result (a tensor the graph
+    made, lost with it when the call raises) counted as writes of state, so the call was
+    not run again and the update was lost from the second call on."""
+    compiled_model, eager_model = _NormThenDivideWriteResult(), _NormThenDivideWriteResult()
+    compiled = fxlite.compile(compiled_model)
+    for k in range(5):
+        x = torch.arange(6).view(2, 3) + k
+        d = torch.tensor([1, 0, 3] if k in (1, 3) else [1, 2, 3])
+        outcome = []
+        for fn in (compiled, eager_model):
+            try:
+                outcome.append(fn(x, d).tolist())
+            except RuntimeError as e:
+                outcome.append(type(e).__name__)
+        assert outcome[0] == outcome[1]
+        torch.testing.assert_close(compiled_model.mean, eager_model.mean, rtol=0, atol=0)
+        torch.testing.assert_close(compiled_model.var, eager_model.var, rtol=0, atol=0)
+    assert compiled.kernels
+
+
 def test_a_call_that_raises_while_its_segment_compiles_keeps_no_fallback():
     """Before: a piece of a followed call (one that prints: its Python runs on every
     call) compiles on the values of its first run; where that run's integer division
