@@ -173,6 +173,21 @@ def _eager_layout(y: Any, x: Any, keeps_channels_last: bool = False) -> Any:
     return torch.clone(y, memory_format=torch.contiguous_format)
 
 
+def _needs_grad(x: Any) -> bool:
+    """Whether ``x`` (a Proxy) held a tensor that requires grad when it was recorded.
+
+    An activation with a rule of its own in ``fxlite/ops/derivatives.py`` (silu, gelu)
+    then stays whole: autograd differentiating ``x * sigmoid(x)`` by the product rule
+    gives ``g s + g x s (1 - s)``, which is ``inf - inf`` (NaN) where eager's
+    ``g s (1 + x (1 - s))`` is an infinity (an infinite incoming gradient at x < 0; fuzz
+    seed 9304060). The kernel computes the op whole as well.
+    """
+    if not isinstance(x, Proxy):
+        return False
+    meta = x.node.meta
+    return bool(meta.get("requires_grad") or getattr(meta.get("tensor_meta"), "requires_grad", False))
+
+
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:
     """``x`` in the dtype eager computes a ``dtype`` op in, and the dtype to round back to.
 
@@ -370,7 +385,7 @@ def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: Any = None
 
 @register_decomposition(F.gelu)
 def _gelu(x: Any, approximate: str = "none") -> Any:
-    if approximate not in ("none", "tanh"):
+    if approximate not in ("none", "tanh") or _needs_grad(x):
         return NotImplemented
     x, out = _opmath(x, _dtype(x))  # halves: fp32, as eager; unknown dtype: as it comes
     if approximate == "tanh":
@@ -535,6 +550,8 @@ def _round_decimals(x: Any, decimals: Any = 0) -> Any:
 @register_decomposition(F.silu)
 def _silu(x: Any, inplace: bool = False) -> Any:
     # x * sigmoid(x)
+    if _needs_grad(x):
+        return NotImplemented  # the product rule's gradient is not eager's: see _needs_grad
     x, out = _opmath(x, _dtype(x))
     return _back(x * torch.sigmoid(x), out)
 

@@ -107,3 +107,18 @@ def test_detach_inside_a_group_cuts_the_gradient():
         out.sum().backward()
         assert x.grad is None and y.grad is not None
     _grads(lambda t: t.detach() * t + t, [(torch.randn(2, 4),)] * 3)
+
+
+@pytest.mark.parametrize("act", [F.silu, F.gelu, lambda t: F.gelu(t, approximate="tanh")],
+                         ids=["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_activation_gradient_of_an_infinite_incoming_gradient(act, dtype):
+    # Fuzz seed 9304060 (``silu(x) * inf``): silu was decomposed into x * sigmoid(x) and
+    # differentiated by the product rule, g s + g x s (1 - s): inf - inf, NaN, at x < 0,
+    # where eager's g s (1 + x (1 - s)) is an infinity. gelu's decomposition had the same
+    # exposure (g Phi + g x phi). Both now stay whole where their input needs a gradient,
+    # so autograd takes their own rules. Finite incoming gradients first, then infinite.
+    x = torch.tensor([-3.0, -1.0, -0.5, 0.5, 2.0], dtype=dtype)
+    calls = [(torch.randn(5, dtype=dtype),), (x,), (x,)]
+    _grads(act, calls)
+    _grads(act, calls, weights=[float("inf")])
