@@ -282,6 +282,9 @@ def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
             v = op(v, d, keepdim=True)
         return v
 
+    def count(mask: Any) -> Any:  # per row, as integers: a 0-d input has no dim to sum,
+        return rows(torch.sum, torch.where(mask, 1, 0))  # and bool - 1 raises (9503603)
+
     def in_others(mask: Any, count: Any) -> Any:  # whether the row's others hold one
         return torch.where(mask, count - 1, count) > 0
 
@@ -289,10 +292,10 @@ def _prod(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     plain = torch.logical_not(torch.logical_or(zero, torch.logical_or(nan, inf)))
     finite = rows(torch.prod, torch.where(plain, x, 1.0))  # the finite nonzero factors
     signs = rows(torch.prod, torch.where(inf, torch.sign(x), 1.0))  # the infinities' signs
-    zeros = rows(torch.sum, zero)
+    zeros = count(zero)
     others_zero = in_others(zero, zeros)
-    others_nan = in_others(nan, rows(torch.sum, nan))
-    others_inf = in_others(inf, rows(torch.sum, inf))
+    others_nan = in_others(nan, count(nan))
+    others_inf = in_others(inf, count(inf))
     rest = torch.where(plain, finite / x, finite)  # the others' finite nonzero factors
     sign = torch.where(inf, signs * torch.sign(x), signs) * torch.where(rest < 0, -1.0, 1.0)
     others = torch.where(others_inf, sign * math.inf, rest)

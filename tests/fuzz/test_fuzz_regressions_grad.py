@@ -122,3 +122,18 @@ def test_activation_gradient_of_an_infinite_incoming_gradient(act, dtype):
     calls = [(torch.randn(5, dtype=dtype),), (x,), (x,)]
     _grads(act, calls)
     _grads(act, calls, weights=[float("inf")])
+
+
+def test_prod_gradient_of_a_0d_tensor():
+    # Fuzz seed 9503603 (an H200 run, reproduced on the CPU): a prod over dim 0 of a 0-d
+    # tensor (an amax over every dim). The rule counts a row's zeros, NaNs and infinities
+    # with a sum over the reduced dims; a 0-d input has none to sum, so the count stayed a
+    # bool tensor, and ``count - 1`` raised in the compiled backward, where eager's runs.
+    def program(x0):
+        v1 = torch.softmax(x0, -2).amax((1, 0))
+        v2 = F.relu(v1)
+        return torch.addcdiv(v2.prod(0, dtype=torch.float32), v1, v2.abs() + 1)
+
+    _grads(program, [(torch.randn(2, 3),) for _ in range(3)])
+    calls = [(torch.tensor(v),) for v in (0.7, 0.0, float("inf"), float("nan"), -2.0)]
+    _grads(lambda t: torch.prod(F.relu(t), 0) + t, calls)
