@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from fxlite.passes.decompose import DECOMPOSITIONS, decompose
 from fxlite.passes.fuse.classes import BROADCAST_VIEWS, UNIT_VIEWS, FusionClass, Shape, classify
+from fxlite.passes.fuse.read_through import read_through_copies
 from fxlite.passes.fuse.remat import rematerialize
 from fxlite.passes.fuse.size_sources import size_sources
 from fxlite.passes.fuse.split_sums import split_sums
@@ -383,7 +384,9 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None, recompute: bool 
         gm = again
         partitioner = _Partitioner(gm, max_group_size)
         groups = partitioner.run()
-    return _build(gm, groups, partitioner.segment, partitioner.barriers)
+    fused = _build(gm, groups, partitioner.segment, partitioner.barriers)
+    read_through_copies(fused)  # reduction kernels read a contiguous() copy's source
+    return fused
 
 
 def _decomposed(gm: GraphModule) -> GraphModule:

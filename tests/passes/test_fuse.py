@@ -474,3 +474,49 @@ def test_a_value_that_an_extern_op_also_reads_is_still_loaded() -> None:
     assert "x" not in [a.name for a in calls[1].args if isinstance(a, Node)]
     for got, want in zip(fused(x, m, w), f(x, m, w)):
         torch.testing.assert_close(got, want)
+
+
+def _bias_softmax(a: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    # Swin's relative position bias: a permuted view made contiguous, added before softmax
+    bias = table.view(7, 7, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+    return torch.softmax(a + bias, -1)
+
+
+def test_a_contiguous_copy_only_a_reduction_group_reads_is_read_through() -> None:
+    a, table = torch.randn(4, 3, 7, 7), torch.randn(49, 3)
+    fused = fuse(_prep(_bias_softmax, a, table))
+    assert "contiguous" not in _compute_kinds(fused)
+    (call,) = _fused_calls(fused)
+    places = [p for p in getattr(fused, call.target).graph.nodes if p.op == "placeholder"]
+    # the group's placeholder holds the permuted view's layout (what its kernel now reads)
+    assert [tuple(p.meta["tensor_meta"].stride) for p in places] == [
+        (147, 49, 7, 1), tuple(table.view(7, 7, -1).permute(2, 0, 1).unsqueeze(0).stride())]
+    torch.testing.assert_close(fused(a, table), _bias_softmax(a, table))
+
+
+def test_a_pointwise_group_reads_through_a_copy_where_its_layout_stays() -> None:
+    # the scores, the first input, decide the memory order: the result stays row-major
+    def add(a, table):
+        return a + table.view(7, 7, -1).permute(2, 0, 1).contiguous()
+
+    a, table = torch.randn(3, 7, 7), torch.randn(49, 3)
+    fused = fuse(_prep(add, a, table))
+    assert "contiguous" not in _compute_kinds(fused)
+    torch.testing.assert_close(fused(a, table), add(a, table))
+
+
+def test_a_contiguous_copy_stays_where_anything_else_reads_it() -> None:
+    # a pointwise group lays its result out in its inputs' memory order (the copy, first,
+    # decides it here), and a returned copy is the caller's
+    def pointwise(a, table):
+        return table.view(7, 7, -1).permute(2, 0, 1).contiguous() + a
+
+    def returned(a, table):
+        bias = table.view(7, 7, -1).permute(2, 0, 1).contiguous()
+        return torch.softmax(a + bias, -1), bias
+
+    a, table = torch.randn(3, 7, 7), torch.randn(49, 3)
+    for fn in (pointwise, returned):
+        fused = fuse(_prep(fn, a, table))
+        assert "contiguous" in _compute_kinds(fused), fn.__name__
+        torch.testing.assert_close(fused(a, table), fn(a, table))

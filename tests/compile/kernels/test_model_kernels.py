@@ -561,3 +561,52 @@ def test_every_kernel_launch_and_compile_asks_for_fp_fusion(monkeypatch):
     kinds = ("cat", "pool") if DEVICE == "cuda" else ("cat",)  # pools: CUDA's layouts
     assert len(names) >= 2 and all(any(k in n for n in names) for k in kinds), names
     assert all(fusion is True for _, fusion in asked), asked
+
+
+class _WindowBias(nn.Module):
+    """torchvision Swin's attention scores plus relative position bias, then softmax: the
+    bias is a permuted view of a gathered table, made contiguous on every call."""
+
+    def __init__(self, heads: int = 2, window: int = 3, shifted: bool = False):
+        super().__init__()
+        self.window, self.shifted = window, shifted
+        self.table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads))
+        self.register_buffer("index", torch.randint(0, (2 * window - 1) ** 2, (window ** 4,)))
+        self.register_buffer("mask", torch.randn(2, 1, window ** 2, window ** 2))
+
+    def forward(self, attn):
+        n = self.window ** 2
+        bias = self.table[self.index].view(n, n, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+        if not self.shifted:
+            return torch.softmax(attn + bias, -1)
+        # shifted windows: the bias added in a pointwise group, then the mask by windows
+        attn = (attn + bias).view(2, 2, -1, n, n) + self.mask
+        return torch.softmax(attn.view(-1, attn.shape[2], n, n), -1)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_swin_s_position_bias_is_read_by_the_softmax_kernel(shifted):
+    """The bias's contiguous() copy was an eager op a block; the softmax's kernel reads
+    the permuted view through its strides now (passes/fuse/read_through.py). Values as
+    eager's over several calls, with the table changed between them and a table whose
+    gradient is eager's."""
+    run = _run_block(_WindowBias(shifted=shifted), lambda: torch.randn(4, 2, 9, 9, device=DEVICE))
+    assert not any(getattr(lookup(n), "name", None) == "contiguous"
+                   for n in run.module.graph.nodes), run.module.code
+    model = _WindowBias(shifted=shifted).to(DEVICE)
+    compiled = fxlite.compile(model)
+    for k in range(3):
+        with torch.no_grad():
+            model.table.mul_(0.5 + k)  # the parameter changes between calls
+        attn = torch.randn(4, 2, 9, 9, device=DEVICE, requires_grad=True)
+        ref = attn.detach().clone().requires_grad_()
+        out, want = compiled(attn), model(ref)
+        weights = torch.randn_like(want)
+        (out * weights).sum().backward()
+        got_table = model.table.grad.clone()
+        model.table.grad = None
+        (want * weights).sum().backward()
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(attn.grad, ref.grad)
+        torch.testing.assert_close(got_table, model.table.grad)
+        model.table.grad = None
