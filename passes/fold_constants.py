@@ -145,7 +145,35 @@ def _constant_values(gm: GraphModule, attributes: bool = True) -> dict[Node, Any
             if inputs and (_writes(node) or is_impure(node, gm, impure_random=False)
                            or _may_alias(node, gm)):
                 kept.update(_storage(t) for t in inputs)
-    return _without_storages(values, kept)
+    values = _without_storages(values, kept)
+    while True:  # a value read at run time before a folded write into it: not folded
+        late = _written_after_read(gm, values)
+        if not late:
+            return values
+        values = _without_storages(values, late)
+
+
+def _written_after_read(gm: GraphModule, values: dict[Node, Any]) -> set[int]:
+    """Storages of folded tensors that a node left to run time reads before a folded
+    write into them: the folded value holds that write already. ``v1 = x.new_zeros(3) + 1;
+    v2 = v1 @ v1; v1[-1] = 2.0; return v1.double(), v2``: the returned values run each
+    call (a caller may write them), and the matmul read ``v1`` after its write (fuzz seed
+    9400824, caught by the kernel check)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_write: dict[int, int] = {}
+    for node in values:
+        if _writes(node):
+            storage = _storage(values[node.args[0]])
+            last_write[storage] = max(last_write.get(storage, -1), order[node])
+    late: set[int] = set()
+    for node in gm.graph.nodes:
+        if node in values or node.op not in (*_CALLS, "output"):
+            continue
+        for inp in node.all_input_nodes:
+            value = values.get(inp)
+            if isinstance(value, torch.Tensor) and last_write.get(_storage(value), -1) > order[node]:
+                late.add(_storage(value))
+    return late
 
 
 _RUNTIME = object()  # _value: the node runs when the graph runs

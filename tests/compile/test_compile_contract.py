@@ -302,6 +302,19 @@ def test_a_value_folded_from_sizes_keeps_its_kernels():
     assert not c.fallbacks, c.fallbacks
 
 
+def test_a_folded_value_read_before_a_write_into_it_keeps_its_kernels():
+    # Fuzz seed 9400824: the matmul read the folded value with the later write in it; the
+    # kernel check caught the difference and the segment ran its recorded ops
+    def f(x):
+        v1 = x.new_zeros(x.shape[-1:]) + len(x.shape)
+        v2 = v1 @ v1
+        v1[-1] = 2.0
+        return v1.double() * x, v2
+
+    c = same_as_eager(f, repeat((rand(3),)))
+    assert c.kernels and not c.fallbacks, c.fallbacks
+
+
 def test_an_input_written_and_returned_keeps_its_identity():
     def bump(x):
         x.add_(1)

@@ -391,6 +391,24 @@ def test_fold_constants_keeps_writes_that_a_run_reads_in_between():
         torch.testing.assert_close(gm(x), f(x))
 
 
+def test_fold_constants_keeps_writes_into_a_value_a_returned_op_reads_before_them():
+    """Fuzz seed 9400824: the matmul and the cast are returned, so they run each call (a
+    caller may write what it gets), while the value they read and the write into it were
+    folded: the folded value held the write, and the matmul, which comes before the write,
+    read it (6 where eager gives 3). The kernel check caught it; the write now stays."""
+    def f(x):
+        v1 = x.new_zeros(3) + 1
+        v2 = v1 @ v1
+        v1[-1] = 2.0
+        return v1.double(), v2
+
+    gm = folded(f, torch.ones(3), attributes=False)
+    assert any(n.target is operator.setitem for n in gm.graph.nodes)
+    for _ in range(2):
+        x = torch.randn(3)
+        torch.testing.assert_close(gm(x), f(x))
+
+
 def test_fold_constants_never_folds_memory_a_run_writes():
     def f(x):
         t = x.new_ones(3)
