@@ -13,6 +13,7 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     seed_dropouts      training: seeded masks
     fold_sizes         masks made from sizes
     normalize
+    row_views          softmax before a view
     decompose                                     decompose
     dead_code                                     dead_code
     propagate_meta     new nodes' metadata        propagate    all metadata, on meta tensors
@@ -59,6 +60,7 @@ from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.lower.row_views import softmax_before_views
 from fxlite.codegen.lower.written_inputs import mark_written_inputs
 from fxlite.codegen.runtime.precompile import precompile
 from fxlite.passes.decompose import decompose
@@ -262,6 +264,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
          when=lambda gm, low: _needs_autograd(gm)),  # training: dropout masks drawn in kernels
     Pass("fold_sizes", _on(fold_sizes)),
     Pass("normalize", _on(normalize)),
+    Pass("row_views", _on(softmax_before_views)),  # a masked add and its softmax: one kernel
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),
     Pass("propagate_meta", _on(propagate_meta)),

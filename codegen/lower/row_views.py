@@ -1,0 +1,100 @@
+"""row_views: a softmax over the last dim of a view runs before the view instead.
+
+Attention written as ``(scores.view(b, h, t, s) + mask).view(b * h, t, s).softmax(-1)``
+(Swin's shifted windows, and transformers' LED, MVP, SpeechT5, XGLM...) puts a view
+between the masked add and the softmax: the two cannot share a kernel (a group iterates
+one shape), so the masked scores make a round trip through memory and a launch of their
+own. A softmax normalizes each row of its last dim on its own, and a view that keeps the
+last dim keeps the rows, so the softmax can run first, on the view's input; the view then
+reads its (row-major) result::
+
+    # before                                   # after
+    add = torch.add(view, mask)                 add = torch.add(view, mask)
+    view_1 = add.view(-1, 3, 49, 49)            softmax = torch.softmax(add, -1)
+    softmax = torch.softmax(view_1, -1)         view_1 = softmax.view(-1, 3, 49, 49)
+
+Only where the view's input is row-major (the softmax's result is, so the view stays a
+view of the same values) and nothing else reads the view; ``log_softmax`` likewise.
+"""
+
+from __future__ import annotations
+
+import torch
+from fxlite.passes.shape_prop import TensorMetadata, fill_missing_meta
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+from fxlite.ops import canonical_args, is_impure, lookup
+
+__all__ = ["softmax_before_views"]
+
+_ROW_OPS = frozenset({"softmax", "log_softmax"})
+_VIEWS = frozenset({"view", "reshape"})
+
+
+def softmax_before_views(gm: GraphModule) -> GraphModule:
+    """Run each softmax over the last dim of a view (that keeps the last dim) on the
+    view's row-major input, and view its result instead.
+
+    Args:
+        gm: a normalized graph with ShapeProp metadata (before ``decompose``).
+
+    Returns:
+        ``gm``, changed in place (and recompiled) where a softmax moved.
+    """
+    moved = False
+    for op in list(gm.graph.nodes):
+        view = _moving_view(op, gm)
+        if view is None:
+            continue
+        source = view.args[0]
+        with gm.graph.inserting_before(view):
+            new_op = gm.graph.node_copy(op, lambda a, v=view, s=source: s if a is v else a)
+        new_op.meta = {k: v for k, v in op.meta.items() if k not in ("tensor_meta", "type")}
+        _last_dim(new_op, gm)
+        with gm.graph.inserting_after(op):
+            new_view = gm.graph.node_copy(view, lambda a, s=source, n=new_op: n if a is s else a)
+        new_view.meta = dict(op.meta)  # the softmax's value, as it was
+        op.replace_all_uses_with(new_view)
+        gm.graph.erase_node(op)
+        gm.graph.erase_node(view)
+        moved = True
+    if moved:
+        fill_missing_meta(gm, strict=True)
+        gm.recompile()
+    return gm
+
+
+def _meta(n: object) -> TensorMetadata | None:
+    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
+    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
+
+
+def _moving_view(op: Node, gm: GraphModule) -> Node | None:
+    """The view ``op`` (a softmax over the last dim) reads, where it can run before it."""
+    info = lookup(op, gm) if op.op in ("call_function", "call_method") else None
+    if info is None or info.name not in _ROW_OPS or is_impure(op, gm):
+        return None
+    args = canonical_args(op, info, gm)
+    view, dim = args.get("input"), args.get("dim")
+    vm, om = _meta(view), _meta(op)
+    if vm is None or om is None or type(dim) is not int or dim not in (-1, len(vm.shape) - 1):
+        return None
+    vinfo = lookup(view, gm) if view.op in ("call_function", "call_method") else None
+    if vinfo is None or vinfo.name not in _VIEWS or len(view.users) != 1 or is_impure(view, gm):
+        return None
+    source = view.args[0] if view.args else None
+    sm = _meta(source)
+    if sm is None or sm.memory_format != torch.contiguous_format or not sm.shape \
+            or sm.shape[-1] != vm.shape[-1] or vm.memory_format != torch.contiguous_format \
+            or om.memory_format != torch.contiguous_format:
+        return None
+    return view
+
+
+def _last_dim(op: Node, gm: GraphModule) -> None:
+    """Make ``op``'s dim the last one, counted from the end (its input's rank changed)."""
+    if "dim" in op.kwargs:
+        op.kwargs = {**op.kwargs, "dim": -1}
+    else:
+        op.args = (op.args[0], -1, *op.args[2:])
