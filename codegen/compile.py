@@ -1103,8 +1103,10 @@ def _local_write(n: Node, gm: GraphModule) -> bool:
         base = base.args[0] if base.args else None
     if not isinstance(base, Node) or base.meta.get("impure"):
         return False
-    return base.op == "call_module" or base.op in ("call_function", "call_method") and _kind(
-        lookup(base, gm)) in ("pointwise", "reduction")
+    if base.op == "call_module":  # a fused group's result: a tensor its kernel made
+        return bool(getattr(gm.get_submodule(base.target), "meta", {}).get("fused_kind"))
+    return base.op in ("call_function", "call_method") and _kind(lookup(base, gm)) in (
+        "pointwise", "reduction")
 
 
 def _kind(info: Any) -> str | None:

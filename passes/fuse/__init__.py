@@ -385,7 +385,7 @@ def fuse(gm: GraphModule, *, max_group_size: int | None = None, recompute: bool 
         partitioner = _Partitioner(gm, max_group_size)
         groups = partitioner.run()
     fused = _build(gm, groups, partitioner.segment, partitioner.barriers)
-    read_through_copies(fused)  # reduction kernels read a contiguous() copy's source
+    read_through_copies(fused)  # groups read a contiguous() copy's source instead
     return fused
 
 

@@ -1,9 +1,9 @@
-"""read_through: reduction kernels read a copy's source through its strides, not the copy.
+"""read_through: fused groups read a copy's source through its strides, not the copy.
 
-A ``contiguous()`` of a strided value that only reduction groups read (through views
-that add, drop or broadcast size-1 dims at most) is an eager copy kernel a call for
-nothing: a group's kernel loads its inputs through their strides anyway, and a reduction
-group stores its results in the layout of their metadata, whatever its inputs' layouts.
+A ``contiguous()`` of a strided value that only fused groups read (through views that
+add, drop or broadcast size-1 dims at most) is an eager copy kernel a call for nothing: a
+group's kernel loads its inputs through their strides anyway, and a reduction group
+stores its results in the layout of their metadata, whatever its inputs' layouts.
 torchvision's Swin and MaxViT build their relative position bias that way in every block
 (``table[index].view(49, 49, -1).permute(2, 0, 1).contiguous().unsqueeze(0)``), which the
 softmax's kernel adds::
