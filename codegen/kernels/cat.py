@@ -321,8 +321,8 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
             e.lines.append(f"{ind}rem{j} = {rem} // {total[d]}")
             rem = f"rem{j}"
     for d in range(rank):
-        if total[d] == 1:
-            e.lines.append(f"{ind}i{d} = 0")
+        if total[d] == 1:  # a block of zeros: an empty branch's offsets stay blocks (9603729)
+            e.lines.append(f"{ind}i{d} = 0 * offs")
     params: list[str] = []
     args: list[tuple[int, int]] = []
     starts = []

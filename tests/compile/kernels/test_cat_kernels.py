@@ -336,6 +336,21 @@ def test_a_one_element_input_and_an_empty_branch():
     assert len(cat_kernels(f)) == 1 and not f.fallbacks, f.fallbacks
 
 
+def test_a_one_element_cat_with_an_empty_branch():
+    """Fuzz seed 9603729: one element and an empty branch make a cat of one element, whose
+    index along the cat's dim was the number 0: the empty branch's offset had no block
+    index, and Triton refused its load under a block mask (the check caught it, and the
+    group ran in eager)."""
+    def fn(a, b):
+        return torch.cat([torch.relu(a).reshape(-1), torch.remainder(b, 2.0).reshape(-1)])
+
+    f = fxlite.compile(fn)
+    for n in (0, 0, 3):
+        a, b = torch.randn((), device=DEV), torch.randn(n, device=DEV)
+        same(f(a, b), fn(a, b))
+    assert len(cat_kernels(f)) == 1 and not f.fallbacks, f.fallbacks
+
+
 @pytest.mark.gpu
 def test_cat_kernels_replay_in_cuda_graphs():
     torch.manual_seed(3)
