@@ -73,8 +73,7 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/capture/symbolic.py", "codegen/lower/pipeline.py",
              "codegen/runtime/precompile.py", "fxlite/ops/shapes.py", "fxlite/ops/table.py",
              "passes/fuse/__init__.py", "passes/fuse/classes.py", "passes/fuse/lone_groups.py",
-             "passes/fuse/read_through.py", "passes/fuse/size_sources.py",
-             "passes/normalize.py", "passes/shape_prop.py")),
+             "passes/fuse/size_sources.py", "passes/normalize.py", "passes/shape_prop.py")),
     MetaKey("written_later", "bool (True only)",
             "the program writes this value (or memory it shares) in place after a fused "
             "group reads or returns it, before a backward runs: autodiff never saves it",

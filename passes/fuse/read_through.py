@@ -23,7 +23,7 @@ shifted windows add the bias in a pointwise group of its own).
 from __future__ import annotations
 
 import torch
-from fxlite.passes.shape_prop import TensorMetadata, fill_missing_meta
+from fxlite.passes.shape_prop import TensorMetadata, extract_tensor_metadata
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -41,24 +41,25 @@ def read_through_copies(gm: GraphModule) -> bool:
     source instead.
 
     Returns:
-        Whether anything changed (``gm`` is changed in place, its metadata refreshed).
+        Whether anything changed (``gm`` is changed in place, its views' metadata and its
+        groups' placeholders' given the layouts they now read).
     """
     dropped = False
     for n in list(gm.graph.nodes):
         src = n.args[0] if n.args else None
         if not _copy(n, gm) or not isinstance(src, Node) or not _strided(src):
             continue
-        calls = _group_calls(n, gm)
         views = _views_between(n, gm)
-        if not calls or not _same_orders(n, src, views, calls, gm):
+        calls = _group_calls(n, views, gm)
+        laid_out = _laid_out(n, src, views) if calls else None
+        if laid_out is None or not _same_orders(laid_out, calls, gm):
             continue
         n.replace_all_uses_with(src)
         gm.graph.erase_node(n)
-        for v in views:
-            v.meta.pop("tensor_meta", None)
-            v.meta.pop("type", None)
-        fill_missing_meta(gm, strict=True)
-        for call in calls:  # each group's placeholder takes the source's layout
+        for v in views:  # their new layouts, as run on meta tensors
+            v.meta["tensor_meta"] = extract_tensor_metadata(laid_out[v])._replace(
+                requires_grad=v.meta["tensor_meta"].requires_grad)
+        for call in calls:  # each group's placeholder takes the layout it now reads
             sub = gm.get_submodule(call.target)
             places = [p for p in sub.graph.nodes if p.op == "placeholder"]
             for p, arg in zip(places, call.args):
@@ -85,9 +86,9 @@ def _strided(src: Node) -> bool:
         and tm.memory_format != torch.contiguous_format
 
 
-def _group_calls(n: Node, gm: GraphModule) -> list[Node]:
-    """The groups that read ``n``, directly or through size-1 views; empty when
-    anything else reads it (or a view of it), or it is returned."""
+def _group_calls(n: Node, views: list[Node], gm: GraphModule) -> list[Node]:
+    """The groups that read ``n``, directly or through ``views`` (its size-1 views); empty
+    when anything else reads it (or a view of it), or it is returned."""
     calls: list[Node] = []
     todo = list(n.users)
     while todo:
@@ -96,9 +97,7 @@ def _group_calls(n: Node, gm: GraphModule) -> list[Node]:
                 "fused_kind") in ("reduction", "pointwise"):
             calls.append(u)
             continue
-        info = lookup(u, gm) if u.op in ("call_function", "call_method") else None
-        if info is None or info.name not in _SIZE_ONE_VIEWS or is_impure(u, gm) \
-                or u.args[0] is not n and u.args[0] not in _views_between(n, gm):
+        if u not in views or is_impure(u, gm) or u.args[0] is not n and u.args[0] not in views:
             return []
         todo.extend(u.users)
     return list(dict.fromkeys(calls))
@@ -117,29 +116,35 @@ def _views_between(n: Node, gm: GraphModule) -> list[Node]:
     return found
 
 
-def _same_orders(n: Node, src: Node, views: list[Node], calls: list[Node],
-                 gm: GraphModule) -> bool:
-    """Whether each pointwise group among ``calls`` keeps its memory order (the layout of
-    its results, ``fxlite.tensor_meta.memory_order``) with ``src`` read in ``n``'s place,
-    through ``views``: run on meta tensors, as the groups' inputs are laid out before and
-    after. Views with other arguments than plain values are not run: False."""
+def _laid_out(n: Node, src: Node, views: list[Node]) -> dict[Node, torch.Tensor] | None:
+    """Meta tensors of ``src`` read in ``n``'s place and of ``views`` over it, keyed by the
+    node each stands for; None where a view has other arguments than plain values, or
+    fails on the source's layout."""
     new: dict[Node, torch.Tensor] = {n: _meta(src)}
     for v in views:  # in graph order: each reads ``n`` or a view before it
         args = [new.get(a, a) if isinstance(a, Node) else a for a in v.args]
         if any(isinstance(a, Node) for a in args) or any(isinstance(a, Node)
                                                          for a in v.kwargs.values()):
-            return False
+            return None
         fn = getattr(torch.Tensor, v.target) if v.op == "call_method" else v.target
         try:
             new[v] = fn(*args, **v.kwargs)
         except Exception:  # a view that fails on the source's layout: keep the copy
-            return False
+            return None
+    return new
+
+
+def _same_orders(laid_out: dict[Node, torch.Tensor], calls: list[Node],
+                 gm: GraphModule) -> bool:
+    """Whether each pointwise group among ``calls`` keeps its memory order (the layout of
+    its results, ``fxlite.tensor_meta.memory_order``) with its inputs laid out as
+    ``laid_out`` says, where it names them."""
     for call in calls:
         if getattr(gm.get_submodule(call.target), "meta", {}).get("fused_kind") != "pointwise":
             continue
         before = [_meta(a) if isinstance(a, Node) and "tensor_meta" in a.meta else 0
                   for a in call.args]  # (sizes and other numbers do not vote)
-        after = [new[a] if a in new else b for a, b in zip(call.args, before)]
+        after = [laid_out[a] if a in laid_out else b for a, b in zip(call.args, before)]
         if None in before or memory_order(before) != memory_order(after):
             return False
     return True
