@@ -290,14 +290,19 @@ def _cpu_loops(program: Program, device: str, call: int, seed: int,
     way (an intermediate is contiguous again): 9205403's gelu of an ``rsqrt`` still fails."""
     if device != "cpu" or not any("difference: nan" in p for p in problems):
         return problems
-    ref = program.build(device)
-    if isinstance(ref, torch.nn.Module) and before:
-        ref.load_state_dict(before)
     strided = [strided_copy(x) for x in make_inputs(program, call, device, resize)]
-    other, err, _ = _call(ref, strided, seed)
+    other, err, _ = _call(rebuilt(program, device, before), strided, seed)
     if err is not None or same(got, other, False, "result", None, low):
         return problems
     return cleared_by_scalar_loops(problems)
+
+
+def rebuilt(program: Program, device: str, before: dict[str, torch.Tensor]) -> Any:
+    """``program`` built again, with the state ``before`` (if any) loaded."""
+    ref = program.build(device)
+    if isinstance(ref, torch.nn.Module) and before:
+        ref.load_state_dict(before)
+    return ref
 
 
 def strided_copy(x: Any) -> Any:
@@ -367,10 +372,8 @@ def upcast_program(program: Program, device: str, before: dict[str, torch.Tensor
                    wide: bool = False) -> Any:
     """``program`` built with the state ``before`` (if any) and its buffers upcast
     (float16 and bfloat16 to float32, float32 to float64; ``wide``: all to float64)."""
-    ref = program.build(device)
+    ref = rebuilt(program, device, before)
     if isinstance(ref, torch.nn.Module):
-        if before:
-            ref.load_state_dict(before)
         for name, buf in list(ref.named_buffers()):
             owner = ref.get_submodule(name.rpartition(".")[0]) if "." in name else ref
             owner._buffers[name.rpartition(".")[2]] = _upcast(buf, wide)
