@@ -122,7 +122,7 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("requires_grad", "bool", "whether the recorded result required grad",
             (_CAPTURE, "passes/attention.py"),
             ("codegen/lower/pad_matmul.py", "codegen/lower/pipeline.py", "passes/attention.py",
-             "passes/decompose_rules.py", "passes/functionalize.py")),
+             "passes/functionalize.py")),
     MetaKey("grad_enabled", "bool", "grad mode when the call was recorded",
             (_CAPTURE, "codegen/capture/run.py", "codegen/capture/symbolic.py"),
             ("codegen/capture/follow.py", _CAPTURE, "codegen/lower/pad_matmul.py",

@@ -26,6 +26,8 @@ from fxlite.node import Node, describe_value, map_arg
 from fxlite.ops import is_impure, lookup, lookup_target, promote, resolve, result_dtype
 from fxlite.proxy import Proxy
 
+from .functionalize import recorded_requires_grad
+
 __all__ = ["DECOMPOSITIONS", "Rule", "decomposition_key", "per_channel", "register_decomposition"]
 
 
@@ -182,10 +184,7 @@ def _needs_grad(x: Any) -> bool:
     ``g s (1 + x (1 - s))`` is an infinity (an infinite incoming gradient at x < 0; fuzz
     seed 9304060). The kernel computes the op whole as well.
     """
-    if not isinstance(x, Proxy):
-        return False
-    meta = x.node.meta
-    return bool(meta.get("requires_grad") or getattr(meta.get("tensor_meta"), "requires_grad", False))
+    return isinstance(x, Proxy) and recorded_requires_grad(x.node)
 
 
 def _opmath(x: Any, dtype: torch.dtype | None) -> tuple[Any, torch.dtype | None]:

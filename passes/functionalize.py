@@ -41,7 +41,7 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, lookup, view_root
 
-__all__ = ["changes_state", "functionalize"]
+__all__ = ["changes_state", "functionalize", "recorded_requires_grad"]
 
 _DUNDERS = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div",
             "__ifloordiv__": "floor_divide", "__imod__": "remainder", "__ipow__": "pow",
@@ -84,8 +84,8 @@ def functionalize(gm: GraphModule) -> GraphModule:
         target, args, kwargs = plan
         written = node.args[0]
         root = _root(written, root_of, by_name)
-        if root.op == "placeholder" and (_requires_grad(root) or (
-                node.meta.get("grad_enabled") and _requires_grad(node))):
+        if root.op == "placeholder" and (recorded_requires_grad(root) or (
+                node.meta.get("grad_enabled") and recorded_requires_grad(node))):
             # (under no_grad too: the write-back goes before the output, where the
             # function may have turned gradients on again, and a leaf that requires grad
             # refuses an in-place write there)
@@ -157,7 +157,7 @@ def changes_state(node: Node, module: Any) -> bool:
         and "checks" not in node.meta and node.target is not torch._assert
 
 
-def _requires_grad(node: Node) -> bool:
+def recorded_requires_grad(node: Node) -> bool:
     """Whether the capture saw ``node``'s value require grad."""
     return bool(node.meta.get("requires_grad")
                 or getattr(node.meta.get("tensor_meta"), "requires_grad", False))
