@@ -51,7 +51,7 @@ def softmax_before_views(gm: GraphModule) -> GraphModule:
         with gm.graph.inserting_before(view):
             new_op = gm.graph.node_copy(op, lambda a, v=view, s=source: s if a is v else a)
         new_op.meta = {k: v for k, v in op.meta.items() if k not in ("tensor_meta", "type")}
-        _last_dim(new_op, gm)
+        _last_dim(new_op)
         with gm.graph.inserting_after(op):
             new_view = gm.graph.node_copy(view, lambda a, s=source, n=new_op: n if a is s else a)
         new_view.meta = dict(op.meta)  # the softmax's value, as it was
@@ -92,7 +92,7 @@ def _moving_view(op: Node, gm: GraphModule) -> Node | None:
     return view
 
 
-def _last_dim(op: Node, gm: GraphModule) -> None:
+def _last_dim(op: Node) -> None:
     """Make ``op``'s dim the last one, counted from the end (its input's rank changed)."""
     if "dim" in op.kwargs:
         op.kwargs = {**op.kwargs, "dim": -1}
