@@ -22,6 +22,15 @@ LayerNorm2d ran as two kernels). The op that takes the permute's place keeps the
 eager gave the permute's result, so a kernel writing it writes eager's strides. Inputs of lower rank first get leading size-1 dims up to
 the op's rank (broadcasting aligns them on the right), 0-d tensors and Python scalars stay
 as they are. No size is written into the graph, so it stays valid after a resize.
+
+A row-major ``contiguous()`` of such a permute is a copy eager runs after the op (T5's
+head merge after attention). It becomes a clone into row-major, a kernel's op, so that the
+permute sinks and the clone joins the op's kernel, which stores its result row-major::
+
+    # before                                    # after
+    to = torch.to(matmul, torch.bfloat16)       transpose = torch.permute(matmul, (0, 2, 1, 3))
+    transpose = torch.transpose(to, 1, 2)       to = torch.to(transpose, torch.bfloat16)
+    contiguous = transpose.contiguous()         clone = torch.clone(to, memory_format=..)
 """
 
 from __future__ import annotations
@@ -56,9 +65,17 @@ def sink_views(gm: GraphModule) -> GraphModule:
         whose new nodes carry ``tensor_meta`` computed on the ``meta`` device.
     """
     expect_graph_module(gm, "sink_views")
-    if not any(_sinkable(n, gm) for n in gm.graph.nodes):
+    if not any(_sinkable(n, gm) or _copies_movable(n, gm) for n in gm.graph.nodes):
         return gm
     graph = copy_graph(gm)
+    for n in list(graph.nodes):
+        if _copies_movable(n, gm):  # the copy joins the op's kernel, as its store
+            with graph.inserting_before(n):
+                clone = graph.call_function(torch.clone, (n.args[0],),
+                                            {"memory_format": torch.contiguous_format})
+            clone.meta.update(n.meta)
+            n.replace_all_uses_with(clone)
+            graph.erase_node(n)
     todo = [n for n in graph.nodes if _sinkable(n, gm)]
     while todo:
         view = todo.pop()
@@ -92,6 +109,13 @@ def _perm(view: Node, rank: int, gm: GraphModule) -> tuple[int, ...] | None:
 
 
 def _sinkable(view: Node, gm: GraphModule) -> bool:
+    # worth it only when the permuted value feeds a kernel (directly or via more permutes)
+    return _movable(view, gm) and any(_feeds(u, gm) for u in view.users)
+
+
+def _movable(view: Node, gm: GraphModule) -> bool:
+    """Whether ``view`` is a permute or transpose that can move onto the inputs of the op it
+    reads: a pointwise op, of which it is the only reader, and no reduction's tail."""
     if view.op != "call_function" or not view.args:
         return False
     info = lookup(view, gm)
@@ -110,10 +134,18 @@ def _sinkable(view: Node, gm: GraphModule) -> bool:
     for a in src.all_input_nodes:  # tensors of known rank (a traced size would need its value)
         if tensor_meta(a) is None or len(tensor_meta(a).shape) > rank:
             return False
-    if _reduction_tail(src, gm):
+    return not _reduction_tail(src, gm)
+
+
+def _copies_movable(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` is a row-major ``contiguous()`` of a permute that can move: it becomes
+    a clone into row-major, which the op's kernel stores."""
+    info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
+    if info is None or info.name != "contiguous" or not n.args or is_impure(n, gm):
         return False
-    # worth it only when the permuted value feeds a kernel (directly or via more permutes)
-    return any(_feeds(u, gm) for u in view.users)
+    fmt = n.kwargs.get("memory_format", n.args[1] if len(n.args) > 1 else None)
+    return fmt in (None, torch.contiguous_format) and isinstance(n.args[0], Node) \
+        and _movable(n.args[0], gm)
 
 
 def _reduction_tail(src: Node, gm: GraphModule, limit: int = 64) -> bool:
