@@ -79,6 +79,15 @@ NODE_META: dict[str, MetaKey] = _table(
             "group reads or returns it, before a backward runs: autodiff never saves it",
             ("codegen/lower/written_inputs.py",),
             ("codegen/lower/autodiff.py", "codegen/lower/written_inputs.py")),
+    MetaKey("saved_by_eager", "tuple of node names",
+            "the inputs (by name) that eager's autograd saved for this op's backward, as "
+            "recorded", (_CAPTURE,), ("codegen/lower/written_inputs.py",)),
+    MetaKey("checks_version", "frozenset of output positions",
+            "a fused group's placeholder or result that eager's autograd saved for an op "
+            "of the group and Python after the segment can write: the group's backward "
+            "checks its version when an output in the set got a gradient",
+            ("codegen/lower/written_inputs.py",),
+            ("codegen/lower/autodiff.py", "codegen/lower/written_inputs.py")),
     MetaKey("checks", "bool (True only)",
             "an op kept though its result is unused, for the error it may raise (a Cholesky "
             "tested for positive definiteness): impure for dead-code elimination, safe to run "

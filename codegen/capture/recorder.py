@@ -64,7 +64,7 @@ from fxlite.graph import Graph
 from fxlite.node import Node, collect_nodes, target_name
 from fxlite.proxy import TraceError
 
-__all__ = ["Prefix", "Recorder"]
+__all__ = ["Prefix", "Recorder", "saved_attributes"]
 
 # Formatting a tensor as text reads its values, which a followed call (codegen/capture/follow.py)
 # does for real: such a recording is followed, not stopped.
@@ -76,6 +76,18 @@ _DIVIDING = frozenset({"fmod", "remainder", "floor_divide", "div", "floordiv", "
 # point (`try: torch.linalg.cholesky(a)` to test positive definiteness)
 _CHECKS = frozenset({"linalg_cholesky", "cholesky", "linalg_inv", "inverse", "linalg_solve",
                      "linalg_lu_factor", "linalg_solve_triangular"})
+
+
+_SAVED: dict[type, list[str]] = {}  # autograd node type -> its saved values' attributes
+
+
+def saved_attributes(grad_fn: Any) -> list[str]:
+    """The attributes (``_saved_self``...) by which autograd node ``grad_fn`` shows the
+    values it saved for its backward (reading one raises once the value was written)."""
+    names = _SAVED.get(type(grad_fn))
+    if names is None:
+        names = _SAVED[type(grad_fn)] = [a for a in dir(grad_fn) if a.startswith("_saved_")]
+    return names
 
 
 class Recorder(TorchFunctionMode):
@@ -322,6 +334,8 @@ class Recorder(TorchFunctionMode):
             meta["external"] = True
         if mutated:
             self._note_mutation(node, mutated, out)
+        elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            self._note_saved(node, out.grad_fn, tensors)
         if state_name(func) in SIZE_FANOUT and not self.symbolic:
             # (a Dynamo graph takes the results by fixed positions, and Dynamo's guards
             # keep their number: GPT-2's qkv.split serves every sequence length)
@@ -482,6 +496,23 @@ class Recorder(TorchFunctionMode):
                 node.meta["same_object"] = name  # a later version of the same tensor
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased
+
+    def _note_saved(self, node: Node, grad_fn: Any, tensors: list[Any]) -> None:
+        """Name the inputs that eager's autograd saved for the backward of ``node``'s op
+        (``meta["saved_by_eager"]``): a later segment that writes one makes eager's
+        backward raise, so the kernel running the op checks its version too
+        (``codegen/lower/written_inputs.py``)."""
+        names: list[str] = []
+        for attr in saved_attributes(grad_fn):
+            try:
+                saved = getattr(grad_fn, attr)
+            except Exception:  # (a value saved and freed)
+                continue
+            if isinstance(saved, torch.Tensor):
+                names += [name for t in tensors if t is saved
+                          and (name := self._name_of(t)) is not None and name not in names]
+        if names:
+            node.meta["saved_by_eager"] = tuple(names)
 
     def _written_state(self, names: list[str]) -> None:
         """A parameter or a gradient written in place by the program itself (an EMA,

@@ -46,7 +46,7 @@ import torch
 from fxlite.codegen.capture.guards import CODE_TYPES
 from fxlite.codegen.capture.hooks import installed, opaque_methods, opaque_names
 from fxlite.codegen.capture.kinds import autocast_state
-from fxlite.codegen.capture.recorder import Recorder
+from fxlite.codegen.capture.recorder import Recorder, saved_attributes
 from fxlite.codegen.capture.records import (
     ConstRef,
     NodeRef,
@@ -173,9 +173,6 @@ def record(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     return result, rec
 
 
-_SAVED: dict[type, list[str]] = {}  # autograd node type -> its saved values' attributes
-
-
 def _saved_then_written(result: Any, rec: Recording) -> bool:
     """Whether the autograd graph of the tensors ``result`` holds saved a tensor that was
     then modified in place (``y = x.exp(); y.add_(1); return y``): eager's backward raises
@@ -191,10 +188,7 @@ def _saved_then_written(result: Any, rec: Recording) -> bool:
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        names = _SAVED.get(type(fn))
-        if names is None:
-            names = _SAVED[type(fn)] = [a for a in dir(fn) if a.startswith("_saved_")]
-        for name in names:
+        for name in saved_attributes(fn):
             try:
                 getattr(fn, name)
             except Exception as e:  # (a freed graph raises too)

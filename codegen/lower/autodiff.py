@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,11 @@ class GroupGrad:
         sources: per tangent, the inputs a differentiable path joins to its output. An
             input that no output with a gradient reaches gets None, as in eager (an output
             the loss does not use gets no gradient).
+        checked: values whose version the backward checks, as eager's autograd would for
+            the values its ops saved: ``(kind, i, outputs)``, ``kind`` and ``i`` as in
+            ``saved`` (``"result"``: the i-th output), checked when an output among
+            ``outputs`` got a gradient (``meta["checks_version"]``, set by
+            ``codegen/lower/written_inputs.py``).
     """
 
     forward: GraphModule
@@ -84,6 +89,7 @@ class GroupGrad:
     grads: list[int | None]
     zero_grads: list[int]
     sources: list[frozenset[int]]
+    checked: list[tuple[str, int, frozenset[int]]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- values and meta
@@ -501,10 +507,14 @@ def differentiate(gm: GraphModule, example_inputs: Sequence[Any],
         k += g is not None
         if g is None and joint.needs_grad[i]:
             zero.append(i)
+    checked = [("input", i, p.meta["checks_version"]) for i, p in enumerate(joint.primals)
+               if p.meta.get("checks_version")]
+    checked += [("result", i, o.meta["checks_version"]) for i, o in enumerate(outputs)
+                if isinstance(o, Node) and o.meta.get("checks_version")]
     return GroupGrad(fw, bw, len(outputs), joint.single, where,
                      [i for i, t in enumerate(joint.tangents) if t is not None], grads, zero,
                      [joint.sources[o] for o, t in zip(joint.outputs, joint.tangents)
-                      if t is not None])
+                      if t is not None], checked)
 
 
 def _forget_detaches(graph: Graph, keep: set[Node]) -> None:

@@ -225,6 +225,10 @@ class _GroupFunction(torch.autograd.Function):
         ctx.variant = variant
         ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
                       for a in args]
+        # values eager's ops saved and Python may write before the backward: their versions
+        # now (an output through a detached alias: itself would be a cycle through ctx)
+        ctx.checked = [(args[i] if kind == "input" else None, i, kind, outputs)
+                       for kind, i, outputs in grad.checked] if grad.checked else None
         # An input returned as it is, or a view, would make autograd forbid the caller's
         # in-place writes into the result; one tensor returned twice (x and detach(x))
         # would be marked non-differentiable for both: those outputs are copies (kernels'
@@ -243,6 +247,11 @@ class _GroupFunction(torch.autograd.Function):
             outs.append(o)
         # an output the loss does not use gets None, not zeros: the inputs only it reaches
         # then get None too, as in eager (backward below)
+        if ctx.checked is not None:
+            ctx.checked = [(t if t is not None else _detached(outs[i]), outputs)
+                           for t, i, kind, outputs in ctx.checked]
+            ctx.checked = [(t, t._version, outputs) for t, outputs in ctx.checked
+                           if isinstance(t, torch.Tensor)]
         ctx.set_materialize_grads(False)
         ctx.outs = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in grad.tangents]
         ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
@@ -269,6 +278,10 @@ class _GroupFunction(torch.autograd.Function):
         backward = variant.backward_for(used)
         if ctx.versions is not None:
             _check_versions(saved, ctx.versions, variant.needs(used))
+        if ctx.checked is not None:  # as eager's backward of the op that saved each
+            _check_versions([t for t, _, _ in ctx.checked], [v for _, v, _ in ctx.checked],
+                            [k for k, (_, _, outputs) in enumerate(ctx.checked)
+                             if any(grads[i] is not None for i in outputs)])
         results = backward(*saved, *tangents)
         if not all(used):  # a gradient that is a shared zero tangent (or a view of one)
             # would be written by whoever accumulates it: give a copy

@@ -20,6 +20,17 @@ group writes it in place (``meta["mutated"]``), or memory it shares (through vie
 as the result of an in-place op: ``meta["same_object"]``), with no backward in between;
 :func:`written_later` marks the values a later segment of the recording writes (past a
 read: ``if x.amax() > 0: v0.mul_(2)``), before the segment's passes run.
+
+The other way round, eager's op may have saved the value itself (``relu6`` its input)
+where the group saves something else: a program that writes the value before its backward
+makes eager's backward raise, and must make the group's raise too, also where the write
+comes after the segment, on a path the segment was not compiled for (fuzz seed 9409364)
+or after the compiled call returned. The recording names the inputs each op's autograd
+node saved (``meta["saved_by_eager"]``); :func:`mark_written_inputs` marks each group
+placeholder or result that such an op read and that Python after the segment can reach
+(``meta["checks_version"]``: the group's outputs that depend on the op), and the group's
+backward checks its version as eager's autograd checks a saved value's, where one of
+those outputs got a gradient (``codegen/lower/autograd.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +52,13 @@ def mark_written_inputs(gm: GraphModule) -> None:
     ``gm`` writes in place: ``meta["written_later"] = True`` (see the module docstring).
     ``gm`` is ``fuse``'s result (after ``autograd_regions``); its submodules change."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    outside = _reachable_from_outside(gm, by_name)
     written: set[Node] = set()  # memory (by its root node) that a later node writes
+    backward_after = False  # the segment runs a backward after this node
     for node in reversed(list(gm.graph.nodes)):
         if runs_backward(node):  # its backward has read what the groups before it saved
             written.clear()
+            backward_after = True
         group = _group(gm, node)
         if group is not None:
             places = [n for n in group.graph.nodes if n.op == "placeholder"]
@@ -58,6 +72,9 @@ def mark_written_inputs(gm: GraphModule) -> None:
                 inner = results[i] if several else results
                 if isinstance(inner, Node) and memory_root(value, gm, by_name) in written:
                     inner.meta["written_later"] = True
+
+        if group is not None and not backward_after:  # (Python after it comes too late)
+            _mark_saved_by_eager(node, group, gm, by_name, outside)
         names = node.meta.get("mutated", ())
         for name in names:
             target = by_name.get(name)
@@ -66,6 +83,71 @@ def mark_written_inputs(gm: GraphModule) -> None:
                 target = node.args[0]  # (a value fuse moved into a group: its result)
             if target is not None:
                 written.add(memory_root(target, gm, by_name))
+
+
+def _reachable_from_outside(gm: GraphModule, by_name: dict[str, Node]) -> set[Node]:
+    """The memory (by :func:`_storage`) of ``gm``'s inputs and returned values: Python
+    after the segment can write it in place (a later segment, past a graph break)."""
+    out = gm.graph.output_node()
+    ends = [n for n in gm.graph.nodes if n.op == "placeholder"] + out.all_input_nodes
+    return {_storage(n, gm, by_name) for n in ends}
+
+
+def _storage(node: Node, gm: GraphModule, by_name: dict[str, Node]) -> Node:
+    """The node whose memory ``node`` views, down every view (a group's result too: a
+    write through a view bumps the version its base shares with it)."""
+    seen = {node}
+    while True:
+        base = view_base(node, gm) or by_name.get(node.meta.get("same_object"))
+        if base is None or base in seen:
+            return node
+        seen.add(base)
+        node = base
+
+
+def _mark_saved_by_eager(call: Node, group: GraphModule, gm: GraphModule,
+                         by_name: dict[str, Node], outside: set[Node]) -> None:
+    """Mark the placeholders and results of ``group`` (called by ``call``) whose memory
+    Python after the segment can write and which eager's autograd saved for an op of the
+    group (its ``meta["saved_by_eager"]``): ``meta["checks_version"]``, the positions of
+    the group's outputs downstream of such ops (their gradients make eager's backward of
+    the op run, and raise for a written value)."""
+    nodes = {n.name: n for n in group.graph.nodes}
+    places = [n for n in group.graph.nodes if n.op == "placeholder"]
+    results = group.graph.output_node().args[0]
+    several = isinstance(results, (tuple, list))
+    returned = list(results) if several else [results]
+    values = dict(_results(call)) if several else {0: call}
+    for op in group.graph.nodes:
+        saved = [nodes[name] for name in op.meta.get("saved_by_eager", ()) if name in nodes]
+        if not saved:
+            continue
+        downstream = _downstream(op, returned)
+        for m in saved:
+            root = _storage(m, group, nodes)
+            if root in places:
+                arg = call.args[places.index(root)]
+                if isinstance(arg, Node) and _storage(arg, gm, by_name) in outside:
+                    _add_positions(root, downstream)
+            for i, r in enumerate(returned):
+                if isinstance(r, Node) and _storage(r, group, nodes) is root and i in values \
+                        and _storage(values[i], gm, by_name) in outside:
+                    _add_positions(r, downstream)
+
+
+def _downstream(op: Node, returned: list[Any]) -> frozenset[int]:
+    """The positions of ``returned`` (a group's results) that depend on ``op``."""
+    seen, todo = set(), [op]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return frozenset(i for i, r in enumerate(returned) if r in seen)
+
+
+def _add_positions(node: Node, positions: frozenset[int]) -> None:
+    node.meta["checks_version"] = node.meta.get("checks_version", frozenset()) | positions
 
 
 def _group(gm: GraphModule, node: Node) -> Any:

@@ -86,6 +86,57 @@ def test_a_value_eager_saved_and_the_program_wrote_raises_as_in_eager():
         assert outcomes == [True, True]
 
 
+def _outcome(run):
+    """None when ``run()`` passes; True when it raises eager's error for a saved value
+    written in place."""
+    try:
+        run()
+        return None
+    except RuntimeError as e:
+        return "modified by an inplace operation" in str(e)
+
+
+def _relu6_then_written_on_one_path(x0, x1):
+    # fuzz seed 9409364: relu6 saves its input, v4, which the path past the read writes
+    v4 = torch.remainder(x0, -3).unsqueeze(1)
+    v6 = F.relu6(v4)
+    if x1.sum() > 0:
+        v4.mul_(2)
+    return v6
+
+
+def test_a_value_eager_saved_that_a_later_path_writes_raises_as_in_eager_on_every_call():
+    # the path without the write compiles its first segment first; the writing path reuses
+    # it, and its backward must raise where eager's does
+    compiled = fxlite.compile(_relu6_then_written_on_one_path)
+    for sign in (-1, -1, 1, 1, -1, 1):
+        x1 = torch.full((4, 1), float(sign), device=DEVICE)
+        outcomes = []
+        for f in (_relu6_then_written_on_one_path, compiled):
+            x0 = torch.randn(4, 1, device=DEVICE, requires_grad=True)
+            outcomes.append(_outcome(lambda: f(x0, x1).sum().backward()))
+        assert outcomes == ([True, True] if sign > 0 else [None, None]), (sign, outcomes)
+
+
+def _relu6_and_triple(x):
+    return F.relu6(x), x * 3  # relu6 saves x; x * 3 saves nothing of it
+
+
+@pytest.mark.parametrize("loss", ["both", "triple_only"])
+def test_an_input_written_after_the_call_raises_only_where_eagers_backward_reads_it(loss):
+    compiled = fxlite.compile(_relu6_and_triple)
+    for _ in range(4):
+        outcomes = []
+        for f in (_relu6_and_triple, compiled):
+            x = torch.randn(4, 3, device=DEVICE, requires_grad=True) * 1  # not a leaf
+            out = f(x)
+            x.mul_(2)  # after the call, before the backward
+            total = out[1].sum() + (out[0].sum() if loss == "both" else 0)
+            outcomes.append(_outcome(total.backward))
+        assert outcomes == ([True, True] if loss == "both" else [None, None]), outcomes
+    assert compiled.kernels
+
+
 def test_a_write_after_the_backward_leaves_the_groups_saved_values_alone():
     # a step's update of w comes after loss.backward(), which read what the groups saved:
     # they save as before, and keep their kernels
