@@ -16,6 +16,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     row_views          softmax before a view
     decompose                                     decompose
     dead_code                                     dead_code
+    row_gathers        inference: a roll and its
+                       windows as one gather
     propagate_meta     new nodes' metadata        propagate    all metadata, on meta tensors
     pool_kernels       CUDA: max-pools' kernels
     pack_weights       inference: weight copies
@@ -60,6 +62,7 @@ from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.lower.row_gathers import gather_rolled_rows
 from fxlite.codegen.lower.row_views import softmax_before_views
 from fxlite.codegen.lower.written_inputs import mark_written_inputs
 from fxlite.codegen.runtime.precompile import precompile
@@ -267,6 +270,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("row_views", _on(softmax_before_views)),  # a masked add and its softmax: one kernel
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),
+    Pass("row_gathers", _on(gather_rolled_rows),
+         when=lambda gm, low: not _needs_autograd(gm)),  # Swin's rolled windows: one gather
     Pass("propagate_meta", _on(propagate_meta)),
     Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools without indices; avg-pools
     Pass("pack_weights", _on(pack_weight_copies),  # channels-last weight copies: one kernel
