@@ -30,6 +30,7 @@ shapes, they fail as eager's views would, with torch's message.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -99,8 +100,7 @@ def gather_rows(x: torch.Tensor, links: tuple[tuple[Any, ...], ...]) -> torch.Te
         # (under CUDA graph capture: made on the device, and not kept, since the graph's
         # memory pool holds it)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        probe = torch.arange(rows, device=x.device if capturing else "cpu")
+        probe = torch.arange(math.prod(x.shape[:-1]), device=x.device if capturing else "cpu")
         probe = probe.view(*x.shape[:-1], 1)
         for link in links:
             probe = _apply(link, probe)
@@ -110,7 +110,8 @@ def gather_rows(x: torch.Tensor, links: tuple[tuple[Any, ...], ...]) -> torch.Te
                 _INDEX.clear()
             _INDEX[key] = found
     index, shape = found
-    return torch.index_select(x.reshape(-1, x.shape[-1]), 0, index).view(*shape, x.shape[-1])
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (a view of a row-major x)
+    return torch.index_select(rows, 0, index).view(*shape, x.shape[-1])
 
 
 def _apply(link: tuple[Any, ...], probe: torch.Tensor) -> torch.Tensor:

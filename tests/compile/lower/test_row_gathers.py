@@ -98,6 +98,10 @@ def test_gather_rows_follows_the_shape_of_each_call_and_fails_as_eager_does():
         x = torch.randn(shape)
         torch.testing.assert_close(gather_rows(x, links),
                                    torch.roll(x, (1, -2), (0, 1)).reshape(-1, 2))
+    for shape in [(3, 4, 0), (0, 4, 2)]:  # no values: no rows, or rows of nothing
+        x = torch.randn(shape)
+        want = torch.roll(x, (1, -2), (0, 1)).reshape(shape[0] * shape[1], shape[-1])
+        torch.testing.assert_close(gather_rows(x, links), want)
     with pytest.raises(RuntimeError):  # a view eager could not make either
         gather_rows(torch.randn(3, 5, 2), (("reshape", (2, -1, 2, 1)),))
 
