@@ -225,10 +225,6 @@ class _GroupFunction(torch.autograd.Function):
         ctx.variant = variant
         ctx.inputs = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None
                       for a in args]
-        # values eager's ops saved and Python may write before the backward: their versions
-        # now (an output through a detached alias: itself would be a cycle through ctx)
-        ctx.checked = [(args[i] if kind == "input" else None, i, kind, outputs)
-                       for kind, i, outputs in grad.checked] if grad.checked else None
         # An input returned as it is, or a view, would make autograd forbid the caller's
         # in-place writes into the result; one tensor returned twice (x and detach(x))
         # would be marked non-differentiable for both: those outputs are copies (kernels'
@@ -247,11 +243,16 @@ class _GroupFunction(torch.autograd.Function):
             outs.append(o)
         # an output the loss does not use gets None, not zeros: the inputs only it reaches
         # then get None too, as in eager (backward below)
-        if ctx.checked is not None:
-            ctx.checked = [(t if t is not None else _detached(outs[i]), outputs)
-                           for t, i, kind, outputs in ctx.checked]
-            ctx.checked = [(t, t._version, outputs) for t, outputs in ctx.checked
-                           if isinstance(t, torch.Tensor)]
+        # values eager's ops saved and Python may write before the backward: their versions
+        # now (an output through a detached alias: itself would be a cycle through ctx)
+        ctx.checked = None
+        if grad.checked:
+            ctx.checked = []
+            for kind, i, outputs in grad.checked:
+                t = args[i] if kind == "input" else outs[i]
+                if isinstance(t, torch.Tensor):
+                    ctx.checked.append((t if kind == "input" else _detached(t), t._version,
+                                        outputs))
         ctx.set_materialize_grads(False)
         ctx.outs = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in grad.tangents]
         ctx.mark_non_differentiable(*(o for i, o in enumerate(outs)
