@@ -40,6 +40,7 @@ from fxlite.codegen.capture.records import (
     TensorOut,
     ValueOut,
     format_site,
+    layout_copy,
     tensor_meta,
     user_site,
 )
@@ -540,8 +541,7 @@ class Recorder(TorchFunctionMode):
             targets += [(n, v) for n, v in self._externals_sharing(t) if n != name]
             for name, value in targets:
                 if self._is_external(name) and name not in self.rec.pre_state:
-                    with torch.no_grad():
-                        self.rec.pre_state[name] = value.detach().clone()
+                    self.rec.pre_state[name] = layout_copy(value)
 
     def _is_external(self, name: str) -> bool:
         return self._nodes[name].op in ("placeholder", "get_attr") or name in self._prefix_names

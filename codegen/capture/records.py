@@ -26,8 +26,8 @@ from fxlite.graph import Graph
 
 __all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", "Read", "Recording",
            "ResultRef", "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site",
-           "last_frame", "recording_in_thread", "recording_thread", "result_leaves",
-           "tensor_meta", "user_site"]
+           "last_frame", "layout_copy", "recording_in_thread", "recording_thread",
+           "result_leaves", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -37,6 +37,18 @@ LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
     # backward compiles its kernels inside a recorded call
     importlib.util.find_spec("fxlite.passes").origin))
 _LOCAL = threading.local()
+
+
+def layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (detached) with ``t``'s strides, where ``clone()`` gives a sliced
+    tensor row-major ones: a check that starts from the copy then sees the memory overlaps
+    the program saw (``v = x.unsqueeze(0); v.mul_(x)`` runs on a sliced ``x`` and raises on
+    a row-major one; fuzz seed 9805300). An expanded tensor (a stride 0) is cloned."""
+    with torch.no_grad():
+        if t.is_contiguous() or any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            return t.detach().clone()
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return out.copy_(t.detach())
 
 
 def recording_thread() -> Any:

@@ -456,3 +456,27 @@ def test_a_result_passed_past_a_graph_break_is_not_the_buffer_written_there():
                              torch.tensor([True], device=DEVICE))] * 4)
     out = compiled(torch.randn(1, device=DEVICE).half(), torch.tensor([True], device=DEVICE))
     assert out.dtype == torch.float16 and out is not model.b0
+
+
+def test_a_sliced_input_keeps_its_strides_in_the_checks_copy():
+    # Fuzz seed 9805300: ``v0 = x0.unsqueeze(0); ...; v0.mul_(x0)`` on a sliced x0 runs in
+    # eager (input and output overlap in full); on a row-major x0, eager raises (they
+    # overlap in part). The compile check started from a clone() of x0, which is
+    # row-major: its replay raised and the program ran in eager, with a warning.
+    def f(x0):
+        v0 = x0.unsqueeze(0)
+        x0.abs_()
+        v4 = v0.amax(4, False)
+        v0.mul_(x0)
+        return v4
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        base = torch.randn(2, 3, 2, 4, device=DEVICE)
+        mine, theirs = base[..., ::2], base.clone()[..., ::2]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(mine)
+        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        torch.testing.assert_close(got, f(theirs))
+        torch.testing.assert_close(mine, theirs)
