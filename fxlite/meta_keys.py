@@ -81,8 +81,8 @@ NODE_META: dict[str, MetaKey] = _table(
             ("codegen/lower/written_inputs.py",),
             ("codegen/lower/autodiff.py", "codegen/lower/written_inputs.py")),
     MetaKey("saved_by_eager", "tuple of node names",
-            "the inputs (by name) that eager's autograd saved for this op's backward, as "
-            "recorded", (_CAPTURE,), ("codegen/lower/written_inputs.py",)),
+            "the inputs (by name; \"\" for the op's own result) that eager's autograd "
+            "saved for this op's backward, as recorded", (_CAPTURE,), ("codegen/lower/written_inputs.py",)),
     MetaKey("checks_version", "frozenset of output positions",
             "a fused group's placeholder or result that eager's autograd saved for an op "
             "of the group and Python after the segment can write: the group's backward "

@@ -336,7 +336,7 @@ class Recorder(TorchFunctionMode):
         if mutated:
             self._note_mutation(node, mutated, out)
         elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            self._note_saved(node, out.grad_fn, tensors)
+            self._note_saved(node, out, tensors)
         if state_name(func) in SIZE_FANOUT and not self.symbolic:
             # (a Dynamo graph takes the results by fixed positions, and Dynamo's guards
             # keep their number: GPT-2's qkv.split serves every sequence length)
@@ -498,20 +498,26 @@ class Recorder(TorchFunctionMode):
         node.meta["mutated"] = names
         node.meta["aliased"] = aliased
 
-    def _note_saved(self, node: Node, grad_fn: Any, tensors: list[Any]) -> None:
+    def _note_saved(self, node: Node, out: torch.Tensor, tensors: list[Any]) -> None:
         """Name the inputs that eager's autograd saved for the backward of ``node``'s op
-        (``meta["saved_by_eager"]``): a later segment that writes one makes eager's
-        backward raise, so the kernel running the op checks its version too
+        (``meta["saved_by_eager"]``; ``""`` names the op's own result, as ``std`` and
+        ``exp`` save theirs): a later segment that writes one makes eager's backward raise,
+        so the kernel running the op checks its version too
         (``codegen/lower/written_inputs.py``)."""
         names: list[str] = []
-        for attr in saved_attributes(grad_fn):
+        for attr in saved_attributes(out.grad_fn):
             try:
-                saved = getattr(grad_fn, attr)
+                saved = getattr(out.grad_fn, attr)
             except Exception:  # (a value saved and freed)
                 continue
-            if isinstance(saved, torch.Tensor):
-                names += [name for t in tensors if t is saved
-                          and (name := self._name_of(t)) is not None and name not in names]
+            if not isinstance(saved, torch.Tensor):
+                continue
+            names += [name for t in tensors if t is saved
+                      and (name := self._name_of(t)) is not None and name not in names]
+            # a saved result comes back as a new tensor object over the same memory
+            if "" not in names and saved.data_ptr() == out.data_ptr() and \
+                    saved.shape == out.shape and saved.stride() == out.stride():
+                names.append("")
         if names:
             node.meta["saved_by_eager"] = tuple(names)
 

@@ -119,7 +119,8 @@ def _mark_saved_by_eager(call: Node, group: GraphModule, gm: GraphModule,
     returned = list(results) if several else [results]
     values = dict(_results(call)) if several else {0: call}
     for op in group.graph.nodes:
-        saved = [nodes[name] for name in op.meta.get("saved_by_eager", ()) if name in nodes]
+        saved = [op if name == "" else nodes[name] for name in op.meta.get("saved_by_eager", ())
+                 if name == "" or name in nodes]
         if not saved:
             continue
         downstream = _downstream(op, returned)

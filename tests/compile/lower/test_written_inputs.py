@@ -105,14 +105,23 @@ def _relu6_then_written_on_one_path(x0, x1):
     return v6
 
 
-def test_a_value_eager_saved_that_a_later_path_writes_raises_as_in_eager_on_every_call():
+def _std_then_written_on_one_path(x0, x1):
+    # fuzz seed 9716528: std saves its result, v1, which the path past the read writes
+    v1 = (x0.squeeze(1) + 2).std()
+    if x1.sum() > 0:
+        v1.mul_(2)
+    return v1.to(copy=True)
+
+
+@pytest.mark.parametrize("fn", [_relu6_then_written_on_one_path, _std_then_written_on_one_path])
+def test_a_value_eager_saved_that_a_later_path_writes_raises_as_in_eager_on_every_call(fn):
     # the path without the write compiles its first segment first; the writing path reuses
     # it, and its backward must raise where eager's does
-    compiled = fxlite.compile(_relu6_then_written_on_one_path)
+    compiled = fxlite.compile(fn)
     for sign in (-1, -1, 1, 1, -1, 1):
         x1 = torch.full((4, 1), float(sign), device=DEVICE)
         outcomes = []
-        for f in (_relu6_then_written_on_one_path, compiled):
+        for f in (fn, compiled):
             x0 = torch.randn(4, 1, device=DEVICE, requires_grad=True)
             outcomes.append(_outcome(lambda: f(x0, x1).sum().backward()))
         assert outcomes == ([True, True] if sign > 0 else [None, None]), (sign, outcomes)
