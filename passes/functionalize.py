@@ -94,7 +94,11 @@ def functionalize(gm: GraphModule) -> GraphModule:
             # fact, a value the pure ops saved for their backward (silu saves its input;
             # b / x saves b, and a fused group may save b to recompute ``b * 2`` for
             # ``b.mul_(2).div_(x)``). Eager's in-place op is written for autograd (it
-            # saves what it needs), so it stays.
+            # saves what it needs), so it stays; into a pure value written back, the
+            # write-back goes after it (an earlier segment's ``v``: ``v.mul_(2)`` pure,
+            # ``v /= x`` kept, and ``v`` written back between them missed the division).
+            if root in final:
+                last[root] = node
             continue
         node.target, node.args, node.kwargs = target, args, kwargs
         node.meta["impure"] = False

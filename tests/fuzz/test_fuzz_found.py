@@ -480,3 +480,30 @@ def test_a_sliced_input_keeps_its_strides_in_the_checks_copy():
         assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
         torch.testing.assert_close(got, f(theirs))
         torch.testing.assert_close(mine, theirs)
+
+
+def test_a_pure_write_then_a_kept_one_write_back_after_both():
+    # Past the break, ``v.mul_(2)`` became a pure op written back into v, and ``v /= x``
+    # (x requires grad) stayed in place, on the pure value: the write-back went between
+    # them, so v missed the division wherever the pure value was not v's own memory. The
+    # segment's check caught it, and its ops ran in eager, with a warning.
+    def f(x):
+        v = x.new_zeros(x.shape) + 1
+        if x.mean() < 0.5:
+            v.mul_(2)
+        v /= x
+        return v
+
+    compiled = fxlite.compile(f)
+    for scale in (0.4, 1.0, 0.4):
+        x = (torch.rand(4, device=DEVICE) * scale + 0.05).requires_grad_()
+        ref = x.detach().clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(x)
+        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        want = f(ref)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(x.grad, ref.grad)
