@@ -27,10 +27,6 @@ __all__ = ["CATALOG", "EXCLUDED", "G", "draw_step"]
 # in the mix) and a strict xfail in tests/fuzz/test_fuzz_regressions.py shows each one. When
 # such a test starts passing, pytest fails it: then delete the entry here.
 KNOWN_OPEN = {
-    "self_setitem": "x[..., ::2] = x of a sliced (4, 1) x, which eager accepts (an exact "
-                    "self-overlap), raises a partial-overlap error when fxlite replays it, "
-                    "so the call runs in eager with two warnings "
-                    "(test_a_tensor_written_into_a_view_of_itself)",
     "max_all_nan_grad": "on the CPU, eager's backward of torch.max(x) and torch.min(x) (no "
                         "dim) puts a NaN cotangent on the maxima (minima) only "
                         "(masked_fill); fxlite's rule (as eager on CUDA) multiplies it by "
