@@ -86,23 +86,17 @@ def mark_written_inputs(gm: GraphModule) -> None:
 
 
 def _reachable_from_outside(gm: GraphModule, by_name: dict[str, Node]) -> set[Node]:
-    """The memory (by :func:`_storage`) of ``gm``'s inputs and returned values: Python
+    """The memory (by :func:`_shared`) of ``gm``'s inputs and returned values: Python
     after the segment can write it in place (a later segment, past a graph break)."""
     out = gm.graph.output_node()
     ends = [n for n in gm.graph.nodes if n.op == "placeholder"] + out.all_input_nodes
-    return {_storage(n, gm, by_name) for n in ends}
+    return {_shared(n, gm, by_name) for n in ends}
 
 
-def _storage(node: Node, gm: GraphModule, by_name: dict[str, Node]) -> Node:
-    """The node whose memory ``node`` views, down every view (a group's result too: a
-    write through a view bumps the version its base shares with it)."""
-    seen = {node}
-    while True:
-        base = view_base(node, gm) or by_name.get(node.meta.get("same_object"))
-        if base is None or base in seen:
-            return node
-        seen.add(base)
-        node = base
+def _shared(node: Node, gm: Any, by_name: dict[str, Node]) -> Node:
+    """The node whose version counter ``node``'s tensor shares (:func:`memory_root`
+    through groups' results too)."""
+    return memory_root(node, gm, by_name, through_groups=True)
 
 
 def _mark_saved_by_eager(call: Node, group: GraphModule, gm: GraphModule,
@@ -125,14 +119,14 @@ def _mark_saved_by_eager(call: Node, group: GraphModule, gm: GraphModule,
             continue
         downstream = _downstream(op, returned)
         for m in saved:
-            root = _storage(m, group, nodes)
+            root = _shared(m, group, nodes)
             if root in places:
                 arg = call.args[places.index(root)]
-                if isinstance(arg, Node) and _storage(arg, gm, by_name) in outside:
+                if isinstance(arg, Node) and _shared(arg, gm, by_name) in outside:
                     _add_positions(root, downstream)
             for i, r in enumerate(returned):
-                if isinstance(r, Node) and _storage(r, group, nodes) is root and i in values \
-                        and _storage(values[i], gm, by_name) in outside:
+                if isinstance(r, Node) and _shared(r, group, nodes) is root and i in values \
+                        and _shared(values[i], gm, by_name) in outside:
                     _add_positions(r, downstream)
 
 
@@ -162,16 +156,19 @@ def _group(gm: GraphModule, node: Node) -> Any:
     return inner if isinstance(inner, GraphModule) else None
 
 
-def memory_root(node: Node, gm: Any, by_name: dict[str, Node]) -> Node:
+def memory_root(node: Node, gm: Any, by_name: dict[str, Node], *,
+                through_groups: bool = False) -> Node:
     """The node whose memory ``node`` is: down chains of view ops and in-place results
-    (``by_name`` maps the graph's names to its nodes; ``gm`` resolves ``call_module``)."""
+    (``by_name`` maps the graph's names to its nodes; ``gm`` resolves ``call_module``).
+    A group's result is memory of its own, not a view of the call, unless
+    ``through_groups``: a version counter its views share with it."""
     seen = {node}
     while True:
         base = view_base(node, gm)
         if base is None:
             base = by_name.get(node.meta.get("same_object"))
-        if base is None or base in seen or _group(gm, base) is not None:
-            return node  # (a group's result is memory of its own, not a view of the call)
+        if base is None or base in seen or not through_groups and _group(gm, base) is not None:
+            return node
         seen.add(base)
         node = base
 
