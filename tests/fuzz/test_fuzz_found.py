@@ -151,16 +151,23 @@ def test_a_region_taking_an_item_of_an_outside_group_keeps_its_gradients():
     _grads_in_kernels(f, [(x, r), (x, -r), (x, r), (x, -r)])
 
 
+def _warning_free(compiled, *args):
+    """``compiled(*args)``, where no part of the call may fall back to eager with a
+    warning (it would hide the bug)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(*args)
+    assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+    return got
+
+
 def _grads_in_kernels(f, calls):
     """Like ``_grads`` (the first argument requires grad), and no part of any call may
     fall back to eager, which would hide the bug."""
     compiled = fxlite.compile(f)
     for x, *rest in calls:
         mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = compiled(mine, *rest)
-        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        got = _warning_free(compiled, mine, *rest)
         assert compiled.fallbacks == []
         want = f(theirs, *rest)
         torch.testing.assert_close(got, want)
@@ -339,12 +346,9 @@ def test_a_permute_sunk_through_its_producer_reads_the_input_before_a_write():
         if trap:
             values[1] = float("inf")
         mine, theirs = values[:].view(1, 2, 3), values.clone()[:].view(1, 2, 3)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = compiled(mine)
+        got = _warning_free(compiled, mine)
         torch.testing.assert_close(got, f(theirs), equal_nan=True)
         torch.testing.assert_close(mine, theirs)
-        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
 
 
 def test_a_float32_gradient_through_a_bf16_tanh_is_the_kernels():
@@ -405,10 +409,7 @@ def test_a_new_path_that_writes_through_a_view_checks_from_the_values_before_the
     compiled = fxlite.compile(f)
     for value in (-2.25, 3.5, -3.25):
         mine, theirs = torch.tensor(value, device=DEVICE), torch.tensor(value, device=DEVICE)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = compiled(mine)
-        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        got = _warning_free(compiled, mine)
         torch.testing.assert_close(got, f(theirs))
         torch.testing.assert_close(mine, theirs)
 
@@ -474,10 +475,7 @@ def test_a_sliced_input_keeps_its_strides_in_the_checks_copy():
     for _ in range(3):
         base = torch.randn(2, 3, 2, 4, device=DEVICE)
         mine, theirs = base[..., ::2], base.clone()[..., ::2]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = compiled(mine)
-        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
+        got = _warning_free(compiled, mine)
         torch.testing.assert_close(got, f(theirs))
         torch.testing.assert_close(mine, theirs)
 
@@ -494,16 +492,5 @@ def test_a_pure_write_then_a_kept_one_write_back_after_both():
         v /= x
         return v
 
-    compiled = fxlite.compile(f)
-    for scale in (0.4, 1.0, 0.4):
-        x = (torch.rand(4, device=DEVICE) * scale + 0.05).requires_grad_()
-        ref = x.detach().clone().requires_grad_()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = compiled(x)
-        assert not [w for w in caught if "fxlite" in str(w.message)], caught[0].message
-        want = f(ref)
-        torch.testing.assert_close(got, want)
-        got.sum().backward()
-        want.sum().backward()
-        torch.testing.assert_close(x.grad, ref.grad)
+    _grads_in_kernels(f, [(torch.rand(4, device=DEVICE) * scale + 0.05,)
+                          for scale in (0.4, 1.0, 0.4)])
