@@ -100,10 +100,7 @@ def gather_rows(x: torch.Tensor, links: tuple[tuple[Any, ...], ...]) -> torch.Te
         # (under CUDA graph capture: made on the device, and not kept, since the graph's
         # memory pool holds it)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        probe = torch.arange(math.prod(x.shape[:-1]), device=x.device if capturing else "cpu")
-        probe = probe.view(*x.shape[:-1], 1)
-        for link in links:
-            probe = _apply(link, probe)
+        probe = _probe(links, x.shape, x.device if capturing else "cpu")
         found = (probe.reshape(-1).to(x.device), tuple(probe.shape[:-1]))
         if not capturing:
             if len(_INDEX) >= 64:
@@ -112,6 +109,16 @@ def gather_rows(x: torch.Tensor, links: tuple[tuple[Any, ...], ...]) -> torch.Te
     index, shape = found
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (a view of a row-major x)
     return torch.index_select(rows, 0, index).view(*shape, x.shape[-1])
+
+
+def _probe(links: tuple[tuple[Any, ...], ...], shape: Any,
+           device: torch.device | str) -> torch.Tensor:
+    """Each row's number of a tensor of ``shape`` (its last dim 1), moved by ``links``:
+    the rows of the result's source, where the links put them."""
+    probe = torch.arange(math.prod(shape[:-1]), device=device).view(*shape[:-1], 1)
+    for link in links:
+        probe = _apply(link, probe)
+    return probe
 
 
 def _apply(link: tuple[Any, ...], probe: torch.Tensor) -> torch.Tensor:
@@ -193,21 +200,19 @@ def _links(chain: list[Node], gm: GraphModule) -> tuple[tuple[Any, ...], ...] | 
             return None
         if link is not None:
             links.append(link)
-    if len(links) == 1 and not isinstance(links[0][2], (tuple, list)) or len(links) == 1 \
-            and len(links[0][2]) < 2:
+    if len(links) == 1 and len(_listed(links[0][2])) < 2:
         return None  # a lone roll over one dim: one kernel either way
-    width, rows = sm.shape[-1], 1
-    for size in sm.shape[:-1]:
-        rows *= size
-    probe = torch.arange(rows).view(*sm.shape[:-1], 1)
     try:
-        for link in links:
-            probe = _apply(link, probe)
+        probe = _probe(tuple(links), sm.shape, "cpu")
     except Exception:  # a link that does not apply to the probe: leave the chain
         return None
-    if tuple(probe.shape) != tuple(lm.shape[:-1]) + (1,) or lm.shape[-1] != width:
-        return None
-    return tuple(links)
+    # (each link keeps the last dim, _link_of checked: only the rows' shape can differ)
+    return tuple(links) if tuple(probe.shape) == tuple(lm.shape[:-1]) + (1,) else None
+
+
+def _listed(value: Any) -> list[Any]:
+    """An argument that may be one value or several, as a list (a roll's dims)."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 def _link_of(n: Node, gm: GraphModule, shape: Any) -> tuple[Any, ...] | None | bool:
@@ -218,20 +223,20 @@ def _link_of(n: Node, gm: GraphModule, shape: Any) -> tuple[Any, ...] | None | b
     if tuple(_meta(n).shape[-1:]) != tuple(shape[-1:]):
         return False
     if name in ("view", "reshape"):
-        sizes = list(args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
+        sizes = _listed(args[0]) if len(args) == 1 else list(args)
         if not sizes or sizes[-1] not in (-1, shape[-1]) or sizes.count(-1) > 1:
             return False
         return ("reshape", tuple(sizes[:-1]) + (1,))
     if name == "permute":
-        dims = list(args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
+        dims = _listed(args[0]) if len(args) == 1 else list(args)
         if len(dims) != rank or dims[-1] % rank != rank - 1:
             return False
         return ("permute", tuple(d % rank for d in dims))
     if name == "roll":
         shifts = args[0] if args else n.kwargs.get("shifts")
         dims = args[1] if len(args) > 1 else n.kwargs.get("dims")
-        listed = list(dims) if isinstance(dims, (tuple, list)) else [dims]
-        if dims is None or any(type(d) is not int or d % rank == rank - 1 for d in listed):
+        if dims is None or any(type(d) is not int or d % rank == rank - 1
+                               for d in _listed(dims)):
             return False
         return ("roll", shifts, dims)
     if name == "contiguous":
