@@ -230,6 +230,7 @@ def check_compiled(program: Program, backend: str = "triton", device: str = "cpu
         for i, (a, b) in enumerate(zip(xc, xe)):
             msg = same(a, b, False, f"input x{i} after the call",
                        None if up is None else up[1][i], low)
+            msg = _cuda_norm_rows(program, device, call, msg)  # a norm written into it
             failures += [f"{where}: {m}" for m in msg]
         se, sc = _state(eager), _state(subject)
         for k in se:

@@ -166,6 +166,24 @@ def test_eager_s_own_cpu_loops_disagreeing_is_not_a_failure_of_gradients() -> No
     assert not failures, _report(program, failures)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="eager's CUDA norm kernels are the subject")
+def test_eager_s_cuda_norm_over_an_infinity_written_into_an_input_is_not_a_failure() -> None:
+    """Fuzz seed 9808507 (H200 run of session 41): ``x0[::2] = rms_norm(x0, (2,))`` of a
+    float16 input holding an infinity. Eager's CUDA rms_norm gives NaN for the whole row
+    there, fxlite the formula's -0.0 at the finite element (as eager's CPU kernel does).
+    The checker counted that difference as eager's own for results and buffers, not for
+    an input the norm was written into; it does for inputs now."""
+    from fuzz_check import STATS
+
+    program = generate(RandomDraw(9808507), 9808507, draw_step)
+    key = "NaN against a number in a CUDA norm over infinities (eager's order)"
+    counted, before = STATS["failures"], STATS[key]
+    failures = check_compiled(program, "triton", DEVICE)
+    STATS["failures"] = counted
+    assert not failures, _report(program, failures)
+    assert STATS[key] > before
+
+
 @pytest.mark.parametrize("seed", [5344, 8910782])
 def test_a_half_buffer_written_in_place_is_read_as_eager_stored_it(seed: int) -> None:
     """Open since the first fuzz runs (5344: ``b0.exp_()`` of a float16 buffer, then
