@@ -34,6 +34,10 @@ Rules:
   the inputs, where a kernel reads through them (see ``passes/sink_views.py``). A sum over
   trailing and earlier dims (BatchNorm's ``(0, 2, 3)``) is first split by ``split_sums``
   into a trailing sum, which groups as above, and a small outer one.
+* **Siblings.** A pointwise node also merges with the groups of up to four earlier
+  pointwise nodes of its shape that read the same memory (an input, or views of one
+  value: the q, k and v heads of one projection): one kernel for work that shares no
+  edge. The no-cycle rule below still holds, so readers joined by a path stay apart.
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
@@ -73,11 +77,12 @@ from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_o
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule, copy_attr, expect_graph_module
 from fxlite.node import Node, describe_value
-from fxlite.ops import is_impure, lookup
+from fxlite.ops import is_impure, lookup, view_root
 
 __all__ = ["fuse"]
 
 FULL, ROW = "full", "row"
+_SIBLINGS = 4  # earlier readers of one value a pointwise group tries to merge with
 
 
 @dataclass(eq=False)
@@ -198,6 +203,7 @@ class _Partitioner:
         self.cls: dict[Node, FusionClass] = {}
         self.group_of: dict[Node, _Group] = {}
         self.limit = -1
+        self.readers: dict[Node, list[Node]] = {}  # memory -> pointwise nodes reading it
         # Impure nodes (in-place, random, side effects) are barriers: a group never spans
         # one, and _build keeps every unit on its side, so mutations stay ordered.
         self.segment: dict[Node, int] = {}
@@ -224,7 +230,22 @@ class _Partitioner:
                 other = self.group_of.get(inp)
                 if other is not None and other is not g:
                     g = self._merge(other, g) or g
+            if c.kind == "pointwise":
+                self._join_siblings(n, g)
         return list({id(g): g for g in self.group_of.values()}.values())
+
+    def _join_siblings(self, n: Node, g: _Group) -> None:
+        """Merge ``g`` with the groups of earlier pointwise nodes of its shape that read
+        the same memory (an input, or views of one value: q, k and v of one projection),
+        where no path joins them: one kernel, one launch, in place of several."""
+        for root in dict.fromkeys(view_root(i, self.gm) for i in n.all_input_nodes):
+            readers = self.readers.setdefault(root, [])
+            for m in reversed(readers[-_SIBLINGS:]):
+                h = self.group_of.get(m)
+                if g.split is None and h is not None and h is not g and h.split is None \
+                        and h.shape == g.shape:
+                    g = self._merge(h, g) or g
+            readers.append(n)
 
     def _new_group(self, n: Node, shape: Shape, split: int | None, tag: str) -> _Group:
         g = _Group(shape, split, {n}, {n: tag}, dict.fromkeys(n.users), self.segment[n])

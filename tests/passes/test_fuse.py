@@ -212,6 +212,33 @@ def test_no_fusion_through_extern_and_no_cycle() -> None:
     torch.testing.assert_close(fused(x), f(x))
 
 
+def test_pointwise_reads_of_one_value_share_a_group() -> None:
+    def f(x):  # q, k and v of one projection: views of one value, read apart
+        return x[0] * 2, x[1].clone(memory_format=torch.contiguous_format), torch.relu(x[2])
+
+    x = torch.randn(4, 8, 3).permute(2, 0, 1)
+    fused = fuse(_prep(f, x, canonical=False))
+    assert len(_fused_calls(fused)) == 1, fused.code
+    for got, want in zip(fused(x), f(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_readers_of_one_value_joined_by_a_path_or_of_other_shapes_stay_apart() -> None:
+    w = torch.randn(8, 8)
+
+    def f(x):
+        a = x * 2
+        c = x + torch.matmul(a, w)  # reads x too, but after a's matmul: one kernel would cycle
+        return c, x[0] - 1  # reads x in another shape
+
+    x = torch.randn(3, 4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    groups = _group_of(fused)
+    assert len({groups["mul"], groups["add"], groups["sub"]}) == 3, fused.code
+    for got, want in zip(fused(x), f(x)):
+        torch.testing.assert_close(got, want)
+
+
 def test_smaller_values_join_the_group_they_broadcast_into() -> None:
     def f(x, w):
         return x + torch.rsqrt(w * 2 + 1)  # (8,) then (4, 8): one group over (4, 8)
