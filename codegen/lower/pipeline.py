@@ -18,6 +18,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     dead_code                                     dead_code
     row_gathers        inference: a roll and its
                        windows as one gather
+    matmul_copies      inference: operand copies
+                       of matmul as graph ops
     propagate_meta     new nodes' metadata        propagate    all metadata, on meta tensors
     pool_kernels       CUDA: max-pools' kernels
     pack_weights       inference: weight copies
@@ -62,6 +64,7 @@ from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.lower.matmul_copies import explicit_matmul_copies
 from fxlite.codegen.lower.row_gathers import gather_rolled_rows
 from fxlite.codegen.lower.row_views import softmax_before_views
 from fxlite.codegen.lower.written_inputs import mark_written_inputs
@@ -272,6 +275,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("dead_code", _on(_dead_code)),
     Pass("row_gathers", _on(gather_rolled_rows),
          when=lambda gm, low: not _needs_autograd(gm)),  # Swin's rolled windows: one gather
+    Pass("matmul_copies", _on(explicit_matmul_copies),  # a matmul's operand copies fuse
+         when=lambda gm, low: not _needs_autograd(gm)),
     Pass("propagate_meta", _on(propagate_meta)),
     Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools without indices; avg-pools
     Pass("pack_weights", _on(pack_weight_copies),  # channels-last weight copies: one kernel

@@ -1,0 +1,104 @@
+"""matmul_copies: the copies eager's matmul makes of its operands, as graph ops.
+
+``torch.matmul`` of two batched operands flattens their batch dims with ``reshape``; an
+operand whose batch dims are not one stride apart (a head of a fused qkv projection,
+permuted) is copied row-major inside the matmul, an eager kernel of its own. Made a clone
+into row-major in the graph, the copy is a kernel's op: ``fuse`` puts copies of views of
+one value in one kernel with the pointwise work on the same value (Swin's q scale and its
+k and v copies: one launch in place of three). A transposed operand is copied before its
+transpose, so that the copy has the shape of the other heads' (the matmul reads it
+transposed, as cuBLAS can)::
+
+    # before                                    # after
+    k = getitem(permute, 1)                     k = getitem(permute, 1)
+    transpose = k.transpose(-2, -1)             clone = torch.clone(k, memory_format=..)
+    matmul = torch.matmul(q, transpose)         transpose = clone.transpose(-2, -1)
+    matmul_1 = torch.matmul(attn, v)            matmul = torch.matmul(q, transpose)
+                                                clone_1 = torch.clone(v, memory_format=..)
+                                                matmul_1 = torch.matmul(attn, clone_1)
+
+Only where both operands have three dims or more and the same batch dims (no broadcast:
+eager's copy is then exactly the row-major operand), and only in inference (the pipeline's
+choice, as for ``row_gathers``). A copy of a transposed operand is bitwise eager's; the
+product of a transposed copy may round differently from eager's product of the copied
+transpose (cuBLAS picks a kernel per layout), as any fxlite GEMM layout may.
+"""
+
+from __future__ import annotations
+
+import torch
+from fxlite.passes.shape_prop import TensorMetadata
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+from fxlite.ops import resolve
+
+__all__ = ["explicit_matmul_copies"]
+
+
+def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
+    """Make each operand copy that a batched ``matmul`` would make inside eager a
+    ``clone`` into row-major in the graph (of the transpose's input for a transposed one).
+
+    Args:
+        gm: a normalized graph with ShapeProp metadata, in which no node needs autograd.
+
+    Returns:
+        ``gm``, changed in place (and recompiled) where a copy became a node; the new
+        nodes have no metadata (the pipeline's ``propagate_meta`` fills it).
+    """
+    graph, changed = gm.graph, False
+    for mm in list(graph.nodes):
+        found = resolve(mm, gm) if mm.op in ("call_function", "call_method") else None
+        if found is None or found[0].name != "matmul":
+            continue
+        a, b = found[1].get("input"), found[1].get("other")
+        metas = [_meta(a), _meta(b)]
+        if None in metas or min(len(m.shape) for m in metas) < 3 \
+                or tuple(metas[0].shape[:-2]) != tuple(metas[1].shape[:-2]):
+            continue
+        for operand, tm in zip((a, b), metas):
+            if operand not in mm.all_input_nodes or not _copied(tm):  # (matmul(x, x))
+                continue
+            source = _transposed(operand, gm)
+            with graph.inserting_before(mm):
+                clone = graph.call_function(torch.clone, (source or operand,),
+                                            {"memory_format": torch.contiguous_format})
+                new = clone if source is None else graph.call_function(
+                    torch.transpose, (clone, -2, -1))
+            mm.replace_input_with(operand, new)
+            if not operand.users:
+                graph.erase_node(operand)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _meta(n: object) -> TensorMetadata | None:
+    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
+    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
+
+
+def _copied(tm: TensorMetadata) -> bool:
+    """Whether eager's matmul copies an operand of this layout: its batch dims do not
+    flatten into one without a copy (``reshape`` is then no view)."""
+    if 0 in tm.shape:
+        return False
+    t = torch.empty_strided(tuple(tm.shape), tuple(tm.stride), dtype=tm.dtype, device="meta")
+    try:
+        t.view(-1, *tm.shape[-2:])
+    except RuntimeError:
+        return True
+    return False
+
+
+def _transposed(n: Node, gm: GraphModule) -> Node | None:
+    """The input of ``n`` when ``n`` swaps the last two dims of it and nothing else reads
+    ``n``, else None."""
+    found = resolve(n, gm) if n.op in ("call_function", "call_method") else None
+    if found is None or found[0].name != "transpose" or len(n.users) != 1:
+        return None
+    x, rank = found[1].get("input"), len(_meta(n).shape)
+    dims = {d % rank for d in (found[1].get("dim0"), found[1].get("dim1")) if isinstance(d, int)}
+    return x if isinstance(x, Node) and dims == {rank - 2, rank - 1} and _meta(x) else None
