@@ -55,7 +55,7 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/lower/autograd_regions.py", "codegen/lower/batch_norm.py",
              "codegen/lower/matmul_copies.py", "codegen/lower/pipeline.py",
              "codegen/lower/row_gathers.py", "codegen/lower/row_views.py",
-             "codegen/runtime/cat.py",
+             "codegen/lower/window_views.py", "codegen/runtime/cat.py",
              "codegen/runtime/kernel.py",
              "codegen/runtime/precompile.py", "fxlite/ops/derivatives.py",
              "fxlite/ops/shapes.py", "fxlite/viz/dot.py", "fxlite/viz/tabular.py",

@@ -13,6 +13,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     seed_dropouts      training: seeded masks
     fold_sizes         masks made from sizes
     normalize
+    window_views       inference: a norm before
+                       its windows' views
     row_views          softmax before a view
     decompose                                     decompose
     dead_code                                     dead_code
@@ -67,6 +69,7 @@ from fxlite.codegen.lower.batch_norm import batch_norm_train
 from fxlite.codegen.lower.matmul_copies import explicit_matmul_copies
 from fxlite.codegen.lower.row_gathers import gather_rolled_rows
 from fxlite.codegen.lower.row_views import softmax_before_views
+from fxlite.codegen.lower.window_views import rows_through_windows
 from fxlite.codegen.lower.written_inputs import mark_written_inputs
 from fxlite.codegen.runtime.precompile import precompile
 from fxlite.passes.decompose import decompose
@@ -270,6 +273,8 @@ FORWARD_PASSES: tuple[Pass, ...] = (
          when=lambda gm, low: _needs_autograd(gm)),  # training: dropout masks drawn in kernels
     Pass("fold_sizes", _on(fold_sizes)),
     Pass("normalize", _on(normalize)),
+    Pass("window_views", _on(rows_through_windows),  # Swin's windows: no copies around them
+         when=lambda gm, low: not _needs_autograd(gm)),
     Pass("row_views", _on(softmax_before_views)),  # a masked add and its softmax: one kernel
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),

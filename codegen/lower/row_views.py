@@ -14,7 +14,10 @@ reads its (row-major) result::
     softmax = torch.softmax(view_1, -1)         view_1 = softmax.view(-1, 3, 49, 49)
 
 Only where the view's input is row-major (the softmax's result is, so the view stays a
-view of the same values) and nothing else reads the view; ``log_softmax`` likewise.
+view of the same values); ``log_softmax`` likewise, and ``layer_norm`` and ``rms_norm``
+over the last dim alone (Swin's norm after its windows are put back in a residual add,
+``codegen/lower/window_views.py``: the add and the norm share a kernel again). A view
+that something else reads stays for it.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from fxlite.ops import canonical_args, is_impure, lookup
 
 __all__ = ["softmax_before_views"]
 
-_ROW_OPS = frozenset({"softmax", "log_softmax"})
+_NORMS = frozenset({"layer_norm", "rms_norm"})
+_ROW_OPS = frozenset({"softmax", "log_softmax"}) | _NORMS
 _VIEWS = frozenset({"view", "reshape"})
 
 
 def softmax_before_views(gm: GraphModule) -> GraphModule:
-    """Run each softmax over the last dim of a view (that keeps the last dim) on the
-    view's row-major input, and view its result instead.
+    """Run each softmax (or norm) over the last dim of a view (that keeps the last dim)
+    on the view's row-major input, and view its result instead.
 
     Args:
         gm: a normalized graph with ShapeProp metadata (before ``decompose``).
@@ -51,13 +55,15 @@ def softmax_before_views(gm: GraphModule) -> GraphModule:
         with gm.graph.inserting_before(view):
             new_op = gm.graph.node_copy(op, lambda a, v=view, s=source: s if a is v else a)
         new_op.meta = {k: v for k, v in op.meta.items() if k not in ("tensor_meta", "type")}
-        _last_dim(new_op)
+        if lookup(op, gm).name not in _NORMS:
+            _last_dim(new_op)
         with gm.graph.inserting_after(op):
             new_view = gm.graph.node_copy(view, lambda a, s=source, n=new_op: n if a is s else a)
         new_view.meta = dict(op.meta)  # the softmax's value, as it was
         op.replace_all_uses_with(new_view)
         gm.graph.erase_node(op)
-        gm.graph.erase_node(view)
+        if not view.users:  # (another reader keeps it)
+            gm.graph.erase_node(view)
         moved = True
     if moved:
         fill_missing_meta(gm, strict=True)
@@ -78,10 +84,16 @@ def _moving_view(op: Node, gm: GraphModule) -> Node | None:
     args = canonical_args(op, info, gm)
     view, dim = args.get("input"), args.get("dim")
     vm, om = _meta(view), _meta(op)
-    if vm is None or om is None or type(dim) is not int or dim not in (-1, len(vm.shape) - 1):
+    if vm is None or om is None:
+        return None
+    if info.name in _NORMS:  # over the last dim alone
+        shape = args.get("normalized_shape")
+        if not isinstance(shape, (list, tuple)) or len(shape) != 1:
+            return None
+    elif type(dim) is not int or dim not in (-1, len(vm.shape) - 1):
         return None
     vinfo = lookup(view, gm) if view.op in ("call_function", "call_method") else None
-    if vinfo is None or vinfo.name not in _VIEWS or len(view.users) != 1 or is_impure(view, gm):
+    if vinfo is None or vinfo.name not in _VIEWS or is_impure(view, gm):
         return None
     source = view.args[0] if view.args else None
     sm = _meta(source)
