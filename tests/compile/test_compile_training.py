@@ -763,3 +763,26 @@ def test_two_forwards_of_a_compiled_batch_norm_net_before_one_backward():
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=f"step {i}")
         torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+
+
+def test_sibling_groups_of_one_input_give_eagers_gradients_where_the_loss_reads_some():
+    """fuse's sibling groups (passes/fuse): three pointwise reads of views of one input are
+    one kernel with three outputs; a loss that reads only some of them leaves the others
+    without a gradient, and the input's gradient is still eager's."""
+    def f(x, w):
+        return (x[0] * 2) @ w, torch.sigmoid(x[1]), (x[2] + 1).to(torch.float16)
+
+    compiled = fxlite.compile(f)
+    for call in range(4):
+        x = torch.randn(3, 4, 5, device=DEVICE, requires_grad=True)
+        w = torch.randn(5, 5, device=DEVICE, requires_grad=True)
+        xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+        (got, messages), want = quiet(compiled, x, w), f(xr, wr)
+        assert not messages
+        for g, v in zip(got, want):
+            torch.testing.assert_close(g, v)
+        for outs in (got, want):
+            (outs[0].sum() + (outs[1] if call % 2 else outs[2].float()).sum()).backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        torch.testing.assert_close(w.grad, wr.grad)
+    assert not compiled.fallbacks
