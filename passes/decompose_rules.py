@@ -644,12 +644,35 @@ def _multiply_add(divide: bool) -> Rule:
             t = t if _dtype(t) == common else t.to(common)
             return t if math_dtype == common else t.to(math_dtype)
         a, b, c = (cast(t) for t in operands)
+        b = _spread(b, operands)  # (the casts have no shapes yet: the operands' sizes)
         y = b / c if divide else b * c
         if isinstance(value, Proxy) or value != 1:
             y = value * y if divide else (value * b) * c
         return _back(a + y, common if common in _HALVES else None)
     rule.__name__ = "_addcdiv" if divide else "_addcmul"
     return rule
+
+
+def _spread(t: Any, operands: tuple[Any, ...]) -> Any:
+    """``t`` expanded to the shape all ``operands`` broadcast to, where the input alone
+    makes it larger than the product's: eager's backward multiplies the cotangent by the
+    other factor at that shape and then sums (an infinite factor and cotangents of both
+    signs give NaN there), where a product of the smaller shape would be summed first
+    (fuzz seed 9860897). The sizes are read from the operands, not written."""
+    shapes = [_shape(o) for o in operands]
+    if any(s is None for s in shapes):
+        return t
+    rank = max(len(s) for s in shapes)
+    padded = [(1,) * (rank - len(s)) + s for s in shapes]
+    if all(max(p[i] for p in padded[1:]) == max(p[i] for p in padded) for i in range(rank)) \
+            and len(shapes[1]) == rank:
+        return t
+    sizes = []
+    for i in range(rank):
+        k = max(range(len(operands)), key=lambda j: padded[j][i])
+        sizes.append(operands[k].size(i - (rank - len(shapes[k])))
+                     if padded[k][i] != 1 else 1)
+    return t.expand(*sizes)
 
 
 register_decomposition(torch.addcmul)(_multiply_add(divide=False))
