@@ -36,8 +36,8 @@ Rules:
   into a trailing sum, which groups as above, and a small outer one.
 * **Siblings.** A pointwise node also merges with the groups of up to four earlier
   pointwise nodes of its shape that read the same memory (an input, or views of one
-  value: the q, k and v heads of one projection): one kernel for work that shares no
-  edge. The no-cycle rule below still holds, so readers joined by a path stay apart.
+  value: the q, k and v heads of one projection), while the two hold 24 nodes or fewer:
+  one kernel for work that shares no edge. The no-cycle rule below still holds, so readers joined by a path stay apart.
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
@@ -83,6 +83,9 @@ __all__ = ["fuse"]
 
 FULL, ROW = "full", "row"
 _SIBLINGS = 4  # earlier readers of one value a pointwise group tries to merge with
+# the most nodes two sibling groups may hold together: a kernel per few siblings, not one
+# kernel with an output per reader of a value read a thousand times
+_SIBLING_NODES = 24
 
 
 @dataclass(eq=False)
@@ -243,7 +246,8 @@ class _Partitioner:
             for m in reversed(readers[-_SIBLINGS:]):
                 h = self.group_of.get(m)
                 if g.split is None and h is not None and h is not g and h.split is None \
-                        and h.shape == g.shape:
+                        and h.shape == g.shape \
+                        and len(h.nodes) + len(g.nodes) <= _SIBLING_NODES:
                     g = self._merge(h, g) or g
             readers.append(n)
 

@@ -223,6 +223,20 @@ def test_pointwise_reads_of_one_value_share_a_group() -> None:
         torch.testing.assert_close(got, want)
 
 
+def test_many_readers_of_one_value_make_several_kernels_not_one_with_an_output_each() -> None:
+    w = torch.randn(4, 4)
+
+    def f(x):  # 100 pointwise readers of x, each read by an extern op
+        return [torch.matmul(x[i % 8] * (i + 1), w) for i in range(100)]
+
+    x = torch.randn(8, 4, 4)
+    fused = fuse(_prep(f, x, canonical=False))
+    sizes = [len(fused.get_submodule(c.target).meta["nodes"]) for c in _fused_calls(fused)]
+    assert max(sizes) <= 24 and len(sizes) < 100, sizes
+    for got, want in zip(fused(x), f(x)):
+        torch.testing.assert_close(got, want)
+
+
 def test_readers_of_one_value_joined_by_a_path_or_of_other_shapes_stay_apart() -> None:
     w = torch.randn(8, 8)
 
