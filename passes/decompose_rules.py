@@ -665,8 +665,8 @@ def _spread(t: Any, operands: tuple[Any, ...]) -> Any:
     rank = max(len(s) for s in shapes)
     padded = [(1,) * (rank - len(s)) + s for s in shapes]
     if all(max(p[i] for p in padded[1:]) == max(p[i] for p in padded) for i in range(rank)) \
-            and len(shapes[1]) == rank:
-        return t
+            and max(len(s) for s in shapes[1:]) == rank:
+        return t  # the product has the result's shape already
     sizes = []
     for i in range(rank):
         k = max(range(len(operands)), key=lambda j: padded[j][i])

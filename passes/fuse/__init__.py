@@ -37,7 +37,8 @@ Rules:
 * **Siblings.** A pointwise node also merges with the groups of up to four earlier
   pointwise nodes of its shape that read the same memory (an input, or views of one
   value: the q, k and v heads of one projection), while the two hold 24 nodes or fewer:
-  one kernel for work that shares no edge. The no-cycle rule below still holds, so readers joined by a path stay apart.
+  one kernel for work that shares no edge. The no-cycle rule below still holds, so
+  readers joined by a path stay apart.
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
   some path leaves the merged set and comes back (through ungrouped nodes or other groups),
   so every group is convex and the graph of groups is acyclic. Impure nodes (in-place,
