@@ -36,7 +36,8 @@ Rules:
   into a trailing sum, which groups as above, and a small outer one.
 * **Siblings.** A pointwise node also merges with the groups of up to four earlier
   pointwise nodes of its shape that read the same memory (an input, or views of one
-  value: the q, k and v heads of one projection), while the two hold 24 nodes or fewer:
+  value: the q, k and v heads of one projection), while the two hold 24 nodes or fewer
+  and no ``cat`` reads either (``cat_groups`` makes those one kernel with the cat):
   one kernel for work that shares no edge. The no-cycle rule below still holds, so
   readers joined by a path stay apart.
 * **No cycles.** Groups grow consumer-into-producer in graph order; a merge is refused if
@@ -248,9 +249,19 @@ class _Partitioner:
                 h = self.group_of.get(m)
                 if g.split is None and h is not None and h is not g and h.split is None \
                         and h.shape == g.shape \
-                        and len(h.nodes) + len(g.nodes) <= _SIBLING_NODES:
+                        and len(h.nodes) + len(g.nodes) <= _SIBLING_NODES \
+                        and not self._feeds_cat(g) and not self._feeds_cat(h):
                     g = self._merge(h, g) or g
             readers.append(n)
+
+    def _feeds_cat(self, g: _Group) -> bool:
+        """Whether a ``cat`` reads ``g``: ``cat_groups`` (``codegen/kernels/cat.py``) makes
+        a cat and the groups only it reads one kernel, which a sibling would prevent."""
+        for u in g.outside:
+            info = lookup(u, self.gm) if u.op in ("call_function", "call_method") else None
+            if info is not None and info.name == "cat":
+                return True
+        return False
 
     def _new_group(self, n: Node, shape: Shape, split: int | None, tag: str) -> _Group:
         g = _Group(shape, split, {n}, {n: tag}, dict.fromkeys(n.users), self.segment[n])

@@ -193,6 +193,24 @@ def test_a_group_read_outside_the_cat_stays_its_own_kernel():
     assert "relu" not in " ".join(kernels[0].nodes)  # the relu group is read twice
 
 
+def test_siblings_a_cat_reads_stay_apart_for_the_cat_kernel():
+    # inception_v3's transform_input: three scaled channels of one input, concatenated.
+    # fuse's sibling groups would make them one group of three outputs, which no cat
+    # kernel takes (a cat and an eager copy); they stay three groups, one cat kernel.
+    def fn(x):
+        a = torch.unsqueeze(x[:, 0], 1) * 0.5 + 0.1
+        b = torch.unsqueeze(x[:, 1], 1) * 0.4 - 0.2
+        c = torch.unsqueeze(x[:, 2], 1) * 0.3 + 0.3
+        return torch.cat((a, b, c), 1)
+
+    f = fxlite.compile(fn)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 4, 4, device=DEV)
+            same(f(x), fn(x))
+    assert len(cat_kernels(f)) == 1
+
+
 def test_mixed_dtypes_and_training_keep_torch_cat():
     def mixed(a, b):
         return torch.cat([a * 2, b * 2], 1)  # float32 and float64: cat promotes
