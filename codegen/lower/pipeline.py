@@ -15,7 +15,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     normalize
     window_views       inference: a norm before
                        its windows' views
-    row_views          softmax before a view
+    row_views          softmax or norm before
+                       a view
     decompose                                     decompose
     dead_code                                     dead_code
     row_gathers        inference: a roll and its
