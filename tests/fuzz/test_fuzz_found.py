@@ -379,20 +379,23 @@ def test_a_reshape_written_in_place_past_a_graph_break_under_autograd_writes_its
     _grads(f, [(torch.randn(3, 5), torch.tensor(s)) for s in (1.7, -1.5, 1.7, 2.0)])
 
 
+def _written_past_a_break(x):
+    """A segment's result written on one path past a graph break, then divided in place
+    by an input that requires grad."""
+    v = x.new_zeros(x.shape) + 1
+    if x.mean() < 0.5:
+        v.mul_(2)
+    v /= x
+    return v
+
+
 def test_a_write_back_never_changes_a_value_saved_for_backward():
     # Past the graph break, v (the first segment's result) was written as a pure op and
     # copied back: v / x (or a fused group recomputing v * 2) saved v for x's gradient,
     # and the copy into v then failed backward with "modified by an inplace operation"
     # from the second call on (seed 1002406). Such a write now stays in place, as eager's.
-    def f(x):
-        v = x.new_zeros(x.shape) + 1
-        if x.mean() < 0.5:
-            v.mul_(2)
-        v /= x
-        return v
-
     small, big = torch.rand(4) * 0.4 + 0.05, torch.rand(4) + 0.6
-    _grads(f, [(small,), (big,), (small,), (big,), (small,)])
+    _grads(_written_past_a_break, [(small,), (big,), (small,), (big,), (small,)])
 
 
 def test_a_new_path_that_writes_through_a_view_checks_from_the_values_before_the_write():
@@ -485,12 +488,5 @@ def test_a_pure_write_then_a_kept_one_write_back_after_both():
     # (x requires grad) stayed in place, on the pure value: the write-back went between
     # them, so v missed the division wherever the pure value was not v's own memory. The
     # segment's check caught it, and its ops ran in eager, with a warning.
-    def f(x):
-        v = x.new_zeros(x.shape) + 1
-        if x.mean() < 0.5:
-            v.mul_(2)
-        v /= x
-        return v
-
-    _grads_in_kernels(f, [(torch.rand(4, device=DEVICE) * scale + 0.05,)
-                          for scale in (0.4, 1.0, 0.4)])
+    _grads_in_kernels(_written_past_a_break, [(torch.rand(4, device=DEVICE) * scale + 0.05,)
+                                              for scale in (0.4, 1.0, 0.4)])
