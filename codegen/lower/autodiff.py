@@ -246,12 +246,12 @@ def _apply_rule(n: Node, cotangent: dict[Node, Any], live: set[Node], tracer: _R
     for param, grad in result.items():
         target = args.get(param)
         if isinstance(target, Node) and target in live and isinstance(grad, Proxy):
-            _accumulate(cotangent, target, _fit(grad, target, out, cast=False))
+            _accumulate(cotangent, target, _fit(grad, target, out))
 
 
-def _fit(grad: Any, target: Node, out: Any = None, cast: bool = True) -> Any:
-    """``grad`` summed over the dims ``target`` was broadcast along, in ``target``'s dtype
-    (``cast=False``: in its own; the caller casts the sum of the contributions once).
+def _fit(grad: Any, target: Node, out: Any = None) -> Any:
+    """``grad`` summed over the dims ``target`` was broadcast along, in its own dtype
+    (:func:`_as_of` casts the sum of a target's contributions once, where it is read).
 
     A grad smaller than its target (a row value read by full-size ops) is left as it is:
     its users broadcast it, and the caller expands what the group returns. A cotangent
@@ -282,8 +282,6 @@ def _fit(grad: Any, target: Node, out: Any = None, cast: bool = True) -> Any:
         grad = torch.sum(grad, ones, keepdim=True)
     if lead:
         grad = torch.sum(grad, list(range(lead)))
-    if cast and grad.node.meta["tensor_meta"].dtype != tm.dtype:
-        grad = grad.to(tm.dtype)
     return grad
 
 
