@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fxlite.node import describe_value
+from fxlite.node import Node, describe_value
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "TensorMetadata", "dense_strides",
-           "extract_tensor_metadata", "memory_order", "rebuild_tensor_metadata", "reduced_dims"]
+           "extract_tensor_metadata", "memory_order", "rebuild_tensor_metadata", "reduced_dims",
+           "strided_meta", "views_as"]
 
 # The dense layouts a tensor's metadata names (and a clone may ask for), with the rank
 # each needs (0: any). Checked in this order: a tensor that is several at once (size-1
@@ -204,3 +205,33 @@ def reduced_dims(dim: Any, rank: int) -> tuple[int, ...]:
         return tuple(range(rank))
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     return tuple(sorted({d % rank for d in dims})) if rank else ()
+
+
+def strided_meta(n: Any) -> TensorMetadata | None:
+    """``n``'s ShapeProp metadata where ``n`` is a node of one tensor with strides, else
+    None (not a node, no metadata, a tuple of results, a 0-d or sparse tensor).
+
+    Example::
+
+        strided_meta(node).stride   # (32, 1) for a row-major 4 x 32 value
+    """
+    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
+    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
+
+
+def views_as(tm: TensorMetadata | None, shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``tm``'s shape and strides takes ``.view(shape)`` (a reshape
+    that copies nothing); False for no metadata and for a tensor without elements.
+
+    Example::
+
+        views_as(strided_meta(permuted), (-1, 32))   # False: its rows are not one stride apart
+    """
+    if tm is None or 0 in tm.shape:
+        return False
+    t = torch.empty_strided(tuple(tm.shape), tuple(tm.stride), dtype=tm.dtype, device="meta")
+    try:
+        t.view(tuple(shape))
+    except RuntimeError:
+        return False
+    return True

@@ -27,11 +27,11 @@ transpose (cuBLAS picks a kernel per layout), as any fxlite GEMM layout may.
 from __future__ import annotations
 
 import torch
-from fxlite.passes.shape_prop import TensorMetadata
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import resolve
+from fxlite.tensor_meta import TensorMetadata, strided_meta, views_as
 
 __all__ = ["explicit_matmul_copies"]
 
@@ -53,7 +53,7 @@ def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
         if found is None or found[0].name != "matmul":
             continue
         a, b = found[1].get("input"), found[1].get("other")
-        metas = [_meta(a), _meta(b)]
+        metas = [strided_meta(a), strided_meta(b)]
         if None in metas or min(len(m.shape) for m in metas) < 3 \
                 or tuple(metas[0].shape[:-2]) != tuple(metas[1].shape[:-2]):
             continue
@@ -75,22 +75,10 @@ def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def _meta(n: object) -> TensorMetadata | None:
-    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
-    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
-
-
 def _copied(tm: TensorMetadata) -> bool:
     """Whether eager's matmul copies an operand of this layout: its batch dims do not
     flatten into one without a copy (``reshape`` is then no view)."""
-    if 0 in tm.shape:
-        return False
-    t = torch.empty_strided(tuple(tm.shape), tuple(tm.stride), dtype=tm.dtype, device="meta")
-    try:
-        t.view(-1, *tm.shape[-2:])
-    except RuntimeError:
-        return True
-    return False
+    return 0 not in tm.shape and not views_as(tm, (-1, *tm.shape[-2:]))
 
 
 def _transposed(n: Node, gm: GraphModule) -> Node | None:
@@ -99,6 +87,6 @@ def _transposed(n: Node, gm: GraphModule) -> Node | None:
     found = resolve(n, gm) if n.op in ("call_function", "call_method") else None
     if found is None or found[0].name != "transpose" or len(n.users) != 1:
         return None
-    x, rank = found[1].get("input"), len(_meta(n).shape)
+    x, rank = found[1].get("input"), len(strided_meta(n).shape)
     dims = {d % rank for d in (found[1].get("dim0"), found[1].get("dim1")) if isinstance(d, int)}
-    return x if isinstance(x, Node) and dims == {rank - 2, rank - 1} and _meta(x) else None
+    return x if isinstance(x, Node) and dims == {rank - 2, rank - 1} and strided_meta(x) else None

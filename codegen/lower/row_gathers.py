@@ -35,11 +35,11 @@ import operator
 from typing import Any
 
 import torch
-from fxlite.passes.shape_prop import TensorMetadata
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, lookup
+from fxlite.tensor_meta import strided_meta
 
 __all__ = ["gather_rolled_rows", "gather_rows"]
 
@@ -140,17 +140,12 @@ def _name(n: Node, gm: GraphModule) -> str | None:
     return "roll" if n.target in (torch.roll, torch.Tensor.roll, "roll") else None
 
 
-def _meta(n: Any) -> TensorMetadata | None:
-    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
-    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
-
-
 def _link(n: Node, gm: GraphModule) -> bool:
     """Whether ``n`` may be a link of a chain: a view, copy, roll or slice of a tensor with
     plain arguments (no node but its input), nothing written."""
     name = _name(n, gm)
-    if name not in _CHAIN or is_impure(n, gm) or not n.args or _meta(n) is None \
-            or _meta(n.args[0]) is None or n.kwargs and name not in ("roll", "contiguous") \
+    if name not in _CHAIN or is_impure(n, gm) or not n.args or strided_meta(n) is None \
+            or strided_meta(n.args[0]) is None or n.kwargs and name not in ("roll", "contiguous") \
             or n.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
         return False
     return not any(isinstance(a, Node) for a in _flat(n.args[1:])) and not any(
@@ -189,13 +184,13 @@ def _links(chain: list[Node], gm: GraphModule) -> tuple[tuple[Any, ...], ...] | 
     or is not worth a gather (see the module docstring). The links are checked on a probe
     of the recorded shapes."""
     source, last = chain[0].args[0], chain[-1]
-    sm, lm = _meta(source), _meta(last)
+    sm, lm = strided_meta(source), strided_meta(last)
     if sm is None or lm is None or not sm.shape or sm.memory_format != torch.contiguous_format \
             or lm.memory_format != torch.contiguous_format:
         return None
     links = []
     for n in chain:
-        link = _link_of(n, gm, _meta(n.args[0]).shape)
+        link = _link_of(n, gm, strided_meta(n.args[0]).shape)
         if link is False:
             return None
         if link is not None:
@@ -220,7 +215,7 @@ def _link_of(n: Node, gm: GraphModule, shape: Any) -> tuple[Any, ...] | None | b
     link that moves nothing (``contiguous``); False where it would touch the last dim."""
     name, rank = _name(n, gm), len(shape)
     args = n.args[1:]
-    if tuple(_meta(n).shape[-1:]) != tuple(shape[-1:]):
+    if tuple(strided_meta(n).shape[-1:]) != tuple(shape[-1:]):
         return False
     if name in ("view", "reshape"):
         sizes = _listed(args[0]) if len(args) == 1 else list(args)

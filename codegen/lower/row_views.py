@@ -23,11 +23,12 @@ that something else reads stays for it.
 from __future__ import annotations
 
 import torch
-from fxlite.passes.shape_prop import TensorMetadata, fill_missing_meta
+from fxlite.passes.shape_prop import fill_missing_meta
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import canonical_args, is_impure, lookup
+from fxlite.tensor_meta import strided_meta
 
 __all__ = ["softmax_before_views"]
 
@@ -71,11 +72,6 @@ def softmax_before_views(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def _meta(n: object) -> TensorMetadata | None:
-    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
-    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
-
-
 def _moving_view(op: Node, gm: GraphModule) -> Node | None:
     """The view ``op`` (a softmax over the last dim) reads, where it can run before it."""
     info = lookup(op, gm) if op.op in ("call_function", "call_method") else None
@@ -83,7 +79,7 @@ def _moving_view(op: Node, gm: GraphModule) -> Node | None:
         return None
     args = canonical_args(op, info, gm)
     view, dim = args.get("input"), args.get("dim")
-    vm, om = _meta(view), _meta(op)
+    vm, om = strided_meta(view), strided_meta(op)
     if vm is None or om is None:
         return None
     if info.name in _NORMS:  # over the last dim alone
@@ -96,7 +92,7 @@ def _moving_view(op: Node, gm: GraphModule) -> Node | None:
     if vinfo is None or vinfo.name not in _VIEWS or is_impure(view, gm):
         return None
     source = view.args[0] if view.args else None
-    sm = _meta(source)
+    sm = strided_meta(source)
     if sm is None or sm.memory_format != torch.contiguous_format or not sm.shape \
             or sm.shape[-1] != vm.shape[-1] or vm.memory_format != torch.contiguous_format \
             or om.memory_format != torch.contiguous_format:

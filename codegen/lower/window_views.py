@@ -43,11 +43,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fxlite.passes.shape_prop import TensorMetadata, fill_missing_meta
+from fxlite.passes.shape_prop import fill_missing_meta
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import is_impure, lookup, resolve
+from fxlite.tensor_meta import TensorMetadata, strided_meta, views_as
 
 __all__ = ["rows_through_windows"]
 
@@ -84,22 +85,23 @@ def _norm_first(norm: Node, gm: GraphModule) -> bool:
         return False
     args = found[1]
     x, shape = args.get("input"), args.get("normalized_shape")
-    xm, nm = _meta(x), _meta(norm)
+    xm, nm = strided_meta(x), strided_meta(norm)
     if xm is None or nm is None or not _row_major(xm) or not _row_major(nm) \
             or not isinstance(shape, (list, tuple)) or len(shape) != 1:
         return False
     chain = _windows_after(norm, gm)
     if chain is None:
         return False
-    graph, value, width = gm.graph, x, nm.shape[-1]
+    graph, value, width, made = gm.graph, x, nm.shape[-1], []
     with graph.inserting_before(chain[-1]):
         for link in chain[:-1]:
             if _link(link, gm, width) != "identity":
                 value = graph.node_copy(link, lambda a, v=value, s=link.args[0]: v if a is s else a)
+                made.append(value)
         new_norm = graph.node_copy(norm, lambda a, v=value: v if a is x else a)
         last = chain[-1]
         new_last = graph.node_copy(last, lambda a, v=new_norm, s=last.args[0]: v if a is s else a)
-    for node in (*_new_nodes(x, new_norm), new_norm, new_last):
+    for node in (*made, new_norm, new_last):
         node.meta = {}
     new_last.meta = dict(last.meta)
     last.replace_all_uses_with(new_last)
@@ -110,7 +112,7 @@ def _norm_first(norm: Node, gm: GraphModule) -> bool:
 
 def _pointwise_in_windows(op: Node, gm: GraphModule) -> bool:
     info = lookup(op, gm) if op.op in ("call_function", "call_method") else None
-    om = _meta(op)
+    om = strided_meta(op)
     if info is None or info.kind != "pointwise" or is_impure(op, gm) or om is None \
             or not _row_major(om):
         return False
@@ -119,10 +121,11 @@ def _pointwise_in_windows(op: Node, gm: GraphModule) -> bool:
         if chain is None:
             continue
         permuted = chain[-1].args[0]  # what the copying reshape read
-        pm, shape = _meta(permuted), tuple(om.shape)
+        pm, shape = strided_meta(permuted), tuple(om.shape)
         others = [i for i in op.all_input_nodes if i is not windows]
-        if tuple(_meta(windows).shape) != shape or any(not _viewable(_meta(o), shape, pm.shape)
-                                                       for o in others):
+        if tuple(strided_meta(windows).shape) != shape or not all(
+                _shaped(strided_meta(o), shape) and views_as(strided_meta(o), pm.shape)
+                for o in others):
             continue
         graph = gm.graph
         with graph.inserting_before(op):
@@ -147,7 +150,7 @@ def _pointwise_in_windows(op: Node, gm: GraphModule) -> bool:
 def _windows_after(norm: Node, gm: GraphModule) -> list[Node] | None:
     """The links from ``norm``'s sole reader to a copying ``reshape``, each read once,
     each keeping the last dim last and whole; None if there is no such chain."""
-    chain, n, width = [], norm, _meta(norm).shape[-1]
+    chain, n, width = [], norm, strided_meta(norm).shape[-1]
     while len(n.users) == 1:
         n = next(iter(n.users))
         kind = _link(n, gm, width)
@@ -164,14 +167,14 @@ def _windows_before(n: Node, gm: GraphModule) -> list[Node] | None:
     copying ``reshape`` (or links that drop nothing after one) of a permuted view keeping
     the last dim; None otherwise."""
     chain = []
-    width = _meta(n).shape[-1] if _meta(n) is not None and _meta(n).shape else None
+    width = strided_meta(n).shape[-1] if strided_meta(n) is not None and strided_meta(n).shape else None
     while width is not None and len(n.users) == 1 and _link(n, gm, width) == "identity":
         chain.append(n)
         n = n.args[0]
     if width is None or len(n.users) != 1 or _link(n, gm, width) != "copy":
         return None
     source = n.args[0]
-    if _meta(source) is None or _permute_keeping_last(source, gm) is None \
+    if strided_meta(source) is None or _permute_keeping_last(source, gm) is None \
             or _rolled(source, gm, width):
         return None
     return [*chain, n]
@@ -192,7 +195,7 @@ def _link(n: Node, gm: GraphModule, width: int) -> str | None:
     copies), or None."""
     found = _resolved(n, gm)
     src = n.args[0] if n.args else None
-    nm, sm = _meta(n), _meta(src)
+    nm, sm = strided_meta(n), strided_meta(src)
     if nm is None or sm is None or not nm.shape or nm.shape[-1] != width \
             or sm.shape[-1] != width or n.op != "call_function" and found is None:
         return None
@@ -202,8 +205,8 @@ def _link(n: Node, gm: GraphModule, width: int) -> str | None:
             and not any(pads) and n.kwargs.get("mode", "constant") == "constant" else None
     if is_impure(n, gm):
         return None
-    name, args = found[0].name, found[1]
-    if any(isinstance(a, Node) for a in _flat([v for k, v in args.items() if k != "input"])):
+    name = found[0].name
+    if any(i is not src for i in n.all_input_nodes):  # sizes or indices that are values
         return None
     same = tuple(nm.shape) == tuple(sm.shape) and tuple(nm.stride) == tuple(sm.stride)
     if name == "getitem" and same or name == "contiguous" and same and _row_major(sm):
@@ -211,7 +214,7 @@ def _link(n: Node, gm: GraphModule, width: int) -> str | None:
     if name == "permute":
         return "view" if _permute_keeping_last(n, gm) is not None else None
     if name in ("view", "reshape"):
-        if _row_major(sm) or _viewable(sm, tuple(sm.shape), tuple(nm.shape)):
+        if _row_major(sm) or views_as(sm, nm.shape):
             return "view"
         return "copy" if name == "reshape" and _row_major(nm) else None
     return None
@@ -221,7 +224,7 @@ def _permute_keeping_last(n: Node, gm: GraphModule) -> tuple[int, ...] | None:
     found = _resolved(n, gm)
     if found is None or found[0].name != "permute":
         return None
-    dims, rank = found[1].get("dims"), len(_meta(n).shape)
+    dims, rank = found[1].get("dims"), len(strided_meta(n).shape)
     if not isinstance(dims, (list, tuple)) or not dims or dims[-1] % rank != rank - 1:
         return None
     return tuple(dims)
@@ -233,39 +236,10 @@ def _resolved(n: Any, gm: GraphModule) -> Any:
         else None
 
 
-def _meta(n: Any) -> TensorMetadata | None:
-    tm = n.meta.get("tensor_meta") if isinstance(n, Node) else None
-    return tm if isinstance(tm, TensorMetadata) and tm.stride != () else None
-
-
 def _row_major(tm: TensorMetadata) -> bool:
     return tm.memory_format == torch.contiguous_format
 
 
-def _viewable(tm: TensorMetadata | None, shape: tuple[int, ...], to: Any) -> bool:
-    """Whether a value of ``tm``'s layout and of ``shape`` views as ``to`` without a copy."""
-    if tm is None or tuple(tm.shape) != tuple(shape) or 0 in tm.shape:
-        return False
-    t = torch.empty_strided(tuple(tm.shape), tuple(tm.stride), dtype=tm.dtype, device="meta")
-    try:
-        t.view(tuple(to))
-    except RuntimeError:
-        return False
-    return True
-
-
-def _new_nodes(x: Node, end: Node) -> list[Node]:
-    """The nodes between ``x`` and ``end`` that the rewrite made (the copied links)."""
-    out, n = [], end.args[0]
-    while isinstance(n, Node) and n is not x:
-        out.append(n)
-        n = n.args[0]
-    return out
-
-
-def _flat(values: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for v in values:
-        out.extend(_flat(list(v)) if isinstance(v, (list, tuple)) else [v])
-    return out
+def _shaped(tm: TensorMetadata | None, shape: tuple[int, ...]) -> bool:
+    return tm is not None and tuple(tm.shape) == shape
 
