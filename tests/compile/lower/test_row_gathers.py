@@ -129,3 +129,38 @@ def test_in_training_the_roll_stays_and_gradients_match():
         want.sum().backward()
         torch.testing.assert_close(x.grad, ref.grad)
     assert not row_gathers._INDEX  # index_select's backward is not deterministic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,width", [(100, 96), (37, 5), (3, 300), (1, 1), (0, 4)])
+def test_the_row_kernel_picks_index_selects_rows(dtype, rows, width):
+    from fxlite.codegen.kernels.rows import gather_rows_kernel, takes
+
+    x = torch.randn(rows, width, device=DEVICE).to(dtype)
+    for _ in range(2):  # the second call on CUDA reuses the first one's binary
+        index = torch.randint(0, max(rows, 1), (rows + 3,), device=DEVICE) if rows else \
+            torch.zeros(0, dtype=torch.int64, device=DEVICE)
+        assert takes(x)  # (a row-major float matrix, on CUDA or under the interpreter)
+        got = gather_rows_kernel(x, index)
+        torch.testing.assert_close(got, torch.index_select(x, 0, index), rtol=0, atol=0)
+
+
+def test_rows_the_kernel_does_not_take_are_index_selected(monkeypatch):
+    from fxlite.codegen.kernels.rows import takes
+
+    used = []
+    monkeypatch.setattr(row_gathers, "gather_rows_kernel",
+                        lambda rows, index: used.append(rows.dtype) or
+                        torch.index_select(rows, 0, index))
+
+    x = torch.randn(6, 4, device=DEVICE)
+    assert not takes(x.t())  # not row-major
+    assert not takes(torch.randint(0, 5, (6, 4), device=DEVICE))  # not floats
+    assert not takes(torch.randn(6, 0, device=DEVICE))  # rows of nothing
+    assert not takes(torch.randn(2, 3, 4, device=DEVICE))  # not a matrix
+    links = (("roll", (1,), (0,)), ("reshape", (-1, 1)))
+    for y in (torch.randn(5, 3, device=DEVICE).t().contiguous().t(),
+              torch.randint(0, 9, (5, 3), device=DEVICE)):
+        torch.testing.assert_close(gather_rows(y.contiguous(), links),
+                                   torch.roll(y, 1, 0).reshape(-1, 3), rtol=0, atol=0)
+    assert used == [torch.float32]  # the float rows went to the kernel, the ints did not
