@@ -17,6 +17,16 @@ transposed, as cuBLAS can)::
                                                 clone_1 = torch.clone(v, memory_format=..)
                                                 matmul_1 = torch.matmul(attn, clone_1)
 
+A two-operand ``torch.einsum`` that is a batched product (MaxViT's ``"B G H I D, B G H J
+D -> B G H I J"`` and ``"B G H I J, B G H J D -> B G H I D"``) becomes that ``matmul``
+first: eager's einsum permutes and reshapes its operands into the same ``bmm`` operands
+as matmul's, copying the same ones::
+
+    # before                                    # after
+    einsum = torch.einsum("bhid,bhjd->bhij",    clone = torch.clone(q, memory_format=..)
+                          q, k)                 transpose = k.transpose(-2, -1)
+                                                matmul = torch.matmul(clone, transpose)
+
 Only where both operands have three dims or more and the same batch dims (no broadcast:
 eager's copy is then exactly the row-major operand), and only in inference (the pipeline's
 choice, as for ``row_gathers``). A copy of a transposed operand is bitwise eager's; the
@@ -25,6 +35,8 @@ transpose (cuBLAS picks a kernel per layout), as any fxlite GEMM layout may.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -49,6 +61,9 @@ def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
     """
     graph, changed = gm.graph, False
     for mm in list(graph.nodes):
+        if _einsum_product(mm) is not None:
+            changed = _einsum_as_matmul(mm, graph) or changed
+            continue
         found = resolve(mm, gm) if mm.op in ("call_function", "call_method") else None
         if found is None or found[0].name != "matmul":
             continue
@@ -73,6 +88,48 @@ def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _einsum_product(n: Node) -> tuple[Node, Node, bool] | None:
+    """``(a, b, transposed)`` when ``n`` is ``torch.einsum`` of two operands of one rank of
+    three or more, the same batch letters first and the same batch sizes, computing
+    ``a @ b`` (``"...ik,...kj->...ij"``) or ``a @ b.transpose(-2, -1)``
+    (``"...ik,...jk->...ij"``); else None."""
+    if n.op != "call_function" or n.target is not torch.einsum or n.kwargs \
+            or len(n.args) < 2 or not isinstance(n.args[0], str):
+        return None
+    operands = n.args[1:] if len(n.args) > 2 else n.args[1]
+    if not isinstance(operands, (list, tuple)) or len(operands) != 2 \
+            or not all(isinstance(o, Node) for o in operands):
+        return None
+    inputs, arrow, out = n.args[0].replace(" ", "").partition("->")
+    a, comma, b = inputs.partition(",")
+    metas = [strided_meta(o) for o in operands]
+    if not arrow or not comma or None in metas or not (a + b + out).isalpha() \
+            or not len(a) == len(b) == len(out) >= 3 \
+            or any(len(set(t)) != len(t) for t in (a, b, out)) \
+            or not a[:-2] == b[:-2] == out[:-2] \
+            or tuple(metas[0].shape[:-2]) != tuple(metas[1].shape[:-2]):
+        return None
+    i, k, j = a[-2], a[-1], out[-1]
+    if out[-2] != i or len({i, j, k} | set(a[:-2])) != len(a) + 1 or b[-2:] not in (k + j, j + k):
+        return None
+    return operands[0], operands[1], b[-1] == k
+
+
+def _einsum_as_matmul(n: Node, graph: Any) -> bool:
+    """Replace the einsum ``n`` (a batched product, :func:`_einsum_product`) by ``matmul``
+    of row-major copies of the operands eager's einsum copies."""
+    a, b, transposed = _einsum_product(n)
+    with graph.inserting_before(n):
+        a_, b_ = (graph.call_function(torch.clone, (o,), {"memory_format": torch.contiguous_format})
+                  if _copied(strided_meta(o)) else o for o in (a, b))
+        if transposed:
+            b_ = graph.call_function(torch.transpose, (b_, -2, -1))
+        mm = graph.call_function(torch.matmul, (a_, b_))
+    n.replace_all_uses_with(mm)
+    graph.erase_node(n)
+    return True
 
 
 def _copied(tm: TensorMetadata) -> bool:

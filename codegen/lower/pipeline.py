@@ -22,7 +22,7 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     row_gathers        inference: a roll and its
                        windows as one gather
     matmul_copies      inference: operand copies
-                       of matmul as graph ops
+                       of matmul, einsum as ops
     propagate_meta     new nodes' metadata        propagate    all metadata, on meta tensors
     pool_kernels       CUDA: max-pools' kernels
     pack_weights       inference: weight copies

@@ -110,3 +110,59 @@ def test_in_training_gradients_match_eagers():
         want.sum().backward()  # (a fused softmax's backward rounds in another order)
         torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+
+
+def _einsum_attention(x, w):  # MaxViT's heads: products written as einsums, k scaled
+    b, g, p, c = x.shape
+    q, k, v = torch.chunk(torch.matmul(x, w), 3, dim=-1)
+    q, k, v = (t.reshape(b, g, p, 2, c // 2).permute(0, 1, 3, 2, 4) for t in (q, k, v))
+    attn = torch.einsum("B G H I D, B G H J D -> B G H I J", q, k * 0.5).softmax(-1)
+    out = torch.einsum("bghij,bghjd->bghid", attn, v)
+    return out.permute(0, 1, 3, 2, 4).reshape(b, g, p, c)
+
+
+def test_einsum_products_are_matmuls_with_the_copies_as_clones_in_one_kernel():
+    x, w = torch.randn(2, 3, 5, 8), torch.randn(8, 24)
+    gm = explicit_matmul_copies(_prepared(_einsum_attention, x, w))
+    assert not [n for n in gm.graph.nodes if n.target is torch.einsum], gm.code
+    assert len([n for n in gm.graph.nodes if n.target is torch.matmul]) == 3, gm.code  # (+ qkv)
+    # q, the scaled k (eager's mul keeps the permuted layout) and v: eager's einsum
+    # copies them
+    assert len(_clones(gm)) == 3, gm.code
+    for _ in range(2):
+        x, w = torch.randn(2, 3, 5, 8), torch.randn(8, 24)
+        assert torch.equal(gm(x, w), _einsum_attention(x, w))  # the same bmm operands
+    ShapeProp(gm).propagate(x, w)
+    fused = fuse(gm)
+    groups = [fused.get_submodule(call.target).meta["nodes"]
+              for call in fused.graph.nodes if call.op == "call_module"]
+    heads = [names for names in groups if any(n.startswith("clone") for n in names)]
+    assert len(heads) == 1 and any(n.startswith("mul") for n in heads[0]), groups
+    torch.testing.assert_close(fused(x, w), _einsum_attention(x, w))
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("bij,bjk->bki", ((2, 3, 4), (2, 4, 5))),  # the result's dims in another order
+    ("bij,bkj->bki", ((2, 3, 4), (2, 5, 4))),
+    ("...ij,...jk->...ik", ((2, 3, 4), (2, 4, 5))),  # an ellipsis
+    ("bij,bjk->bik", ((2, 3, 4), (1, 4, 5))),  # a broadcast batch dim
+    ("bij,bij->bij", ((2, 3, 4), (2, 3, 4))),  # no product
+    ("ij,jk->ik", ((3, 4), (4, 5))),  # no batch dim
+    ("bji,bjk->bik", ((2, 4, 3), (2, 4, 5))),  # the left operand transposed
+])
+def test_einsums_that_are_no_batched_product_stay(equation, shapes):
+    a, b = (torch.randn(s).transpose(0, 1).contiguous().transpose(0, 1) if len(s) == 3
+            else torch.randn(s) for s in shapes)
+    gm = _prepared(lambda a, b: torch.einsum(equation, a, b), a, b)
+    before = gm.code
+    assert explicit_matmul_copies(gm).code == before
+    assert torch.equal(gm(a, b), torch.einsum(equation, a, b))
+
+
+def test_einsum_attention_compiles_to_eagers_values_over_calls():
+    compiled = fxlite.compile(_einsum_attention)
+    with torch.no_grad():
+        for b in (2, 2, 3):
+            x, w = torch.randn(b, 3, 5, 8, device=DEVICE), torch.randn(8, 24, device=DEVICE)
+            torch.testing.assert_close(compiled(x, w), _einsum_attention(x, w))
+    assert not compiled.fallbacks
