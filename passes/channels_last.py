@@ -8,11 +8,15 @@ forward in NCHW and 2.46 ms with a channels-last input (measured with
 output, and pointwise ops, BatchNorm and pooling keep that layout, so converting the
 graph's own inputs to the convolutions is enough for the layout to carry through the net.
 
-Where it does not pay, it changes nothing: a float32 graph with a depthwise convolution
-(``groups`` equal to the input channels, as in ConvNeXt) runs those convolutions slower in
-NHWC than the transposes save. On the H200 at batch 32, convnext_tiny's kernels took
-6.12 ms a call channels-last against 4.32 in NCHW in float32, while in bfloat16
-channels-last won (3.00 ms against 3.54) and resnet50 won in both.
+It pays for depthwise convolutions too. An earlier rule left float32 graphs with one in
+NCHW (convnext_tiny's kernels took 6.12 ms a call channels-last against 4.32 in NCHW, on
+an earlier torch); with torch 2.11 and cuDNN 9.19 on an H200, cuDNN's NHWC depthwise
+kernel beat torch's NCHW one in every shape of ``benchmarks/bench_depthwise.py``, in
+float32 (convnext_tiny's 7x7 at 96 channels: 185 us against 320; maxvit_t's 3x3 at 256:
+76 against 248) and in bfloat16, and dropping the rule took the GPU time of a float32
+call from 3,949 to 3,905 us for convnext_tiny, 1,572 to 1,273 for mobilenet_v3_large,
+2,656 to 2,015 for efficientnet_b0 and 10,042 to 9,678 for maxvit_t (batch 32, one
+process per tree; BENCHMARKS.md, nineteenth session).
 
 What this pass changes, and what it keeps:
 
@@ -140,21 +144,6 @@ def _constant_pad(n: Any) -> bool:
     return n.target is torch.nn.functional.pad and mode == "constant"
 
 
-def _pays(graph: Any) -> bool:
-    """False for float32 graphs with a depthwise convolution (see the module docstring)."""
-    for n in graph.nodes:
-        if n.op != "call_function" or n.target not in CONVS or len(n.args) < 2:
-            continue
-        x, w = _layout(n.args[0]) if isinstance(n.args[0], Node) else None, \
-            _layout(n.args[1]) if isinstance(n.args[1], Node) else None
-        groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
-        if x is None or w is None:
-            continue
-        if x[1] == torch.float32 and groups != 1 and w[0][1] == 1:
-            return False
-    return True
-
-
 def channels_last_convs(gm: GraphModule) -> bool:
     """Convert the graph inputs that ``conv2d`` reads to channels-last (see the module
     docstring). Returns whether ``gm`` changed; it is left unchanged when nothing would
@@ -174,7 +163,7 @@ def channels_last_convs(gm: GraphModule) -> bool:
                 or layout[2] is not torch.contiguous_format:
             continue
         reads.append((reader, x))
-    if not reads or not _pays(graph):
+    if not reads:
         return False
     downstream: set[Node] = set()
     stack = [reader for reader, _ in reads]
