@@ -745,3 +745,55 @@ def test_the_precompile_plans_the_weight_copies_kernel():
         want_args[1].stride()
     assert weights.planned_launch((x.to("meta").half(), gm.w.to("meta"))) is None  # two dtypes
     assert weights.planned_launch((x.to("meta").transpose(2, 3),)) is None  # not contiguous
+
+
+def departed(x, w, w_dw):
+    """MaxViT's window departition (windows of 2x2 back into NCHW) before an MBConv's
+    convolutions, then a head that returns a new tensor."""
+    b, g, pp, c = x.shape
+    y = x.reshape(b, 2, 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, 4, 4)
+    z = F.conv2d(F.gelu(F.conv2d(y, w)), w_dw, padding=1, groups=w_dw.shape[0])
+    return (y + F.conv2d(z, w.transpose(0, 1))).mean((2, 3))
+
+
+def test_a_departition_copies_into_channels_last_for_the_convs_after_it():
+    """Before: the copy back into NCHW made every convolution after it NCHW (MaxViT's
+    depthwise ones in torch's NCHW kernel), and copied with the channels strided on one
+    side. Now it copies into NHWC, seen as NCHW: the same values, channels-last."""
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 4, 8), torch.randn(16, 8, 1, 1), torch.randn(16, 1, 3, 3))
+    gm = traced(departed, *args)
+    assert channels_last_convs(gm)
+    permutes = [n.args[1] for n in gm.graph.nodes if n.target == "permute"]
+    assert permutes == [(0, 1, 3, 2, 4, 5), (0, 3, 1, 2)], gm.code
+    for _ in range(3):
+        x = torch.randn(2, 4, 4, 8)
+        torch.testing.assert_close(gm(x, *args[1:]), departed(x, *args[1:]))
+    seen = next(n for n in gm.graph.nodes if n.target is F.conv2d).args[0]
+    assert seen.target == "permute" and seen.args[1] == (0, 3, 1, 2)  # the departition's
+    ShapeProp(gm).propagate(torch.randn(2, 4, 4, 8), *args[1:])
+    tm = seen.meta["tensor_meta"]
+    assert tm.memory_format == CL and tuple(tm.shape) == (2, 8, 4, 4)
+
+
+def test_a_departition_the_graph_returns_stays():
+    def returned(x, w):
+        b, g, pp, c = x.shape
+        y = x.reshape(b, 2, 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, 4, 4)
+        return y, F.conv2d(y, w)
+
+    gm = traced(returned, torch.randn(2, 4, 4, 8), torch.randn(16, 8, 1, 1))
+    before = gm.code
+    assert not channels_last_convs(gm)  # eager returns the NCHW copy itself
+    assert gm.code == before
+
+
+def test_a_compiled_departition_before_convs_matches_eager_over_calls(channels_last_on_cpu):
+    torch.manual_seed(0)
+    w, w_dw = torch.randn(16, 8, 1, 1), torch.randn(16, 1, 3, 3)
+    compiled = fxlite.compile(departed)
+    with torch.no_grad():
+        for b in (2, 2, 3):
+            x = torch.randn(b, 4, 4, 8)
+            torch.testing.assert_close(compiled(x, w, w_dw), departed(x, w, w_dw))
+    assert channels_last_on_cpu and not compiled.fallbacks
