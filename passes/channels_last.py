@@ -283,11 +283,24 @@ def _layout_switches(graph: Any) -> list[_Switch]:
         dims = tuple(d % rank for d in dims)
         if dims[1] != rank - 1 or source[1][-1] != 1 \
                 or (source[0][dims[0]], source[0][-1]) != tuple(layout[0][:2]) \
-                or not _reaches_conv(r):
-            continue
+                or _views(source, dims, layout[0]) or not _reaches_conv(r):
+            continue  # (where eager's reshape is a view, its alias of ``s`` stays)
         found.append(_Switch(r, pm, (dims[0], *dims[2:], dims[1]),
                              (sizes[0], sizes[2], sizes[3], sizes[1])))
     return found
+
+
+def _views(source: tuple, dims: tuple[int, ...], shape: tuple) -> bool:
+    """Whether ``s.permute(dims).reshape(shape)`` is a view, for ``s`` of the layout
+    ``source`` (``(shape, stride, dtype)``)."""
+    if 0 in source[0]:
+        return True
+    s = torch.empty_strided(source[0], source[1], dtype=source[2], device="meta")
+    try:
+        s.permute(dims).view(shape)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _reaches_conv(n: Node) -> bool:

@@ -797,3 +797,16 @@ def test_a_compiled_departition_before_convs_matches_eager_over_calls(channels_l
             x = torch.randn(b, 4, 4, 8)
             torch.testing.assert_close(compiled(x, w, w_dw), departed(x, w, w_dw))
     assert channels_last_on_cpu and not compiled.fallbacks
+
+
+def test_a_departition_that_eager_does_as_a_view_stays():
+    def one_pixel(x, w):  # windows of one pixel: eager's reshape views x, no copy
+        b, g, pp, c = x.shape
+        y = x.reshape(b, 1, 1, 1, 1, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, 1, 1)
+        return F.conv2d(y, w).flatten(1) + 0
+
+    args = (torch.randn(2, 1, 1, 8), torch.randn(16, 8, 1, 1))
+    gm = traced(one_pixel, *args)
+    before = gm.code
+    assert not channels_last_convs(gm)
+    assert gm.code == before
