@@ -61,8 +61,10 @@ def explicit_matmul_copies(gm: GraphModule) -> GraphModule:
     """
     graph, changed = gm.graph, False
     for mm in list(graph.nodes):
-        if _einsum_product(mm) is not None:
-            changed = _einsum_as_matmul(mm, graph) or changed
+        product = _einsum_product(mm)
+        if product is not None:
+            _einsum_as_matmul(mm, product, graph)
+            changed = True
             continue
         found = resolve(mm, gm) if mm.op in ("call_function", "call_method") else None
         if found is None or found[0].name != "matmul":
@@ -117,10 +119,10 @@ def _einsum_product(n: Node) -> tuple[Node, Node, bool] | None:
     return operands[0], operands[1], b[-1] == k
 
 
-def _einsum_as_matmul(n: Node, graph: Any) -> bool:
-    """Replace the einsum ``n`` (a batched product, :func:`_einsum_product`) by ``matmul``
-    of row-major copies of the operands eager's einsum copies."""
-    a, b, transposed = _einsum_product(n)
+def _einsum_as_matmul(n: Node, product: tuple[Node, Node, bool], graph: Any) -> None:
+    """Replace the einsum ``n`` (the batched product ``product``, :func:`_einsum_product`)
+    by ``matmul`` of row-major copies of the operands eager's einsum copies."""
+    a, b, transposed = product
     with graph.inserting_before(n):
         a_, b_ = (graph.call_function(torch.clone, (o,), {"memory_format": torch.contiguous_format})
                   if _copied(strided_meta(o)) else o for o in (a, b))
@@ -129,7 +131,6 @@ def _einsum_as_matmul(n: Node, graph: Any) -> bool:
         mm = graph.call_function(torch.matmul, (a_, b_))
     n.replace_all_uses_with(mm)
     graph.erase_node(n)
-    return True
 
 
 def _copied(tm: TensorMetadata) -> bool:
