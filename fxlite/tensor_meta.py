@@ -30,7 +30,7 @@ import torch
 from fxlite.node import Node, describe_value
 
 __all__ = ["FORMAT_RANKS", "MEMORY_FORMATS", "TensorMetadata", "dense_strides",
-           "extract_tensor_metadata", "memory_order", "rebuild_tensor_metadata", "reduced_dims",
+           "extract_tensor_metadata", "is_dense", "memory_order", "rebuild_tensor_metadata", "reduced_dims",
            "strided_meta", "views_as"]
 
 # The dense layouts a tensor's metadata names (and a clone may ask for), with the rank
@@ -188,6 +188,24 @@ def dense_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]
         strides[d] = step
         step *= max(shape[d], 1)
     return tuple(strides)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense (some permutation of it is contiguous):
+    what ``empty_like`` reproduces stride for stride, and what a kernel walking its
+    memory flat (torch's fused optimizer steps) may take.
+
+    Example::
+
+        is_dense(x.t()), is_dense(x[:, ::2])   # True, False
+    """
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1)
+    step = 1
+    for s, n in dims:
+        if s != step:
+            return False
+        step *= n
+    return True
 
 
 def reduced_dims(dim: Any, rank: int) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fxlite.graph_module import GraphModule
+from fxlite.tensor_meta import is_dense
 
 __all__ = ["FusedStep", "fused_optimizer_steps"]
 
@@ -135,6 +136,15 @@ class FusedStep:
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
+def _flat_alike(p: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor]) -> bool:
+    """Whether torch's fused kernels step ``p`` right: they walk each tensor's memory
+    flat, so ``p`` must be dense and its gradient and moments laid out as it is. A sliced
+    parameter (``w[..., ::2]``) or a channels-last one with a row-major gradient was
+    stepped wrong (torch 2.13's ``_fused_sgd_`` left the sliced one as it was)."""
+    return is_dense(p) and g.stride() == p.stride() \
+        and all(m.stride() == p.stride() for m in moments)
+
+
 def _state_names(group: dict) -> tuple[str, ...]:
     """The state a step of ``group`` reads per parameter (Adam's has betas, SGD's not)."""
     if "betas" in group:
@@ -151,6 +161,7 @@ class _Plan:
         self.size = len(group["params"])
         self.index = index  # which of the group's parameters (the others: no gradient)
         self.params = params
+        self.strides = [p.stride() for p in params]
         self.dtype = params[0].dtype  # (model.double() changes it in place)
         self.grads: list[torch.Tensor] | None = grads  # this step's; None between steps
         self.state = state
@@ -188,6 +199,8 @@ class _Plan:
             if any(slot[k].dtype != p.dtype or slot[k].device != p.device
                    for k in names if k != "step"):
                 return None  # moments of another dtype (after model.double()): eager's
+            if not _flat_alike(p, g, [slot[k] for k in names if k != "step"]):
+                return None
             kinds[(p.device, p.dtype)].append(i)
         params = group["params"]
         return [_Plan(group, index, [params[i] for i in index], [grads[i] for i in index],
@@ -199,12 +212,13 @@ class _Plan:
         if len(params) != self.size or state is not self.state:
             return False
         mine = [grads[i] for i in self.index]
-        for p, q in zip(self.params, (params[i] for i in self.index)):
-            if p is not q or p.dtype is not self.dtype:
-                return False
+        for p, q, stride in zip(self.params, (params[i] for i in self.index), self.strides):
+            if p is not q or p.dtype is not self.dtype or p.stride() != stride:
+                return False  # (``p.data = ...`` keeps p and may change its layout)
         if self.grads is None or any(g is not h for g, h in zip(mine, self.grads)):
             if any(g is None or g.is_sparse or g.dtype is not p.dtype
-                   or g.get_device() != p.get_device() for g, p in zip(mine, self.params)):
+                   or g.get_device() != p.get_device() or g.stride() != p.stride()
+                   for g, p in zip(mine, self.params)):
                 return False
             self.grads = mine
         for k in self.names:

@@ -32,6 +32,7 @@ from fxlite.codegen.kernels.layout import dense_strides
 from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magic
 
 from fxlite import config
+from fxlite.tensor_meta import is_dense
 
 __all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "TRITON_OPTIONS", "Binary", "DirectLaunch",
            "GroupResult", "LastLaunch", "LaunchPlan", "TensorSlot", "fingerprint", "same_values",
@@ -401,7 +402,7 @@ class DirectLaunch:
             for i, t in enumerate(inputs):
                 if (isinstance(t, torch.Tensor) and t.shape == o.shape and t.dtype == o.dtype
                         and t.device == o.device and t.stride() == o.stride()
-                        and _dense(t)):
+                        and is_dense(t)):
                     self.like[j] = i
                     break
         self.results = plan.results
@@ -540,13 +541,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a, b, equal_nan=True, rtol=0, atol=0))
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense (some permutation of it is contiguous): what
-    ``empty_like`` reproduces stride for stride."""
-    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1)
-    step = 1
-    for s, n in dims:
-        if s != step:
-            return False
-        step *= n
-    return True

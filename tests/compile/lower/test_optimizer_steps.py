@@ -239,3 +239,47 @@ def test_parameters_made_double_between_steps_keep_float_moments_as_eager():
             loss = step(model, opt, x, y)
         torch.testing.assert_close(loss, train_step(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def _sliced_step(w, opt, x, g=None):
+    if g is None:
+        (w * x).sum().backward()
+    else:
+        w.grad = g  # a gradient of the caller's layout
+    opt.step()
+    opt.zero_grad()
+    return w.sum(-1) * 1.0
+
+
+@pytest.mark.parametrize("kind", ["sliced", "channels_last_with_a_row_major_gradient"])
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.5),
+                                  lambda p: torch.optim.Adam([p], lr=0.1)], ids=["sgd", "adam"])
+def test_parameters_torchs_fused_kernels_step_wrong_take_the_optimizers_own_step(
+        kind, make, fused_calls):
+    """Before: a sliced parameter (``w[..., ::2]``, a leaf) took torch's fused kernels
+    from the third call on, which walk memory flat (``_fused_sgd_`` left a sliced
+    parameter as it was), and so did a channels-last one given a row-major gradient
+    (stepped with the gradient's elements in the wrong places). No check saw it (the
+    step is the optimizer's effect) and no warning came."""
+    torch.manual_seed(0)
+    if kind == "sliced":
+        base = torch.randn(2, 3, 2, 8, device=DEVICE)
+        p = base[..., ::2].detach().requires_grad_()
+    else:
+        p = torch.randn(2, 3, 2, 4, device=DEVICE).contiguous(
+            memory_format=torch.channels_last).requires_grad_()
+    q = p.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    if kind == "sliced":
+        q = torch.empty(2, 3, 2, 8, device=DEVICE)[..., ::2].copy_(p.detach()).requires_grad_()
+    opt_p, opt_q = make(p), make(q)
+    step = fxlite.compile(_sliced_step)
+    for _ in range(5):
+        x = torch.randn(2, 3, 2, 4, device=DEVICE)
+        g = None if kind == "sliced" else torch.randn(2, 3, 2, 4, device=DEVICE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = step(p, opt_p, x, g)
+        want = _sliced_step(q, opt_q, x, None if g is None else g.clone())
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(p, q)
+    assert fused_calls == []
