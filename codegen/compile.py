@@ -47,7 +47,7 @@ import torch
 from fxlite.codegen.capture.follow import Follow
 from fxlite.codegen.capture.guards import StateGuard, ambient_key, input_key
 from fxlite.codegen.capture.kinds import eager_context
-from fxlite.codegen.capture.records import LIB_DIRS, last_frame
+from fxlite.codegen.capture.records import LIB_DIRS, last_frame, strided_clone
 from fxlite.codegen.capture.run import format_site, record, recording_thread
 from fxlite.codegen.capture.segments import Segment, read_key, split
 from fxlite.codegen.capture.structure import flatten_call
@@ -753,7 +753,8 @@ class CompiledFunction:
                                 # not a leaf: the segment may write it in place, as the
                                 # program wrote the (non-leaf) value it stands for; it
                                 # keeps its gradient, which a step may read (clipping)
-                                value = private[n] = value.requires_grad_().clone()
+                                # (with its strides: overlaps as the program's)
+                                value = private[n] = strided_clone(value.requires_grad_())
                                 value.retain_grad()
                         sample.append(value)
                     else:

@@ -27,7 +27,7 @@ from fxlite.graph import Graph
 __all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", "Read", "Recording",
            "ResultRef", "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site",
            "last_frame", "layout_copy", "recording_in_thread", "recording_thread",
-           "result_leaves", "tensor_meta", "user_site"]
+           "result_leaves", "strided_clone", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
 LIB_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
@@ -45,10 +45,21 @@ def layout_copy(t: torch.Tensor) -> torch.Tensor:
     the program saw (``v = x.unsqueeze(0); v.mul_(x)`` runs on a sliced ``x`` and raises on
     a row-major one; fuzz seed 9805300). An expanded tensor (a stride 0) is cloned."""
     with torch.no_grad():
-        if t.is_contiguous() or any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
-            return t.detach().clone()
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        return out.copy_(t.detach())
+        return strided_clone(t.detach())
+
+
+def strided_clone(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()`` with ``t``'s strides (see :func:`layout_copy`), recorded by autograd
+    as a clone is; an expanded tensor (a stride 0) is cloned.
+
+    Example::
+
+        strided_clone(x[..., ::2]).stride()   # x[..., ::2].stride(), not row-major ones
+    """
+    if t.is_contiguous() or any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return t.clone()
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def recording_thread() -> Any:

@@ -483,6 +483,30 @@ def test_a_sliced_input_keeps_its_strides_in_the_checks_copy():
         torch.testing.assert_close(mine, theirs)
 
 
+def test_a_sliced_input_with_a_gradient_keeps_its_strides_in_the_checks_copy():
+    # As above, for an input whose gradient the call records: the check's copy of it
+    # (a non-leaf clone, so that the check may write it as the program did) was made with
+    # clone(), row-major, and the overlapping write raised in the replay: the whole
+    # function ran in eager, with a warning. The copy keeps the strides now.
+    def f(w, x):
+        with torch.no_grad():
+            v0 = w.unsqueeze(0)
+            v0.mul_(w)  # full overlap on a sliced w: eager runs it
+        loss = (w * x).sum()
+        loss.backward()
+        return loss
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        base = torch.rand(2, 8, device=DEVICE) + 0.5
+        mine = base[..., ::2].detach().requires_grad_()
+        theirs = base.clone()[..., ::2].detach().requires_grad_()
+        x = torch.randn(2, 4, device=DEVICE)
+        torch.testing.assert_close(_warning_free(compiled, mine, x), f(theirs, x))
+        torch.testing.assert_close(mine, theirs)
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
 def test_a_pure_write_then_a_kept_one_write_back_after_both():
     # Past the break, ``v.mul_(2)`` became a pure op written back into v, and ``v /= x``
     # (x requires grad) stayed in place, on the pure value: the write-back went between
