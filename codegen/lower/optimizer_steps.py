@@ -14,7 +14,9 @@ tensors, advanced on every call, so ``state_dict()``, a scheduler, or handing th
 optimizer back to eager code see what they would have. A step the fused kernels cannot
 take exactly runs the optimizer's own ``step()``: the first one (it creates the state),
 a closure, step hooks, tensor learning rates, ``capturable``/``differentiable``/``fused``
-options, sparse or complex gradients, parameters on other devices.
+options, sparse or complex gradients, parameters on other devices, and parameters the
+kernels cannot walk flat (not dense, as a sliced leaf is, or laid out unlike their
+gradient or moments).
 """
 
 from __future__ import annotations
