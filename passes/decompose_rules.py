@@ -664,14 +664,14 @@ def _spread(t: Any, operands: tuple[Any, ...]) -> Any:
         return t
     rank = max(len(s) for s in shapes)
     padded = [(1,) * (rank - len(s)) + s for s in shapes]
-    if all(max(p[i] for p in padded[1:]) == max(p[i] for p in padded) for i in range(rank)) \
+    # a dim broadcasts to the size of the operands that are not 1 there (0 beside 1 is 0,
+    # fuzz seeds 10056018 and 10072336), else 1
+    wide = [[j for j, p in enumerate(padded) if p[i] != 1] for i in range(rank)]
+    if all(bool(w) == bool([j for j in w if j]) for w in wide) \
             and max(len(s) for s in shapes[1:]) == rank:
         return t  # the product has the result's shape already
-    sizes = []
-    for i in range(rank):
-        k = max(range(len(operands)), key=lambda j: padded[j][i])
-        sizes.append(operands[k].size(i - (rank - len(shapes[k])))
-                     if padded[k][i] != 1 else 1)
+    sizes = [operands[w[0]].size(i - (rank - len(shapes[w[0]]))) if w else 1
+             for i, w in enumerate(wide)]
     return t.expand(*sizes)
 
 

@@ -347,3 +347,15 @@ def test_a_cast_that_returns_its_input_shares_its_exactness():
     assert "v4 = v2.float()" in program.source() and "v2.exp_()" in program.source()
     assert program.exact["v4"] is False and program.exact["v2"] is False
     assert not check_compiled(program, "triton", DEVICE)
+
+
+@pytest.mark.parametrize("seed", [10056018, 10072336])
+def test_an_addcmul_with_an_empty_operand_compiles(seed: int) -> None:
+    """CPU run of session 43: ``addcmul(v3, v4, v0)`` at a resized call whose operands have
+    a dim of 0 (10056018), ``addcdiv(x2, x0, t)`` of a 0-dim input and empty factors
+    (10072336). The decomposition's expand of the product (session 42's fix for 9860897)
+    took the largest size of each dim as its broadcast, 1 beside 0, where broadcasting
+    gives 0: the metadata of the expand failed and the program ran in eager."""
+    program = generate(RandomDraw(seed), seed, draw_step)
+    failures = check_compiled(program, "triton", DEVICE)
+    assert not failures, _report(program, failures)
