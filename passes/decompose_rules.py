@@ -667,7 +667,7 @@ def _spread(t: Any, operands: tuple[Any, ...]) -> Any:
     # a dim broadcasts to the size of the operands that are not 1 there (0 beside 1 is 0,
     # fuzz seeds 10056018 and 10072336), else 1
     wide = [[j for j, p in enumerate(padded) if p[i] != 1] for i in range(rank)]
-    if all(bool(w) == bool([j for j in w if j]) for w in wide) \
+    if all(not w or any(j > 0 for j in w) for w in wide) \
             and max(len(s) for s in shapes[1:]) == rank:
         return t  # the product has the result's shape already
     sizes = [operands[w[0]].size(i - (rank - len(shapes[w[0]]))) if w else 1
