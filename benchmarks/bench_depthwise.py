@@ -17,13 +17,15 @@ choice beside them.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton.testing
-from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_report import median_us, report  # noqa: E402
 
 CASES = [  # (model, channels, side, kernel, stride)
     ("maxvit_t", 256, 56, 3, 1), ("maxvit_t", 512, 28, 3, 1), ("maxvit_t", 1024, 14, 3, 1),
@@ -36,10 +38,6 @@ CASES = [  # (model, channels, side, kernel, stride)
 BATCH = 32
 
 
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median") * 1e3
-
-
 def row(model: str, c: int, side: int, k: int, stride: int, dtype: torch.dtype) -> dict[str, Any]:
     """One case's times in both layouts."""
     x = torch.randn(BATCH, c, side, side, device="cuda", dtype=dtype)
@@ -49,9 +47,9 @@ def row(model: str, c: int, side: int, k: int, stride: int, dtype: torch.dtype) 
     compiled = torch.compile(conv)
     compiled(x, w)
     return {"model": model, "shape": f"{c}x{side}x{side} k{k} s{stride}",
-            "dtype": str(dtype).removeprefix("torch."), "copy_us": _us(lambda: x.clone()),
-            "nchw_us": _us(lambda: conv(x, w)), "channels_last_us": _us(lambda: conv(xl, wl)),
-            "inductor_nchw_us": _us(lambda: compiled(x, w))}
+            "dtype": str(dtype).removeprefix("torch."), "copy_us": median_us(lambda: x.clone()),
+            "nchw_us": median_us(lambda: conv(x, w)), "channels_last_us": median_us(lambda: conv(xl, wl)),
+            "inductor_nchw_us": median_us(lambda: compiled(x, w))}
 
 
 def main() -> None:
@@ -60,12 +58,7 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cudnn.benchmark = False  # (eager's default, which fxlite runs under)
     rows = [row(*case, dtype) for dtype in (torch.float32, torch.bfloat16) for case in CASES]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"cuDNN {torch.backends.cudnn.version()}")
-    print(tabulate(rows, headers="keys", floatfmt=".1f", tablefmt="github"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, args.json, f", cuDNN {torch.backends.cudnn.version()}")
 
 
 if __name__ == "__main__":

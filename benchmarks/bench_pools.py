@@ -15,18 +15,18 @@ that fxlite's values equal eager's to the bit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton.testing
-from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fxlite.codegen.kernels.pool import avg_pool2d, max_pool2d  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_report import median_us, report  # noqa: E402
 
 CASES = [  # (name, shape, eager op, fxlite's, arguments)
     ("avg k2 s2 ceil", (32, 256, 56, 56), F.avg_pool2d, avg_pool2d,
@@ -38,10 +38,6 @@ CASES = [  # (name, shape, eager op, fxlite's, arguments)
 ]
 
 
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median") * 1e3
-
-
 def row(name: str, x: torch.Tensor, eager: Any, ours: Any, kwargs: dict) -> dict[str, Any]:
     """One case's times, after checking that fxlite's values equal eager's to the bit."""
     if not torch.equal(ours(x, **kwargs), eager(x, **kwargs)):
@@ -50,8 +46,8 @@ def row(name: str, x: torch.Tensor, eager: Any, ours: Any, kwargs: dict) -> dict
     compiled(x)
     return {"case": name, "dtype": str(x.dtype).removeprefix("torch."),
             "layout": "NCHW" if x.is_contiguous() else "channels-last",
-            "copy_us": _us(lambda: x.clone()), "eager_us": _us(lambda: eager(x, **kwargs)),
-            "inductor_us": _us(lambda: compiled(x)), "fxlite_us": _us(lambda: ours(x, **kwargs))}
+            "copy_us": median_us(lambda: x.clone()), "eager_us": median_us(lambda: eager(x, **kwargs)),
+            "inductor_us": median_us(lambda: compiled(x)), "fxlite_us": median_us(lambda: ours(x, **kwargs))}
 
 
 def main() -> None:
@@ -64,11 +60,7 @@ def main() -> None:
             x = torch.randn(*shape, device="cuda", dtype=dtype)
             for t in (x, x.contiguous(memory_format=torch.channels_last)):
                 rows.append(row(name, t, eager, ours, kwargs))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(tabulate(rows, headers="keys", floatfmt=".1f", tablefmt="github"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -16,24 +16,20 @@ checking that fxlite's values equal eager's to the bit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 import torch
-import triton.testing
-from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fxlite.codegen.kernels.rows import gather_rows_kernel  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_report import median_us, report  # noqa: E402
+
 CASES = [(56, 96), (28, 192), (14, 384)]  # (side, width): swin_t's stages 1 to 3
 BATCH, WINDOW, SHIFT = 32, 7, 3
-
-
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median") * 1e3
 
 
 def _index(side: int) -> torch.Tensor:
@@ -53,10 +49,10 @@ def row(side: int, width: int, dtype: torch.dtype) -> dict[str, Any]:
     compiled = torch.compile(lambda t, i: torch.index_select(t, 0, i))
     compiled(x, index)
     return {"rows": f"{x.shape[0]} x {width}", "dtype": str(dtype).removeprefix("torch."),
-            "copy_us": _us(lambda: x.clone()),
-            "eager_us": _us(lambda: torch.index_select(x, 0, index)),
-            "inductor_us": _us(lambda: compiled(x, index)),
-            "fxlite_us": _us(lambda: gather_rows_kernel(x, index))}
+            "copy_us": median_us(lambda: x.clone()),
+            "eager_us": median_us(lambda: torch.index_select(x, 0, index)),
+            "inductor_us": median_us(lambda: compiled(x, index)),
+            "fxlite_us": median_us(lambda: gather_rows_kernel(x, index))}
 
 
 def main() -> None:
@@ -65,11 +61,7 @@ def main() -> None:
     args = p.parse_args()
     rows = [row(side, width, dtype) for side, width in CASES
             for dtype in (torch.float32, torch.bfloat16)]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(tabulate(rows, headers="keys", floatfmt=".1f", tablefmt="github"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, args.json)
 
 
 if __name__ == "__main__":
