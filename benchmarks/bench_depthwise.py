@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_report import median_us, report  # noqa: E402
+from kernel_report import compiled, median_us, report  # noqa: E402
 
 CASES = [  # (model, channels, side, kernel, stride)
     ("maxvit_t", 256, 56, 3, 1), ("maxvit_t", 512, 28, 3, 1), ("maxvit_t", 1024, 14, 3, 1),
@@ -44,12 +44,12 @@ def row(model: str, c: int, side: int, k: int, stride: int, dtype: torch.dtype) 
     w = torch.randn(c, 1, k, k, device="cuda", dtype=dtype)
     xl, wl = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
     conv = lambda a, b: F.conv2d(a, b, None, stride, k // 2, 1, c)  # noqa: E731
-    compiled = torch.compile(conv)
-    compiled(x, w)
+    inductor = compiled(conv)
+    inductor(x, w)
     return {"model": model, "shape": f"{c}x{side}x{side} k{k} s{stride}",
             "dtype": str(dtype).removeprefix("torch."), "copy_us": median_us(lambda: x.clone()),
             "nchw_us": median_us(lambda: conv(x, w)), "channels_last_us": median_us(lambda: conv(xl, wl)),
-            "inductor_nchw_us": median_us(lambda: compiled(x, w))}
+            "inductor_nchw_us": median_us(lambda: inductor(x, w))}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fxlite.codegen.kernels.pool import avg_pool2d, max_pool2d  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_report import median_us, report  # noqa: E402
+from kernel_report import compiled, median_us, report  # noqa: E402
 
 CASES = [  # (name, shape, eager op, fxlite's, arguments)
     ("avg k2 s2 ceil", (32, 256, 56, 56), F.avg_pool2d, avg_pool2d,
@@ -42,12 +42,12 @@ def row(name: str, x: torch.Tensor, eager: Any, ours: Any, kwargs: dict) -> dict
     """One case's times, after checking that fxlite's values equal eager's to the bit."""
     if not torch.equal(ours(x, **kwargs), eager(x, **kwargs)):
         raise SystemExit(f"{name} {x.dtype} {x.stride()}: fxlite differs from eager")
-    compiled = torch.compile(lambda t: eager(t, **kwargs))
-    compiled(x)
+    inductor = compiled(lambda t: eager(t, **kwargs))
+    inductor(x)
     return {"case": name, "dtype": str(x.dtype).removeprefix("torch."),
             "layout": "NCHW" if x.is_contiguous() else "channels-last",
             "copy_us": median_us(lambda: x.clone()), "eager_us": median_us(lambda: eager(x, **kwargs)),
-            "inductor_us": median_us(lambda: compiled(x)), "fxlite_us": median_us(lambda: ours(x, **kwargs))}
+            "inductor_us": median_us(lambda: inductor(x)), "fxlite_us": median_us(lambda: ours(x, **kwargs))}
 
 
 def main() -> None:

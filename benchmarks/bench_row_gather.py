@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fxlite.codegen.kernels.rows import gather_rows_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_report import median_us, report  # noqa: E402
+from kernel_report import compiled, median_us, report  # noqa: E402
 
 CASES = [(56, 96), (28, 192), (14, 384)]  # (side, width): swin_t's stages 1 to 3
 BATCH, WINDOW, SHIFT = 32, 7, 3
@@ -46,12 +46,12 @@ def row(side: int, width: int, dtype: torch.dtype) -> dict[str, Any]:
     index = _index(side)
     if not torch.equal(gather_rows_kernel(x, index), torch.index_select(x, 0, index)):
         raise SystemExit(f"{side}x{side}x{width} {dtype}: fxlite differs from eager")
-    compiled = torch.compile(lambda t, i: torch.index_select(t, 0, i))
-    compiled(x, index)
+    inductor = compiled(lambda t, i: torch.index_select(t, 0, i))
+    inductor(x, index)
     return {"rows": f"{x.shape[0]} x {width}", "dtype": str(dtype).removeprefix("torch."),
             "copy_us": median_us(lambda: x.clone()),
             "eager_us": median_us(lambda: torch.index_select(x, 0, index)),
-            "inductor_us": median_us(lambda: compiled(x, index)),
+            "inductor_us": median_us(lambda: inductor(x, index)),
             "fxlite_us": median_us(lambda: gather_rows_kernel(x, index))}
 
 

@@ -2,6 +2,7 @@
 ``bench_depthwise.py``): a median time in microseconds, and the table and JSON of their
 rows::
 
+    inductor = compiled(lambda t: op(t, **kwargs))   # torch.compile, one case's own
     rows = [{"case": "...", "copy_us": median_us(lambda: x.clone()), ...}]
     report(rows, args.json)   # the device, then the table; the rows as JSON if asked
 """
@@ -16,7 +17,17 @@ import torch
 import triton.testing
 from tabulate import tabulate
 
-__all__ = ["median_us", "report"]
+__all__ = ["compiled", "median_us", "report"]
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)`` after clearing dynamo's caches. A benchmark's cases are
+    lambdas of one line of code, which dynamo keys as one function: past its recompile
+    limit (8) it ran the later cases in eager, so that the "inductor" column of
+    ``bench_pools.py`` (12 cases) and ``bench_depthwise.py`` (22) showed eager's times
+    from the ninth case on."""
+    torch._dynamo.reset()
+    return torch.compile(fn)
 
 
 def median_us(fn: Callable[[], Any]) -> float:
