@@ -18,7 +18,8 @@ from fxlite.passes.split_module import extract_subgraph, set_call_meta, unpack_o
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, Opcode
-from fxlite.ops import is_impure, lookup
+from fxlite.ops import canonical_args, is_impure, lookup
+from fxlite.tensor_meta import reduced_dims
 
 __all__ = ["lone_groups"]
 
@@ -30,7 +31,7 @@ def lone_groups(gm: GraphModule) -> None:
     the pointwise group that produces its input, when nothing else reads that group: one
     kernel then computes and reduces ``g * x_hat`` without writing it out. Sibling
     reductions (same op, arguments and input layout, inputs all ready before the first of
-    them: a BatchNorm backward's three outer sums) share one kernel::
+    them: a BatchNorm backward's outer sums, kept dims or not) share one kernel::
 
         a = sum(p, (0, 2, 3)); b = sum(q, (0, 2, 3))   ->   ab = lone_0(p, q); a, b = ab
     """
@@ -107,9 +108,17 @@ def _sibling_key(n: Node, gm: GraphModule) -> tuple | None:
     tm, out = src.meta.get("tensor_meta"), n.meta.get("tensor_meta")
     if not hasattr(tm, "shape") or not hasattr(out, "shape"):
         return None
-    rest = [a for a in n.args if a is not src]
-    return (n.op, n.target, repr(rest), repr(sorted(n.kwargs.items())), tuple(tm.shape),
-            tuple(tm.stride), tm.dtype, tuple(out.shape), out.dtype)
+    args = canonical_args(n, info, gm)
+    if set(args) - {"input", "dim", "keepdim", "dtype"}:
+        rest = [a for a in n.args if a is not src]
+        return (n.op, n.target, repr(rest), repr(sorted(n.kwargs.items())), tuple(tm.shape),
+                tuple(tm.stride), tm.dtype, tuple(out.shape), out.dtype)
+    # which values a sum adds: its dims of size 1 and whether it keeps the reduced dims
+    # change only its result's shape (a BatchNorm backward's weight-gradient sum over
+    # (0,) of an (N, C, 1, 1) and its statistics' over (0, 2, 3) share a kernel)
+    dims = tuple(d for d in reduced_dims(args.get("dim"), len(tm.shape)) if tm.shape[d] != 1)
+    return (info.name, dims, repr(args.get("dtype")),
+            tuple(tm.shape), tuple(tm.stride), tm.dtype, out.dtype)
 
 
 def _sole_pointwise_producer(node: Node, gm: GraphModule) -> Node | None:
