@@ -255,11 +255,13 @@ def _full_size_traffic(kernel, shape) -> int:
 
 
 def test_batch_norm_training_kernels_pass_over_the_batch_few_times():
-    """A train-mode BatchNorm + ReLU, big enough for its sums to split: forward four
-    passes over full-size tensors (two sums, then load x and store y) in five kernels;
-    backward five passes in three kernels (one pass of four sums, their sums over the
-    batch in one kernel, then the gradient). Before: two kernels of sums over the batch
-    (those keeping dims and those not). Before that, the variance's path to the mean cost backward a second pass of sums (six
+    """A train-mode BatchNorm + ReLU, big enough for its sums to split: forward three
+    passes over full-size tensors (each sample's sum and centred sum of squares in one,
+    then load x and store y) in four kernels; backward five passes in three kernels (one
+    pass of four sums, their sums over the batch in one kernel, then the gradient).
+    Before: the mean's sums and then the variance's took two passes (five kernels), the
+    backward's sums over the batch two kernels (those keeping dims and those not); before
+    that, the variance's path to the mean cost backward a second pass of sums (six
     kernels, nine passes), and kernels stored the centred values for the next to load."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
@@ -281,9 +283,82 @@ def test_batch_norm_training_kernels_pass_over_the_batch_few_times():
     # the channels-last copies of the conv's input and weight and the weight grad's copy back)
     forward = [k for k in fn.kernels if k.direction == "forward" and "region" in k.name]
     backward = [k for k in fn.kernels if k.direction == "backward" and "region" in k.name]
-    assert (len(forward), len(backward)) == (5, 3)
-    assert sum(_full_size_traffic(k, shape) for k in forward) == 4
+    assert (len(forward), len(backward)) == (4, 3)
+    assert sum(_full_size_traffic(k, shape) for k in forward) == 3
     assert sum(_full_size_traffic(k, shape) for k in backward) == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 6, 48, 40), (3, 6, 4096), (2, 6, 8, 16, 24)],
+                         ids=["2d", "1d", "3d"])
+def test_batch_norm_statistics_taken_per_sample_match_eager(dtype, shape):
+    """The one-pass statistics (each sample's sum and centred sum of squares, combined
+    over the batch): outputs, every gradient and the running statistics as eager's over
+    three steps with fresh inputs, in each float type and rank. Channel 0 has a mean of
+    100 and a spread of 1 (where a sum of squares about zero loses four digits);
+    channel 1 differs between samples only (each sample constant: the spread between
+    the samples' means is all of its variance); channel 2 is constant. Each value is at
+    most twice as far from a float64 run's as eager's is (cuDNN's gradient of the
+    constant channel is 1e-3 off in float32; eager's are a few bits off in 16 bits)."""
+    torch.manual_seed(0)
+    bn = {3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)]
+    # (SiLU, not ReLU: in 16 bits a ReLU's mask flips where eager's and fxlite's y round
+    # to either side of 0, and its gradient there is 0 or the whole value)
+    model = nn.Sequential(bn(shape[1]), nn.SiLU()).to(DEVICE, dtype).train()
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+        model[0].bias.uniform_(-0.5, 0.5)
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    fn = fxlite.compile(model)
+
+    slack = 1e-5 if dtype == torch.float32 else 1e-3
+
+    def close(got, want, best, what):
+        error, eager_error = ((t.double() - best).abs().max() for t in (got, want))
+        assert error <= 2 * eager_error + slack * best.abs().max(), (what, error, eager_error)
+
+    for step in range(3):
+        x = torch.randn(shape, device=DEVICE)
+        x[:, 0] = 100 + x[:, 0]
+        x[:, 1] = torch.arange(shape[0], device=DEVICE).view(-1, *[1] * (len(shape) - 2)) + step
+        x[:, 2] = 3.0
+        x = x.to(dtype)
+        g = torch.randn(shape, device=DEVICE, dtype=dtype)
+        inputs = [x.clone().requires_grad_() for _ in range(2)] + [
+            x.double().requires_grad_()]
+        outs = [m(i) for m, i in zip((fn, eager, exact), inputs)]
+        for o, i in zip(outs, inputs):
+            o.backward(g.to(i.dtype))
+        close(*outs, "y")
+        close(*(i.grad for i in inputs), "x.grad")
+        for (name, p), q, r in zip(model.named_parameters(), eager.parameters(),
+                                   exact.parameters()):
+            close(p.grad, q.grad, r.grad, name)
+        for (name, b), c, r in zip(model.named_buffers(), eager.buffers(), exact.buffers()):
+            close(b, c, r, name)
+        for m in (model, eager, exact):
+            m.zero_grad()
+    assert not fn.fallbacks
+    kernels = [k for k in fn.kernels if k.direction == "forward" and "region" in k.name]
+    assert len(kernels) == 4  # the statistics in one pass: two sums over the batch, y
+
+
+def test_batch_norm_statistics_of_one_sample_or_few_values_stay_two_passes():
+    """Where ``split_sums`` would not split the sums (one sample, or fewer values than
+    it splits), the statistics stay the mean's sum and then the variance's, each over the
+    batch and spatial dims at once: there one kernel a sum beats the per-sample sums and
+    their sums over the batch."""
+    def sums(shape):
+        model = nn.Sequential(nn.BatchNorm2d(shape[1])).train()
+        gm = fxlite.symbolic_trace(model)
+        ShapeProp(gm).propagate(torch.randn(shape))
+        gm = batch_norm_train(gm)
+        return sorted(tuple(n.kwargs.get("dim", n.args[1:2] and n.args[1]))
+                      for n in gm.graph.nodes if n.target is torch.sum)
+
+    assert sums((1, 4, 128, 128)) == [(0, 2, 3), (0, 2, 3)]
+    assert sums((4, 4, 8, 8)) == [(0, 2, 3), (0, 2, 3)]
+    assert sums((4, 4, 64, 64)) == [(0,), (0,), (2, 3), (2, 3)]
 
 
 @pytest.mark.parametrize("with_step", [False, True])
