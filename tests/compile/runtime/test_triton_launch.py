@@ -113,7 +113,11 @@ def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> N
     assert calls[2][:8] == calls[0][:8] and calls[2][8][0] is x and calls[2][8][1] is general
 
 
-def test_outputs_shaped_like_an_input_use_empty_like() -> None:
+def test_outputs_shaped_like_an_input_use_empty_like(monkeypatch) -> None:
+    """Where torch has no argument-free allocator for the device."""
+    import fxlite.codegen.runtime.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_ALLOCATE", {})
     x = torch.randn(4)
     d, calls = _launch("single", [GroupResult("out", 0)], [x, None],
                        [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
@@ -122,6 +126,44 @@ def test_outputs_shaped_like_an_input_use_empty_like() -> None:
     out = d.fast([x])
     assert out.shape == x.shape and out.stride() == x.stride() and out is not x
     assert calls[0][11] is out
+
+
+def test_outputs_use_the_allocator_without_argument_parsing(monkeypatch) -> None:
+    """Each output comes from torch's ``_empty_strided_<device>`` (inductor's allocator),
+    in its layout, fresh on every call; on CUDA only while the current device is the
+    outputs' (it allocates there), the general launch otherwise."""
+    import fxlite.codegen.runtime.launch as launch_mod
+
+    made, tensors = [], []
+
+    def allocate(shape, stride, dtype):
+        made.append((shape, stride, dtype))
+        tensors.append(torch.empty_strided(shape, stride, dtype=dtype))
+        return tensors[-1]
+
+    monkeypatch.setattr(launch_mod, "_ALLOCATE", {"cpu": allocate, "cuda": allocate})
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    d, calls = _launch("tuple", [GroupResult("out", 0), GroupResult("out", 1)], [x, None, None],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0), TensorSlot(2, "out", 1)])
+    d.out_specs = [(tuple(x.shape), x.stride(), x.dtype, x.device),
+                   ((3,), (1,), torch.int64, x.device)]
+    d.fast = d._generate()
+    first, second = d.fast([x]), d.fast([x])
+    assert made == [((2, 3, 4, 5), x.stride(), torch.float32), ((3,), (1,), torch.int64)] * 2
+    assert len(tensors) == 4 and all(a is b for a, b in zip([*first, *second], tensors))
+    assert first[0].stride() == x.stride() and first[1].dtype == torch.int64
+    assert calls[0][11] is first[0] and calls[1][11] is second[0]
+    # CUDA outputs: the current device is checked first
+    monkeypatch.setattr(launch_mod.DirectLaunch, "__call__", lambda self, inputs: "general")
+    d, calls = _launch("single", [GroupResult("out", 0)], [x, None],
+                       [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
+    d.out_specs = [((4,), (1,), torch.float32, torch.device("cuda", 1))]
+    for current, want in ((0, "general"), (1, None)):
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda c=current: c, raising=False)
+        d.fast = d._generate()
+        out = d.fast([x])
+        assert out == "general" if want else out is tensors[-1] and calls[-1][11] is out
+    assert made[4:] == [((4,), (1,), torch.float32)]
 
 
 def test_generated_launcher_returns_the_group_structure() -> None:
