@@ -565,7 +565,8 @@ def without_tangents(backward: GraphModule, n_tangents: int, unused: Sequence[in
         return (add, mul_2)                          return (mul, None)
 
     A gradient that only unused tangents reach is returned as None: it is zero (trunc's
-    input gets one), which the caller gives as zeros.
+    input gets one), which the caller gives as zeros. A sum whose zero term promoted it to
+    a wider float type becomes its other term cast to that type.
     """
     import copy
 
@@ -588,8 +589,18 @@ def without_tangents(backward: GraphModule, n_tangents: int, unused: Sequence[in
             # tangent, trunc's zero gradient, is that value, not a term to compute: fuzz
             # seed 8542728, whose zero term read a value written in place since)
             kept = [a for a in n.args if not (isinstance(a, Node) and a in zero)]
-            if len(kept) == 1 and isinstance(kept[0], Node) and _same_meta(kept[0], n):
-                n.replace_all_uses_with(kept[0])
+            if len(kept) == 1 and isinstance(kept[0], Node) and _same_meta(kept[0], n,
+                                                                          dtype=False):
+                # (a float16 term plus a float32 zero term is the term in float32: a
+                # dead training BatchNorm's statistics, computed in float32 from a half
+                # input, fuzz seed 9873120)
+                found = kept[0]
+                if not _same_meta(found, n):
+                    with graph.inserting_before(n):
+                        found = graph.call_function(torch.Tensor.to, (found, n.meta[
+                            "tensor_meta"].dtype))
+                    found.meta = dict(n.meta)
+                n.replace_all_uses_with(found)
                 continue
         if all(a in zero for a in parts):
             zero.add(n)
@@ -602,7 +613,7 @@ def without_tangents(backward: GraphModule, n_tangents: int, unused: Sequence[in
     return gm
 
 
-def _same_meta(a: Node, b: Node) -> bool:
+def _same_meta(a: Node, b: Node, dtype: bool = True) -> bool:
     ta, tb = a.meta.get("tensor_meta"), b.meta.get("tensor_meta")
     return ta is not None and tb is not None and tuple(ta.shape) == tuple(tb.shape) and \
-        ta.dtype == tb.dtype
+        (not dtype or ta.dtype == tb.dtype)
