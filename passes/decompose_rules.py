@@ -303,7 +303,11 @@ def _row_max(x: Any, dim: int) -> Any:
     the pipeline runs it as ``amax_or_empty`` where it stays out of kernels)."""
     m = torch.amax(x, dim, keepdim=True)
     m.node.meta["empty_ok"] = True
-    return m
+    # Cut from autograd: softmax does not change when its row is shifted, so the max's
+    # gradient is 0; differentiated, it is ``sum(g) / count * (x == max)``, and an
+    # infinite ``g`` made it inf * 0 = NaN at every other element of the row, where
+    # eager's softmax backward gives inf (fuzz seed 10170212)
+    return m.detach()
 
 
 def _empty_dim(x: Any, dim: Any) -> bool:
