@@ -254,7 +254,7 @@ def _between(before: Any, node: Any) -> list[Any]:
 
 
 def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any, eps: float,
-               shape: tuple[int, ...] | None = None) -> tuple[Any, Any, Any, Any]:
+               shape: tuple[int, ...] | None) -> tuple[Any, Any, Any, Any]:
     # statistics over every dim but the channels (dim 1), kept as (1, C, 1, ...)
     dims = (0, *range(2, rank))
     channels = x.size(1)
@@ -266,18 +266,17 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any, eps: float
     # fp32 copy of x is written for them.
     half = dtype in (torch.float16, torch.bfloat16)
     acc = {"dtype": torch.float32} if half else {}
+    wide = x.to(torch.float32) if half else x
     if _one_pass(shape):
-        mean, var = _sample_statistics(x, rank, n, acc)
-        x = x.to(torch.float32) if half else x
+        mean, var = _sample_statistics(x, wide, rank, n, acc)
     else:
         mean = torch.sum(x, dims, keepdim=True, **acc) / n
-        x = x.to(torch.float32) if half else x
         # The variance's path to the mean is cut from autograd: its gradient there is 0
         # (the centred values sum to 0), and differentiated it is a second pass over the
         # batch (sum of the centred gradient) that the backward kernels would have to make.
-        apart = x - mean.detach()
+        apart = wide - mean.detach()
         var = torch.sum(apart * apart, dims, keepdim=True) / n
-    centered = x - mean
+    centered = wide - mean
     y = centered * torch.rsqrt(var + eps)
     for p, what, combine in ((weight, "weight", torch.mul), (bias, "bias", torch.add)):
         if p is not None:  # (C,) -> (C, 1, ...), checked against x's channels
@@ -289,15 +288,18 @@ def _normalize(x: Any, dtype: Any, rank: int, weight: Any, bias: Any, eps: float
 
 def _one_pass(shape: tuple[int, ...] | None) -> bool:
     """Whether the statistics of a BatchNorm input of ``shape`` are taken per sample first
-    (``_sample_statistics``): where ``split_sums`` would split its sums anyway (a batch
-    and spatial dims of 2 or more, enough values), so that the two sums of a sample share
-    one pass over x."""
+    (``_sample_statistics``): with a batch and spatial dims of 2 or more and
+    ``split_sums.MIN_NUMEL`` values, where ``split_sums`` would split the two-pass sums
+    anyway (a single channel too, which it would not), so that the two sums of a sample
+    share one pass over x."""
     return shape is not None and len(shape) >= 3 and shape[0] >= 2 and \
         math.prod(shape[2:]) >= 2 and math.prod(shape) >= MIN_NUMEL
 
 
-def _sample_statistics(x: Any, rank: int, n: Any, acc: dict[str, Any]) -> tuple[Any, Any]:
-    """The batch ``mean`` and biased ``var`` of ``x`` (N, C, spatial...) over every dim but
+def _sample_statistics(x: Any, wide: Any, rank: int, n: Any, acc: dict[str, Any]
+                       ) -> tuple[Any, Any]:
+    """The batch ``mean`` and biased ``var`` of ``x`` (N, C, spatial...; ``wide``: ``x`` in
+    float32 where it is a half, with ``acc`` the sums' float32 dtype) over every dim but
     the channels, from each sample's sum and centred sum of squares (the pairwise
     combination of Chan et al., as cuDNN's Welford kernels combine their parts): both
     come from one pass over x, where the mean and then the variance about it take two::
@@ -321,8 +323,7 @@ def _sample_statistics(x: Any, rank: int, n: Any, acc: dict[str, Any]) -> tuple[
         m = m * x.size(d)
     t = torch.sum(x, spatial, keepdim=True, **acc)
     own = (t / m).detach()  # each sample's mean
-    xf = x.to(torch.float32) if acc else x
-    apart = xf - own
+    apart = wide - own
     q = torch.sum(apart * apart, spatial, keepdim=True)
     # the shares summed, not the sum divided: then no op after the sum reads the mean
     # with the spread below, and x - mean is not pulled into the spread's kernel
