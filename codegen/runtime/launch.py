@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -32,7 +32,6 @@ from fxlite.codegen.kernels.layout import dense_strides
 from fxlite.codegen.kernels.source import KernelArg, KernelSource, division_magic
 
 from fxlite import config
-from fxlite.tensor_meta import is_dense
 
 __all__ = ["BINARIES", "DIRECT_LAUNCH_PROBLEM", "SLOT", "TRITON_OPTIONS", "Binary", "DirectLaunch",
            "GroupResult", "LastLaunch", "LaunchPlan", "TensorSlot", "fingerprint", "same_values",
@@ -62,6 +61,18 @@ try:
         if (found := getattr(torch._C._dynamo.guards, f"_empty_strided_{kind}", None))}
 except AttributeError:  # a torch without them
     _ALLOCATE = {}
+
+
+def _allocator(device: torch.device) -> Callable[[tuple, tuple, torch.dtype], torch.Tensor]:
+    """``allocate(shape, stride, dtype)`` of an empty tensor on ``device``: the one of
+    :data:`_ALLOCATE` (for CUDA: while ``device`` is the current device), else
+    ``torch.empty_strided``."""
+    found = _ALLOCATE.get(device.type)
+    if found is not None:
+        return found
+    return lambda shape, stride, dtype: torch.empty_strided(shape, stride, dtype=dtype,
+                                                            device=device)
+
 
 # Why the last attempt at a direct launch fell back to Triton's dispatcher, if one did.
 DIRECT_LAUNCH_PROBLEM: str | None = None
@@ -370,7 +381,7 @@ class DirectLaunch:
     """
 
     __slots__ = ("binary", "grid", "stream_of", "device", "template", "tensor_slots",
-                 "out_specs", "results", "structure", "hooks", "fast", "like")
+                 "out_specs", "results", "structure", "hooks", "fast")
 
     @classmethod
     def build(cls, plan: LaunchPlan, record: LastLaunch | None, inputs: Sequence[Any],
@@ -406,17 +417,6 @@ class DirectLaunch:
         # Outputs may be permuted views (a kernel run in its inputs' memory order): the
         # launch allocates them with those strides; only their addresses reach the binary.
         self.out_specs = [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outs]
-        # Without an allocator of _ALLOCATE, an output laid out exactly like an input is
-        # allocated with empty_like(input): about half the host time of torch.empty(shape,
-        # dtype=, device=).
-        self.like = {}
-        for j, o in enumerate(outs):
-            for i, t in enumerate(inputs):
-                if (isinstance(t, torch.Tensor) and t.shape == o.shape and t.dtype == o.dtype
-                        and t.device == o.device and t.stride() == o.stride()
-                        and is_dense(t)):
-                    self.like[j] = i
-                    break
         self.results = plan.results
         self.structure = plan.structure
         self.fast = self._generate()
@@ -432,47 +432,27 @@ class DirectLaunch:
                     return _general(inputs)
                 if _current() != 0:  # (CUDA: the allocator's device is the current one)
                     return _general(inputs)
-                o0 = _allocate(_shape0, _stride0, _dtype0)
+                o0 = _allocate0(_shape0, _stride0, _dtype0)
                 _launch(_function, 8, 1, 1, 4, 0, 'OOi', (inputs[0], o0, 1024), _stream(0))
                 return o0
 
-        and for Triton's launcher (``_run``), the same with Triton's argument list. Where
-        torch has no such allocator for the device, an output laid out like an input is
-        ``_empty_like(inputs[i])``, others ``_empty``/``_empty_strided``.
+        and for Triton's launcher (``_run``), the same with Triton's argument list.
         """
         binary = self.binary
-        env: dict[str, Any] = {"_empty": torch.empty, "_stream": self.stream_of,
-                               "_enter": self.hooks[0], "_general": self.__call__}
+        env: dict[str, Any] = {"_stream": self.stream_of, "_enter": self.hooks[0],
+                               "_general": self.__call__}
         lines = ["def launch(inputs):",
                  "    if _enter is not None and getattr(_enter, 'calls', True):",
                  "        return _general(inputs)"]
-        env["_empty_like"] = torch.empty_like
-        env["_empty_strided"] = torch.empty_strided
-        devices = {device for _, _, _, device in self.out_specs}
-        allocate = _ALLOCATE.get(next(iter(devices)).type) if len(devices) == 1 else None
-        if allocate is not None:
-            env["_allocate"] = allocate
-            (device,) = devices
-            if device.type == "cuda":  # (the allocator's device is the current one)
-                env["_current"] = torch._C._cuda_getDevice
-                lines += [f"    if _current() != {device.index or 0}:",
-                          "        return _general(inputs)"]
+        # (CUDA's allocator allocates on the current device: else the general launch)
+        for index in sorted({d.index or 0 for *_, d in self.out_specs
+                             if d.type == "cuda" and "cuda" in _ALLOCATE}):
+            env["_current"] = torch._C._cuda_getDevice
+            lines += [f"    if _current() != {index}:", "        return _general(inputs)"]
         for j, (shape, stride, dtype, device) in enumerate(self.out_specs):
-            if allocate is not None:
-                env[f"_shape{j}"], env[f"_stride{j}"], env[f"_dtype{j}"] = \
-                    shape, tuple(stride), dtype
-                lines.append(f"    o{j} = _allocate(_shape{j}, _stride{j}, _dtype{j})")
-                continue
-            if j in self.like:  # the fingerprint fixes that input's layout
-                lines.append(f"    o{j} = _empty_like(inputs[{self.like[j]}])")
-                continue
-            env[f"_shape{j}"], env[f"_dtype{j}"], env[f"_device{j}"] = shape, dtype, device
-            if stride == dense_strides(shape, range(len(shape))):  # contiguous
-                lines.append(f"    o{j} = _empty(_shape{j}, dtype=_dtype{j}, device=_device{j})")
-            else:
-                env[f"_stride{j}"] = stride
-                lines.append(f"    o{j} = _empty_strided(_shape{j}, _stride{j}, dtype=_dtype{j}, "
-                             f"device=_device{j})")
+            env[f"_shape{j}"], env[f"_stride{j}"], env[f"_dtype{j}"] = shape, tuple(stride), dtype
+            env[f"_allocate{j}"] = _allocator(device)
+            lines.append(f"    o{j} = _allocate{j}(_shape{j}, _stride{j}, _dtype{j})")
         slots = {k: (f"inputs[{i}]" if source == "in" else f"o{i}")
                  for k, source, i in self.tensor_slots}
         args = []

@@ -60,7 +60,7 @@ def _launch(structure: str, results: list[GroupResult], template: list,
     d.grid, d.device, d.stream_of = (8, 1, 1), 0, lambda device: 1234
     d.template, d.tensor_slots = template, slots
     d.out_specs = [((4,), (1,), torch.float32, torch.device("cpu"))]
-    d.results, d.structure, d.like = results, structure, {}
+    d.results, d.structure = results, structure
     d.fast = d._generate()
     return d, calls
 
@@ -113,7 +113,7 @@ def test_generated_static_launch_passes_only_runtime_arguments(monkeypatch) -> N
     assert calls[2][:8] == calls[0][:8] and calls[2][8][0] is x and calls[2][8][1] is general
 
 
-def test_outputs_shaped_like_an_input_use_empty_like(monkeypatch) -> None:
+def test_outputs_without_the_allocator_use_empty_strided(monkeypatch) -> None:
     """Where torch has no argument-free allocator for the device."""
     import fxlite.codegen.runtime.launch as launch_mod
 
@@ -121,8 +121,6 @@ def test_outputs_shaped_like_an_input_use_empty_like(monkeypatch) -> None:
     x = torch.randn(4)
     d, calls = _launch("single", [GroupResult("out", 0)], [x, None],
                        [TensorSlot(0, "in", 0), TensorSlot(1, "out", 0)])
-    d.like = {0: 0}
-    d.fast = d._generate()
     out = d.fast([x])
     assert out.shape == x.shape and out.stride() == x.stride() and out is not x
     assert calls[0][11] is out
