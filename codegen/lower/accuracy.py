@@ -133,7 +133,9 @@ class Checked(NamedTuple):
 
     kernel: Any  # the group's kernel, or None: the group runs its eager ops
     got: Any  # the kernel's result (None without a kernel)
-    expected: Any  # eager's result (None where the kernel's binary matched eager before)
+    # eager's result (None where the kernel's binary matched eager before), or the kernel's
+    # where eager's was the one off (assert_as_accurate): the result to go on with
+    expected: Any
     reason: str  # why ``kernel`` is None
 
 
@@ -158,7 +160,8 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
             piece, and returned as both (one buffer less at the check's peak).
 
     Returns:
-        The kernel, its result and eager's, or no kernel and the reason.
+        The kernel, its result and the one to go on with (eager's, or the kernel's where
+        eager's is the one off: :func:`assert_as_accurate`), or no kernel and the reason.
     """
     graph = getattr(group, "inner", group)
     try:  # (looked up in its module at each call: tests put in their own generator)
@@ -185,8 +188,8 @@ def check_group(group: torch.nn.Module, args: Sequence[Any], name: str, *,
             expected = _checked_in_pieces(group, graph, args, got, before, through,
                                           eager_goes_on)
             if expected is None:
-                expected = group(*args)
-                assert_as_accurate(graph, args, got, expected, before, through)
+                expected = assert_as_accurate(graph, args, got, group(*args), before,
+                                              through)
             kernel.mark_checked()
     except Exception as e:
         return Checked(None, None, group(*args) if expected is None else expected,
@@ -244,9 +247,10 @@ def _checked_in_pieces(group: torch.nn.Module, graph: GraphModule, args: Sequenc
                 and a.shape[0] == rows else a for a in args]
         want = group(*part)
         want = list(want) if isinstance(want, (tuple, list)) else [want]
-        assert_as_accurate(graph, part, [o[piece] for o in outs], want, before, through)
+        want = assert_as_accurate(graph, part, [o[piece] for o in outs], want, before, through)
         for e, w in zip(expected, want):
-            e[piece].copy_(w)
+            if e[piece].data_ptr() != w.data_ptr():  # (the kernel's piece: it stays)
+                e[piece].copy_(w)
     return type(got)(expected) if isinstance(got, (tuple, list)) else expected[0]
 
 
@@ -287,18 +291,28 @@ def assert_same(got: Any, expected: Any, through: torch.dtype | None = None, *,
 
 
 def assert_as_accurate(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
-                       before: list[int], through: torch.dtype | None = None) -> None:
+                       before: list[int], through: torch.dtype | None = None) -> Any:
     """:func:`assert_same`, with a wider run of ``gm`` deciding where they differ by
-    rounding and neither run wrote to ``args`` (``before``: their :func:`versions`)."""
+    rounding and neither run wrote to ``args`` (``before``: their :func:`versions`).
+
+    Returns:
+        The result to go on with: ``expected``, or ``got`` where the wider run found
+        eager's the one that is off (further from it than the check allows ``got``).
+        Why: torch's CPU ops on a decomposed tanh GELU, in about one process in twenty,
+        gave half the rows 3e-4 off; the kernel was right, but the segment went on with
+        eager's values and then failed its own check against the recording.
+    """
     try:
         assert_same(got, expected, through)
     except AssertionError as e:
         problem = str(e) or "values differ"
         if versions(args) != before:
             raise
-        problem = reference_problem(gm, args, got, expected, problem)
+        problem, eager_off = _judged(gm, args, got, expected, problem)
         if problem is not None:
             raise AssertionError(problem) from None
+        return got if eager_off else expected
+    return expected
 
 
 def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
@@ -315,17 +329,26 @@ def reference_problem(gm: GraphModule, args: Sequence[Any], got: Any, expected: 
     Returns:
         None when ``got`` passes, else ``problem`` with what the wider run found.
     """
+    return _judged(gm, args, got, expected, problem)[0]
+
+
+def _judged(gm: GraphModule, args: Sequence[Any], got: Any, expected: Any,
+            problem: str) -> tuple[str | None, bool]:
+    """:func:`reference_problem`'s verdict, and whether ``expected`` would fail the same
+    test against ``got`` (eager's result is the one off)."""
     if not reproducible(gm):
-        return problem
+        return problem, False
     read = [*args, *attributes(gm)]
     real, _ = wide = _reference_dtypes(read, tf32_allowed() and _runs_tf32(gm))
     name = str(real).removeprefix("torch.")
     try:
         reference = _run_reference(gm, args, wide)
     except Exception as e:  # no float64 kernel for some op, say: the plain verdict stands
-        return f"{problem} (a {name} run to compare with failed: {type(e).__name__})"
+        return f"{problem} (a {name} run to compare with failed: {type(e).__name__})", False
     verdict = _compare(got, expected, reference)
-    return None if verdict is None else f"{problem}; against a {name} run, {verdict}"
+    if verdict is not None:
+        return f"{problem}; against a {name} run, {verdict}", False
+    return None, _compare(expected, got, reference) is not None
 
 
 def _reference_dtypes(values: Sequence[Any], tf32: bool = False
