@@ -51,10 +51,16 @@ _MAX_VARIANTS = 16
 
 
 def _signature(args: Sequence[Any]) -> tuple:
-    key: list[Any] = [torch.is_grad_enabled()]
+    """The variant key of ``args`` (called in grad mode): per tensor its dtype, device type,
+    whether it requires grad and which dims are size 1 (its rank where none is: cheaper,
+    and most activations have none); per other value its type. Each call of a group
+    computes it: a 4-d tensor costs about a third of the host time of the general form."""
+    key: list[Any] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.device.type, tuple(s == 1 for s in a.shape), a.requires_grad))
+            s = a.shape
+            key.append((a.dtype, a.is_cuda or a.device.type, a.requires_grad,
+                        tuple(n == 1 for n in s) if 1 in s else len(s)))
         else:
             key.append(type(a))
     return tuple(key)
@@ -304,6 +310,26 @@ class _GroupFunction(torch.autograd.Function):
         return tuple(out)
 
 
+try:  # Function.apply, less its Python: the C apply (one group call's host time -15%)
+    _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _GroupFunction)
+    _TRANSFORMS = torch._C._are_functorch_transforms_active
+except (AttributeError, KeyError):  # another torch: the public apply
+    _C_APPLY, _TRANSFORMS = None, None
+
+
+def _apply() -> Any:
+    """``_GroupFunction.apply``, or where no functorch transform (vmap, grad) is active,
+    the C apply it ends in: it skips the Python around it (``inspect``'s check for a
+    ``setup_context``, which the group lacks, and the unwrapping of dead functorch
+    wrappers, which only a tensor leaked out of a finished transform is)."""
+    if _C_APPLY is None or _TRANSFORMS():
+        return _GroupFunction.apply
+    return _C_APPLY
+
+
+_NO_GRAD = object()  # a variant key whose tensors need no gradient: the inference kernel
+
+
 def backward_untraced() -> None:
     """Run the fused groups' backward with Dynamo off, from now on (the Dynamo backend
     calls it, with ``torch._dynamo`` imported).
@@ -344,7 +370,7 @@ class AutogradGroup:
     def _parts(self) -> list[CompiledGraph]:
         parts = [self._plain] if self._plain is not None else []
         for v in list(self._variants.values()):
-            if v is not None:
+            if isinstance(v, _Variant):
                 parts += v.parts()
         return parts
 
@@ -364,8 +390,7 @@ class AutogradGroup:
         return self._fallbacks + [f for p in self._parts() for f in p.fallbacks]
 
     def __call__(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled() or not any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if not torch.is_grad_enabled():
             return self._inference(args)
         key = _signature(args)
         variant = self._variants.get(key, False)
@@ -373,9 +398,13 @@ class AutogradGroup:
             with self._lock:
                 variant = self._variants.get(key, False)
                 if variant is False:
-                    variant = self._build(args)
+                    variant = self._build(args) if any(
+                        isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+                        else _NO_GRAD
                     if len(self._variants) < _MAX_VARIANTS:
                         self._variants[key] = variant
+        if variant is _NO_GRAD:
+            return self._inference(args)
         if variant is None:
             return self.group(*args)
         if self._views is None:
@@ -386,11 +415,11 @@ class AutogradGroup:
         if variant.checks_by_hand and _TOP_HOOKS(False) is None and _HOOKS_ON():
             _PUSH_HOOKS(_detached, _same)  # (the C calls: a `with` costs more host time)
             try:
-                outs = _GroupFunction.apply(variant, views, True, *args)
+                outs = _apply()(variant, views, True, *args)
             finally:
                 _POP_HOOKS()
         else:
-            outs = _GroupFunction.apply(variant, views, False, *args)
+            outs = _apply()(variant, views, False, *args)
         if any(isinstance(v, tuple) for v in views.values()):
             outs = _remade_views(outs, views)
         return outs[0] if variant.grad.single else outs

@@ -690,3 +690,32 @@ def test_softmax_gradient_of_infinite_cotangents_is_eagers(op) -> None:
         fn(got).backward(g)
         op(want, -1).backward(g)
         torch.testing.assert_close(got.grad, want.grad, equal_nan=True)
+
+
+def test_variants_are_told_apart_by_rank_size_one_dims_and_requires_grad(directions):
+    # the variant key stands for a rank by its length where no dim is size 1: a rank-3
+    # call must not reuse the rank-2 variant; a call needing no gradient (under grad mode)
+    # runs the inference kernel, and a later one that needs them still gets them
+    fn = lambda x, b: torch.sigmoid(x + b) * x  # noqa: E731
+    group = build(fn, [req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))],
+                  decomposed=False)
+    calls = [(req(edgy(3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))),
+             (req(edgy(2, 3, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))),
+             (req(edgy(2, 1, 4)), req(torch.randn(4, dtype=F64, device=DEVICE))),
+             (req(edgy(5, 6)), req(torch.randn(6, dtype=F64, device=DEVICE)))]
+    for x, b in calls:
+        _, expected = grads(fn, [x, b])
+        _, got = grads(group, [x, b])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    assert len(group._variants) == 3  # (5, 6) reuses (3, 4)'s
+    x, b = edgy(3, 4), torch.randn(4, dtype=F64, device=DEVICE)
+    directions.clear()
+    out = group(x, b)
+    assert not out.requires_grad and directions == ["forward"]
+    torch.testing.assert_close(out, fn(x, b), rtol=1e-9, atol=1e-9)
+    assert len(group._variants) == 4 and "backward" in [k.direction for k in group.kernels]
+    x = req(edgy(3, 4))
+    _, (gx,) = grads(group, [x, b])  # only x needs a gradient: a variant of its own
+    torch.testing.assert_close(gx, grads(fn, [x, b])[1][0], rtol=1e-9, atol=1e-9)
+    assert not fallbacks(group)
