@@ -724,11 +724,23 @@ class LayoutCheck:
     such guard, ``ok`` is False and the key is computed instead.
     """
 
-    __slots__ = ("count", "tensors", "others", "guard", "ok")
+    __slots__ = ("count", "tensors", "same", "others", "guard", "ok")
 
     def __init__(self, args: tuple) -> None:
         self.count = len(args)
-        self.tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # torch's guard refuses one tensor given twice (a shared zero tangent of a
+        # BatchNorm's backward): it sees each tensor once, and a later place of one
+        # must hold that tensor again (``same``: (place, its first place))
+        first: dict[int, int] = {}
+        self.tensors: list[int] = []
+        self.same: list[tuple[int, int]] = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                j = first.setdefault(id(a), i)
+                if j == i:
+                    self.tensors.append(i)
+                else:
+                    self.same.append((i, j))
         self.others = [(i, type(a)) for i, a in enumerate(args)
                        if not isinstance(a, torch.Tensor)]
         self.guard = tensor_guard([args[i] for i in self.tensors])
@@ -740,6 +752,9 @@ class LayoutCheck:
             return False
         for i, kind in self.others:
             if type(args[i]) is not kind:
+                return False
+        for i, j in self.same:
+            if args[i] is not args[j]:
                 return False
         try:
             return bool(self.guard.check(*[args[i] for i in self.tensors]))

@@ -143,9 +143,17 @@ def test_a_layout_check_tells_apart_what_the_layout_key_does(cxx_guard, monkeypa
     ]
     for args in others:
         assert not check(args), args
+    # one tensor given twice (torch's guard refuses it): seen once, and the later place
+    # must hold it again
+    z = torch.zeros(3)
+    twice = LayoutCheck((x, z, z))
+    r = torch.randn(3)
+    assert twice.ok and twice((torch.randn(4, 3), r, r))
+    assert not twice((x, z, torch.zeros(3))) and not twice((x, z, z.double()))
+    assert not LayoutCheck((x, z, torch.zeros(3)))((x, z, z))
     # it holds no reference to the tensors it was made from (replays count references)
     ref = weakref.ref(x)
-    del x, others, args
+    del x, others, args, twice
     gc.collect()
     assert ref() is None
 

@@ -573,3 +573,43 @@ def test_a_straight_lines_lines_are_in_tracebacks_while_it_lives() -> None:
     del fn
     gc.collect()
     assert linecache.getlines(name) == []  # released with the function
+
+
+def test_the_runner_checks_the_last_layout_first_and_keys_the_rest(monkeypatch) -> None:
+    import fxlite.codegen.runtime.straight_line as sl
+
+    keys = []
+    real_key = sl.fast_key
+    monkeypatch.setattr(sl, "fast_key", lambda args: keys.append(1) or real_key(args))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    add = _Kernel("add", torch.add, (x, y), (x.t(), y.t()))
+
+    def build(g):
+        g.output(g.call_function(add, (g.placeholder("a"), g.placeholder("b"))))
+
+    run = StraightRunner(_module(build))
+    flat = torch.randn(33)
+    calls = [  # (arguments, whether the call computes the key)
+        ((x, y), 1), ((x, y), 1), ((x, y), 0),  # written; keyed and kept; checked only
+        ((x.t(), y.t()), 1), ((x.t(), y.t()), 1), ((x.t(), y.t()), 0),  # another layout
+        ((x, y), 1), ((x.t(), y.t()), 1), ((x, y), 1),  # two layouts in turn
+        ((flat[1:].view(4, 8), y), 1), ((flat[1:].view(4, 8), y), 1),  # not 16-aligned
+        ((x.clone().requires_grad_(), y), 1),  # requires_grad: another layout
+        ((x, x), 1),  # one tensor twice: torch's guard refuses it; (x, y)'s key serves
+        ((x, y), 0)]
+    for (a, b), keyed in calls:
+        keys.clear()
+        torch.testing.assert_close(run(a, b), a + b)
+        assert len(keys) == keyed
+    assert add.general_calls + add.fast_calls == len(calls)
+    # an int: its range (the key's) is checked with the layout
+    scaled = _Kernel("scaled", lambda a, k: a * k, (x, 3))
+
+    def build_int(g):
+        g.output(g.call_function(scaled, (g.placeholder("a"), g.placeholder("k"))))
+
+    run = StraightRunner(_module(build_int))
+    for k, keyed in ((3, 1), (3, 1), (5, 0), (2**40, 1), (3, 0)):
+        keys.clear()
+        torch.testing.assert_close(run(x, k), x * k)
+        assert len(keys) == keyed, k
