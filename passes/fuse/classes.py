@@ -160,8 +160,12 @@ def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Sha
     stm = _tensor_meta(src)
     if stm is None or not _plain(stm):
         return None
-    # A view aliases its input; materializing it in a kernel is only safe when nobody mutates.
-    if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users):
+    # A view aliases its input; materializing it in a kernel is only safe when nobody
+    # writes the memory they share, through them or any other view of it (fuzz seed
+    # 9891099: ``v = x.min(); a = v.reshape(1); b = v.reshape(1, 1); silu(a, inplace=True)``,
+    # where ``b`` became a kernel's copy, made before the write, and missed it).
+    if any(u.op != "output" and is_impure(u, module) for x in (node, src) for u in x.users) \
+            or _written_through_a_view(src, module):
         return None
     # Nor when the graph returns it and what it views is seen outside the graph too (an
     # input, or a value the graph returns itself or through another view): a later
@@ -170,6 +174,21 @@ def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Sha
     if _returned(node) and _seen_outside(src, node, module):
         return None
     return FusionClass("view", shape, src, tuple(stm.shape), view=info.name)
+
+
+def _written_through_a_view(src: Node, module: torch.nn.Module) -> bool:
+    """Whether an impure op (an in-place write left as it is) reads ``src``'s root along
+    view ops, or any view of it (all of them, down the view ops)."""
+    family, todo = set(), [view_root(src, module)]
+    while todo:
+        n = todo.pop()
+        if n in family:
+            continue
+        family.add(n)
+        if any(u.op != "output" and is_impure(u, module) for u in n.users):
+            return True
+        todo.extend(u for u in n.users if view_base(u, module) is n)
+    return False
 
 
 def _returned(node: Node) -> bool:

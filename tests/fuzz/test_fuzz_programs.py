@@ -366,3 +366,14 @@ def test_an_addcmul_with_an_empty_operand_compiles(seed: int) -> None:
     program = generate(RandomDraw(seed), seed, draw_step)
     failures = check_compiled(program, "triton", DEVICE)
     assert not failures, _report(program, failures)
+
+
+def test_a_view_read_after_a_write_through_its_sibling_view_sees_the_write() -> None:
+    """H200 run of session 45 (also on the CPU), seed 9891099: ``v0 = x0.min()``, then
+    ``v2 = reshape(v0, (1,))`` and ``v3 = reshape(v0, (1, 1))``, ``silu(v2, inplace=True)``
+    and ``maximum(v3, v3)`` returned. Fusion made ``v3`` a copy in the kernel computing
+    the min, before the write, which it missed: every compiled call returned the min, not
+    its silu. A view whose memory any view of it is written through stays a view."""
+    program = generate(RandomDraw(9891099), 9891099, draw_step)
+    failures = check_compiled(program, "triton", DEVICE)
+    assert not failures, _report(program, failures)

@@ -347,6 +347,24 @@ def test_in_place_ops_are_barriers() -> None:
     torch.testing.assert_close(fused(x.clone()), f(x.clone()))
 
 
+def test_a_view_whose_memory_a_sibling_view_writes_stays_a_view() -> None:
+    # fuzz seed 9891099: ``b`` in the group of ``m`` would be its kernel's copy, made
+    # before the write through ``a``, which eager's ``b`` sees (the group's eager ops
+    # make it a view still: the kernel is what would differ)
+    def f(x):
+        m = x.amin()
+        a = torch.reshape(m, (1,))
+        b = torch.reshape(m, (1, 1))
+        a.mul_(2)
+        return torch.maximum(b, b)
+
+    x = torch.randn(4, 8)
+    fused = fuse(_prep(f, x, canonical=False))
+    assert [getattr(fused, c.target).meta["nodes"] for c in _fused_calls(fused)] == [
+        ["amin"], ["maximum"]]
+    torch.testing.assert_close(fused(x), f(x))
+
+
 def test_scalar_inputs_become_group_inputs() -> None:
     g = Graph()
     x = g.placeholder("x")
