@@ -41,7 +41,8 @@ What this pass changes, and what it keeps:
   neither contiguous nor channels-last, is left unchanged: copying it back could break
   an alias eager's result had. So is one where such a value meets an op whose result
   depends on the layout (``view``, ``as_strided``, ``stride()``, storing it with
-  ``setattr``);
+  ``setattr``), or a random draw shaped like it (``rand_like``, training-mode dropout:
+  their numbers follow the memory order, so each element would get another than eager's);
 - the metadata of the values whose layout changes (the recorded ``tensor_meta_rec``, or
   ShapeProp's ``tensor_meta``) is computed again on meta tensors, so that the passes after
   it, and the parallel precompile, see the strides the graph runs with;
@@ -85,6 +86,7 @@ from fxlite.passes.shape_prop import (
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg, target_name
 from fxlite.ops import lookup
+from fxlite.ops.records import draws_by_layout
 
 __all__ = ["CONVS", "channels_last_convs"]
 
@@ -180,7 +182,7 @@ def channels_last_convs(gm: GraphModule) -> bool:
         if n not in downstream:
             downstream.add(n)
             stack.extend(u for u in n.users if u.op != "output")
-    if any(target_name(n) in _LAYOUT_SENSITIVE for n in downstream):
+    if any(target_name(n) in _LAYOUT_SENSITIVE or draws_by_layout(n, gm) for n in downstream):
         return False
     output = next(n for n in graph.nodes if n.op == "output")
     returned: list[tuple[Node, Any]] = []

@@ -26,9 +26,17 @@ from torch import nn
 
 from fxlite.node import Node
 from fxlite.ops.dropout import draw_seed, seeded_dropout
-from fxlite.ops.table import OpInfo, attribute_at, dtype_of, lookup, promote, register
+from fxlite.ops.table import (
+    OpInfo,
+    attribute_at,
+    canonical_args,
+    dtype_of,
+    lookup,
+    promote,
+    register,
+)
 
-__all__ = ["amax_or_empty", "has_side_effect", "is_impure"]
+__all__ = ["amax_or_empty", "draws_by_layout", "has_side_effect", "is_impure"]
 
 T = torch.Tensor
 # aten overloads are spellings too (AOTAutograd's graphs, ``backend="fxlite_aot"``): only
@@ -89,6 +97,38 @@ for _t in _RANDOM_MODULES:
 def _is_random(info: OpInfo) -> bool:
     return any(f in _RANDOM_FUNCTIONS for f in info.functions) or any(
         m in _RANDOM_METHODS for m in info.methods) or any(t in _RANDOM_MODULES for t in info.modules)
+
+
+_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                       "feature_alpha_dropout"})
+# in-place fills of a tensor with random numbers (Tensor methods)
+_RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "random_",
+                           "geometric_", "log_normal_", "cauchy_"})
+
+
+def draws_by_layout(node: Node, module: torch.nn.Module | None = None) -> bool:
+    """Whether ``node`` draws random numbers into a tensor shaped like one it reads, whose
+    values then follow that tensor's memory order: ``torch.rand_like`` of a channels-last
+    value fills it in channels-last order, so element ``(n, c, h, w)`` gets another number
+    than eager's in its NCHW value. Training-mode dropout (``p > 0``), the random records
+    of the table and in-place random fills count; an eval-mode dropout is the identity.
+
+    Example::
+
+        draws_by_layout(rand_like_node)   # True
+        draws_by_layout(relu_node)        # False
+    """
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.op == "call_method" and node.target in _RANDOM_FILLS:
+        return True
+    info = lookup(node, module)
+    if info is None or info.kind != "effect":
+        return False
+    if info.name in _DROPOUTS:
+        p = canonical_args(node, info, module).get("p", 0.5)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return _is_random(info)
 
 
 def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
