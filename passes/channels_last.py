@@ -107,6 +107,28 @@ _LAYOUT_SENSITIVE = frozenset({"view", "view_as", "as_strided", "stride", "is_co
                                "setattr"})
 
 
+def _tensors_from(starts: list[Node]) -> set[Node]:
+    """The tensors computed from ``starts`` (by their users, transitively), not through
+    a size read: ``torch.empty(x.shape)`` has no layout of ``x``'s."""
+    found: set[Node] = set()
+    todo = list(starts)
+    while todo:
+        n = todo.pop()
+        if n in found or _layout(n) is None:
+            continue
+        found.add(n)
+        todo.extend(u for u in n.users if u.op != "output")
+    return found
+
+
+def _draws_in_its_order(n: Node, gm: GraphModule) -> bool:
+    """Whether ``n`` draws random numbers (``draws_by_layout``) into a tensor with two dims
+    or more of size above 1, where channels-last and eager's order can differ (the mask
+    of a stochastic depth, (N, 1, 1, 1), is drawn in one order either way)."""
+    layout = _layout(n)
+    return draws_by_layout(n, gm) and (layout is None or sum(s > 1 for s in layout[0]) >= 2)
+
+
 def _layout(node: Node) -> tuple[tuple, torch.dtype, Any] | None:
     """(shape, dtype, memory format) recorded for ``node``'s value, or None."""
     layout = node_layout(node)
@@ -176,13 +198,15 @@ def channels_last_convs(gm: GraphModule) -> bool:
     if not reads and not switches:
         return False
     downstream: set[Node] = set()
-    stack = [reader for reader, _ in reads] + [s.reshape for s in switches]
+    starts = [reader for reader, _ in reads] + [s.reshape for s in switches]
+    stack = list(starts)
     while stack:
         n = stack.pop()
         if n not in downstream:
             downstream.add(n)
             stack.extend(u for u in n.users if u.op != "output")
-    if any(target_name(n) in _LAYOUT_SENSITIVE or draws_by_layout(n, gm) for n in downstream):
+    if any(target_name(n) in _LAYOUT_SENSITIVE for n in downstream) or any(
+            _draws_in_its_order(n, gm) for n in _tensors_from(starts)):
         return False
     output = next(n for n in graph.nodes if n.op == "output")
     returned: list[tuple[Node, Any]] = []

@@ -855,3 +855,17 @@ def test_a_compiled_conv_then_rand_like_draws_eagers_numbers(backend, channels_l
         got = compiled(x, w)
         torch.manual_seed(call)
         assert torch.equal(got, fn(x, w)), call
+
+
+def test_a_stochastic_depth_mask_drawn_per_sample_keeps_the_conversion():
+    # torchvision's StochasticDepth ("row"): a (N, 1, 1, 1) mask, drawn in one order in
+    # either layout, from the input's size (a size read: no layout of the input's)
+    def fn(x, w):
+        y = F.conv2d(x, w, padding=1)
+        noise = torch.empty((y.shape[0], 1, 1, 1)).bernoulli_(0.9).div_(0.9)
+        keep = y.new_empty((y.shape[0], 1, 1, 1)).bernoulli_(0.9)
+        return y * noise * keep
+
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 3, 3)
+    gm = traced(fn, x, w)
+    assert channels_last_convs(gm)
