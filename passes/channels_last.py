@@ -121,12 +121,18 @@ def _tensors_from(starts: list[Node]) -> set[Node]:
     return found
 
 
-def _draws_in_its_order(n: Node, gm: GraphModule) -> bool:
-    """Whether ``n`` draws random numbers (``draws_by_layout``) into a tensor with two dims
-    or more of size above 1, where channels-last and eager's order can differ (the mask
-    of a stochastic depth, (N, 1, 1, 1), is drawn in one order either way)."""
-    layout = _layout(n)
-    return draws_by_layout(n, gm) and (layout is None or sum(s > 1 for s in layout[0]) >= 2)
+def _drawn_like(n: Node) -> Node | None:
+    """The tensor a random draw ``n`` takes its layout from (``rand_like(y)``: ``y``;
+    ``t.uniform_()``: ``t``; ``dropout(y)``: ``y``): its first tensor argument."""
+    for a in (*n.args, *n.kwargs.values()):
+        if isinstance(a, Node) and _layout(a) is not None:
+            return a
+    return None
+
+
+def _strides(n: Node) -> tuple | None:
+    layout = node_layout(n)
+    return None if layout is None else tuple(layout[1])
 
 
 def _layout(node: Node) -> tuple[tuple, torch.dtype, Any] | None:
@@ -205,9 +211,17 @@ def channels_last_convs(gm: GraphModule) -> bool:
         if n not in downstream:
             downstream.add(n)
             stack.extend(u for u in n.users if u.op != "output")
-    if any(target_name(n) in _LAYOUT_SENSITIVE for n in downstream) or any(
-            _draws_in_its_order(n, gm) for n in _tensors_from(starts)):
+    if any(target_name(n) in _LAYOUT_SENSITIVE for n in downstream):
         return False
+    # random draws shaped like a value computed from a converted one: the conversion
+    # stands only if that value keeps eager's strides (checked after it, on the new
+    # metadata; the graph as it was is kept to go back to)
+    draws = [n for n in _tensors_from(starts) if draws_by_layout(n, gm)]
+    drawn = {n: a for n in draws if (a := _drawn_like(n)) is not None}
+    if len(drawn) < len(draws):
+        return False  # a draw shaped like nothing we can follow
+    strides = {a: _strides(a) for a in drawn.values()}
+    as_it_was = copy.deepcopy(graph) if drawn else None
     output = next(n for n in graph.nodes if n.op == "output")
     returned: list[tuple[Node, Any]] = []
     roots: set[Node] = set()
@@ -267,6 +281,10 @@ def channels_last_convs(gm: GraphModule) -> bool:
         first.replace_input_with(base, back)
     gm.recompile()
     _layouts_again(gm, downstream)
+    if any(_strides(a) != before or not _runs_again(a, gm) and a in downstream
+           for a, before in strides.items()):
+        gm.graph = as_it_was  # a draw would fill another order than eager's
+        return False
     return True
 
 

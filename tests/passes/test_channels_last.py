@@ -857,6 +857,24 @@ def test_a_compiled_conv_then_rand_like_draws_eagers_numbers(backend, channels_l
         assert torch.equal(got, fn(x, w)), call
 
 
+def test_a_dropout_of_a_flattened_pool_keeps_the_conversion():
+    # efficientnet's and mobilenet_v3's classifier in training: the (N, C) value the
+    # dropout reads has eager's strides in either layout
+    def fn(x, w):
+        y = F.adaptive_avg_pool2d(F.conv2d(x, w, padding=1), 1)
+        return F.dropout(torch.flatten(y, 1), 0.2, training=True) * 2
+
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3)
+    gm = traced(fn, x, w)
+    assert channels_last_convs(gm)
+    torch.manual_seed(0)
+    got = gm(x, w)
+    torch.manual_seed(0)
+    want = fn(x, w)
+    assert torch.equal(got == 0, want == 0)  # eager's mask (the conv rounds apart)
+    torch.testing.assert_close(got, want)
+
+
 def test_a_stochastic_depth_mask_drawn_per_sample_keeps_the_conversion():
     # torchvision's StochasticDepth ("row"): a (N, 1, 1, 1) mask, drawn in one order in
     # either layout, from the input's size (a size read: no layout of the input's)
