@@ -5,6 +5,7 @@ Run on a CUDA machine::
     python benchmarks/profile_step.py --case gpt2_block_f32 [--steps 30] [--top 25]
     FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --gpu   # device time
     python benchmarks/profile_step.py --case resnet18 --gpu --mode reduce-overhead --inductor
+    FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --blocks 8   # walls
 
 Uses the cases of ``bench_training.py``; prints each contender's median step time, then the
 functions with the most own time in fxlite's steps (after warm-up, so no compiling).
@@ -21,7 +22,9 @@ import copy
 import cProfile
 import os
 import pstats
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +55,9 @@ def main() -> None:
     parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
     parser.add_argument("--memory", action="store_true", help="peak memory step by step")
+    parser.add_argument("--blocks", type=int, default=0, metavar="N",
+                        help="instead of profiling: N blocks of 20 steps each, synchronized "
+                             "only at their ends; the best and median block's ms a step")
     parser.add_argument("--memory-sites", type=int, default=0, metavar="STEPS",
                         help="with --memory: the allocation sites live at the peak of each of the "
                              "first STEPS steps (torch's memory history)")
@@ -80,6 +86,12 @@ def main() -> None:
             continue
         for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
+        if args.blocks:
+            blocks = time_blocks(fn, model, opt, data, args.blocks)
+            kept = f"; kernels {len(fn.kernels)}" if label == "fxlite" else ""
+            print(f"{label}: best {min(blocks):.2f} ms, median {statistics.median(blocks):.2f} "
+                  f"ms a step, over {args.blocks} blocks of 20{kept}", flush=True)
+            continue
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
         if args.gpu:
@@ -95,6 +107,20 @@ def main() -> None:
             time_steps(fn, model, opt, data, args.steps)
             profile.disable()
             pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+
+
+def time_blocks(fn, model, opt, data, blocks: int) -> list[float]:
+    """ms a step of each block of 20 steps, synchronized only at the block's ends (the
+    host's launches of one step overlap the GPU's work on the last, as in training)."""
+    times = []
+    torch.cuda.synchronize()
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for i in range(20):
+            fn(model, opt, *data[i % len(data)])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / 20 * 1e3)
+    return times
 
 
 def memory_profile(label: str, fn, model, opt, data) -> None:
