@@ -41,8 +41,10 @@ What this pass changes, and what it keeps:
   neither contiguous nor channels-last, is left unchanged: copying it back could break
   an alias eager's result had. So is one where such a value meets an op whose result
   depends on the layout (``view``, ``as_strided``, ``stride()``, storing it with
-  ``setattr``), or a random draw shaped like it (``rand_like``, training-mode dropout:
-  their numbers follow the memory order, so each element would get another than eager's);
+  ``setattr``), or a random draw shaped like a value whose strides change
+  (``rand_like``, training-mode dropout: their numbers follow the memory order, so each
+  element would get another than eager's; found on the new metadata, the graph then put
+  back as it was);
 - the metadata of the values whose layout changes (the recorded ``tensor_meta_rec``, or
   ShapeProp's ``tensor_meta``) is computed again on meta tensors, so that the passes after
   it, and the parallel precompile, see the strides the graph runs with;
@@ -107,14 +109,21 @@ _LAYOUT_SENSITIVE = frozenset({"view", "view_as", "as_strided", "stride", "is_co
                                "setattr"})
 
 
+_SIZE_READS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride",
+                         "is_contiguous", "data_ptr"})
+_SIZE_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda"})
+
+
 def _tensors_from(starts: list[Node]) -> set[Node]:
-    """The tensors computed from ``starts`` (by their users, transitively), not through
+    """The values computed from ``starts`` (by their users, transitively), not through
     a size read: ``torch.empty(x.shape)`` has no layout of ``x``'s."""
     found: set[Node] = set()
     todo = list(starts)
     while todo:
         n = todo.pop()
-        if n in found or _layout(n) is None:
+        name = target_name(n)
+        if n in found or name in _SIZE_READS or name == "getattr" and len(n.args) > 1 \
+                and n.args[1] in _SIZE_ATTRIBUTES:
             continue
         found.add(n)
         todo.extend(u for u in n.users if u.op != "output")
@@ -280,8 +289,8 @@ def channels_last_convs(gm: GraphModule) -> bool:
                           if k in ("tensor_meta_rec", "tensor_meta", "type")})
         first.replace_input_with(base, back)
     gm.recompile()
-    _layouts_again(gm, downstream)
-    if any(_strides(a) != before or not _runs_again(a, gm) and a in downstream
+    again = _layouts_again(gm, downstream)
+    if any(_strides(a) != before or a in downstream and a not in again
            for a, before in strides.items()):
         gm.graph = as_it_was  # a draw would fill another order than eager's
         return False
@@ -383,7 +392,7 @@ def _switch_to_channels_last(graph: Any, switch: _Switch) -> Node:
     return back
 
 
-def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
+def _layouts_again(gm: GraphModule, changed: set[Node]) -> set[Node]:
     """The metadata of the values whose layout the conversion changed, computed again on
     meta tensors: it was recorded (``tensor_meta_rec``) or propagated (``tensor_meta``) in
     eager's layout, and the parallel precompile plans kernels for what it says. Planned
@@ -391,7 +400,7 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
     operands as another layout, and compiled again, one kernel after another, at the
     first call. Only strides change; a value that cannot be computed keeps what it had,
     and so does a node with effects other than writing its input (it is not run again,
-    not even on meta tensors).
+    not even on meta tensors). Returns the nodes whose metadata was computed again.
 
     Example (a conv's output, ``tensor_meta_rec``)::
 
@@ -410,8 +419,9 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
     try:
         fill_missing_meta(work)
     except Exception:  # the metadata serves planning only: left as it was
-        return
+        return set()
     found = {n.name: n.meta.get("tensor_meta") for n in work.graph.nodes if n.name in names}
+    done: set[Node] = set()
     for n in changed:
         tm = found.get(n.name)
         if not isinstance(tm, TensorMetadata):
@@ -421,6 +431,8 @@ def _layouts_again(gm: GraphModule, changed: set[Node]) -> None:
             n.meta["tensor_meta_rec"] = (rec[0], tuple(tm.stride), *rec[2:])
         if isinstance(old, TensorMetadata) and old.shape == tm.shape and old.dtype == tm.dtype:
             n.meta["tensor_meta"] = old._replace(stride=tm.stride, memory_format=tm.memory_format)
+        done.add(n)
+    return done
 
 
 def _runs_again(n: Node, gm: GraphModule) -> bool:

@@ -817,10 +817,11 @@ def test_a_departition_that_eager_does_as_a_view_stays():
     (lambda y: torch.bernoulli(torch.sigmoid(y)), False),
     (lambda y: torch.empty_like(y).uniform_(), False),
     (lambda y: F.dropout(y, 0.3, training=True), False),
+    (lambda y: torch.rand_like(torch.sort(y, dim=1)[0]), False),  # through a tuple's item
     (lambda y: F.dropout(y, 0.0, training=True), True),  # draws nothing
     (lambda y: F.dropout(y, 0.3, training=False), True)],  # the identity
-    ids=["rand_like", "randn_like", "bernoulli", "uniform_", "dropout", "dropout_p0",
-         "dropout_eval"])
+    ids=["rand_like", "randn_like", "bernoulli", "uniform_", "dropout", "sorted",
+         "dropout_p0", "dropout_eval"])
 def test_a_random_draw_shaped_like_a_converted_value_leaves_the_graph_unchanged(
         draw, converted):
     # their numbers follow the memory order: channels-last, each element gets another
