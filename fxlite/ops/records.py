@@ -99,8 +99,12 @@ def _is_random(info: OpInfo) -> bool:
         m in _RANDOM_METHODS for m in info.methods) or any(t in _RANDOM_MODULES for t in info.modules)
 
 
-_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                       "feature_alpha_dropout"})
+# the dropouts, functional and module: random in training mode, recorded below
+_DROPOUT_OPS = ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
+                (F.dropout2d, nn.Dropout2d), (F.dropout3d, nn.Dropout3d),
+                (F.alpha_dropout, nn.AlphaDropout),
+                (F.feature_alpha_dropout, nn.FeatureAlphaDropout))
+_DROPOUTS = frozenset(fn.__name__ for fn, _ in _DROPOUT_OPS)
 # in-place fills of a tensor with random numbers (Tensor methods)
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "random_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -475,10 +479,7 @@ def _dropout_refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-for _fn, _module in ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
-                     (F.dropout2d, nn.Dropout2d), (F.dropout3d, nn.Dropout3d),
-                     (F.alpha_dropout, nn.AlphaDropout),
-                     (F.feature_alpha_dropout, nn.FeatureAlphaDropout)):
+for _fn, _module in _DROPOUT_OPS:
     _op(_fn.__name__, "effect", _fn, (), (), modules=(_module,), impure=True,
         params=("input", "p", "training", "inplace"),
         defaults=(("p", 0.5), ("training", True), ("inplace", False)),
