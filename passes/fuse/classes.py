@@ -177,18 +177,21 @@ def _classify_view(node: Node, info: OpInfo, module: torch.nn.Module, shape: Sha
 
 
 def _written_through_a_view(src: Node, module: torch.nn.Module) -> bool:
-    """Whether an impure op (an in-place write left as it is) reads ``src``'s root along
-    view ops, or any view of it (all of them, down the view ops)."""
-    family, todo = set(), [view_root(src, module)]
+    """Whether an impure op (an in-place write left as it is) reads ``src``'s memory:
+    its root along view ops, or any view of that."""
+    return any(u.op != "output" and is_impure(u, module)
+               for n in _view_family(view_root(src, module), module) for u in n.users)
+
+
+def _view_family(root: Node, module: torch.nn.Module) -> set[Node]:
+    """``root`` and every view of it, down the view ops: the values sharing its memory."""
+    family, todo = set(), [root]
     while todo:
         n = todo.pop()
-        if n in family:
-            continue
-        family.add(n)
-        if any(u.op != "output" and is_impure(u, module) for u in n.users):
-            return True
-        todo.extend(u for u in n.users if view_base(u, module) is n)
-    return False
+        if n not in family:
+            family.add(n)
+            todo.extend(u for u in n.users if view_base(u, module) is n)
+    return family
 
 
 def _returned(node: Node) -> bool:
@@ -202,13 +205,4 @@ def _seen_outside(src: Node, view: Node, module: torch.nn.Module) -> bool:
     root = view_root(src, module)
     if root.op in ("placeholder", "get_attr"):
         return True
-    family, todo = set(), [root]
-    while todo:
-        n = todo.pop()
-        if n in family:
-            continue
-        family.add(n)
-        if n is not view and _returned(n):
-            return True
-        todo.extend(u for u in n.users if view_base(u, module) is n)
-    return False
+    return any(n is not view and _returned(n) for n in _view_family(root, module))
