@@ -213,3 +213,40 @@ def test_a_gpt2_blocks_step_makes_no_region():
     kinds = [getattr(getattr(k, "group", None), "meta", {}).get("fused_kind")
              for seg in compiled._last for k in seg.compiled.kernels]
     assert "region" not in kinds and compiled.fallbacks == []
+
+
+@pytest.mark.parametrize("rows", [2, 64])
+def test_a_single_channel_half_batch_norm_rounds_its_input_gradient_once(rows):
+    # Fuzz seed 10219968 (CPU): a float16 BatchNorm of one channel, near-equal values. Its
+    # sums are (1, 1): when only sums with a dim over 1 made regions, its groups stayed
+    # apart, and x got two float16 gradients (the mean's sum, and the centred values') of
+    # about 30 that cancel to 0.07, each rounded before the engine added them: 0.0703 and
+    # -0.0781 where eager's kernel, rounding once, gives 0.0734 and -0.0734.
+    def f(x, rm, rv):
+        return F.batch_norm(x, rm, rv, training=True, momentum=0.1)
+
+    gen = torch.Generator().manual_seed(0)
+    compiled = fxlite.compile(f)
+    for call in range(3):
+        x = (0.6 + 0.03 * torch.randn(rows, 1, generator=gen)).half().to(DEVICE)
+        if call == 0 and rows == 2:
+            x = torch.tensor([[0.5903], [0.6499]], dtype=torch.float16, device=DEVICE)
+        g = torch.randn(rows, 1, generator=gen).half().to(DEVICE)
+        grads, outs = [], []
+        for fn in (f, compiled):
+            xs = x.clone().requires_grad_()
+            stats = (torch.zeros(1, device=DEVICE), torch.ones(1, device=DEVICE))
+            y = fn(xs, *stats)
+            y.backward(g)
+            grads.append(xs.grad)
+            outs.append((y.detach(), *stats))
+        wide = x.double().requires_grad_()
+        F.batch_norm(wide, None, None, training=True).backward(g.double())
+        eager_error = (grads[0].double() - wide.grad).abs().max()
+        assert (grads[1].double() - wide.grad).abs().max() <= eager_error * 1.5 + 1e-4, call
+        for got, want in zip(outs[1], outs[0]):
+            torch.testing.assert_close(got, want)
+    assert compiled.fallbacks == []
+    kinds = [getattr(getattr(k, "group", None), "meta", {}).get("fused_kind")
+             for seg in compiled._last for k in seg.compiled.kernels]
+    assert "region" in kinds
