@@ -173,6 +173,7 @@ class CompiledFunction:
         self._followed: dict[FollowKey | CallKey, Any] = {}
         self._by_numbers = False  # some plan is followed for any value of float arguments
         self._behind_back_warned = False
+        self._replay_warned = False
         # keys whose recordings read sizes -> the size arguments that decide them (None: the
         # sizes of every argument)
         self._sized: dict[CallKey, tuple[int, ...] | None] = {}
@@ -354,13 +355,29 @@ class CompiledFunction:
         or, when its recording changes nothing (no write, no random draw, no effect), run
         the function again from the start. Eager then raises its own exception, at the
         user's line, where the user's ``except`` sees it (a shape that no longer
-        broadcasts, a Cholesky of a matrix that is not positive definite)."""
+        broadcasts, a Cholesky of a matrix that is not positive definite).
+
+        Where eager then returns, the replay raised what the program does not. A
+        RuntimeError, IndexError or ValueError is what ops raise on values (the program
+        may catch it itself: a size that no longer broadcasts); any other exception (a
+        TypeError, an AttributeError, a KeyError) is fxlite's own failure, which would
+        otherwise cost every such call a replay and an eager run unseen: the first one
+        warns, with the exception."""
         if grad is not None:  # eager's `with torch.no_grad():` (and autocast's `with`)
             set_ambient(grad)  # restore them on the way out
-        if not (_pure(seg.recording) or _nothing_written(seg, sys.exc_info()[1])):
+        error = sys.exc_info()[1]
+        if not (_pure(seg.recording) or _nothing_written(seg, error)):
             raise  # the exception being handled
         self._last = []
-        return self._fn(*args, **kwargs)
+        out = self._fn(*args, **kwargs)
+        if not self._replay_warned and not isinstance(error, _VALUE_ERRORS):
+            self._replay_warned = True
+            said = str(error).strip().splitlines()
+            warn_user(f"fxlite.compile: a compiled call of {_name(self._fn)} raised "
+                      f"{type(error).__name__}{': ' + said[0] if said else ''}, where eager "
+                      "PyTorch did not: an fxlite bug, please report it. That call ran in "
+                      "eager PyTorch, as will others that raise so")
+        return out
 
     def _straight_line(self, fkey: FastKey, seg: Segment, args: tuple,
                        picks: tuple[int, ...]) -> Any:
@@ -985,6 +1002,10 @@ def _unusual(leaves: list[Any]) -> str | None:
             if type(a) is not _TENSOR and not isinstance(a, torch.nn.Parameter):
                 return f"tensor of the subclass {type(a).__qualname__}"
     return None
+
+
+# what ops raise on the values they are given (a program may catch them itself)
+_VALUE_ERRORS = (RuntimeError, IndexError, ValueError)
 
 
 def _pure(rec: Any) -> bool:

@@ -233,6 +233,32 @@ def test_an_exception_reaches_the_users_except_on_a_later_call():
     assert not said
 
 
+def test_a_replay_failing_inside_fxlite_warns_once_and_gives_eagers_result(monkeypatch):
+    # Session 45 (noticed): a replay that raised from fxlite's own code (a TypeError in a
+    # runner), on a pure segment, ran every call in eager with no word. Each such call
+    # still gives eager's result; the first one now says so, with the exception.
+    f = fxlite.compile(lambda x: torch.relu(x) * 2)
+    for _ in range(3):
+        f(torch.randn(4, device=DEVICE))
+    seg = f._last[0]
+
+    def broken(*args):
+        raise TypeError("'NoneType' object is not callable")
+
+    monkeypatch.setattr(seg, "run", broken)
+    if f._fast is not None:
+        f._fast.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(4, device=DEVICE)
+            torch.testing.assert_close(f(x), torch.relu(x) * 2)
+    said = [str(w.message) for w in caught if "fxlite" in str(w.message)]
+    assert len(said) == 1 and "TypeError: 'NoneType' object is not callable" in said[0] \
+        and "fxlite bug" in said[0], said
+    assert caught[0].filename == __file__  # the user's line
+
+
 def test_a_shape_error_propagates_as_eagers():
     f = fxlite.compile(lambda x, y: x + y)
     f(torch.ones(4), torch.ones(4))
