@@ -216,7 +216,7 @@ def argument_key(a: Any, contents: bool = True) -> tuple:
     except AttributeError:
         d = None
     names = tuple(d) if type(d) is dict else None  # attributes added or deleted
-    return (t, identity(a), names, _content(a)) if contents else (t, identity(a), names)
+    return (t, identity(a), names, _value_key(a)) if contents else (t, identity(a), names)
 
 
 def _bound_key(v: Any) -> Any:
@@ -461,10 +461,9 @@ class StateGuard:
                 append(tuple(map(id, hooks.values())) if hooks else ())
         for v in bound:
             if isinstance(v, tuple):  # defaults
-                append(tuple(_scalar_key(x) if isinstance(x, _SCALARS) else _content(x)
-                             for x in v))
+                append(tuple(map(_value_key, v)))
             else:
-                append(_scalar_key(v) if isinstance(v, _SCALARS) else _content(v))
+                append(_value_key(v))
         if self._objects:  # plain objects modules hold (a config), read each call: their
             # own attributes only (a transformers config has dozens, some of them dicts)
             append(tuple(map(_attributes_key, self._objects)))
@@ -566,7 +565,11 @@ class StateGuard:
                 append(tuple(map(id, hooks.values())) if hooks else ())
             for name in attrs:
                 v = d.get(name, _EMPTY)
-                append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
+                t = type(v)
+                if t is bool or t is int or t is str or v is None:  # _scalar_key's, inline
+                    append((t, v))
+                else:
+                    append(_scalar_key(v) if isinstance(v, _SCALARS) else id(v))
         return tuple(out)
 
 
@@ -617,31 +620,74 @@ def _attributes_key(obj: Any, depth: int = 2) -> tuple:
         d = object.__getattribute__(obj, "__dict__")
     except AttributeError:
         return (id(obj),)
-    return tuple([v if v.__class__ in _FLAT else
-                  (id(v), _attributes_key(v, depth - 1)) if depth > 1 and users_object(v)
-                  else id(v) for v in d.values()])
+    out: list[Any] = []
+    append = out.append
+    for v in d.values():
+        if v.__class__ in _FLAT:
+            append(v)
+        elif depth > 1 and user_class(type(v)):  # (users_object's test)
+            append((id(v), _attributes_key(v, depth - 1)))
+        else:
+            append(id(v))
+    return tuple(out)
 
 
-def _content(v: Any) -> Any:
-    """A key for a bound value that is not a scalar: its identity, and for a small
-    container or plain object (a list a closure holds, a config) also its contents, which
-    can change while the identity stays; for a tensor, whether it requires grad."""
+# How _value_key keys a value, by its type (the guard keys the same few types each call;
+# deciding took 2.2 of a logging.Logger's 5.0 us on a 2-core CPU, five a T5 call)
+_SCALAR, _ID, _TENSOR, _OPTIMIZER, _CLASS, _CONTENTS, _LENGTH, _ATTRIBUTES = range(8)
+_KINDS: dict[type, int] = {}
+
+
+def _kind(v: Any) -> int:
+    if isinstance(v, _SCALARS):
+        return _SCALAR
     if isinstance(v, torch.Tensor):  # a global or closure tensor: requires_grad can flip
-        return (id(v), v.requires_grad)
+        return _TENSOR
     if isinstance(v, torch.optim.Optimizer):
-        return (id(v), optimizer_key(v))
+        return _OPTIMIZER
     if isinstance(v, type):
-        return (id(v), contents_key(v)) if user_class(v) else id(v)
+        return _CLASS
     if not is_stateful(v):
-        return id(v)
+        return _ID
     if type(v) in (list, dict, set, bytearray) or users_object(v):
-        return (id(v), contents_key(v))
+        return _CONTENTS
     if isinstance(v, (list, dict, set, bytearray)):  # a library's registry
-        return (id(v), len(v))
+        return _LENGTH
     # a library's object (a logging.Logger, a transformers registry): its own attributes
     # only; walking on into a Logger's manager cost 0.1-0.4 ms a call, and a transformers
     # model's helpers name five loggers
-    return (id(v), _attributes_key(v))
+    return _ATTRIBUTES
+
+
+def _value_key(v: Any) -> Any:
+    """A key for a value a function reads (a global, a closure cell, a default): a
+    scalar by value (:func:`_scalar_key`); otherwise its identity, and for a small
+    container or plain object (a list a closure holds, a config) also its contents, which
+    can change while the identity stays; for a tensor, whether it requires grad."""
+    t = type(v)
+    try:
+        kind = _KINDS[t]
+    except KeyError:
+        kind = _kind(v)
+        if len(_KINDS) < 4096:  # (classes made on the fly, in a loop: decided each time)
+            _KINDS[t] = kind
+    except TypeError:  # (a metaclass without __hash__)
+        kind = _kind(v)
+    if kind == _SCALAR:
+        return _scalar_key(v)
+    if kind == _ID:
+        return id(v)
+    if kind == _ATTRIBUTES:
+        return (id(v), _attributes_key(v))
+    if kind == _TENSOR:
+        return (id(v), v.requires_grad)
+    if kind == _CONTENTS:
+        return (id(v), contents_key(v))
+    if kind == _LENGTH:
+        return (id(v), len(v))
+    if kind == _OPTIMIZER:
+        return (id(v), optimizer_key(v))
+    return (id(v), contents_key(v)) if user_class(v) else id(v)  # a class
 
 
 def _plain_attrs(m: torch.nn.Module) -> tuple[str, ...]:

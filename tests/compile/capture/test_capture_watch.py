@@ -19,6 +19,7 @@ import random
 import time
 import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -231,6 +232,48 @@ def test_an_exception_reaches_the_users_except_on_a_later_call():
         make, inputs=lambda i: (torch.ones(4, device=DEVICE),
                                 torch.ones(sizes[i], device=DEVICE)))
     assert not said
+
+
+class _Scale:  # an object of the user's class: its attributes are read each call
+    def __init__(self, value):
+        self.value = value
+
+
+def test_a_closure_value_changing_kind_between_calls_is_seen_each_time():
+    # The guard keys a value the way its type is keyed, decided once a type: a closure
+    # cell rebound from a float to a list, to an object of the user's class, to a Logger,
+    # is read right on each call, and so is a change inside each (the list's item, the
+    # object's attribute, the Logger's level).
+    logger = logging.getLogger("fxlite.test.kinds")
+    logger.setLevel(10)
+    v: Any = 2.0
+
+    def fn(x):
+        if isinstance(v, float):
+            return x * v
+        if isinstance(v, list):
+            return x * v[0]
+        if isinstance(v, logging.Logger):
+            return x * v.level
+        return x * v.value
+
+    def inside():
+        if isinstance(v, list):
+            v[0] += 1.0
+        elif isinstance(v, logging.Logger):
+            v.setLevel(v.level + 10)
+        else:
+            v.value += 1.0
+
+    f = fxlite.compile(fn)
+    for value in (2.0, 3.0, [4.0], None, _Scale(5.0), None, logger, None):
+        if value is None:
+            inside()
+        else:
+            v = value
+        for _ in range(2):
+            x = torch.randn(4, device=DEVICE)
+            torch.testing.assert_close(f(x), fn(x))
 
 
 def test_a_replay_failing_inside_fxlite_warns_once_and_gives_eagers_result(monkeypatch):
