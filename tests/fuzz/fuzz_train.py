@@ -1,0 +1,417 @@
+"""Random training steps, compiled and eager side by side: results, parameters, gradients,
+module buffers and optimizer state compared after every call.
+
+A program is a small model (linear or convolutional layers, norms, activations, some
+parameters frozen), a loss, an optimizer (SGD, Adam, AdamW, RMSprop or Adagrad, with
+their options) and a step function (``zero_grad`` before or after, gradient clipping,
+gradient accumulation over two micro-batches, a learning-rate scheduler, a gradient
+norm read into Python). Between calls the program changes what a user changes: the
+learning rate, which parameters train, train or eval mode, the batch size. Each is drawn
+from ``random.Random(seed)``, so a seed names a program::
+
+    program = draw_train(1234)
+    print(program.describe())
+    failures = check_train(program, "cpu")   # [] when every call matched eager's
+
+The compiled side is ``fxlite.compile(step)``; the eager side runs ``step`` itself, on a
+copy of the model and optimizer made from the same seed. Two more eager copies tell
+rounding from error: one in float64, one given each micro-batch in reverse order (the
+same sums, rounded in another order); where the compiled side strays from eager's, it
+fails only if it strays more than four times as far from float64's as either eager run does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["TrainProgram", "check_train", "draw_train"]
+
+ACTIVATIONS = ("relu", "gelu", "tanh", "silu", "none")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
+CHANGES = ("none", "lr", "freeze", "unfreeze", "eval", "train", "resize")
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    """One drawn training step (see the module docstring)."""
+
+    seed: int
+    image: bool  # (N, C, H, W) inputs and convolutions, else (N, F) and linears
+    layers: list[tuple[str, Any]]
+    loss: str  # "ce", "mse" or "square"
+    optimizer: str
+    options: dict[str, Any]
+    zero_first: bool
+    set_to_none: bool
+    clip: float | None
+    accumulate: bool
+    scheduler: bool
+    read_norm: bool
+    frozen: list[int]
+    changes: list[str]
+    groups: bool = False  # two parameter groups: biases and norms without weight decay
+    scale_grads: bool = False  # p.grad.mul_(0.5) between backward and step
+    every_other: bool = False  # step and zero_grad on every second call (a Python counter)
+    item: bool = False  # the loss returned as loss.item()
+    calls: int = 7
+
+    def describe(self) -> str:
+        """The program in a few lines, for a failure's report."""
+        return (f"seed {self.seed}: {'image' if self.image else 'vector'} model "
+                f"{self.layers}, loss {self.loss}, {self.optimizer}{self.options}, "
+                f"zero_grad {'first' if self.zero_first else 'last'} "
+                f"(set_to_none={self.set_to_none}), clip {self.clip}, accumulate "
+                f"{self.accumulate}, scheduler {self.scheduler}, read_norm {self.read_norm}, "
+                f"frozen {self.frozen}, changes before each call {self.changes}, groups "
+                f"{self.groups}, scale_grads {self.scale_grads}, every_other "
+                f"{self.every_other}, item {self.item}")
+
+
+def draw_train(seed: int) -> TrainProgram:
+    """The training program of ``seed``."""
+    r = random.Random(seed)
+    image = r.random() < 0.5
+    layers: list[tuple[str, Any]] = []
+    width = 3 if image else 6
+    for _ in range(r.randint(1, 3)):
+        out = r.choice((4, 8))
+        layers.append(("conv" if image else "linear", (width, out, r.random() < 0.5)))
+        width = out
+        norm = r.choice(("batch", "layer", "none") if not image else ("batch", "none"))
+        if norm == "batch" and not _no_bias_before(layers):
+            norm = "none"  # a BatchNorm's bias before it, a shift it takes away
+        if norm != "none":
+            layers.append((norm, width if norm == "batch" else (width, True)))
+        act = r.choice(ACTIVATIONS)
+        if act != "none":
+            layers.append((act, None))
+        if r.random() < 0.3:
+            layers.append(("residual", (width, True)))
+    if image:
+        layers.append(("pool", None))
+    layers.append(("linear", (width, 5, True)))
+    optimizer = r.choice(OPTIMIZERS)
+    options: dict[str, Any] = {"lr": r.choice((1e-2, 1e-3))}
+    if r.random() < 0.4:
+        options["weight_decay"] = 1e-2
+    if optimizer == "sgd" and r.random() < 0.6:
+        options["momentum"] = 0.9
+        options["nesterov"] = r.random() < 0.5
+    if optimizer in ("adam", "adamw") and r.random() < 0.3:
+        options["amsgrad"] = True
+    if optimizer == "rmsprop" and r.random() < 0.5:
+        options["momentum"] = 0.5
+        options["centered"] = r.random() < 0.5
+    if r.random() < 0.3:
+        options["foreach"] = False
+    params = sum(2 if kind == "batch" else (1 + spec[-1])
+                 for kind, spec in layers if kind in ("conv", "linear", "batch", "layer",
+                                                      "residual"))
+    frozen = sorted(r.sample(range(params), k=1)) if r.random() < 0.3 else []
+    calls = 7  # a key runs fxlite's kernels from its third call: three calls first
+    return TrainProgram(
+        seed=seed, image=image, layers=layers, loss=r.choice(("ce", "mse", "square")),
+        optimizer=optimizer, options=options, zero_first=r.random() < 0.7,
+        set_to_none=r.random() < 0.7, clip=r.choice((None, None, 1.0, 0.05)),
+        accumulate=r.random() < 0.2, scheduler=r.random() < 0.3,
+        read_norm=r.random() < 0.3, frozen=frozen,
+        changes=["none"] * 3 + [r.choice(CHANGES) if r.random() < 0.4 else "none"
+                                for _ in range(calls - 3)],
+        groups=r.random() < 0.3, scale_grads=r.random() < 0.2,
+        every_other=r.random() < 0.2, item=r.random() < 0.2, calls=calls)
+
+
+def _no_bias_before(layers: list[tuple[str, Any]]) -> bool:
+    """No bias on the layers a BatchNorm's input would come through without a
+    nonlinearity: the BatchNorm takes away any constant shift, so such a bias has a
+    gradient of 0 in exact arithmetic, and in floating point a rounding error of eager's
+    or fxlite's own, which Adam or RMSprop scale up to a step of the learning rate's size
+    either way (real models have no bias there). False, and ``layers`` as they were,
+    where an earlier BatchNorm's bias would be one (no second BatchNorm then)."""
+    kept = list(layers)
+    for i in range(len(layers) - 1, -1, -1):
+        kind, spec = layers[i]
+        if kind in ("conv", "linear"):
+            layers[i] = (kind, (spec[0], spec[1], False))
+        elif kind == "residual":
+            layers[i] = (kind, (spec[0], False))
+        elif kind == "layer":  # its bias is such a shift too; its weight is not
+            layers[i] = (kind, (spec[0], False))
+            return True
+        elif kind == "batch":
+            layers[:] = kept
+            return False
+        else:
+            return True
+    return True
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+def _layer(kind: str, spec: Any, image: bool) -> nn.Module:
+    if kind == "conv":
+        return nn.Conv2d(spec[0], spec[1], 3, padding=1, bias=spec[2])
+    if kind == "linear":
+        return nn.Linear(spec[0], spec[1], bias=spec[2])
+    if kind == "batch":
+        return nn.BatchNorm2d(spec) if image else nn.BatchNorm1d(spec)
+    if kind == "layer":
+        return nn.LayerNorm(spec[0], bias=spec[1])
+    if kind == "residual":
+        inner = nn.Conv2d(spec[0], spec[0], 1, bias=spec[1]) if image else \
+            nn.Linear(spec[0], spec[0], bias=spec[1])
+        return _Residual(inner)
+    if kind == "pool":
+        return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "tanh": nn.Tanh(), "silu": nn.SiLU()}[kind]
+
+
+def _build(program: TrainProgram, device: str, dtype: torch.dtype = torch.float32
+           ) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(program.seed)
+    model = nn.Sequential(*[_layer(k, s, program.image) for k, s in program.layers])
+    model = model.to(device, dtype)
+    for i, p in enumerate(model.parameters()):
+        if i in program.frozen:
+            p.requires_grad_(False)
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+           "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}[program.optimizer]
+    if program.groups:
+        named = list(model.named_parameters())
+        plain = [q for n, q in named if q.dim() <= 1]
+        opt = cls([{"params": [q for n, q in named if q.dim() > 1]},
+                   {"params": plain, "weight_decay": 0.0}], **program.options)
+    else:
+        opt = cls(model.parameters(), **program.options)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) \
+        if program.scheduler else None
+    return model, opt, sched
+
+
+def _step_fn(program: TrainProgram) -> Any:
+    p = program
+
+    def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        if p.loss == "ce":
+            return F.cross_entropy(out, y)
+        if p.loss == "mse":
+            return F.mse_loss(out, torch.tanh(y.to(out.dtype).unsqueeze(1).expand_as(out)))
+        return (out * out).mean()
+
+    calls = [0]
+
+    def step(model: nn.Module, opt: Any, sched: Any, x: torch.Tensor, y: torch.Tensor
+             ) -> tuple[Any, ...]:
+        calls[0] += 1
+        stepping = not p.every_other or calls[0] % 2 == 0
+        if p.zero_first and stepping and not p.every_other:
+            opt.zero_grad(set_to_none=p.set_to_none)
+        if p.accumulate:
+            half = x.shape[0] // 2
+            loss = loss_of(model, x[:half], y[:half]) / 2
+            loss.backward()
+            second = loss_of(model, x[half:], y[half:]) / 2
+            second.backward()
+            loss = loss + second
+        else:
+            loss = loss_of(model, x, y)
+            loss.backward()
+        norm = None
+        if p.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                [q for q in model.parameters() if q.grad is not None], p.clip)
+        if p.read_norm:
+            grads = [q.grad.norm() for q in model.parameters() if q.grad is not None]
+            norm = float(torch.stack(grads).norm()) if grads else 0.0
+        if p.scale_grads:
+            for q in model.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(0.5)
+        if stepping:
+            opt.step()
+            if sched is not None:
+                sched.step()
+            if not p.zero_first or p.every_other:
+                opt.zero_grad(set_to_none=p.set_to_none)
+        return (loss.item() if p.item else loss.detach()), norm
+
+    return step
+
+
+def _inputs(program: TrainProgram, call: int, batch: int, device: str
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(program.seed * 100 + call)
+    shape = (batch, 3, 6, 6) if program.image else (batch, 6)
+    x = torch.randn(shape, generator=g)
+    y = torch.randint(0, 5, (batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def _change(kind: str, model: nn.Module, opt: Any, batch: int) -> int:
+    if kind == "lr":
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * 0.5
+    elif kind == "freeze":
+        trained = [q for q in model.parameters() if q.requires_grad]
+        if len(trained) > 1:
+            trained[0].requires_grad_(False)
+    elif kind == "unfreeze":
+        for q in model.parameters():
+            q.requires_grad_(True)
+    elif kind == "eval":
+        model.eval()
+    elif kind == "train":
+        model.train()
+    elif kind == "resize":
+        return 6 if batch == 4 else 4
+    return batch
+
+
+def _state(model: nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, q in model.named_parameters():
+        out[f"param {name}"] = q.detach()
+        out[f"param {name} requires_grad"] = q.requires_grad
+        out[f"grad {name}"] = None if q.grad is None else q.grad.detach()
+    for name, b in model.named_buffers():
+        out[f"buffer {name}"] = b
+    params = list(model.parameters())
+    for i, q in enumerate(params):
+        for k, v in opt.state.get(q, {}).items():
+            out[f"optimizer state {i} {k}"] = v
+    for j, group in enumerate(opt.param_groups):
+        for k, v in group.items():
+            if k != "params":
+                out[f"group {j} {k}"] = v
+    if sched is not None:
+        out["scheduler last_lr"] = sched.get_last_lr()
+        out["scheduler last_epoch"] = sched.last_epoch
+    out["training"] = model.training
+    return out
+
+
+def _off(got: Any, want: Any, exact: Any, other: Any) -> str | None:
+    """Where float32 ``got`` is further from eager's ``want`` than rounding explains:
+    None, or how far. Float32 runs stray from the float64 run ``exact`` by rounding, and
+    an optimizer can scale a rounding of a tiny gradient up (Adam's and RMSprop's steps,
+    RMSprop's momentum), so a gap counts only where ``got`` strays more than four times as far
+    from ``exact`` as eager's runs do: ``want``, and ``other``, eager's on the batch in
+    another order, whose sums round as another kernel's would."""
+    a, b = (torch.as_tensor(v, dtype=torch.float64).cpu() for v in (got, want))
+    if torch.allclose(a, b, rtol=1e-3, atol=1e-4, equal_nan=True):
+        return None
+    gap = (a - b).abs().max().item()
+    if exact is None:
+        return f"max difference {gap:.3g}"
+    t = torch.as_tensor(exact, dtype=torch.float64).cpu()
+    ours = (a - t).abs().max().item()
+    eagers = max((torch.as_tensor(v, dtype=torch.float64).cpu() - t).abs().max().item()
+                 for v in (want, other))
+    if ours <= 4 * eagers + 1e-6:
+        return None
+    return f"max difference {gap:.3g} (from float64's: {ours:.3g}, eager's {eagers:.3g})"
+
+
+def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
+                 exact: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    problems = []
+    for key in sorted(set(got) | set(want)):
+        a, b = got.get(key, "<missing>"), want.get(key, "<missing>")
+        t, o = exact.get(key), other.get(key)
+        if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(f"{where}: {key}: {a.dtype}{tuple(a.shape)} against eager's "
+                                f"{b.dtype}{tuple(b.shape)}")
+                continue
+            ok = all(isinstance(v, torch.Tensor) and v.shape == b.shape for v in (t, o))
+            off = _off(a, b, t if ok else None, o)
+            if off:
+                problems.append(f"{where}: {key}: {off}")
+        elif isinstance(a, float) and isinstance(b, float):
+            off = _off(a, b, t if isinstance(t, float) and isinstance(o, float) else None, o)
+            if off:
+                problems.append(f"{where}: {key}: {a} against eager's {b}, {off}")
+        elif isinstance(a, list) and isinstance(b, list) and all(
+                isinstance(v, float) for v in a + b) and len(a) == len(b):
+            if any(abs(u - v) > 1e-9 + 1e-6 * abs(v) for u, v in zip(a, b)):
+                problems.append(f"{where}: {key}: {a} against eager's {b}")
+        elif type(a) is not type(b) or (not isinstance(a, torch.Tensor) and a != b):
+            problems.append(f"{where}: {key}: {a!r} against eager's {b!r}")
+    return problems
+
+
+def check_train(program: TrainProgram, device: str = "cpu",
+                stats: dict[str, int] | None = None) -> list[str]:
+    """Failures of the compiled step against eager's, over ``program.calls`` calls
+    (empty when every call matched): results, exceptions, parameters, gradients,
+    buffers, optimizer and scheduler state. Eager runs in float64 and on the batch in
+    another order tell rounding from error (see ``_off``). ``stats`` (if given) counts the calls that ran
+    fxlite's kernels and those that ran in eager whole."""
+    import fxlite
+
+    if device != "cpu":  # TF32 convolutions differ by algorithm (fxlite may pick
+        # channels-last ones): 1e-3 apart, which Adam and RMSprop scale up
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    step = _step_fn(program)  # each side its own (its Python counter of calls)
+    exact_step, other_step = _step_fn(program), _step_fn(program)
+    sides = [_build(program, device), _build(program, device)]
+    exact_side, other_side = _build(program, device, torch.float64), _build(program, device)
+    compiled = fxlite.compile(_step_fn(program))
+    failures: list[str] = []
+    batch = 4
+    for call in range(program.calls):
+        for model, opt, _ in (*sides, exact_side, other_side):
+            batch_now = _change(program.changes[call], model, opt, batch)
+        batch = batch_now
+        x, y = _inputs(program, call, batch, device)
+        outs: list[Any] = []
+        for fn, (model, opt, sched) in ((step, sides[0]), (compiled, sides[1])):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    outs.append((fn(model, opt, sched, x.clone(), y.clone()), None))
+                except Exception as e:  # compared below
+                    outs.append((None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+            if fn is compiled:
+                failures += [f"call {call}: warning: {str(w.message).splitlines()[0][:300]}"
+                             for w in caught if "fxlite" in str(w.message)
+                             and any(k in str(w.message) for k in ("bug", "Error", "failed"))]
+        if stats is not None:
+            ran = "calls with kernels" if compiled.kernels else "calls without kernels"
+            stats[ran] = stats.get(ran, 0) + 1
+        (want, err_e), (got, err_c) = outs
+        where = f"call {call} (after {program.changes[call]})"
+        if err_e != err_c:
+            failures.append(f"{where}: eager raised {err_e}, compiled raised {err_c}")
+            break
+        if err_e is not None:
+            break
+        exact = exact_step(*exact_side, x.double(), y)
+        half = batch // 2 if program.accumulate else batch  # each micro-batch reversed
+        order = torch.cat([torch.arange(half - 1, -1, -1), torch.arange(batch - 1, half - 1, -1)])
+        other = other_step(*other_side, x[order.to(device)].clone(), y[order.to(device)].clone())
+        failures += _differences({"loss": got[0], "norm": got[1]},
+                                 {"loss": want[0], "norm": want[1]}, where,
+                                 {"loss": exact[0], "norm": exact[1]},
+                                 {"loss": other[0], "norm": other[1]})
+        failures += _differences(_state(*sides[1]), _state(*sides[0]), where,
+                                 _state(*exact_side), _state(*other_side))
+        if failures:
+            break
+    return failures
