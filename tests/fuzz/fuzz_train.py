@@ -278,7 +278,7 @@ def _change(kind: str, model: nn.Module, opt: Any, batch: int) -> int:
     elif kind == "train":
         model.train()
     elif kind == "resize":
-        return 6 if batch == 4 else 4
+        return {4: 6, 6: 4, 8: 12, 12: 8}[batch]
     return batch
 
 
@@ -374,7 +374,9 @@ def check_train(program: TrainProgram, device: str = "cpu",
     exact_side, other_side = _build(program, device, torch.float64), _build(program, device)
     compiled = fxlite.compile(_step_fn(program))
     failures: list[str] = []
-    batch = 4
+    # micro-batches of 4 or 6: a BatchNorm of two samples gives each +-1 whatever they are,
+    # so the gradients before it are rounding errors (seed 288), which RMSprop scales up
+    batch = 8 if program.accumulate else 4
     for call in range(program.calls):
         for model, opt, _ in (*sides, exact_side, other_side):
             batch_now = _change(program.changes[call], model, opt, batch)
