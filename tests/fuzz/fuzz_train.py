@@ -5,8 +5,9 @@ A program is a small model (linear or convolutional layers, norms, activations, 
 parameters frozen), a loss, an optimizer (SGD, Adam, AdamW, RMSprop or Adagrad, with
 their options) and a step function (``zero_grad`` before or after, gradient clipping,
 gradient accumulation over two micro-batches, a learning-rate scheduler, a gradient
-norm read into Python). Between calls the program changes what a user changes: the
-learning rate, which parameters train, train or eval mode, the batch size. Each is drawn
+norm read into Python, the forward under bfloat16 autocast). Between calls the program
+changes what a user changes: the learning rate, which parameters train, train or eval
+mode, the batch size. Each is drawn
 from ``random.Random(seed)``, so a seed names a program::
 
     program = draw_train(1234)
@@ -60,6 +61,7 @@ class TrainProgram:
     scale_grads: bool = False  # p.grad.mul_(0.5) between backward and step
     every_other: bool = False  # step and zero_grad on every second call (a Python counter)
     item: bool = False  # the loss returned as loss.item()
+    autocast: bool = False  # the forward and loss under torch.autocast(bfloat16)
     calls: int = 7
 
     def describe(self) -> str:
@@ -71,7 +73,7 @@ class TrainProgram:
                 f"{self.accumulate}, scheduler {self.scheduler}, read_norm {self.read_norm}, "
                 f"frozen {self.frozen}, changes before each call {self.changes}, groups "
                 f"{self.groups}, scale_grads {self.scale_grads}, every_other "
-                f"{self.every_other}, item {self.item}")
+                f"{self.every_other}, item {self.item}, autocast {self.autocast}")
 
 
 def draw_train(seed: int) -> TrainProgram:
@@ -125,7 +127,8 @@ def draw_train(seed: int) -> TrainProgram:
         changes=["none"] * 3 + [r.choice(CHANGES) if r.random() < 0.4 else "none"
                                 for _ in range(calls - 3)],
         groups=r.random() < 0.3, scale_grads=r.random() < 0.2,
-        every_other=r.random() < 0.2, item=r.random() < 0.2, calls=calls)
+        every_other=r.random() < 0.2, item=r.random() < 0.2, calls=calls,
+        autocast=r.random() < 0.25)
 
 
 def _no_bias_before(layers: list[tuple[str, Any]]) -> bool:
@@ -206,12 +209,13 @@ def _step_fn(program: TrainProgram) -> Any:
     p = program
 
     def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = model(x)
-        if p.loss == "ce":
-            return F.cross_entropy(out, y)
-        if p.loss == "mse":
-            return F.mse_loss(out, torch.tanh(y.to(out.dtype).unsqueeze(1).expand_as(out)))
-        return (out * out).mean()
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=p.autocast):
+            out = model(x)
+            if p.loss == "ce":
+                return F.cross_entropy(out, y)
+            if p.loss == "mse":
+                return F.mse_loss(out, torch.tanh(y.to(out.dtype).unsqueeze(1).expand_as(out)))
+            return (out * out).mean()
 
     calls = [0]
 
