@@ -5,7 +5,8 @@ A program is a small model (linear or convolutional layers, norms, activations, 
 parameters frozen), a loss, an optimizer (SGD, Adam, AdamW, RMSprop or Adagrad, with
 their options) and a step function (``zero_grad`` before or after, gradient clipping,
 gradient accumulation over two micro-batches, a learning-rate scheduler, a gradient
-norm read into Python, the forward under bfloat16 autocast). Between calls the program
+norm read into Python, the forward under bfloat16 autocast); a sequence model has a
+causal attention layer. Between calls the program
 changes what a user changes: the learning rate, which parameters train, train or eval
 mode, the batch size. Each is drawn
 from ``random.Random(seed)``, so a seed names a program::
@@ -62,11 +63,13 @@ class TrainProgram:
     every_other: bool = False  # step and zero_grad on every second call (a Python counter)
     item: bool = False  # the loss returned as loss.item()
     autocast: bool = False  # the forward and loss under torch.autocast(bfloat16)
+    sequence: bool = False  # (N, T, F) inputs, a causal attention layer, a mean over T
     calls: int = 7
 
     def describe(self) -> str:
         """The program in a few lines, for a failure's report."""
-        return (f"seed {self.seed}: {'image' if self.image else 'vector'} model "
+        kind = "image" if self.image else "sequence" if self.sequence else "vector"
+        return (f"seed {self.seed}: {kind} model "
                 f"{self.layers}, loss {self.loss}, {self.optimizer}{self.options}, "
                 f"zero_grad {'first' if self.zero_first else 'last'} "
                 f"(set_to_none={self.set_to_none}), clip {self.clip}, accumulate "
@@ -118,7 +121,7 @@ def draw_train(seed: int) -> TrainProgram:
                                                       "residual"))
     frozen = sorted(r.sample(range(params), k=1)) if r.random() < 0.3 else []
     calls = 7  # a key runs fxlite's kernels from its third call: three calls first
-    return TrainProgram(
+    program = TrainProgram(
         seed=seed, image=image, layers=layers, loss=r.choice(("ce", "mse", "square")),
         optimizer=optimizer, options=options, zero_first=r.random() < 0.7,
         set_to_none=r.random() < 0.7, clip=r.choice((None, None, 1.0, 0.05)),
@@ -129,6 +132,13 @@ def draw_train(seed: int) -> TrainProgram:
         groups=r.random() < 0.3, scale_grads=r.random() < 0.2,
         every_other=r.random() < 0.2, item=r.random() < 0.2, calls=calls,
         autocast=r.random() < 0.25)
+    if not image and r.random() < 0.3:  # drawn last: earlier seeds keep their programs
+        program.sequence = True
+        layers[:] = [("layer", (s[0] if isinstance(s, tuple) else s, True)) if k == "batch"
+                     else (k, s) for k, s in layers]  # (a BatchNorm1d wants (N, C, T))
+        layers.insert(1, ("attention", layers[0][1][1]))
+        layers.insert(len(layers) - 1, ("seqpool", None))
+    return program
 
 
 def _no_bias_before(layers: list[tuple[str, Any]]) -> bool:
@@ -165,6 +175,25 @@ class _Residual(nn.Module):
         return x + self.inner(x)
 
 
+class _Attention(nn.Module):
+    """Causal self-attention of two heads with a residual, as a GPT block writes it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, c = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(n, t, c))
+
+
+class _MeanOverTime(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
 def _layer(kind: str, spec: Any, image: bool) -> nn.Module:
     if kind == "conv":
         return nn.Conv2d(spec[0], spec[1], 3, padding=1, bias=spec[2])
@@ -180,6 +209,10 @@ def _layer(kind: str, spec: Any, image: bool) -> nn.Module:
         return _Residual(inner)
     if kind == "pool":
         return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    if kind == "attention":
+        return _Attention(spec)
+    if kind == "seqpool":
+        return _MeanOverTime()
     return {"relu": nn.ReLU(), "gelu": nn.GELU(), "tanh": nn.Tanh(), "silu": nn.SiLU()}[kind]
 
 
@@ -260,7 +293,8 @@ def _step_fn(program: TrainProgram) -> Any:
 def _inputs(program: TrainProgram, call: int, batch: int, device: str
             ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(program.seed * 100 + call)
-    shape = (batch, 3, 6, 6) if program.image else (batch, 6)
+    shape = (batch, 3, 6, 6) if program.image else (batch, 5, 6) if program.sequence \
+        else (batch, 6)
     x = torch.randn(shape, generator=g)
     y = torch.randint(0, 5, (batch,), generator=g)
     return x.to(device), y.to(device)

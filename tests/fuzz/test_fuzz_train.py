@@ -1,5 +1,5 @@
 """The training-step fuzzer (``fuzz_train.py``) on a few programs that between them
-draw every optimizer, both model kinds and every option and change between calls; long
+draw every optimizer, model kind (image, vector, sequence) and option and change between calls; long
 runs are ``benchmarks/fuzz_train.py``'s."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fxlite.codegen.runtime.kernel import interpreting
 DEVICE = "cpu" if interpreting() else "cuda"
 
 
-@pytest.mark.parametrize("seed", [20, 42, 75, 3, 13])
+@pytest.mark.parametrize("seed", [20, 42, 75, 3, 13, 2, 97, 51])
 def test_a_drawn_training_step_matches_eagers_state_on_every_call(seed):
     program = draw_train(seed)
     stats: dict[str, int] = {}
