@@ -132,6 +132,12 @@ def draw_train(seed: int) -> TrainProgram:
         groups=r.random() < 0.3, scale_grads=r.random() < 0.2,
         every_other=r.random() < 0.2, item=r.random() < 0.2, calls=calls,
         autocast=r.random() < 0.25)
+    if program.autocast and optimizer == "rmsprop":
+        # its momentum buffer holds g / sqrt(v) by element: for a gradient near 0, a
+        # bfloat16 rounding is a difference of order 1 there (seed 288: 0.49 from float64
+        # against eager's 0.055, where plain steps of the same model stay within 2x)
+        options.pop("momentum", None)
+        options.pop("centered", None)
     if not image and r.random() < 0.3:  # drawn last: earlier seeds keep their programs
         program.sequence = True
         layers[:] = [("layer", (s[0] if isinstance(s, tuple) else s, True)) if k == "batch"
@@ -366,6 +372,28 @@ def _off(got: Any, want: Any, exact: Any, other: Any, rtol: float) -> str | None
     return f"max difference {gap:.3g} (from float64's: {ours:.3g}, eager's {eagers:.3g})"
 
 
+def _level(side: tuple[nn.Module, Any, Any], eager: tuple[nn.Module, Any, Any]) -> None:
+    """Copy eager's parameters, gradients, buffers and optimizer state into ``side``'s
+    tensors, in place (what fxlite keys stays as it was): each call is then compared
+    from the same state, one step's rounding apart, where otherwise two runs' roundings
+    compound over the calls (bfloat16 autocast with Adam drifted 6x further from
+    float64 than eager in one run, 2x in the next, by luck)."""
+    (model, opt, _), (model_e, opt_e, _) = side, eager
+    with torch.no_grad():
+        for q, q_e in zip(model.parameters(), model_e.parameters()):
+            q.copy_(q_e)
+            if q.grad is not None and q_e.grad is not None:
+                q.grad.copy_(q_e.grad)
+            state, state_e = opt.state.get(q, {}), opt_e.state.get(q_e, {})
+            for k, v in state_e.items():
+                mine = state.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) \
+                        and mine.shape == v.shape:
+                    mine.copy_(v)
+        for b, b_e in zip(model.buffers(), model_e.buffers()):
+            b.copy_(b_e)
+
+
 def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
                  exact: dict[str, Any], other: dict[str, Any], rtol: float) -> list[str]:
     problems = []
@@ -457,6 +485,8 @@ def check_train(program: TrainProgram, device: str = "cpu",
                                  {"loss": other[0], "norm": other[1]}, rtol)
         failures += _differences(_state(*sides[1]), _state(*sides[0]), where,
                                  _state(*exact_side), _state(*other_side), rtol)
+        for side in (sides[1], exact_side, other_side):  # the next call starts level
+            _level(side, sides[0])
         if failures:
             break
     return failures

@@ -39,3 +39,30 @@ def test_the_check_sees_a_step_that_differs_from_eagers(monkeypatch):
 
     monkeypatch.setattr(fuzz_train, "_build", higher)
     assert check_train(draw_train(20), DEVICE)
+
+
+@pytest.mark.parametrize("seed", [20, 42])
+def test_the_check_sees_parameters_that_differ_from_eagers(monkeypatch, seed):
+    # Each call starts from eager's state (fuzz_train._level): a compiled step that
+    # leaves one parameter 3% off still fails, on the values alone.
+    import fuzz_train
+    import torch
+
+    make, made = fuzz_train._step_fn, []
+
+    def off(program):
+        step = make(program)
+        made.append(step)
+        if len(made) < 4:  # eager's, float64's, the reversed batch's; then the compiled one
+            return step
+
+        def step_off(model, opt, sched, x, y):
+            out = step(model, opt, sched, x, y)
+            with torch.no_grad():
+                next(model.parameters()).mul_(1.03)
+            return out
+        return step_off
+
+    monkeypatch.setattr(fuzz_train, "_step_fn", off)
+    failures = check_train(draw_train(seed), DEVICE)
+    assert failures and all("param 0.weight" in f for f in failures), failures
