@@ -756,7 +756,21 @@ def _feeds_kernels(node: Node, gm: GraphModule) -> bool:
     return True
 
 
-@register_decomposition(F.linear, when=_feeds_kernels)
+def _splits_bias(node: Node, gm: GraphModule) -> bool:
+    """Whether a linear's or conv's bias may become an add after a bias-free call: every
+    user joins a kernel (:func:`_feeds_kernels`) and the call gives its bias's dtype.
+
+    Why: under autocast a linear or conv of float32 tensors runs in bfloat16, its bias
+    cast too; an add split off it added the float32 bias and gave float32 where eager
+    gives bfloat16 (fuzz_train seed 500128).
+    """
+    bias = node.kwargs.get("bias", node.args[2] if len(node.args) > 2 else None)
+    if isinstance(bias, Node) and _node_dtype(bias, 8) != _node_dtype(node, 8):
+        return False
+    return _feeds_kernels(node, gm)
+
+
+@register_decomposition(F.linear, when=_splits_bias)
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
     # linear(x, w, b) -> linear(x, w) + b: the bias add joins the next kernel. Not in 16-bit
     # floats: the matmul would round before the add, which eager's addmm makes in float32
@@ -779,4 +793,4 @@ def _conv_rule(conv: Callable[..., Any], spatial: int) -> Rule:
 
 
 for _conv, _spatial in ((F.conv1d, 1), (F.conv2d, 2), (F.conv3d, 3)):
-    register_decomposition(_conv, when=_feeds_kernels)(_conv_rule(_conv, _spatial))
+    register_decomposition(_conv, when=_splits_bias)(_conv_rule(_conv, _spatial))
