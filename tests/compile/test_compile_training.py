@@ -490,6 +490,35 @@ def test_a_biased_layer_under_autocast_gives_autocasts_dtype_and_values(layer, g
     assert c.kernels
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_norm_of_a_bfloat16_input_under_autocast_keeps_its_float32_parameters(norm, grad):
+    # A norm of a bfloat16 input (a linear's under autocast) with float32 parameters runs
+    # its own mixed kernel, which autocast leaves alone on CPU: the parameters stay
+    # float32. explicit_autocast cast them to bfloat16, one bfloat16 unit off eager's
+    # results (fuzz_train seed 500128).
+    torch.manual_seed(0)
+    made = nn.LayerNorm(8) if norm == "layer_norm" else nn.RMSNorm(8)
+    m = nn.Sequential(nn.Linear(6, 8, bias=False), made, nn.ReLU()).to(DEVICE)
+    with torch.no_grad():
+        for p in made.parameters():
+            p.uniform_(0.5, 1.5)  # not representable in bfloat16
+
+    def f(model, x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return model(x)
+
+    c = fxlite.compile(f)
+    for _ in range(4):
+        x = torch.randn(16, 6, device=DEVICE)
+        with torch.set_grad_enabled(grad):
+            (out, warned), want = quiet(c, m, x), f(m, x)
+        assert out.dtype == want.dtype and warned == []
+        exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {}  # (CUDA's norm: float32)
+        torch.testing.assert_close(out, want, **exact)
+    assert c.kernels
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
