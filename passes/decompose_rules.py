@@ -764,7 +764,8 @@ def _splits_bias(node: Node, gm: GraphModule) -> bool:
     cast too; an add split off it added the float32 bias and gave float32 where eager
     gives bfloat16 (fuzz_train seed 500128).
     """
-    bias = node.kwargs.get("bias", node.args[2] if len(node.args) > 2 else None)
+    found = resolve(node, gm)
+    bias = found[1].get("bias") if found is not None else None
     if isinstance(bias, Node) and _node_dtype(bias, 8) != _node_dtype(node, 8):
         return False
     return _feeds_kernels(node, gm)

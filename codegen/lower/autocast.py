@@ -31,8 +31,9 @@ from fxlite.ops import resolve
 
 __all__ = ["explicit_autocast"]
 
-# norms whose kernels take a 16-bit input with float32 parameters (result: the input's dtype)
-_MIXED_NORMS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm"})
+# composite norms whose kernels take a 16-bit input with float32 parameters (result: the
+# input's dtype); group_norm and batch_norm do too, but are extern ops: they run as recorded
+_MIXED_NORMS = frozenset({"layer_norm", "rms_norm"})
 
 
 def _dtype(a: Any) -> Any:
