@@ -420,14 +420,23 @@ def check_train(program: TrainProgram, device: str = "cpu",
     """Failures of the compiled step against eager's, over ``program.calls`` calls
     (empty when every call matched): results, exceptions, parameters, gradients,
     buffers, optimizer and scheduler state. Eager runs in float64 and on the batch in
-    another order tell rounding from error (see ``_off``). ``stats`` (if given) counts the calls that ran
-    fxlite's kernels and those that ran in eager whole."""
+    another order tell rounding from error (see ``_off``). ``stats`` (if given) counts
+    the calls that ran fxlite's kernels and those that ran in eager whole. On CUDA, TF32
+    is off while it runs (convolutions differ by algorithm, and fxlite may pick
+    channels-last ones: 1e-3 apart, which Adam and RMSprop scale up)."""
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    if device != "cpu":
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _check_train(program, device, stats)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _check_train(program: TrainProgram, device: str, stats: dict[str, int] | None
+                 ) -> list[str]:
     import fxlite
 
-    if device != "cpu":  # TF32 convolutions differ by algorithm (fxlite may pick
-        # channels-last ones): 1e-3 apart, which Adam and RMSprop scale up
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
     step = _step_fn(program)  # each side its own (its Python counter of calls)
     exact_step, other_step = _step_fn(program), _step_fn(program)
     sides = [_build(program, device), _build(program, device)]
@@ -466,8 +475,9 @@ def check_train(program: TrainProgram, device: str = "cpu",
             break
         exact = exact_step(*exact_side, x.double(), y)
         half = batch // 2 if program.accumulate else batch  # each micro-batch reversed
-        order = torch.cat([torch.arange(half - 1, -1, -1), torch.arange(batch - 1, half - 1, -1)])
-        other = other_step(*other_side, x[order.to(device)].clone(), y[order.to(device)].clone())
+        order = torch.cat([torch.arange(half - 1, -1, -1),
+                           torch.arange(batch - 1, half - 1, -1)]).to(device)
+        other = other_step(*other_side, x[order], y[order])
         failures += _differences({"loss": got[0], "norm": got[1]},
                                  {"loss": want[0], "norm": want[1]}, where,
                                  {"loss": exact[0], "norm": exact[1]},
