@@ -366,7 +366,7 @@ def build_cat(branches: Sequence[Branch], dim: int, inputs: Sequence[Any],
     e.lines.append(ind + store_line(e, "out_ptr", result, Access("offs", frozenset({"lin"})),
                                     "mask", ""))
     body = "\n".join(e.lines)
-    text = header(body, e.helpers)
+    text = header(body, e.helpers, libdevice)
     # scalars are arguments whose values change between calls: Triton must not specialize
     # on them (an int equal to 1 would be baked into the binary every later call reuses)
     scalars = [p for p in params if not p.endswith("_ptr")]

@@ -259,6 +259,16 @@ def _via_helper(helper: str, libdevice_fn: str | None) -> Emit:
     return emit
 
 
+def _rsqrt(e: Emitter, a: dict, ct: torch.dtype) -> str:
+    # fp32 on the GPU: one PTX instruction, not libdevice's (source.GPU_HELPERS)
+    if not _is_float(ct):
+        raise Unsupported(f"rsqrt on {ct}")
+    x = e.c(a["input"], ct)
+    if e.libdevice and ct == torch.float32:
+        return f"{e.helper('_rsqrt_f32')}({x})"
+    return f"tl.rsqrt({x})"
+
+
 def _neg(e: Emitter, a: dict, ct: torch.dtype) -> str:
     if ct == torch.bool:
         raise Unsupported("bool negation")
@@ -497,7 +507,7 @@ TRITON_OPS: dict[str, TritonOp] = {
     "log1p": TritonOp(_via_helper("_log1p", "log1p")),
     "expm1": TritonOp(_via_helper("_expm1", "expm1")),
     "sqrt": TritonOp(_F(lambda e, x, a, ct: _sqrt(x, ct))),
-    "rsqrt": TritonOp(_unary("tl.rsqrt")),
+    "rsqrt": TritonOp(_rsqrt),
     "sin": TritonOp(_unary("tl.sin")),
     "cos": TritonOp(_unary("tl.cos")),
     "erf": TritonOp(_unary("tl.erf")),

@@ -177,7 +177,7 @@ def build_pointwise(plan: Plan, libdevice: bool) -> KernelSource:
         ["lena", "lenb"] if tile is not None else [])
     sig, args, nospec = signature(plan, "\n".join(bodies), used, loads, stores, counts)
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
-    text = header("\n".join(bodies), helpers)
+    text = header("\n".join(bodies), helpers, libdevice)
     blocks = {"rows": "BLOCK: tl.constexpr, ROWS: tl.constexpr",
               "transpose": "BA: tl.constexpr, BB: tl.constexpr"}
     for (variant, fn, _), body in zip(variants, bodies):

@@ -319,7 +319,7 @@ def build_reduction(plan: Plan, libdevice: bool) -> KernelSource:
     sig, args, nospec = signature(plan, body, k.used, k.loads, k.stores, ["rows", "cols"])
     deco = f"@triton.jit(do_not_specialize={nospec!r})" if nospec else "@triton.jit"
     params = ", ".join(sig) + ", ROWS: tl.constexpr, BLOCK_C: tl.constexpr"
-    text = header(body, e.helpers)
+    text = header(body, e.helpers, libdevice)
     fns = {}
     for variant, lines in (("persistent", persistent), ("looped", looped)):
         fn = f"{plan.name}_{variant}"

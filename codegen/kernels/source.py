@@ -85,8 +85,13 @@ def _fdiv(n, m, s):
     # n // d for 0 <= n < 2**31, from d's magic numbers (triton_source.division_magic).
     # Unsigned operands: older interpreters sign-extend int32 operands of umulhi.
     u = n.to(tl.uint32, bitcast=True)
-    q = tl.umulhi(u, m.to(tl.uint32, bitcast=True)) + u
+    q = _umulhi(u, m.to(tl.uint32, bitcast=True)) + u
     return (q >> s.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
+''',
+    "_umulhi": '''
+@triton.jit
+def _umulhi(a, b):
+    return tl.umulhi(a, b)
 ''',
     "_round_half_even": '''
 @triton.jit
@@ -167,16 +172,44 @@ def _pow(x, y):
 }
 
 
-def header(body: str, helpers: set[str]) -> str:
-    """The module preamble: imports and the helper functions ``body`` uses."""
+# The GPU's forms of helpers whose portable form Triton lowers to a libdevice call: one
+# PTX instruction each, the one libdevice's function is. A kernel that calls any libdevice
+# function has all of libdevice linked into it and optimized with it, 50 to 100 ms of
+# each compile, and on an H200 host most of fxlite's kernels linked it only for these two
+# (resnet50: 9 of 9 kernels that linked it, swin_t 25 of 29; BENCHMARKS.md).
+GPU_HELPERS = {
+    "_umulhi": '''
+@triton.jit
+def _umulhi(a, b):
+    # the high 32 bits of a * b (uint32): libdevice's __nv_umulhi is this instruction
+    return tl.inline_asm_elementwise("mul.hi.u32 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+''',
+    "_rsqrt_f32": '''
+@triton.jit
+def _rsqrt_f32(x):
+    # 1 / sqrt(x) in fp32, as CUDA's rsqrtf (eager's): denormal inputs are not flushed to
+    # zero, as libdevice's __nv_rsqrtf does under Triton's default FTZ reflection
+    return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+''',
+}
+
+
+def header(body: str, helpers: set[str], libdevice: bool = False) -> str:
+    """The module preamble: imports and the helper functions ``body`` uses, in their GPU
+    form (:data:`GPU_HELPERS`) where ``libdevice`` (compiling for a GPU) and one exists."""
     lines = ["import triton", "import triton.language as tl"]
     if "libdevice." in body:
         lines.append("from triton.language.extra import libdevice")
     text = "\n".join(lines) + "\n"
     if "_fdiv(" in body:  # index splitting (decompose) uses it without an Emitter
         helpers = helpers | {"_fdiv"}
+    if "_fdiv" in helpers:
+        helpers = helpers | {"_umulhi"}
     for name in sorted(helpers):
-        text += "\n" + HELPERS[name]
+        text += "\n" + (GPU_HELPERS.get(name) if libdevice and name in GPU_HELPERS
+                        else HELPERS[name])
     return text
 
 
