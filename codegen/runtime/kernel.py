@@ -264,6 +264,31 @@ class _Spec:
 _NOT_POINTWISE = op_table.OpInfo("unknown", "unknown", None)
 
 
+def _reorderable(group: GraphModule) -> bool:
+    """Whether the group may iterate in its inputs' memory order (kernels/layout.py): ops
+    that are all pointwise, so that nothing depends on the order of the dims. Not a clone
+    into a memory format: its result's layout is that format, whatever its input's."""
+    return all((op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
+               and n.kwargs.get("memory_format") is None
+               for n in group.graph.nodes
+               if n.op in ("call_function", "call_method", "call_module"))
+
+
+def _order(inputs: Sequence[Any], least_rank: int) -> tuple[int, ...] | None:
+    """The memory order a reorderable group runs ``inputs`` in, or None (the logical one).
+    It runs on full-rank views of the inputs (permute_inputs), so an output made from
+    lower-rank inputs alone would come back with leading size-1 dims: a group with such an
+    output (``least_rank`` below the inputs' rank) keeps the logical order."""
+    order = memory_order(inputs)
+    return None if order is None or least_rank < len(order) else order
+
+
+def _runs_ordered(spec: _Spec | None) -> bool:
+    """Whether a specialization built for ordered inputs runs them: its outputs have the
+    plan's full rank."""
+    return spec is not None and all(len(d) == spec.plan.rank for d, *_ in spec.launch.out_layout)
+
+
 def _least_output_rank(group: GraphModule) -> int:
     """The lowest rank among the group's outputs that ShapeProp described (a large number
     when it described none: the kernel's check against eager still refuses a wrong shape)."""
@@ -310,16 +335,7 @@ class TritonKernel:
         # fingerprint of the inputs -> a prepared launch (GPU only; see DirectLaunch)
         self._direct: dict[tuple, DirectLaunch] | None = (
             None if interpreting() or not config.direct_launch() else {})
-        # A group of pointwise ops only may iterate in its inputs' memory order
-        # (kernels/layout.py): nothing in it depends on the order of the dims. Not a clone
-        # into a memory format: its result's layout is that format, whatever its input's.
-        self._reorder = self.kind == "pointwise" and all(
-            (op_table.lookup(n, group) or _NOT_POINTWISE).kind == "pointwise"
-            and n.kwargs.get("memory_format") is None
-            for n in group.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
-        # It runs on full-rank views of the inputs (permute_inputs), so an output made from
-        # lower-rank inputs alone would come back with leading size-1 dims: a group with
-        # such an output keeps the logical order when the inputs' ranks differ.
+        self._reorder = self.kind == "pointwise" and _reorderable(group)
         self._least_rank = _least_output_rank(group)
 
     @property
@@ -356,15 +372,12 @@ class TritonKernel:
         """The specialization for ``inputs``, the inputs it runs on, the iteration space and
         the memory order (None: the logical one; see ``kernels/layout.py``)."""
         try:
-            order = memory_order(inputs) if self._reorder else None
-            if order is not None and self._least_rank < len(order):
-                order = None
+            order = _order(inputs, self._least_rank) if self._reorder else None
             if order is not None:  # the kernel runs on views in memory order
                 ordered = permute_inputs(inputs, order)
                 key, shape = key_and_shape(ordered)
                 spec = self._spec_for(ordered, key)
-                if spec is not None and all(len(d) == spec.plan.rank
-                                            for d, *_ in spec.launch.out_layout):
+                if _runs_ordered(spec):
                     return spec, ordered, shape, order
             key, shape = key_and_shape(inputs)
         except RuntimeError:
@@ -428,9 +441,8 @@ class TritonKernel:
                 unique = math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0) \
                     if t.numel() else 0
                 total += unique * t.element_size()
-        spec = self._spec_for(inputs)
+        spec, _, shape, _ = self.select(inputs)  # the specialization a call runs
         if spec is not None:
-            shape = iteration_space(list(inputs))
             for dims, span, dtype, _ in spec.launch.out_layout:
                 n = math.prod(shape[d] if d in span else 1 for d in dims)
                 total += n * dtype.itemsize
@@ -530,7 +542,21 @@ def generate_kernel(group_gm: GraphModule, example_inputs: Sequence[Any], name: 
     if getattr(group_gm, "meta", {}).get("fused_kind") == "cat":
         cat = CatKernel(group_gm, identifier(name), libdevice)
         return cat if cat.prepare(inputs) is not None else None
-    spec = _build(group_gm, inputs, libdevice, max_block)
+    # The first specialization is the one the first call will run: for inputs in another
+    # memory order than the logical one (channels-last), a pointwise group's in that order
+    # (TritonKernel.select); built for the logical order first, every such kernel was
+    # generated twice.
+    spec = None
+    try:
+        order = _order(inputs, _least_output_rank(group_gm)) if _reorderable(group_gm) else None
+    except RuntimeError:  # no common iteration space: the logical build decides
+        order = None
+    if order is not None:
+        spec = _build(group_gm, permute_inputs(inputs, order), libdevice, max_block)
+        if not _runs_ordered(spec) or spec.plan.kind != "pointwise":
+            spec = None
+    if spec is None:
+        spec = _build(group_gm, inputs, libdevice, max_block)
     if spec is None:
         return None
     return TritonKernel(group_gm, spec, name=identifier(name), libdevice=libdevice,

@@ -379,6 +379,37 @@ def test_an_output_of_a_lower_rank_input_keeps_its_rank_in_a_reordered_kernel(la
     assert not compiled.fallbacks, compiled.fallbacks
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "contiguous"])
+def test_a_reordered_pointwise_kernel_is_generated_once(layout, monkeypatch):
+    """A pointwise group over channels-last inputs runs in their memory order; its kernel
+    was generated first for the logical order (never run), then for the memory order at
+    the first launch, then for the logical order again to count its bytes: two or three
+    sources per kernel of every channels-last net's first call. One now, the one it runs,
+    and the results are eager's on every call."""
+    import fxlite.codegen.runtime.kernel as runtime_kernel
+
+    built = []
+    real = runtime_kernel._build
+    monkeypatch.setattr(runtime_kernel, "_build",
+                        lambda group, inputs, *rest: (built.append(inputs), real(group, inputs, *rest))[1])
+
+    def f(x, b):
+        return torch.relu(x * 2 + b) - 1
+
+    compiled = fxlite.compile(f)
+    for _ in range(3):
+        x = torch.randn(4, 8, 5, 3, device=DEVICE)
+        x = {"channels_last": x.contiguous(memory_format=torch.channels_last),
+             "transposed": x.transpose(1, 3), "contiguous": x}[layout]
+        b = torch.randn(8, 1, 1, device=DEVICE) if layout != "transposed" else torch.randn(3, 1, 1,
+                                                                                         device=DEVICE)
+        got, want = compiled(x, b), f(x, b)
+        same(got, want)
+    assert len(compiled.kernels) == 1 and not compiled.fallbacks, compiled.fallbacks
+    assert len(built) == 1, [[tuple(t.stride()) for t in i if isinstance(t, torch.Tensor)]
+                             for i in built]
+
+
 def test_a_view_of_a_kept_reduced_dim_checks_the_values_size_not_the_rows():
     """``amax(x, -1, keepdim=True).reshape(1, 1)`` of a 1x4 input: the view's size check
     compared its literal 1 with the iteration space's 4 at the reduced dim, so the kernel
