@@ -40,7 +40,7 @@ from fxlite.codegen.capture.records import (
     TensorOut,
     ValueOut,
     format_site,
-    layout_copy,
+    layout_copies,
     tensor_meta,
     user_site,
 )
@@ -547,9 +547,10 @@ class Recorder(TorchFunctionMode):
             # result) writes the others that share its memory (x and x.squeeze())
             targets = [(name, t)] if self._is_external(name) else []
             targets += [(n, v) for n, v in self._externals_sharing(t) if n != name]
-            for name, value in targets:
-                if self._is_external(name) and name not in self.rec.pre_state:
-                    self.rec.pre_state[name] = layout_copy(value)
+            new = [(n, v) for n, v in targets if self._is_external(n) and n not in self.rec.pre_state]
+            # (copies sharing memory as the tensors do: a write to one shows in the others)
+            for (n, _), copy in zip(new, layout_copies([v for _, v in new])):
+                self.rec.pre_state[n] = copy
 
     def _is_external(self, name: str) -> bool:
         return self._nodes[name].op in ("placeholder", "get_attr") or name in self._prefix_names

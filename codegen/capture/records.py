@@ -26,7 +26,7 @@ from fxlite.graph import Graph
 
 __all__ = ["LIB_DIRS", "ConstRef", "EagerValue", "NodeRef", "ObjectRef", "Out", "Read", "Recording",
            "ResultRef", "SeqOut", "Slot", "Step", "TensorOut", "ValueOut", "format_site",
-           "last_frame", "layout_copy", "recording_in_thread", "recording_thread",
+           "last_frame", "layout_copies", "layout_copy", "recording_in_thread", "recording_thread",
            "result_leaves", "strided_clone", "tensor_meta", "user_site"]
 
 # Frames in these folders are fxlite's or torch's, never the user's.
@@ -46,6 +46,39 @@ def layout_copy(t: torch.Tensor) -> torch.Tensor:
     a row-major one; fuzz seed 9805300). An expanded tensor (a stride 0) is cloned."""
     with torch.no_grad():
         return strided_clone(t.detach())
+
+
+def layout_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`layout_copy` of each tensor, where tensors that share memory get copies that
+    share one copy of it the same way: a check that writes one then sees the write through
+    the others, as the program does (``v = b.squeeze()``, a branch on a value, ``b += 1``,
+    ``v`` returned: separate copies gave the check the old ``v``, and the path ran in
+    eager for it; fuzz seed 12006268).
+
+    Example::
+
+        b = torch.zeros(7); v = b.squeeze()
+        cb, cv = layout_copies([b, v])
+        cb += 1                       # cv sees it, as v sees b += 1
+    """
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        try:
+            groups.setdefault(t.untyped_storage()._cdata, []).append(i)
+        except Exception:  # no storage to share (a tensor subclass): a copy of its own
+            groups[-1 - i] = [i]
+    out: list[Any] = [None] * len(tensors)
+    with torch.no_grad():
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = layout_copy(tensors[members[0]])
+                continue
+            storage = tensors[members[0]].untyped_storage().clone()
+            for i in members:
+                t = tensors[i]
+                out[i] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    storage, t.storage_offset(), t.shape, t.stride())
+    return out
 
 
 def strided_clone(t: torch.Tensor) -> torch.Tensor:
