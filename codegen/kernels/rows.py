@@ -18,7 +18,7 @@ CPU tensors, for the tests.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -26,7 +26,7 @@ import triton.language as tl
 from fxlite.codegen.kernels.generate import interpreting
 from fxlite.codegen.runtime.launch import TRITON_OPTIONS, Binary
 
-__all__ = ["gather_rows_kernel", "takes"]
+__all__ = ["gather_rows_kernel", "planned_launch", "takes"]
 
 _TILE = 4096  # values a program copies
 _WIDEST = 8192  # rows wider than this take torch's index_select
@@ -63,10 +63,35 @@ def takes(rows: torch.Tensor) -> bool:
     """Whether :func:`gather_rows_kernel` takes ``rows``: a plain row-major 2-d tensor of
     a float dtype, on CUDA (or any device under the interpreter), rows at most 8192 wide,
     and no autograd recording the call."""
-    return (type(rows) is torch.Tensor and rows.dim() == 2 and rows.dtype.is_floating_point
-            and rows.is_contiguous() and (rows.is_cuda or interpreting())
-            and 0 < rows.shape[1] <= _WIDEST
+    return (type(rows) is torch.Tensor and _fits(rows) and (rows.is_cuda or interpreting())
             and not (rows.requires_grad and torch.is_grad_enabled()))
+
+
+def _fits(rows: torch.Tensor) -> bool:
+    return (rows.dim() == 2 and rows.dtype.is_floating_point and rows.is_contiguous()
+            and 0 < rows.shape[1] <= _WIDEST)
+
+
+def _launch(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor
+            ) -> tuple[tuple[int, int, int], list[Any], dict[str, int]]:
+    """The grid, the arguments and the constexprs of the kernel's launch."""
+    n, c = index.numel(), rows.shape[1]
+    grid, block_c, per = _sizes(n, c)
+    return grid, [rows, index, out, n], {"C": c, "BLOCK_C": block_c, "ROWS": per}
+
+
+def planned_launch(rows: torch.Tensor, picked: int) -> tuple | None:
+    """For the parallel precompile (``codegen/runtime/precompile.py``): the compile that
+    gathering ``picked`` rows of ``rows`` (a meta tensor laid out as the call's will be)
+    makes, as ``(source_id, fn, args, grid, constexprs, num_warps)``; None where the call
+    runs ``index_select``, or nothing."""
+    if not _fits(rows) or picked <= 0:
+        return None
+    index = torch.empty(picked, dtype=torch.int64, device=rows.device)
+    out = torch.empty((picked, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    grid, args, constexprs = _launch(rows, index, out)
+    return (f"{_gather_rows.__module__}._gather_rows", _gather_rows, args, grid[:1], constexprs,
+            _WARPS)
 
 
 def _sizes(n: int, c: int) -> tuple[tuple[int, int, int], int, int]:
@@ -89,20 +114,20 @@ def gather_rows_kernel(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if not n:
         return out
     if interpreting():
-        grid, block_c, per = _sizes(n, c)
-        _gather_rows[grid[:1]](rows, index, out, n, C=c, BLOCK_C=block_c, ROWS=per)
+        grid, args, constexprs = _launch(rows, index, out)
+        _gather_rows[grid[:1]](*args, **constexprs)
         return out
     device = rows.get_device()
     key = (n, c, rows.dtype, device, rows.data_ptr() % 16 == 0)
     prepared = _PREPARED.get(key)
     if prepared is None:
-        grid, block_c, per = _sizes(n, c)
-        binary = Binary(_gather_rows.warmup(rows, index, out, n, C=c, BLOCK_C=block_c,
-                                            ROWS=per, grid=grid[:1], num_warps=_WARPS,
-                                            **TRITON_OPTIONS))
+        grid, args, constexprs = _launch(rows, index, out)
+        binary = Binary(_gather_rows.warmup(*args, **constexprs, grid=grid[:1],
+                                            num_warps=_WARPS, **TRITON_OPTIONS))
         if len(_PREPARED) >= _MAX_PREPARED:
             _PREPARED.clear()
-        prepared = _PREPARED[key] = _Prepared(binary, grid, block_c, per)
+        prepared = _PREPARED[key] = _Prepared(binary, grid, constexprs["BLOCK_C"],
+                                              constexprs["ROWS"])
     prepared.binary.launch(prepared.grid, (rows, index, out, n, c, prepared.block_c,
                                            prepared.per), device)
     return out

@@ -35,7 +35,7 @@ import operator
 from typing import Any
 
 import torch
-from fxlite.codegen.kernels.rows import gather_rows_kernel, takes
+from fxlite.codegen.kernels.rows import gather_rows_kernel, planned_launch, takes
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -114,6 +114,21 @@ def gather_rows(x: torch.Tensor, links: tuple[tuple[Any, ...], ...]) -> torch.Te
     picked = gather_rows_kernel(rows, index) if takes(rows) else \
         torch.index_select(rows, 0, index)
     return picked.view(*shape, x.shape[-1])
+
+
+def _planned(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The precompile's plan of a :func:`gather_rows` call (``x`` a meta tensor): the
+    kernel launch it will make (``kernels/rows.py``), its rows counted on a probe."""
+    x, links = args
+    try:
+        picked = math.prod(_probe(links, x.shape, "cpu").shape[:-1])
+    except Exception:  # sizes the links refuse: the call raises as eager's views do
+        return None
+    return planned_launch(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), picked)
+
+
+# The precompile (codegen/runtime/precompile.py) compiles the kernel of each call ahead.
+gather_rows.planned_launch = _planned  # type: ignore[attr-defined]
 
 
 def _probe(links: tuple[tuple[Any, ...], ...], shape: Any,

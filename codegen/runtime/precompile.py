@@ -10,8 +10,9 @@ the first call will make (memory order, block sizes, argument specialization), d
 launches that compile to the same binary (identical sources: the repeated blocks of a
 network), and compiles the rest on a thread pool. Cat groups plan their one kernel of the
 layout given (``CatKernel.planned_launch``); the ops that launch kernels of their own,
-the pools and the packed weight copies, plan theirs from their arguments' metadata. The
-first call then finds every binary in Triton's in-process cache::
+the pools, the packed weight copies and the row gathers, plan theirs from their
+arguments' metadata. The first call then finds every binary in Triton's in-process
+cache::
 
     fused = fuse(gm)
     report = precompile(fused, torch.device("cuda"))   # {"groups": 59, "compiles": 17, ...}
@@ -101,7 +102,7 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     groups = kernels = 0
     sources: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _OWN_KERNELS:
+        if node.op == "call_function" and _planner(node.target) is not None:
             planned = _op_planned(gm, node)
             if planned is None:
                 continue
@@ -140,11 +141,21 @@ _OWN_KERNELS: dict[Any, Callable[..., tuple | None]] = {
 }
 
 
+def _planner(target: Any) -> Callable[..., tuple | None] | None:
+    """How to plan a call of ``target``: ``_OWN_KERNELS``' entry, or the op's own
+    ``planned_launch`` attribute (``gather_rows`` of ``codegen/lower/row_gathers.py``)."""
+    try:
+        return _OWN_KERNELS.get(target) or getattr(target, "planned_launch", None)
+    except TypeError:  # an unhashable target: no kernel of its own
+        return None
+
+
 def _op_planned(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
-    """What :func:`_planned` gives for a group, for a call of one of ``_OWN_KERNELS``."""
+    """What :func:`_planned` gives for a group, for a call of an op that launches a kernel
+    of its own (:func:`_planner`)."""
     args = _meta_args(gm, node)
     try:
-        found = None if args is None else _OWN_KERNELS[node.target](node.target, *args)
+        found = None if args is None else _planner(node.target)(node.target, *args)
     except Exception:  # a plan that fails here fails (and falls back) at run time
         return None
     if found is None:

@@ -164,3 +164,35 @@ def test_rows_the_kernel_does_not_take_are_index_selected(monkeypatch):
         torch.testing.assert_close(gather_rows(y.contiguous(), links),
                                    torch.roll(y, 1, 0).reshape(-1, 3), rtol=0, atol=0)
     assert used == [torch.float32]  # the float rows went to the kernel, the ints did not
+
+
+@pytest.mark.parametrize("case", ["windows", "back"])
+def test_the_precompile_plans_the_launch_each_gather_makes(case, monkeypatch):
+    """Each gather's kernel compiled when the first call reached it, after the parallel
+    precompile, one after another (swin_t's first call on an H200: three late compiles of
+    ``_gather_rows``). The precompile plans it from the graph's metadata now: the launch it
+    plans is the one the call makes."""
+    from fxlite.codegen.kernels import rows
+    from fxlite.codegen.runtime import precompile as pre
+
+    fn, shape = CASES[case]
+    x = torch.randn(shape, device=DEVICE)
+    gm = gather_rolled_rows(_prepared(fn, x))
+    jobs, _, _, _ = pre._plan(gm, torch.device(DEVICE))
+    planned = [job for job in jobs.values() if job[0] is rows._gather_rows]
+    made = []
+    real = rows._launch
+    monkeypatch.setattr(rows, "_launch", lambda *a: made.append(real(*a)) or made[-1])
+    torch.testing.assert_close(gm(x), fn(x), rtol=0, atol=0)
+    assert len(planned) == len(made) == 1, (planned, made)
+    (_, args, grid, constexprs, warps), (want_grid, want_args, want_constexprs) = planned[0], made[0]
+    assert grid == want_grid[:1] and constexprs == want_constexprs and warps == rows._WARPS
+    # (the precompile compiles with stand-in tensors of each dtype: their sizes are no key)
+    assert [a.dtype if isinstance(a, torch.Tensor) else a for a in args] == \
+        [a.dtype if isinstance(a, torch.Tensor) else a for a in want_args]
+    node = next(n for n in gm.graph.nodes if n.target is gather_rows)
+    meta = torch.empty(shape, device="meta") if node.args[0].op == "placeholder" else \
+        torch.empty(node.args[0].meta["tensor_meta"].shape, device="meta")
+    _, _, meta_args, _, _, _ = gather_rows.planned_launch(gather_rows, (meta, node.args[1]), {})
+    assert [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in meta_args] == \
+        [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in want_args]
