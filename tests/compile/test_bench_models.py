@@ -221,3 +221,26 @@ def test_missing_package_skips_its_model(bench, tmp_path, monkeypatch, capsys):
     data = json.loads(out.read_text())
     assert data["rows"] == [] and data["skipped"] == ["timm_resnet18 (timm is not installed)"]
     assert "timm is not installed" in capsys.readouterr().out
+
+
+def test_first_call_ops_puts_a_compiles_ops_down_to_fxlites_stages(capsys):
+    """benchmarks/first_call_ops.py: its stage labels wrap functions that exist (a renamed
+    one fails here), and a compile's ops come out under them."""
+    pytest.importorskip("transformers")
+    path = SCRIPT.parent / "first_call_ops.py"
+    spec = importlib.util.spec_from_file_location("first_call_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec.loader.exec_module(module)
+        module.profile_first_calls("gpt2_block", "f32", 2, "cpu", True, 40, 2)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    out = capsys.readouterr().out
+    stages = [line.split(":", 1)[1] for line in out.splitlines() if "stages (ms" in line]
+    assert len(stages) == 2 and "record" in stages[0] + stages[1], out
+    assert any("group check" in s and "passes" in s for s in stages), out
+    assert "aten::" in out
+    import fxlite.codegen.lower.pipeline as pipeline  # the labels are taken off again
+
+    assert not hasattr(pipeline.precompile, "__wrapped__")
