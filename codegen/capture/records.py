@@ -73,12 +73,30 @@ def layout_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             if len(members) == 1:
                 out[members[0]] = layout_copy(tensors[members[0]])
                 continue
-            storage = tensors[members[0]].untyped_storage().clone()
+            # the bytes the members span, from a multiple of the widest itemsize (each
+            # member's offset into the copy is then a whole number of its elements)
+            width = max(tensors[i].element_size() for i in members)
+            spans = [_byte_span(tensors[i]) for i in members]
+            lo = min(a for a, _ in spans) // width * width
+            hi = max(b for _, b in spans)
+            first = tensors[members[0]]
+            whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+                first.untyped_storage(), 0, (first.untyped_storage().nbytes(),), (1,))
+            storage = whole[lo:hi].clone().untyped_storage()
             for i in members:
                 t = tensors[i]
                 out[i] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                    storage, t.storage_offset(), t.shape, t.stride())
+                    storage, t.storage_offset() - lo // t.element_size(), t.shape, t.stride())
     return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` reaches: ``[first, last + 1)``."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
 
 
 def strided_clone(t: torch.Tensor) -> torch.Tensor:

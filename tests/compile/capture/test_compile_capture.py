@@ -398,3 +398,23 @@ def test_a_read_that_depends_on_an_input_or_a_random_draw_still_breaks(recording
         torch.testing.assert_close(got, drawn(x))
         seen.add(bool(torch.equal(got, x * 2)))
     assert seen == {True, False}
+
+
+def test_layout_copies_share_memory_as_the_tensors_do_and_copy_only_what_they_span():
+    """The checks' snapshots of tensors that share memory (a buffer and its view) share one
+    copy of it, so that a write through one shows in the other (fuzz seed 12006268); the
+    copy spans the bytes they reach, not their whole storage (two small views of a large
+    tensor copy those views' bytes)."""
+    from fxlite.codegen.capture.records import layout_copies
+
+    big = torch.arange(1000, dtype=torch.float32)
+    a, b, c = big[10:20], big[15:30].view(3, 5), big.view(torch.int32)[12:14]
+    alone = torch.ones(3)
+    ca, cb, cc, calone = layout_copies([a, b, c, alone])
+    for copy, t in ((ca, a), (cb, b), (cc, c), (calone, alone)):
+        assert torch.equal(copy, t) and copy.stride() == t.stride() and copy.dtype == t.dtype
+    assert ca.untyped_storage().data_ptr() == cb.untyped_storage().data_ptr() \
+        == cc.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert ca.untyped_storage().nbytes() == 20 * 4  # elements 10 to 29
+    ca += 1
+    assert torch.equal(cb.flatten()[:5], a[5:] + 1) and torch.equal(a, big[10:20])
