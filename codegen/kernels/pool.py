@@ -394,6 +394,11 @@ def planned_launch(target: Any, args: tuple, kwargs: dict) -> tuple | None:
             constexprs, _WARPS)
 
 
+# the parallel precompile plans each call of these (codegen/runtime/precompile.py)
+max_pool2d.planned_launch = planned_launch  # type: ignore[attr-defined]
+avg_pool2d.planned_launch = planned_launch  # type: ignore[attr-defined]
+
+
 def use_pool_kernels(gm: GraphModule) -> bool:
     """Route ``gm``'s ``max_pool2d`` and ``avg_pool2d`` calls to :func:`max_pool2d` and
     :func:`avg_pool2d` (which fall back to torch's for calls they do not take). Returns

@@ -163,6 +163,11 @@ def channels_last_copies(*ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return outs
 
 
+# the parallel precompile plans each call (codegen/runtime/precompile.py)
+channels_last_copies.planned_launch = (  # type: ignore[attr-defined]
+    lambda target, args, kwargs: planned_launch(args))
+
+
 def _weight_copy(n: Node) -> bool:
     """A conversion of a graph input that convolutions read as their weight only (an
     input image's conversion stays a tiled transpose kernel: it is large)."""

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fxlite.codegen.kernels import pool, weights
 from fxlite.codegen.runtime.binaries import binary_key, has_binary
 from fxlite.codegen.runtime.cache import kernel_dir
 from fxlite.codegen.runtime.cat import CatKernel
@@ -132,22 +131,12 @@ def _plan(gm: GraphModule, device: torch.device) -> tuple[dict[tuple, tuple], in
     return jobs, groups, kernels, sources
 
 
-# ops that launch kernels of their own, the pools and the packed weight copies: target ->
-# the compile a call with these (meta) arguments makes (each module's planned_launch)
-_OWN_KERNELS: dict[Any, Callable[..., tuple | None]] = {
-    pool.max_pool2d: pool.planned_launch,
-    pool.avg_pool2d: pool.planned_launch,
-    weights.channels_last_copies: lambda target, args, kwargs: weights.planned_launch(args),
-}
-
-
 def _planner(target: Any) -> Callable[..., tuple | None] | None:
-    """How to plan a call of ``target``: ``_OWN_KERNELS``' entry, or the op's own
-    ``planned_launch`` attribute (``gather_rows`` of ``codegen/lower/row_gathers.py``)."""
-    try:
-        return _OWN_KERNELS.get(target) or getattr(target, "planned_launch", None)
-    except TypeError:  # an unhashable target: no kernel of its own
-        return None
+    """How to plan a call of ``target``: the ``planned_launch(target, args, kwargs)`` an op
+    that launches a kernel of its own carries (the pools and the packed weight copies of
+    ``codegen/kernels``, ``gather_rows`` of ``codegen/lower/row_gathers.py``), giving the
+    compile a call with these (meta) arguments makes; None for other targets."""
+    return getattr(target, "planned_launch", None)
 
 
 def _op_planned(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
