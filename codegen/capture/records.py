@@ -64,6 +64,10 @@ def layout_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         try:
+            # (a conjugate or negative view reads its memory through a flag a copy of
+            # the bytes would lose: a copy of its own, as before)
+            if t.layout != torch.strided or t.is_conj() or t.is_neg():
+                raise TypeError
             groups.setdefault(t.untyped_storage()._cdata, []).append(i)
         except Exception:  # no storage to share (a tensor subclass): a copy of its own
             groups[-1 - i] = [i]

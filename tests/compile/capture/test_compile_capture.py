@@ -418,3 +418,6 @@ def test_layout_copies_share_memory_as_the_tensors_do_and_copy_only_what_they_sp
     assert ca.untyped_storage().nbytes() == 20 * 4  # elements 10 to 29
     ca += 1
     assert torch.equal(cb.flatten()[:5], a[5:] + 1) and torch.equal(a, big[10:20])
+    z = torch.randn(4, dtype=torch.complex64)
+    cz, cconj = layout_copies([z, z.conj()])  # a flag, not bytes: copies of their own
+    assert torch.equal(cz, z) and torch.equal(cconj.resolve_conj(), z.conj().resolve_conj())
