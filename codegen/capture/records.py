@@ -63,14 +63,8 @@ def layout_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        try:
-            # (a conjugate or negative view reads its memory through a flag a copy of
-            # the bytes would lose: a copy of its own, as before)
-            if t.layout != torch.strided or t.is_conj() or t.is_neg():
-                raise TypeError
-            groups.setdefault(t.untyped_storage()._cdata, []).append(i)
-        except Exception:  # no storage to share (a tensor subclass): a copy of its own
-            groups[-1 - i] = [i]
+        key = _shared_storage(t)
+        groups.setdefault(-1 - i if key is None else key, []).append(i)
     out: list[Any] = [None] * len(tensors)
     with torch.no_grad():
         for members in groups.values():
@@ -85,13 +79,25 @@ def layout_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             hi = max(b for _, b in spans)
             first = tensors[members[0]]
             whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-                first.untyped_storage(), 0, (first.untyped_storage().nbytes(),), (1,))
+                first.untyped_storage())
             storage = whole[lo:hi].clone().untyped_storage()
             for i in members:
                 t = tensors[i]
                 out[i] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                     storage, t.storage_offset() - lo // t.element_size(), t.shape, t.stride())
     return out
+
+
+def _shared_storage(t: torch.Tensor) -> int | None:
+    """The storage by which :func:`layout_copies` groups ``t``, or None where ``t`` gets a
+    copy of its own: no storage to share (a tensor subclass), or a conjugate or negative
+    view, which reads its memory through a flag a copy of the bytes would lose."""
+    if t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:
+        return None
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

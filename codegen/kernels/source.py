@@ -208,7 +208,7 @@ def header(body: str, helpers: set[str], libdevice: bool = False) -> str:
     if "_fdiv" in helpers:
         helpers = helpers | {"_umulhi"}
     for name in sorted(helpers):
-        text += "\n" + (GPU_HELPERS.get(name) if libdevice and name in GPU_HELPERS
+        text += "\n" + (GPU_HELPERS[name] if libdevice and name in GPU_HELPERS
                         else HELPERS[name])
     return text
 
