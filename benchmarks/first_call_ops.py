@@ -141,7 +141,8 @@ def report(title: str, prof: Any, seconds: float, top: int) -> None:
         stage = stage_of(e)
         ms = e.cpu_time_total / 1e3
         stages[stage] += ms
-        dtypes = [d for d in (e.input_dtypes or []) if d]
+        # torch before 2.12 keeps neither dtypes nor strides on the event: blank columns
+        dtypes = [d for d in (getattr(e, "input_dtypes", None) or []) if d]
         key = (stage, e.name, dtypes[0] if dtypes else "",
                layout_of(getattr(e, "structured_input_strides", None) or []))
         rows[key][0] += 1
