@@ -57,7 +57,7 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/runtime/cat.py",
              "codegen/runtime/kernel.py",
              "codegen/runtime/precompile.py", "fxlite/ops/derivatives.py",
-             "fxlite/ops/shapes.py", "fxlite/tensor_meta.py", "fxlite/viz/dot.py",
+             "fxlite/ops/shapes.py", "fxlite/ops/table.py", "fxlite/tensor_meta.py", "fxlite/viz/dot.py",
              "fxlite/viz/tabular.py",
              "passes/channels_last.py", "passes/decompose_rules.py", "passes/fold_constants.py", "passes/fold_conv_bn.py",
              "passes/functionalize.py", "passes/fuse/__init__.py", "passes/fuse/classes.py",

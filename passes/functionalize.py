@@ -39,7 +39,7 @@ import torch
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
-from fxlite.ops import is_impure, lookup, view_root
+from fxlite.ops import is_impure, view_base, view_root
 
 __all__ = ["changes_state", "functionalize", "recorded_requires_grad"]
 
@@ -190,9 +190,9 @@ def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node],
                 seen.add(n)
                 n, same = wrote, True  # an in-place op's result is the tensor it wrote
                 continue
-            info = lookup(n, gm) if n.op in ("call_method", "call_function") else None
-            if info is None or info.kind != "view" or not n.args or not isinstance(
-                    n.args[0], Node):
+            # a view's chain only: ``b[[0, -1]]`` copies (fuzz seed 13122601, whose
+            # ``v = b[[0, -1]]; v.mul_(3)`` came back as the index of b without the mul)
+            if view_base(n, gm) is None or n.args[0] is not view_base(n, gm):
                 return None
             chain.append(n)
             n = n.args[0]

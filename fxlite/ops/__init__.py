@@ -22,6 +22,7 @@ from fxlite.ops.table import (
     call_args,
     canonical_args,
     canonical_target,
+    copying_index,
     dtype_of,
     lookup,
     lookup_target,
@@ -37,4 +38,4 @@ from fxlite.ops.table import (
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args",
            "canonical_target", "dtype_of", "has_side_effect", "is_impure", "lookup",
            "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
-           "view_base", "view_root"]
+           "copying_index", "view_base", "view_root"]

@@ -26,7 +26,7 @@ from fxlite.node import Node
 
 __all__ = ["OpInfo", "OPS", "attribute_at", "call_args", "canonical_args", "canonical_target", "dtype_of",
            "lookup", "lookup_target", "promote", "register", "resolve", "result_dtype", "same_literal",
-           "view_base", "view_root"]
+           "copying_index", "view_base", "view_root"]
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,37 @@ def view_base(node: Node, module: torch.nn.Module | None = None) -> Node | None:
         view_base(x_unsqueezed)   # the node of x, for x.unsqueeze(0)
     """
     info = lookup(node, module) if node.op in ("call_function", "call_method") else None
-    if info is None or info.kind != "view":
+    if info is None or info.kind != "view" or info.name == "getitem" and len(node.args) > 1 \
+            and copying_index(node.args[1]):
         return None
     base = node.args[0] if node.args else node.kwargs.get("input")
     return base if isinstance(base, Node) else None
+
+
+def copying_index(index: Any) -> bool:
+    """Whether ``x[index]`` copies (advanced indexing: a list, a bool or a tensor in the
+    index) rather than views ``x``'s memory, as basic indexing (ints, slices, None,
+    Ellipsis) does. A tensor index views only where it is a 0-d integer tensor, read as
+    an int; known by its ``tensor_meta`` (none known: a copy)::
+
+        x[0, 1:]      # a view            x[[0, -1]]    # a copy
+        x[i]          # a view, for i a 0-d long tensor; a copy for a 1-d one or a mask
+    """
+    if isinstance(index, tuple):
+        return any(copying_index(i) for i in index)
+    if isinstance(index, (list, bool)):
+        return True
+    if isinstance(index, torch.Tensor):
+        return not _selects(index.shape, index.dtype)
+    if isinstance(index, Node):
+        meta = index.meta.get("tensor_meta")
+        return meta is None or not _selects(meta.shape, meta.dtype)
+    return False
+
+
+def _selects(shape: Any, dtype: torch.dtype) -> bool:
+    return len(shape) == 0 and not dtype.is_floating_point and not dtype.is_complex \
+        and dtype not in (torch.bool, torch.uint8)
 
 
 def view_root(node: Node, module: torch.nn.Module | None = None) -> Node:

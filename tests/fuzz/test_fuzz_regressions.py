@@ -581,3 +581,29 @@ def test_a_view_of_a_buffer_written_past_a_branch_compiles_on_every_path():
     # share memory as the tensors do (records.layout_copies).
     _run(_ViewThenWriteAcrossABranch(),
          [(torch.zeros(7),), (torch.ones(7),), (torch.zeros(7),), (torch.ones(7),)])
+
+
+class _IndexWrittenPastARead(nn.Module):
+    """A buffer written, a copy of it taken by a list index and written, read past a
+    branch on a value (fuzz seed 13122601, shrunk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.randn(1, 3, 1, 2))
+
+    def forward(self, x):
+        self.b.relu_()
+        v = self.b[[0, -1]]          # a copy: advanced indexing
+        v.mul_(3.0)
+        w = self.b[0, :, None][..., 1:]  # a view: basic indexing
+        y = torch.relu(x) if bool((x != 0).all()) else x + 1
+        return torch.relu(v), w, y
+
+
+def test_a_list_index_written_past_a_read_keeps_its_write():
+    # The functionalize pass rebuilt a returned view of a written input from the input's
+    # write-back, and took ``b[[0, -1]]`` for a view: the segment returned the index of
+    # b without the mul_ (from the second call on). A list, a bool or a tensor in the
+    # index makes a copy (fxlite.ops.copying_index).
+    _run(_IndexWrittenPastARead(), [(torch.ones(3),), (torch.ones(3),), (torch.zeros(3),),
+                                    (torch.ones(3),)])
