@@ -11,8 +11,10 @@ foresee compiles when the first call reaches it, one after another: that is the
 "late" compile this script counts (every Triton JIT compile after the last precompile of
 the call; its names are listed). Each case (``model:dtype``, batch 32, as in
 ``bench_models.py``) runs in a process of its own with empty cache folders, and reports
-the first call's wall time, the precompile's own time and compiles, the late compiles,
-the second call's time and the steady-state median over 30 calls.
+the first call's wall time, the precompile's own time and compiles, the late compiles
+(and for each, where Triton's cache key, its arguments' specialization and constexprs,
+differs from the closest one the precompile compiled for the same kernel), the second
+call's time and the steady-state median over 30 calls.
 
 ``--off`` runs without some of the changes that made the precompile foresee more:
 
@@ -27,6 +29,7 @@ the second call's time and the steady-state median over 30 calls.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -73,14 +76,15 @@ def run_case(case: str, off: set[str]) -> dict[str, Any]:
     if not hasattr(jit.JITFunction, "_do_compile"):  # (Triton 3.6 to 3.9 have it)
         raise SystemExit("this Triton compiles through another method: nothing to count")
     _switch_off(off)
-    stamps: list[tuple[float, str]] = []
+    stamps: list[tuple[float, str, str]] = []
     lock = threading.Lock()
     real_compile, real_precompile = jit.JITFunction._do_compile, pipeline.precompile
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = real_compile(self, *args, **kwargs)
         with lock:
-            stamps.append((time.perf_counter(), self.__name__))
+            # (Triton's cache key: the arguments' specialization and the constexprs)
+            stamps.append((time.perf_counter(), self.__name__, str(args[0]) if args else ""))
         return out
 
     reports: list[dict] = []
@@ -113,11 +117,26 @@ def run_case(case: str, off: set[str]) -> dict[str, Any]:
     row["precompile_s"] = round(sum(r["seconds"] for r in reports), 3)
     row["precompiled"] = sum(r["compiles"] for r in reports)
     last = max((r["end"] for r in reports), default=0.0)
-    late = [n for t, n in stamps if t > last]
+    late = [n for t, n, _ in stamps if t > last]
+    row["late_differences"] = [
+        _difference(key, [k for t, m, k in stamps if t <= last and m == n])
+        for t, n, key in stamps if t > last]
     row["late_compiles"] = len(late)
     row["late_names"] = sorted(set(late))
     row["kernels"] = len(getattr(f, "kernels", []))
     return row
+
+
+def _difference(late: str, planned: list[str]) -> str:
+    """Where a late compile's cache key differs from the closest key the precompile
+    compiled for the same kernel: the differing stretches, ``planned -> late``, or a
+    note that it planned none."""
+    if not planned:
+        return "no compile of this kernel was planned"
+    closest = max(planned, key=lambda k: difflib.SequenceMatcher(None, k, late).ratio())
+    ops = difflib.SequenceMatcher(None, closest, late, autojunk=False).get_opcodes()
+    return "; ".join(f"{closest[max(0, i1 - 20):i2]!r} -> {late[max(0, j1 - 20):j2]!r}"
+                     for tag, i1, i2, j1, j2 in ops if tag != "equal")[:600]
 
 
 def main() -> None:
