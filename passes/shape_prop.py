@@ -20,6 +20,7 @@ import torch
 from fxlite.graph_module import attr_at
 from fxlite.interpreter import Interpreter
 from fxlite.node import Node, map_aggregate
+from fxlite.ops import lookup
 from fxlite.tensor_meta import (
     FORMAT_RANKS,
     MEMORY_FORMATS,
@@ -212,8 +213,10 @@ def _run_on_meta(n: Node, env: dict[Node, Any], strict: bool) -> Any:
     kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, Node) else a)
     try:
         if n.op == "call_function":
-            return _conv_layout(n.target, args, n.target(*args, **kwargs))
-        return getattr(args[0], n.target)(*args[1:], **kwargs)
+            value = _conv_layout(n.target, args, n.target(*args, **kwargs))
+        else:
+            value = getattr(args[0], n.target)(*args[1:], **kwargs)
+        return _pointwise_layout(n, args, kwargs, value)
     except Exception as e:
         if strict:
             raise RuntimeError(f"cannot infer the metadata of {n.format_node()}: {e}") from e
@@ -226,15 +229,74 @@ CONVS = frozenset({torch.conv2d, torch.nn.functional.conv2d})  # (the channels-l
 def _conv_layout(target: Any, args: tuple, value: Any) -> Any:
     """A conv2d's value in the layout eager gives it. On meta tensors, which carry no
     device to pick a backend by, torch's conv2d returns a contiguous tensor; cuDNN and
-    oneDNN return channels-last when the input or the weight is channels-last (cuDNN
-    keeps float64 NCHW), and the precompile plans a channels-last net's kernels from
-    this metadata."""
+    oneDNN return channels-last when the input's or the weight's strides read as
+    channels-last (``suggest_memory_format``; cuDNN keeps float64 NCHW), and the
+    precompile plans a channels-last net's kernels from this metadata. An (N, C, 1, 1)
+    pool is both layouts by shape and channels-last by its strides: its 1 x 1 conv's
+    value gets channels-last strides, ``(C', 1, C', C')``, which ``.contiguous()`` in
+    either format would not give it."""
     if target not in CONVS or not isinstance(value, torch.Tensor) or value.dim() != 4:
         return value
-    if any(isinstance(a, torch.Tensor) and a.dim() == 4 and not a.is_contiguous()
-           and a.is_contiguous(memory_format=torch.channels_last) for a in args[:2]):
-        return value.contiguous(memory_format=torch.channels_last)
+    if any(isinstance(a, torch.Tensor) and a.dim() == 4
+           and strides_like_channels_last(a) for a in args[:2]):
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device,
+                           memory_format=torch.channels_last)
     return value
+
+
+_SMALL = 1 << 12  # elements: a pointwise op on tensors this small runs on the CPU to see
+
+
+def _pointwise_layout(n: Node, args: tuple, kwargs: dict, value: Any) -> Any:
+    """A pointwise op's value in the strides eager gives it, where a 4-d input is both NCHW
+    and channels-last by its shape (an (N, C, 1, 1) pool): eager's iterator then takes
+    the NCHW fast path or reads the strides, by which operands it has (``relu(p)`` is
+    NCHW, ``p * 2`` keeps ``p``'s channels-last strides), where torch's meta kernels keep
+    the input's strides in both. Such inputs are small: the op runs on CPU zeros of their
+    layout (eager's iterator decides alike on every device), and its strides are taken
+    (random ops are ``effect`` ops in the table, never run here: no generator moves)."""
+    info = lookup(n) if isinstance(value, torch.Tensor) and value.dim() == 4 else None
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if info is None or info.kind != "pointwise" or not any(
+            a.dim() == 4 and a.is_contiguous() and a.is_contiguous(
+                memory_format=torch.channels_last) and a.stride() != _dense(a.shape)
+            for a in tensors) or any(a.numel() > _SMALL for a in tensors):
+        return value
+
+    def cpu(a: Any) -> Any:
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_() \
+            if isinstance(a, torch.Tensor) else a
+
+    run = n.target if n.op == "call_function" else getattr(torch.Tensor, n.target)
+    eager = run(*map_aggregate(args, cpu), **map_aggregate(kwargs, cpu))
+    if not isinstance(eager, torch.Tensor) or eager.shape != value.shape:
+        return value
+    return torch.empty_strided(value.shape, eager.stride(), dtype=value.dtype,
+                               device=value.device)
+
+
+def _dense(shape: Any) -> tuple[int, ...]:
+    """Row-major strides of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def strides_like_channels_last(t: torch.Tensor) -> bool:
+    """Whether a 4-d tensor's ``suggest_memory_format()`` is channels-last: c10's
+    ``is_channels_last_strides_2d`` (dims C, W, H, N each no closer than the last; a
+    stride-0 C, or an N as close as C, is read as NCHW)."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low or d == 0 and low == strides[1]:
+            return False
+        low = strides[d] * max(sizes[d], 1)
+    return True
 
 
 def _meta_values(m: Any) -> Any:

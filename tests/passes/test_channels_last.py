@@ -234,12 +234,51 @@ class _Mixed(nn.Module):
         return F.avg_pool2d(torch.cat([z * gate, y], 1), 2) + 1
 
 
-@pytest.mark.parametrize("model", ["Net", "_Mixed"])
+@pytest.mark.parametrize("weight", ["plain", "channels_last"])
+@pytest.mark.parametrize("pooled", ["plain", "channels_last"])
+def test_a_convs_metadata_on_an_n_c_1_1_value_has_eagers_strides(pooled, weight):
+    """An (N, C, 1, 1) tensor is both NCHW and channels-last by shape; oneDNN and cuDNN
+    give a conv channels-last strides when its input's or weight's strides read as
+    channels-last (``suggest_memory_format``), ``(C', 1, C', C')``. The metadata said
+    ``(C', 1, 1, 1)``, so after the channels-last conversion the groups after the 1 x 1
+    convs of efficientnet_b0's and mobilenet_v3's squeeze-and-excitation were planned for
+    the wrong strides and compiled again at the first call (H200: 2 and 3 late compiles).
+    Eager here is the CPU's oneDNN, whose rule is cuDNN's."""
+    from fxlite.passes.shape_prop import _conv_layout
+
+    strides = {"plain": (8, 1, 1, 1), "channels_last": (8, 1, 8, 8)}
+    x = torch.empty_strided((2, 8, 1, 1), strides[pooled]).normal_()
+    w = torch.empty_strided((4, 8, 1, 1), strides[weight]).normal_()
+    meta = [t.to("meta") for t in (x, w)]
+    got = _conv_layout(torch.conv2d, tuple(meta), torch.conv2d(*meta))
+    want = torch.conv2d(x, w)
+    assert (got.shape, got.stride()) == (want.shape, want.stride())
+
+
+class _SqueezeExcite(nn.Module):
+    """torchvision's squeeze-and-excitation (efficientnet, mobilenet_v3): 1 x 1 convs on an
+    (N, C, 1, 1) pool, whose layout is both NCHW and channels-last by its strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1, self.fc2 = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+
+    def forward(self, x):
+        y = F.silu(self.conv(x))
+        s = F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1)))
+        return y * torch.sigmoid(self.fc2(s))
+
+
+@pytest.mark.parametrize("model", ["Net", "_Mixed", "_SqueezeExcite"])
 @pytest.mark.parametrize("source", ["tensor_meta", "tensor_meta_rec"])
 def test_the_metadata_gives_the_layout_each_value_has_after_the_conversion(source, model):
     """The parallel precompile plans kernels from the metadata: left in eager's layout, a
     BatchNorm group after a converted conv was planned for NCHW and compiled again, at the
-    first call, for the channels-last tensors it was given."""
+    first call, for the channels-last tensors it was given. In a squeeze-and-excitation
+    block the (N, C, 1, 1) values are both layouts by shape: their convs and pointwise
+    ops follow eager's rules (``_conv_layout``, ``_pointwise_layout``), which the meta
+    kernels do not."""
     from fxlite.passes.normalize import normalize
 
     torch.manual_seed(0)
@@ -888,3 +927,30 @@ def test_a_stochastic_depth_mask_drawn_per_sample_keeps_the_conversion():
     x, w = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 3, 3)
     gm = traced(fn, x, w)
     assert channels_last_convs(gm)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda p: torch.relu(p), lambda p: torch.sigmoid(p), lambda p: p * 2, lambda p: p + p, lambda p: p.clamp(min=0),
+    lambda p: p.pow(2), lambda p: torch.where(p > 0, p, 0.0), lambda p: p * p.mean(),
+], ids=["relu", "sigmoid", "times_2", "plus_itself", "clamp", "pow", "where", "times_0d"])
+def test_pointwise_metadata_on_an_n_c_1_1_value_has_eagers_strides(fn):
+    """On a value both NCHW and channels-last by shape, eager's iterator makes a unary op's
+    result NCHW (its fast path) and keeps the input's strides where a Python number or a
+    0-d tensor joins as an operand; the meta kernels keep them always. The evaluator's
+    metadata is eager's in each case."""
+    from fxlite.passes.shape_prop import fill_missing_meta
+
+    p = torch.empty_strided((2, 8, 1, 1), (8, 1, 8, 8)).normal_()
+    gm = fxlite.symbolic_trace(fn)
+    ShapeProp(gm).propagate(p)  # eager's values
+    want = {n.name: tuple(n.meta["tensor_meta"].stride) for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method")}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            n.meta.pop("tensor_meta")
+            n.meta.pop("type", None)
+    fill_missing_meta(gm)
+    got = {n.name: tuple(n.meta["tensor_meta"].stride) for n in gm.graph.nodes
+           if n.op in ("call_function", "call_method")}
+    assert got == want
+
