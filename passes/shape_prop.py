@@ -238,7 +238,7 @@ def _conv_layout(target: Any, args: tuple, value: Any) -> Any:
     if target not in CONVS or not isinstance(value, torch.Tensor) or value.dim() != 4:
         return value
     if any(isinstance(a, torch.Tensor) and a.dim() == 4
-           and strides_like_channels_last(a) for a in args[:2]):
+           and _strides_like_channels_last(a) for a in args[:2]):
         return torch.empty(value.shape, dtype=value.dtype, device=value.device,
                            memory_format=torch.channels_last)
     return value
@@ -268,7 +268,10 @@ def _pointwise_layout(n: Node, args: tuple, kwargs: dict, value: Any) -> Any:
             if isinstance(a, torch.Tensor) else a
 
     run = n.target if n.op == "call_function" else getattr(torch.Tensor, n.target)
-    eager = run(*map_aggregate(args, cpu), **map_aggregate(kwargs, cpu))
+    try:
+        eager = run(*map_aggregate(args, cpu), **map_aggregate(kwargs, cpu))
+    except Exception:  # (a dtype the CPU lacks): the meta kernel's strides, as before
+        return value
     if not isinstance(eager, torch.Tensor) or eager.shape != value.shape:
         return value
     return torch.empty_strided(value.shape, eager.stride(), dtype=value.dtype,
@@ -284,7 +287,7 @@ def _dense(shape: Any) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def strides_like_channels_last(t: torch.Tensor) -> bool:
+def _strides_like_channels_last(t: torch.Tensor) -> bool:
     """Whether a 4-d tensor's ``suggest_memory_format()`` is channels-last: c10's
     ``is_channels_last_strides_2d`` (dims C, W, H, N each no closer than the last; a
     stride-0 C, or an N as close as C, is read as NCHW)."""

@@ -136,7 +136,9 @@ def copying_index(index: Any) -> bool:
     """Whether ``x[index]`` copies (advanced indexing: a list, a bool or a tensor in the
     index) rather than views ``x``'s memory, as basic indexing (ints, slices, None,
     Ellipsis) does. A tensor index views only where it is a 0-d integer tensor, read as
-    an int; known by its ``tensor_meta`` (none known: a copy)::
+    an int. A node in the index is a tensor by its ``tensor_meta``; without one (an int
+    computed in the graph, or a graph with no metadata) it counts as a view, which is
+    what aliasing checks must assume::
 
         x[0, 1:]      # a view            x[[0, -1]]    # a copy
         x[i]          # a view, for i a 0-d long tensor; a copy for a 1-d one or a mask
@@ -149,7 +151,8 @@ def copying_index(index: Any) -> bool:
         return not _selects(index.shape, index.dtype)
     if isinstance(index, Node):
         meta = index.meta.get("tensor_meta")
-        return meta is None or not _selects(meta.shape, meta.dtype)
+        return meta is not None and hasattr(meta, "shape") and not _selects(meta.shape,
+                                                                             meta.dtype)
     return False
 
 
