@@ -459,7 +459,10 @@ def _sign(e: Emitter, a: dict, ct: torch.dtype) -> str:
         return x
     one, zero = e.lit(1, ct), e.lit(0, ct)
     # torch computes (0 < x) - (x < 0): NaN gives 0.
-    return f"tl.where({x} > 0, {one}, tl.where({x} < 0, -{one}, {zero}))"
+    sign = f"tl.where({x} > 0, {one}, tl.where({x} < 0, -{one}, {zero}))"
+    # Triton makes the literals int32: an int64 sign stays int64 (an amax of it starts
+    # from int64's minimum, which int32 cannot hold: fuzz seed 13215350)
+    return sign if _is_float(ct) else f"{sign}.to({tl_dtype(ct)})"
 
 
 def _round(e: Emitter, a: dict, ct: torch.dtype) -> str:

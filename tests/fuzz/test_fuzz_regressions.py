@@ -530,6 +530,19 @@ def test_unused_group_output_with_a_nan_backward_leaves_other_gradients_finite()
     _grads(f, [(torch.randn(3, 5),), (x,), (x,)])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8], ids=str)
+def test_a_reduction_of_an_integer_sign_runs_its_kernel(dtype):
+    # fuzz seed 13215350: Triton makes sign's literals int32, and the max of an int64 sign
+    # starts from int64's minimum, which int32 cannot hold: the kernel failed and its group
+    # ran in eager on every call. The sign keeps its input's dtype now.
+    calls = [(torch.randint(-5 if dtype.is_signed else 0, 5, (3, 4)).to(dtype),)
+             for _ in range(3)]
+    compiled = _run(lambda x: (torch.amax(torch.sign(x), -1), torch.amin(torch.sign(x), 0)),
+                    calls)
+    if INTERPRETING:
+        assert compiled.kernels
+
 # ---------------------------------------------------------------------- open bugs
 @pytest.mark.xfail(INTERPRETING, strict=True, reason="open (autodiff): on the CPU eager's "
                    "backward of "
