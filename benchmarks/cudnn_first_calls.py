@@ -9,8 +9,9 @@ shape in that layout, on the thread that calls it; eager, in NCHW, pays its own.
 case (a torchvision model by name, ``f32`` or ``bf16``, batch 32, TF32 on) the model runs
 one NCHW forward (its convolutions' input shapes are read by forward hooks), then every
 convolution runs once by itself, synced and timed: channels-last (input and weight),
-channels-last again, then NCHW (which the forward has run once already, as eager would). Printed per pass: the seconds summed over depthwise
-convolutions (``groups > 1``) and over the others, and the four slowest calls.
+channels-last again, then NCHW (which the forward has run once already, as eager would).
+Printed per pass: the seconds summed over depthwise convolutions (``groups > 1``) and
+over the others, and the four slowest calls.
 
 ``--threads N`` first calls each distinct depthwise shape once on a pool of N threads,
 then times the channels-last pass on the main thread: whether work on other threads

@@ -117,12 +117,11 @@ def run_case(case: str, off: set[str]) -> dict[str, Any]:
     row["precompile_s"] = round(sum(r["seconds"] for r in reports), 3)
     row["precompiled"] = sum(r["compiles"] for r in reports)
     last = max((r["end"] for r in reports), default=0.0)
-    late = [n for t, n, _ in stamps if t > last]
-    row["late_differences"] = [
-        _difference(key, [k for t, m, k in stamps if t <= last and m == n])
-        for t, n, key in stamps if t > last]
+    late = [(n, key) for t, n, key in stamps if t > last]
     row["late_compiles"] = len(late)
-    row["late_names"] = sorted(set(late))
+    row["late_names"] = sorted({n for n, _ in late})
+    row["late_differences"] = [
+        _difference(key, [k for t, m, k in stamps if t <= last and m == n]) for n, key in late]
     row["kernels"] = len(getattr(f, "kernels", []))
     return row
 

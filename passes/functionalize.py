@@ -192,10 +192,11 @@ def _returned_views(gm: GraphModule, out: Node, back_of: dict[Node, Node],
                 continue
             # a view's chain only: ``b[[0, -1]]`` copies (fuzz seed 13122601, whose
             # ``v = b[[0, -1]]; v.mul_(3)`` came back as the index of b without the mul)
-            if view_base(n, gm) is None or n.args[0] is not view_base(n, gm):
+            base = view_base(n, gm)
+            if base is None or not n.args or base is not n.args[0]:  # (rebuilt through args[0])
                 return None
             chain.append(n)
-            n = n.args[0]
+            n = base
         if not (chain or same) or not isinstance(n, Node):
             return None
         base = back_of[n]

@@ -25,6 +25,7 @@ from fxlite.tensor_meta import (
     FORMAT_RANKS,
     MEMORY_FORMATS,
     TensorMetadata,
+    dense_strides,
     extract_tensor_metadata,
     rebuild_tensor_metadata,
 )
@@ -256,11 +257,10 @@ def _pointwise_layout(n: Node, args: tuple, kwargs: dict, value: Any) -> Any:
     layout (eager's iterator decides alike on every device), and its strides are taken
     (random ops are ``effect`` ops in the table, never run here: no generator moves)."""
     info = lookup(n) if isinstance(value, torch.Tensor) and value.dim() == 4 else None
+    if info is None or info.kind != "pointwise":
+        return value
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if info is None or info.kind != "pointwise" or not any(
-            a.dim() == 4 and a.is_contiguous() and a.is_contiguous(
-                memory_format=torch.channels_last) and a.stride() != _dense(a.shape)
-            for a in tensors) or any(a.numel() > _SMALL for a in tensors):
+    if not any(map(_both_layouts, tensors)) or any(a.numel() > _SMALL for a in tensors):
         return value
 
     def cpu(a: Any) -> Any:
@@ -278,13 +278,12 @@ def _pointwise_layout(n: Node, args: tuple, kwargs: dict, value: Any) -> Any:
                                device=value.device)
 
 
-def _dense(shape: Any) -> tuple[int, ...]:
-    """Row-major strides of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def _both_layouts(t: torch.Tensor) -> bool:
+    """Whether 4-d ``t`` is contiguous in both formats by its shape, with strides other
+    than row-major's (which size-1 dims allow): where eager and the meta kernels part."""
+    return t.dim() == 4 and t.is_contiguous() \
+        and t.is_contiguous(memory_format=torch.channels_last) \
+        and t.stride() != dense_strides(t.shape, range(4))
 
 
 def _strides_like_channels_last(t: torch.Tensor) -> bool:

@@ -530,7 +530,6 @@ def test_unused_group_output_with_a_nan_backward_leaves_other_gradients_finite()
     _grads(f, [(torch.randn(3, 5),), (x,), (x,)])
 
 
-
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8], ids=str)
 def test_a_reduction_of_an_integer_sign_runs_its_kernel(dtype):
     # fuzz seed 13215350: Triton makes sign's literals int32, and the max of an int64 sign
@@ -542,6 +541,7 @@ def test_a_reduction_of_an_integer_sign_runs_its_kernel(dtype):
                     calls)
     if INTERPRETING:
         assert compiled.kernels
+
 
 # ---------------------------------------------------------------------- open bugs
 @pytest.mark.xfail(INTERPRETING, strict=True, reason="open (autodiff): on the CPU eager's "

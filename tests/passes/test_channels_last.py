@@ -930,8 +930,9 @@ def test_a_stochastic_depth_mask_drawn_per_sample_keeps_the_conversion():
 
 
 @pytest.mark.parametrize("fn", [
-    lambda p: torch.relu(p), lambda p: torch.sigmoid(p), lambda p: p * 2, lambda p: p + p, lambda p: p.clamp(min=0),
-    lambda p: p.pow(2), lambda p: torch.where(p > 0, p, 0.0), lambda p: p * p.mean(),
+    lambda p: torch.relu(p), lambda p: torch.sigmoid(p), lambda p: p * 2, lambda p: p + p,
+    lambda p: p.clamp(min=0), lambda p: p.pow(2), lambda p: torch.where(p > 0, p, 0.0),
+    lambda p: p * p.mean(),
 ], ids=["relu", "sigmoid", "times_2", "plus_itself", "clamp", "pow", "where", "times_0d"])
 def test_pointwise_metadata_on_an_n_c_1_1_value_has_eagers_strides(fn):
     """On a value both NCHW and channels-last by shape, eager's iterator makes a unary op's
@@ -953,4 +954,3 @@ def test_pointwise_metadata_on_an_n_c_1_1_value_has_eagers_strides(fn):
     got = {n.name: tuple(n.meta["tensor_meta"].stride) for n in gm.graph.nodes
            if n.op in ("call_function", "call_method")}
     assert got == want
-
