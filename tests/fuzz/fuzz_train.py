@@ -20,11 +20,15 @@ copy of the model and optimizer made from the same seed. Two more eager copies t
 rounding from error: one in float64, one given each micro-batch in reverse order (the
 same sums, rounded in another order); where the compiled side strays from eager's, it
 fails only if it strays more than four times as far from float64's as either eager run does.
+Under bfloat16 autocast that test is pooled over the call (``_pooled``): fused kernels
+round bfloat16 values at other points than eager's ops do, and both eager runs round each
+element alike, so key by key the gap is luck; over every compared tensor it is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import warnings
 from typing import Any
@@ -394,9 +398,43 @@ def _level(side: tuple[nn.Module, Any, Any], eager: tuple[nn.Module, Any, Any]) 
             b.copy_(b_e)
 
 
-def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
-                 exact: dict[str, Any], other: dict[str, Any]) -> list[str]:
+def _relative(value: Any, exact: Any) -> float:
+    """How far ``value`` is from ``exact``, relative to ``exact``'s largest magnitude."""
+    a, t = (torch.as_tensor(v, dtype=torch.float64).cpu() for v in (value, exact))
+    return (a - t).abs().max().item() / max(t.abs().max().item(), 1e-12)
+
+
+def _pooled(gaps: list[tuple[str, str, float, float]], where: str) -> list[str]:
+    """Under bfloat16 autocast: the keys that ``_off`` would fail (``gaps``: key, its
+    report, the compiled side's and eager's relative distance from float64's), failed
+    only if over the call's values of that kind (parameters; gradients, optimizer state,
+    buffers and results) the compiled side's root-mean-square relative distance from
+    float64's is over four times eager's. A fused kernel keeps
+    float32 between ops that eager rounds to bfloat16 one by one (2400617, 701182: per op
+    it is as close or closer to float64's; seeds 2400854, 700053, 701182, 702457, 703034
+    failed one key each, eager's error elsewhere in the call as large as the gap)."""
     problems = []
+    for pool in (True, False):  # parameters (one step from eager's), and the rest
+        group = [g for g in gaps if g[0].startswith("param ") == pool]
+        if not any(report for _, report, _, _ in group):
+            continue
+        ours, eagers = (math.sqrt(sum(g[i] ** 2 for g in group) / len(group)) for i in (2, 3))
+        if ours > 4 * eagers + 1e-6:
+            problems += [f"{where}: {key}: {report} (over the call's {len(group)} such "
+                         f"values, relative distance from float64's: {ours:.3g}, eager's "
+                         f"{eagers:.3g})" for key, report, _, _ in group if report]
+    return problems
+
+
+def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
+                 exact: dict[str, Any], other: dict[str, Any], pooled: bool = False
+                 ) -> list[str]:
+    """Where ``got`` (the compiled side's results and state) differs from eager's
+    ``want`` by more than rounding (``_off``; ``exact`` and ``other`` are the float64 and
+    reordered eager runs'); with ``pooled``, floating-point gaps are judged over the call
+    (``_pooled``)."""
+    problems: list[str] = []
+    gaps: list[tuple[str, str, float, float]] = []
     for key in sorted(set(got) | set(want)):
         a, b = got.get(key, "<missing>"), want.get(key, "<missing>")
         t, o = exact.get(key), other.get(key)
@@ -407,11 +445,18 @@ def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
                 continue
             ok = all(isinstance(v, torch.Tensor) and v.shape == b.shape for v in (t, o))
             off = _off(a, b, t if ok else None, o)
-            if off:
+            if pooled and ok and b.is_floating_point():
+                gaps.append((key, off or "", _relative(a, t),
+                             max(_relative(b, t), _relative(o, t))))
+            elif off:
                 problems.append(f"{where}: {key}: {off}")
         elif isinstance(a, float) and isinstance(b, float):
-            off = _off(a, b, t if isinstance(t, float) and isinstance(o, float) else None, o)
-            if off:
+            ok = isinstance(t, float) and isinstance(o, float)
+            off = _off(a, b, t if ok else None, o)
+            if pooled and ok:
+                gaps.append((key, f"{a} against eager's {b}, {off}" if off else "",
+                             _relative(a, t), max(_relative(b, t), _relative(o, t))))
+            elif off:
                 problems.append(f"{where}: {key}: {a} against eager's {b}, {off}")
         elif isinstance(a, list) and isinstance(b, list) and all(
                 isinstance(v, float) for v in a + b) and len(a) == len(b):
@@ -419,7 +464,7 @@ def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
                 problems.append(f"{where}: {key}: {a} against eager's {b}")
         elif type(a) is not type(b) or (not isinstance(a, torch.Tensor) and a != b):
             problems.append(f"{where}: {key}: {a!r} against eager's {b!r}")
-    return problems
+    return problems + _pooled(gaps, where)
 
 
 def check_train(program: TrainProgram, device: str = "cpu",
@@ -485,12 +530,11 @@ def _check_train(program: TrainProgram, device: str, stats: dict[str, int] | Non
         order = torch.cat([torch.arange(half - 1, -1, -1),
                            torch.arange(batch - 1, half - 1, -1)]).to(device)
         other = other_step(*other_side, x[order], y[order])
-        failures += _differences({"loss": got[0], "norm": got[1]},
-                                 {"loss": want[0], "norm": want[1]}, where,
-                                 {"loss": exact[0], "norm": exact[1]},
-                                 {"loss": other[0], "norm": other[1]})
-        failures += _differences(_state(*sides[1]), _state(*sides[0]), where,
-                                 _state(*exact_side), _state(*other_side))
+        failures += _differences(
+            {"loss": got[0], "norm": got[1], **_state(*sides[1])},
+            {"loss": want[0], "norm": want[1], **_state(*sides[0])}, where,
+            {"loss": exact[0], "norm": exact[1], **_state(*exact_side)},
+            {"loss": other[0], "norm": other[1], **_state(*other_side)}, program.autocast)
         for side in (sides[1], exact_side, other_side):  # the next call starts level
             _level(side, sides[0])
         if failures:
