@@ -30,7 +30,11 @@ def test_arguments(bench):
     assert args.compilers == ["eager", "fxlite"]  # eager is the reference: always there
     assert args.dtypes == ["bf16"] and args.device == "cuda" and args.budget is None
     default = bench.parse_args([])
-    assert default.models == list(bench.MODELS) and default.compilers == list(bench.COMPILERS)
+    assert default.models == list(bench.MODELS)
+    # fxlite compiles before inductor: what the process pays once (cuDNN's plans) is its
+    assert default.compilers == ["eager", "fxlite", "inductor"]
+    assert bench.parse_args(["--compilers", "inductor,fxlite", "--dynamo-fxlite"]).compilers \
+        == ["eager", "inductor", "fxlite", "dynamo_fxlite"]
     for bad in (["--models", "resnet51"], ["--dtypes", "f16"], ["--batches", "0"],
                 ["--batches", "x"], ["--compilers", "tvm"], ["--device", "tpu"]):
         with pytest.raises(SystemExit):
