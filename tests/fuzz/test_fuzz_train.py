@@ -41,10 +41,8 @@ def test_the_check_sees_a_step_that_differs_from_eagers(monkeypatch):
     assert check_train(draw_train(20), DEVICE)
 
 
-@pytest.mark.parametrize("seed", [20, 42])
-def test_the_check_sees_parameters_that_differ_from_eagers(monkeypatch, seed):
-    # Each call starts from eager's state (fuzz_train._level): a compiled step that
-    # leaves one parameter 3% off still fails, on the values alone.
+def _compiled_side_then(monkeypatch, change):
+    """Make the compiled side's step run ``change(model)`` (under no_grad) after itself."""
     import fuzz_train
     import torch
 
@@ -59,11 +57,19 @@ def test_the_check_sees_parameters_that_differ_from_eagers(monkeypatch, seed):
         def step_off(model, opt, sched, x, y):
             out = step(model, opt, sched, x, y)
             with torch.no_grad():
-                next(model.parameters()).mul_(1.03)
+                change(model)
             return out
         return step_off
 
     monkeypatch.setattr(fuzz_train, "_step_fn", off)
+
+
+@pytest.mark.parametrize("seed", [20, 42])
+def test_the_check_sees_parameters_that_differ_from_eagers(monkeypatch, seed):
+    # Each call starts from eager's state (fuzz_train._level): a compiled step that
+    # leaves one parameter 3% off still fails, on the values alone (seed 20 is under
+    # autocast: the pooled check).
+    _compiled_side_then(monkeypatch, lambda model: next(model.parameters()).mul_(1.03))
     failures = check_train(draw_train(seed), DEVICE)
     assert failures and all("param 0.weight" in f for f in failures), failures
 
@@ -84,27 +90,12 @@ def test_autocast_steps_whose_kernels_round_elsewhere_match(seed):
 @pytest.mark.parametrize("seed", [2, 7])
 def test_the_pooled_autocast_check_sees_gradients_that_differ(monkeypatch, seed):
     # Under autocast the check pools its keys over the call; gradients 10% off still fail.
-    import fuzz_train
-    import torch
+    def scale_grads(model):
+        for q in model.parameters():
+            if q.grad is not None:
+                q.grad.mul_(1.1)
 
-    make, made = fuzz_train._step_fn, []
-
-    def off(program):
-        step = make(program)
-        made.append(step)
-        if len(made) < 4:  # eager's, float64's, the reversed batch's; then the compiled one
-            return step
-
-        def step_off(model, opt, sched, x, y):
-            out = step(model, opt, sched, x, y)
-            with torch.no_grad():
-                for q in model.parameters():
-                    if q.grad is not None:
-                        q.grad.mul_(1.1)
-            return out
-        return step_off
-
-    monkeypatch.setattr(fuzz_train, "_step_fn", off)
+    _compiled_side_then(monkeypatch, scale_grads)
     program = draw_train(seed)
     assert program.autocast
     failures = check_train(program, DEVICE)
