@@ -16,6 +16,13 @@ over the others, and the four slowest calls.
 ``--threads N`` first calls each distinct depthwise shape once on a pool of N threads,
 then times the channels-last pass on the main thread: whether work on other threads
 (the parallel precompile's) can take the first calls' cost off the main thread.
+
+``--benchmark`` turns on cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``: it
+times the engines on a shape's first call); ``--steady`` adds, per layout, the summed
+steady-state time of the convolutions (``triton.testing.do_bench`` each), for a mode or
+layout that makes the first calls cheap only to cost each later call. torch's
+``TORCH_CUDNN_V8_API_DISABLED=1`` in the environment runs cuDNN's older API where torch
+still has it.
 """
 
 from __future__ import annotations
@@ -70,16 +77,39 @@ def _report(label: str, convs: list[tuple[Any, torch.Size]], dtype: torch.dtype,
         print(f"    {seconds:.3f} s  input {shape} kernel {k} stride {s} groups {g}")
 
 
+def _steady(convs: list[tuple[Any, torch.Size]], dtype: torch.dtype) -> None:
+    """The summed steady-state ms of the convolutions, depthwise and other, per layout."""
+    from triton.testing import do_bench
+
+    for channels_last in (True, False):
+        totals = {"depthwise": 0.0, "other": 0.0}
+        for conv, shape in convs:
+            x, w = torch.randn(shape, device="cuda", dtype=dtype), conv.weight
+            if channels_last:
+                x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+            with torch.no_grad():
+                totals["depthwise" if conv.groups > 1 else "other"] += do_bench(
+                    lambda c=conv, x=x, w=w: F.conv2d(x, w, c.bias, c.stride, c.padding,
+                                                      c.dilation, c.groups))
+        print(f"  steady, {'channels-last' if channels_last else 'NCHW'}: "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in totals.items()), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cases", help="comma-separated torchvision model:dtype (f32 or bf16)")
     p.add_argument("--threads", type=int, default=0,
                    help="first call the depthwise shapes on this many threads first")
+    p.add_argument("--benchmark", action="store_true", help="cuDNN's benchmark mode on")
+    p.add_argument("--steady", action="store_true",
+                   help="add each layout's summed steady-state time")
     args = p.parse_args()
     import torchvision
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    torch.backends.cudnn.benchmark = args.benchmark
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, benchmark "
+          f"mode {args.benchmark}")
     for case in args.cases.split(","):
         name, dtype_name = case.split(":")
         dtype = DTYPES[dtype_name]
@@ -97,6 +127,8 @@ def main() -> None:
         _report("channels-last, first", convs, dtype, True)
         _report("channels-last, again", convs, dtype, True)
         _report("NCHW", convs, dtype, False)
+        if args.steady:
+            _steady(convs, dtype)
 
 
 if __name__ == "__main__":
