@@ -22,7 +22,8 @@ same sums, rounded in another order); where the compiled side strays from eager'
 fails only if it strays more than four times as far from float64's as either eager run does.
 Under bfloat16 autocast that test is pooled over the call (``_pooled``): fused kernels
 round bfloat16 values at other points than eager's ops do, and both eager runs round each
-element alike, so key by key the gap is luck; over every compared tensor it is not.
+element alike, so key by key the gap is luck; over the call's parameters, or over its
+other values, it is not.
 """
 
 from __future__ import annotations
@@ -409,10 +410,10 @@ def _pooled(gaps: list[tuple[str, str, float, float]], where: str) -> list[str]:
     report, the compiled side's and eager's relative distance from float64's), failed
     only if over the call's values of that kind (parameters; gradients, optimizer state,
     buffers and results) the compiled side's root-mean-square relative distance from
-    float64's is over four times eager's. A fused kernel keeps
-    float32 between ops that eager rounds to bfloat16 one by one (2400617, 701182: per op
-    it is as close or closer to float64's; seeds 2400854, 700053, 701182, 702457, 703034
-    failed one key each, eager's error elsewhere in the call as large as the gap)."""
+    float64's is over four times eager's. A fused kernel keeps float32 between ops that
+    eager rounds to bfloat16 one by one: per op it is as close to float64's or closer, and
+    seeds 700053, 701182, 702457, 703034, 2400617 and 2400854 failed one key each, eager's
+    error elsewhere in the call as large as the gap (BENCHMARKS.md, twenty-fifth session)."""
     problems = []
     for pool in (True, False):  # parameters (one step from eager's), and the rest
         group = [g for g in gaps if g[0].startswith("param ") == pool]
