@@ -98,11 +98,11 @@ TORCHVISION_MODELS = TORCHVISION + ("regnet_y_1_6gf", "efficientnet_v2_s", "wide
 HF_MODELS = ("bert_layer", "bert_base", "gpt2_block", "gpt2_lm", "t5_encoder", "llama_gqa",
              "hf_vit", "wav2vec2")
 COMPILERS = ("eager", "inductor", "fxlite")  # the default columns
-# The order the compilers of a case compile and make their first calls in (--compilers
-# reorders fxlite and inductor): a compile pays what no earlier one in the process paid,
+# The default order the compilers of a case compile and make their first calls in
+# (--compilers reorders them): a compile pays what no earlier one in the process paid,
 # such as cuDNN's plans for the channels-last convolutions both run (about 3 s of
 # efficientnet_b0's first call, BENCHMARKS.md), so fxlite goes first, against itself.
-ORDER = ("eager", "fxlite", "inductor", "dynamo_fxlite")
+ORDER = ("eager", "fxlite", "inductor")
 # torch.compile(model, backend="fxlite"): with --dynamo-fxlite or --compilers
 EXTRA_COMPILERS = ("dynamo_fxlite",)
 DTYPES = ("f32", "bf16")
@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--models: the named models of these suites)")
     p.add_argument("--list-models", action="store_true",
                    help="print the registry's models, suite and estimate each, and exit")
-    p.add_argument("--compilers", default=",".join(ORDER[:3]),
+    p.add_argument("--compilers", default=",".join(ORDER),
                    help="comma-separated, from eager, inductor, fxlite, dynamo_fxlite, "
                         "compiled in this order (eager always runs first; dynamo_fxlite "
                         "after inductor)")
@@ -266,7 +266,7 @@ def list_runs(args: argparse.Namespace | None = None, json_dir: str = "bench-out
         extra += f" --dtypes {','.join(args.dtypes)}"
     if args.batches != list(BATCHES):
         extra += f" --batches {','.join(map(str, args.batches))}"
-    if args.compilers != list(ORDER[:3]):
+    if args.compilers != list(ORDER):
         extra += f" --compilers {','.join(args.compilers)}"
     if args.budget is not None:
         extra += f" --budget {args.budget:g}"

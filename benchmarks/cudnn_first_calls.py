@@ -51,11 +51,18 @@ def _shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[Any, torch
     return found
 
 
-def _call(conv: Any, shape: torch.Size, dtype: torch.dtype, channels_last: bool) -> float:
-    """Seconds of one synced call of ``conv`` on a fresh input of ``shape``."""
+def _operands(conv: Any, shape: torch.Size, dtype: torch.dtype, channels_last: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh input of ``shape`` and ``conv``'s weight, in the layout asked for."""
     x, w = torch.randn(shape, device="cuda", dtype=dtype), conv.weight
     if channels_last:
         x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+    return x, w
+
+
+def _call(conv: Any, shape: torch.Size, dtype: torch.dtype, channels_last: bool) -> float:
+    """Seconds of one synced call of ``conv`` on a fresh input of ``shape``."""
+    x, w = _operands(conv, shape, dtype, channels_last)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
@@ -84,9 +91,7 @@ def _steady(convs: list[tuple[Any, torch.Size]], dtype: torch.dtype) -> None:
     for channels_last in (True, False):
         totals = {"depthwise": 0.0, "other": 0.0}
         for conv, shape in convs:
-            x, w = torch.randn(shape, device="cuda", dtype=dtype), conv.weight
-            if channels_last:
-                x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+            x, w = _operands(conv, shape, dtype, channels_last)
             with torch.no_grad():
                 totals["depthwise" if conv.groups > 1 else "other"] += do_bench(
                     lambda c=conv, x=x, w=w: F.conv2d(x, w, c.bias, c.stride, c.padding,

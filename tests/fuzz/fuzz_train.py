@@ -439,6 +439,9 @@ def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
     for key in sorted(set(got) | set(want)):
         a, b = got.get(key, "<missing>"), want.get(key, "<missing>")
         t, o = exact.get(key), other.get(key)
+
+        def pool(report: str) -> None:
+            gaps.append((key, report, _relative(a, t), max(_relative(b, t), _relative(o, t))))
         if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
                 problems.append(f"{where}: {key}: {a.dtype}{tuple(a.shape)} against eager's "
@@ -447,16 +450,14 @@ def _differences(got: dict[str, Any], want: dict[str, Any], where: str,
             ok = all(isinstance(v, torch.Tensor) and v.shape == b.shape for v in (t, o))
             off = _off(a, b, t if ok else None, o)
             if pooled and ok and b.is_floating_point():
-                gaps.append((key, off or "", _relative(a, t),
-                             max(_relative(b, t), _relative(o, t))))
+                pool(off or "")
             elif off:
                 problems.append(f"{where}: {key}: {off}")
         elif isinstance(a, float) and isinstance(b, float):
             ok = isinstance(t, float) and isinstance(o, float)
             off = _off(a, b, t if ok else None, o)
             if pooled and ok:
-                gaps.append((key, f"{a} against eager's {b}, {off}" if off else "",
-                             _relative(a, t), max(_relative(b, t), _relative(o, t))))
+                pool(f"{a} against eager's {b}, {off}" if off else "")
             elif off:
                 problems.append(f"{where}: {key}: {a} against eager's {b}, {off}")
         elif isinstance(a, list) and isinstance(b, list) and all(
