@@ -44,7 +44,7 @@ from fxlite.codegen.runtime.launch import TRITON_OPTIONS, Binary
 
 from fxlite.graph_module import GraphModule
 
-__all__ = ["avg_pool2d", "max_pool2d", "planned_launch", "use_pool_kernels"]
+__all__ = ["avg_pool2d", "max_pool2d", "nearest_bf16", "planned_launch", "use_pool_kernels"]
 
 _MAX_POOLS = frozenset({F.max_pool2d, torch.max_pool2d})
 _AVG_POOLS = frozenset({F.avg_pool2d})
@@ -95,7 +95,7 @@ def _max_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
 
 
 @triton.jit
-def _nearest_bf16(x):
+def nearest_bf16(x):
     """fp32 to the nearest bfloat16 (ties to even), kept in fp32: the interpreter's own
     conversion truncates (the generated kernels' ``_round_bf16`` helper, the same bits)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -151,7 +151,7 @@ def _avg_pool2d_kernel(x_ptr, out_ptr, total, C, H, W, OH, OW,
         avg = tl.div_rn(acc, count)
     avg = tl.where(empty, 0.0, avg)
     if ROUND_BF16:
-        avg = _nearest_bf16(avg)
+        avg = nearest_bf16(avg)
     tl.store(out_ptr + n * son + c * soc + oh * soh + ow * sow,
              avg.to(out_ptr.dtype.element_ty), mask=mask)
 
