@@ -41,6 +41,7 @@ from fxlite.codegen.lower.accuracy import (
     versions,
 )
 from fxlite.codegen.lower.autograd import make_autograd_group
+from fxlite.codegen.lower.cross_entropy import fuse_cross_entropy
 from fxlite.codegen.lower.optimizer_steps import fused_optimizer_steps
 from fxlite.codegen.lower.pad_matmul import pad_linears
 from fxlite.codegen.lower.pipeline import (
@@ -127,6 +128,7 @@ def compile_segment(gm: GraphModule, sample: list[Any], *, backend: Any = "trito
     unpack_attention(work)  # nn.MultiheadAttention's fast path, not its copies
     if _on_gpu(sample):
         pad_linears(work)
+        fuse_cross_entropy(work)
     if channels_last_wanted(sample) and any(n.target in CONVS for n in work.graph.nodes):
         plain = GraphModule(work, copy.deepcopy(work.graph), type(work).__name__)
         if channels_last_convs(work):

@@ -1,0 +1,283 @@
+"""fuse_cross_entropy: a classifier's loss in two kernels, its logits kept in their dtype.
+
+transformers' causal-LM loss upcasts the logits, then calls eager's cross entropy::
+
+    logits = logits.float()                               # (N, V): bfloat16 -> float32
+    loss = F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)
+
+Eager then makes, at the logits' size in float32: the upcast copy, the log-softmax it saves
+for the backward, and in the backward nll's gradient and log-softmax's, before casting back
+to bfloat16. For GPT-2 124M at 8 x 1024 tokens (V = 50,257) each is 1.53 GiB, and three of
+them were live at fxlite's peak (BENCHMARKS.md, twenty-sixth session).
+
+:func:`fused_cross_entropy` computes the loss from the logits as they are: one kernel
+finds each row's log-sum-exp in float32 (a running maximum and sum over the row's chunks)
+and its loss, ``lse - x[target]``; the mean over the counted rows is torch's. It saves
+the logits and one float32 per row. Its backward is one kernel that writes the gradient
+straight in the logits' dtype, ``(exp(x - lse) - onehot(target)) * g / count``: eager's
+value in float32, rounded once, as eager's cast back rounds it.
+
+Semantics are eager's: rows whose target is ``ignore_index`` add 0 and are not counted (a
+mean over no counted rows is NaN, their gradient 0); a NaN or infinite logit makes its
+row's loss what eager's gives (NaN). One difference: a target outside ``[0, V)`` (and not
+``ignore_index``) makes the loss NaN, where eager's CUDA kernel stops the process with a
+device-side assertion. A backward that builds a graph (``create_graph=True``) computes
+the gradient with differentiable torch ops instead. Off CUDA (and off Triton's
+interpreter), and for layouts the kernels do not take, the function runs eager's ops.
+
+Example of the pass::
+
+    # before                                         # after
+    float_1 = logits.float()                          view = logits.view(-1, 50257)
+    view = float_1.view(-1, 50257)                    loss = fused_cross_entropy(
+    loss = F.cross_entropy(view, labels,                  view, labels, -100, 'mean', True)
+                           ignore_index=-100)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from fxlite.codegen.kernels.generate import interpreting
+from fxlite.codegen.kernels.pool import nearest_bf16
+from fxlite.passes.shape_prop import node_layout
+
+from fxlite.graph_module import GraphModule
+from fxlite.node import Node
+
+__all__ = ["fuse_cross_entropy", "fused_cross_entropy"]
+
+_HALVES = (torch.float16, torch.bfloat16)
+_FLOATS = (*_HALVES, torch.float32)
+_SIGNATURE = inspect.signature(F.cross_entropy)
+_VIEWS = frozenset({"view", "reshape", "flatten"})
+_MAX_BLOCK = 4096
+
+
+@triton.jit
+def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_stride, C, ignore_index,
+                    BLOCK: tl.constexpr):
+    """One row: its maximum and the log of its sum of ``exp(x - maximum)`` (running
+    maxima and sums per lane, float32), and its loss, in eager's order of roundings:
+    ``log_sum - (x[t] - maximum)``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * row_stride
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, C, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < C, other=float("-inf")).to(tl.float32)
+        new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
+        # a lane that has seen only -inf subtracts 0, not -inf (-inf - -inf is NaN)
+        shift = tl.where(new == float("-inf"), 0.0, new)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = new
+    top = tl.max(m, 0)  # a NaN lane has a NaN sum: the total is NaN whatever top is
+    top = tl.where(top == float("-inf"), 0.0, top)
+    log_sum = tl.log(tl.sum(s * tl.exp(m - top), 0))
+    t = tl.load(t_ptr + row).to(tl.int64)
+    counted = t != ignore_index
+    inside = (t >= 0) & (t < C)
+    xt = tl.load(base + t, mask=counted & inside, other=0.0).to(tl.float32)
+    loss = tl.where(counted, tl.where(inside, log_sum - (xt - top), float("nan")), 0.0)
+    tl.store(loss_ptr + row, loss)
+    tl.store(top_ptr + row, top)
+    tl.store(log_sum_ptr + row, log_sum)
+
+
+@triton.jit
+def _cross_entropy_backward(x_ptr, t_ptr, top_ptr, log_sum_ptr, scale_ptr, dx_ptr, row_stride, C, ignore_index,
+                     ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of the gradient, ``(exp((x - top) - log_sum) - onehot(t)) * scale``, in dx's
+    dtype
+    (``ROUND_BF16``: rounded to nearest first, where the interpreter's cast truncates)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * row_stride
+    out = dx_ptr + row * C
+    cols = tl.arange(0, BLOCK)
+    t = tl.load(t_ptr + row).to(tl.int64)
+    top = tl.load(top_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
+    coef = tl.where(t != ignore_index, tl.load(scale_ptr), 0.0)
+    for start in range(0, C, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < C, other=0.0).to(tl.float32)
+        g = (tl.exp((x - top) - log_sum) - tl.where(c == t, 1.0, 0.0)) * coef
+        if ROUND_BF16:
+            g = nearest_bf16(g)
+        tl.store(out + c, g.to(dx_ptr.dtype.element_ty), mask=c < C)
+
+
+def _launch_shape(classes: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``classes`` values."""
+    block = min(_MAX_BLOCK, triton.next_power_of_2(max(classes, 16)))
+    return block, 8 if block >= 2048 else 4
+
+
+def _kernels_take(x: torch.Tensor, target: torch.Tensor) -> bool:
+    return ((x.is_cuda or interpreting()) and x.dtype in _FLOATS and x.dim() == 2
+            and x.stride(1) == 1 and target.dim() == 1 and target.shape[0] == x.shape[0]
+            and target.dtype == torch.int64 and target.device == x.device)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """The loss and its gradient, each one kernel (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                reduction: str) -> torch.Tensor:
+        rows, classes = x.shape
+        losses = torch.empty(rows, dtype=torch.float32, device=x.device)
+        top = torch.empty(rows, dtype=torch.float32, device=x.device)
+        log_sum = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rows:
+            block, warps = _launch_shape(classes)
+            _cross_entropy_forward[(rows,)](x, target, losses, top, log_sum, x.stride(0), classes,
+                                     ignore_index, BLOCK=block, num_warps=warps)
+        count = (target != ignore_index).sum()
+        loss = losses.sum()
+        if reduction == "mean":
+            loss = loss / count
+        ctx.save_for_backward(x, target, top, log_sum, count)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, target, top, log_sum, count = ctx.saved_tensors
+        scale = grad.float() / count if ctx.reduction == "mean" else grad.float()
+        if torch.is_grad_enabled():  # create_graph: a gradient autograd can differentiate
+            return _differentiable_grad(x, target, ctx.ignore_index, scale), None, None, None
+        rows, classes = x.shape
+        dx = torch.empty((rows, classes), dtype=x.dtype, device=x.device)
+        if rows:
+            block, warps = _launch_shape(classes)
+            round_bf16 = x.dtype == torch.bfloat16 and interpreting()
+            _cross_entropy_backward[(rows,)](x, target, top, log_sum, scale.reshape(1), dx, x.stride(0),
+                                      classes, ctx.ignore_index, ROUND_BF16=round_bf16,
+                                      BLOCK=block, num_warps=warps)
+        return dx, None, None, None
+
+
+def _differentiable_grad(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """The backward kernel's value from torch ops that autograd records."""
+    counted = target != ignore_index
+    onehot = F.one_hot(torch.where(counted, target, 0), x.shape[1]).to(torch.float32)
+    coef = torch.where(counted, scale, 0.0)[:, None]
+    return ((torch.softmax(x.float(), -1) - onehot) * coef).to(x.dtype)
+
+
+def fused_cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                        reduction: str = "mean", upcast: bool = False) -> torch.Tensor:
+    """``F.cross_entropy(x.to(torch.float32) if upcast else x, target,
+    ignore_index=ignore_index, reduction=reduction)``, with the kernels of the module
+    docstring where they apply (``x`` of shape ``(N, C)`` in float16, bfloat16 or float32
+    with unit column stride, ``target`` of shape ``(N,)``, on CUDA or Triton's interpreter;
+    ``reduction`` ``"mean"`` or ``"sum"``), eager's ops elsewhere.
+
+    Args:
+        x: the logits; with ``upcast``, in their 16-bit dtype (the kernels read them in
+            float32, and the gradient comes back in their dtype, as eager's cast gives it).
+        target: class indices.
+        ignore_index: a target that adds nothing to the loss and is not counted.
+        reduction: ``"mean"`` (over the counted rows) or ``"sum"``.
+        upcast: whether eager computed the loss of ``x`` cast to float32.
+
+    Returns:
+        The float32 (or, without ``upcast``, ``x``'s dtype: float32) scalar loss.
+    """
+    if reduction in ("mean", "sum") and (upcast or x.dtype == torch.float32) \
+            and _kernels_take(x, target):
+        return _CrossEntropy.apply(x, target, ignore_index, reduction)
+    return F.cross_entropy(x.to(torch.float32) if upcast else x, target,
+                           ignore_index=ignore_index, reduction=reduction)
+
+
+def _only_user(n: Node, user: Node) -> bool:
+    return list(n.users) == [user]
+
+
+def _upcast_source(n: Node) -> Node | None:
+    """The 16-bit value that ``n`` (a cast to float32 that nothing else reads) upcasts."""
+    if n.op != "call_method" or not n.args or not isinstance(n.args[0], Node):
+        return None
+    if n.target == "float" and len(n.args) == 1 and not n.kwargs:
+        pass
+    elif n.target == "to" and not n.kwargs and len(n.args) == 2 and n.args[1] is torch.float32:
+        pass
+    elif n.target == "to" and len(n.args) == 1 and n.kwargs == {"dtype": torch.float32}:
+        pass
+    else:
+        return None
+    src, out = node_layout(n.args[0]), node_layout(n)
+    if src is None or out is None or src[2] not in _HALVES or out[2] != torch.float32 \
+            or src[:2] != out[:2]:
+        return None
+    return n.args[0]
+
+
+def _with_dtype(n: Node, dtype: torch.dtype) -> None:
+    """``n``'s recorded layout, now of ``dtype`` (a view moved onto the uncast value)."""
+    rec = n.meta.get("tensor_meta_rec")
+    if rec is not None:
+        n.meta["tensor_meta_rec"] = (rec[0], rec[1], dtype, *rec[3:])
+    tm = n.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "_replace"):
+        n.meta["tensor_meta"] = tm._replace(dtype=dtype)
+
+
+def fuse_cross_entropy(gm: GraphModule) -> bool:
+    """Route each ``F.cross_entropy`` of 2-d float logits (no weights, no label
+    smoothing, ``"mean"`` or ``"sum"``) to :func:`fused_cross_entropy`; where the logits
+    are a float32 upcast of 16-bit values (through a view or not) that nothing else reads,
+    the upcast goes and the function reads the 16-bit values. Returns whether ``gm``
+    changed."""
+    graph = gm.graph
+    changed = False
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not F.cross_entropy:
+            continue
+        try:
+            bound = _SIGNATURE.bind(*n.args, **n.kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        a = bound.arguments
+        x, target = a["input"], a["target"]
+        if a["weight"] is not None or a["size_average"] is not None or a["reduce"] is not None \
+                or a["label_smoothing"] != 0.0 or a["reduction"] not in ("mean", "sum") \
+                or type(a["ignore_index"]) is not int or not isinstance(x, Node) \
+                or not isinstance(target, Node):
+            continue
+        xl, tl_ = node_layout(x), node_layout(target)
+        if xl is None or tl_ is None or len(xl[0]) != 2 or xl[1][1] != 1 \
+                or xl[2] != torch.float32 or len(tl_[0]) != 1 or tl_[2] != torch.int64:
+            continue
+        upcast = False
+        view = x if x.op == "call_method" and x.target in _VIEWS and x.args else None
+        cast = view.args[0] if view is not None else x
+        src = _upcast_source(cast) if isinstance(cast, Node) else None
+        if src is not None and _only_user(cast, view or n) \
+                and (view is None or _only_user(view, n)):
+            if view is not None:
+                view.replace_input_with(cast, src)
+                _with_dtype(view, node_layout(src)[2])
+            else:
+                x = src
+            upcast = True
+        n.target = fused_cross_entropy
+        n.args = (x, target, a["ignore_index"], a["reduction"], upcast)
+        n.kwargs = {}
+        if upcast:
+            graph.erase_node(cast)  # read by nothing now
+        changed = True
+    if changed:
+        gm.recompile()
+    return changed
