@@ -8,7 +8,8 @@ transformers' causal-LM loss upcasts the logits, then calls eager's cross entrop
 Eager then makes, at the logits' size in float32: the upcast copy, the log-softmax it saves
 for the backward, and in the backward nll's gradient and log-softmax's, before casting back
 to bfloat16. For GPT-2 124M at 8 x 1024 tokens (V = 50,257) each is 1.53 GiB, and three of
-them were live at fxlite's peak (BENCHMARKS.md, twenty-sixth session).
+them were live at fxlite's peak (BENCHMARKS.md, twenty-sixth session). nanoGPT's loss
+takes 16-bit logits under autocast, which runs it on their float32 upcast: the same.
 
 :func:`fused_cross_entropy` computes the loss from the logits as they are: one kernel
 finds each row's log-sum-exp in float32 (a running maximum and sum over the row's chunks)
@@ -239,8 +240,8 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
     """Route each ``F.cross_entropy`` of 2-d float logits (no weights, no label
     smoothing, ``"mean"`` or ``"sum"``) to :func:`fused_cross_entropy`; where the logits
     are a float32 upcast of 16-bit values (through a view or not) that nothing else reads,
-    the upcast goes and the function reads the 16-bit values. Returns whether ``gm``
-    changed."""
+    the upcast goes and the function reads the 16-bit values, as it does for 16-bit logits
+    whose loss autocast computed in float32 (nanoGPT's). Returns whether ``gm`` changed."""
     graph = gm.graph
     changed = False
     for n in list(graph.nodes):
@@ -258,16 +259,21 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
                 or type(a["ignore_index"]) is not int or not isinstance(x, Node) \
                 or not isinstance(target, Node):
             continue
-        xl, tl_ = node_layout(x), node_layout(target)
-        if xl is None or tl_ is None or len(xl[0]) != 2 or xl[1][1] != 1 \
-                or xl[2] != torch.float32 or len(tl_[0]) != 1 or tl_[2] != torch.int64:
+        xl, tl_, out = node_layout(x), node_layout(target), node_layout(n)
+        if xl is None or tl_ is None or out is None or len(xl[0]) != 2 or xl[1][1] != 1 \
+                or len(tl_[0]) != 1 or tl_[2] != torch.int64 or out[2] != torch.float32:
             continue
-        upcast = False
+        # 16-bit logits under autocast: it ran the loss on their float32 upcast
+        upcast = xl[2] in _HALVES and bool(n.meta.get("autocast"))
+        if xl[2] != torch.float32 and not upcast:
+            continue
         view = x if x.op == "call_method" and x.target in _VIEWS and x.args else None
         cast = view.args[0] if view is not None else x
-        src = _upcast_source(cast) if isinstance(cast, Node) else None
-        if src is not None and _only_user(cast, view or n) \
-                and (view is None or _only_user(view, n)):
+        src = _upcast_source(cast) if isinstance(cast, Node) and not upcast else None
+        if src is not None and not (_only_user(cast, view or n)
+                                    and (view is None or _only_user(view, n))):
+            src = None  # the float32 values are read elsewhere too: they stay
+        if src is not None:
             if view is not None:
                 view.replace_input_with(cast, src)
                 _with_dtype(view, node_layout(src)[2])
@@ -277,7 +283,7 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
         n.target = fused_cross_entropy
         n.args = (x, target, a["ignore_index"], a["reduction"], upcast)
         n.kwargs = {}
-        if upcast:
+        if src is not None:
             graph.erase_node(cast)  # read by nothing now
         changed = True
     if changed:

@@ -168,7 +168,7 @@ def test_a_compiled_training_step_routes_its_loss_and_matches_eager(monkeypatch,
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-2)
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2)
-    assert "fused_cross_entropy" in compiled.code
+    assert compiled.tier == "replayed" and "fused_cross_entropy" in compiled.code
     # the upcast goes only where nothing else reads the float32 logits
     assert ("True)" in compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]) \
         == (not keep_logits)
@@ -213,3 +213,48 @@ def test_on_cuda_a_vocabulary_of_gpt2s_width_is_as_close_to_float64_as_eager(dty
     for (loss, grad), name in ((got, "fused"), (want, "eager")):
         assert (grad.double() - leaf.grad).abs().mean() <= \
             1.5 * (want[1].double() - leaf.grad).abs().mean() + 1e-12, name
+
+
+class _Nano(torch.nn.Module):
+    """nanoGPT's loss: 16-bit logits under autocast, which runs the loss in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(37, 16)
+        self.head = torch.nn.Linear(16, 37)
+
+    def forward(self, ids, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.head(self.embed(ids))
+            return F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-1)
+
+
+def test_a_loss_autocast_computes_in_float32_reads_the_16_bit_logits(monkeypatch):
+    from fxlite.codegen.lower import segment
+
+    monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
+    torch.manual_seed(5)
+    models = [_Nano() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    def step(model, opt, ids, labels):
+        loss = model(ids, labels)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss, grads
+
+    compiled = fxlite.compile(step)
+    for call in range(3):
+        ids, labels = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 5))
+        labels[0, call] = -1
+        got = compiled(models[0], opts[0], ids, labels)
+        want = step(models[1], opts[1], ids, labels)
+        assert got[0].dtype == torch.float32
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-2)
+    assert compiled.tier == "replayed"
+    line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
+    assert "-1, 'mean', True)" in line
