@@ -12,11 +12,12 @@ them were live at fxlite's peak (BENCHMARKS.md, twenty-sixth session). nanoGPT's
 takes 16-bit logits under autocast, which runs it on their float32 upcast: the same.
 
 :func:`fused_cross_entropy` computes the loss from the logits as they are: one kernel
-finds each row's log-sum-exp in float32 (a running maximum and sum over the row's chunks)
-and its loss, ``lse - x[target]``; the mean over the counted rows is torch's. It saves
-the logits and one float32 per row. Its backward is one kernel that writes the gradient
-straight in the logits' dtype, ``(exp(x - lse) - onehot(target)) * g / count``: eager's
-value in float32, rounded once, as eager's cast back rounds it.
+finds each row's maximum and log-sum-exp in float32 (a running maximum and sum over the
+row's chunks) and its loss, ``lse - x[target]``; the mean over the counted rows is
+torch's. It saves the logits and two floats a row (the maximum and the log of the sum, kept
+apart so that ``x - lse`` rounds as eager's log-softmax does). Its backward is one kernel
+that writes the gradient straight in the logits' dtype, ``(exp(x - lse) - onehot(target))
+* g / count``: eager's value in float32, rounded once, as eager's cast back rounds it.
 
 Semantics are eager's: rows whose target is ``ignore_index`` add 0 and are not counted (a
 mean over no counted rows is NaN, their gradient 0); a NaN or infinite logit makes its
