@@ -6,8 +6,11 @@ state), with the state a user changes between calls changed on both sides.
     python benchmarks/fuzz_train.py --count 2000 --seed 0 --device cuda --jobs 8 --json out.json
 
 Program ``S`` is ``draw_train(S)``, so ``--seed S --count 1`` replays it. ``--device cpu``
-runs kernels through Triton's interpreter (TRITON_INTERPRET=1). ``--time-limit`` stops
-starting programs after that many seconds. Exit status 1 if any program failed.
+runs kernels through Triton's interpreter (TRITON_INTERPRET=1); with ``--cuda-passes`` it
+also runs the rewrites fxlite makes on CUDA only (the padded LM head, the fused cross
+entropy), as if the tensors were on a GPU, and ``--loss ce`` keeps only the programs with
+that loss. ``--time-limit`` stops starting programs after that many seconds. Exit status 1
+if any program failed.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _init(device: str) -> None:
+def _init(device: str, cuda_passes: bool = False) -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "fuzz")]
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     import warnings
 
     warnings.simplefilter("ignore")
+    if cuda_passes:
+        from fxlite.codegen.lower import segment
+
+        segment._on_gpu = lambda sample: True
 
 
 def _run(seed_device: tuple[int, str]) -> dict:
@@ -66,12 +73,20 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cuda-passes", action="store_true",
+                        help="on the CPU, also run the rewrites made on CUDA only")
+    parser.add_argument("--loss", default=None, help="only programs with this loss (ce, mse, ...)")
     args = parser.parse_args()
     start = time.time()
     seeds = [(args.seed + i, args.device) for i in range(args.count)]
+    if args.loss is not None:
+        _init(args.device)
+        from fuzz_train import draw_train
+
+        seeds = [s for s in seeds if draw_train(s[0]).loss == args.loss]
     records: list[dict] = []
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.jobs, initializer=_init, initargs=(args.device,),
+    with ctx.Pool(args.jobs, initializer=_init, initargs=(args.device, args.cuda_passes),
                   maxtasksperchild=200) as pool:
         for record in pool.imap_unordered(_run, seeds):
             records.append(record)
