@@ -22,17 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
-import time
 
 _CACHE = tempfile.mkdtemp(prefix="fxlite-bench-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_CACHE, "triton"))
 os.environ.setdefault("FXLITE_CACHE_DIR", os.path.join(_CACHE, "fxlite"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from bench_kernels import first_call_seconds  # noqa: E402
 from fxlite.codegen.lower import cross_entropy as ce  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
@@ -63,14 +65,6 @@ def copy_bandwidth() -> float:
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
     return 2 * x.numel() * x.element_size() / ms / 1e6  # GB/s
-
-
-def timed_first(fn, args) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(*args)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def peak_mib(fn, args) -> float:
@@ -122,7 +116,7 @@ def main() -> None:
                       "fxlite": fxlite.compile(loss_and_grad), "fxlite kernels": fused}
         row = {"case": name}
         for label, fn in contenders.items():
-            first = timed_first(fn, (x, t))
+            first = first_call_seconds(fn, (x, t))
             ms = triton.testing.do_bench(lambda fn=fn, x=x, t=t: fn(x, t), warmup=20,
                                          rep=200, return_mode="median")
             loss, grad = fn(x, t)

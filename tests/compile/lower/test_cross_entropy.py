@@ -5,6 +5,7 @@ ignored rows, non-finite logits, strided rows and double backward; and the pass 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -136,31 +137,33 @@ class _Head(torch.nn.Module):
         return (loss, logits) if self.keep_logits else loss
 
 
-@pytest.mark.parametrize("keep_logits", [False, True])
-def test_a_compiled_training_step_routes_its_loss_and_matches_eager(monkeypatch, keep_logits):
-    """The pass runs on CUDA only: this test says it is on one (the kernels interpret)."""
+def _compiled_steps_match_eager(monkeypatch, model: type, ignore_index: int, *args: Any
+                                ) -> Any:
+    """Compile a training step (loss, backward, the gradients read, an optimizer step) of one
+    of two equal ``model(*args)``s and run it beside eager on the other over three calls
+    (fresh tokens, an ignored label that moves), comparing loss, gradients and parameters;
+    the pass runs on CUDA only, so the test says it is on one (the kernels interpret).
+    Returns the compiled step."""
     from fxlite.codegen.lower import segment
 
     monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
     torch.manual_seed(3)
-    models = [_Head(keep_logits) for _ in range(2)]
+    models = [model(*args) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
     def step(model, opt, ids, labels):
         out = model(ids, labels)
-        loss = out[0] if keep_logits else out
-        loss.backward()
+        (out[0] if isinstance(out, tuple) else out).backward()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out, grads
 
     compiled = fxlite.compile(step)
-    for call in range(4):  # fresh tokens, and ignored labels that move
-        ids = torch.randint(0, 37, (2, 5))
-        labels = torch.randint(0, 37, (2, 5))
-        labels[call % 2, call] = -100
+    for call in range(3):
+        ids, labels = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 5))
+        labels[call % 2, call] = ignore_index
         got = compiled(models[0], opts[0], ids, labels)
         want = step(models[1], opts[1], ids, labels)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)  # the loss
@@ -168,10 +171,16 @@ def test_a_compiled_training_step_routes_its_loss_and_matches_eager(monkeypatch,
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-2)
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2)
-    assert compiled.tier == "replayed" and "fused_cross_entropy" in compiled.code
+    assert compiled.tier == "replayed"
+    return compiled
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_a_compiled_training_step_routes_its_loss_and_matches_eager(monkeypatch, keep_logits):
+    compiled = _compiled_steps_match_eager(monkeypatch, _Head, -100, keep_logits)
     # the upcast goes only where nothing else reads the float32 logits
-    assert ("True)" in compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]) \
-        == (not keep_logits)
+    line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
+    assert ("True)" in line) == (not keep_logits)
 
 
 def test_the_pass_leaves_other_losses_alone():
@@ -230,31 +239,6 @@ class _Nano(torch.nn.Module):
 
 
 def test_a_loss_autocast_computes_in_float32_reads_the_16_bit_logits(monkeypatch):
-    from fxlite.codegen.lower import segment
-
-    monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
-    torch.manual_seed(5)
-    models = [_Nano() for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-
-    def step(model, opt, ids, labels):
-        loss = model(ids, labels)
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss, grads
-
-    compiled = fxlite.compile(step)
-    for call in range(3):
-        ids, labels = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 5))
-        labels[0, call] = -1
-        got = compiled(models[0], opts[0], ids, labels)
-        want = step(models[1], opts[1], ids, labels)
-        assert got[0].dtype == torch.float32
-        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-2)
-    assert compiled.tier == "replayed"
+    compiled = _compiled_steps_match_eager(monkeypatch, _Nano, -1)
     line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
     assert "-1, 'mean', True)" in line
