@@ -111,6 +111,9 @@ class Recorder(TorchFunctionMode):
         self._unsnapped: set[int] = set()
         self._keep: list[Any] = []  # external objects (ids must stay unique)
         self._grads: set[str] = set()  # nodes that are gradients (p.grad, or views of one)
+        # inputs, parameters and buffers whose .grad was None when a backward began: a
+        # check's backward, into a private copy, gives what the program reads from them
+        self._fresh_grads: set[str] = set()
         self._dynamic = recording.dynamic
         self._attr_tail: Node | None = None  # get_attr nodes go after the inputs, in order
         self._grad = torch.is_grad_enabled()
@@ -310,6 +313,9 @@ class Recorder(TorchFunctionMode):
         tensors = tensors_in((args, kwargs))
         writes = mutation_candidates(func, args, kwargs)
         self._snapshot(writes)
+        if kind == "external" and (state_name(func) == "backward"
+                                   or func is torch.autograd.backward):
+            self._fresh_grads.update(self._leaves_without_grad())
         try:
             out, mutated = self._run_seeing_writes(lambda: func(*args, **kwargs), tensors)
         except Exception as e:
@@ -344,6 +350,12 @@ class Recorder(TorchFunctionMode):
         if state_name(func) == "grad" and args:  # whether it is None steers Python (zero_grad)
             self.rec.grad_reads.append((args[0], out is None))
             self._grads.add(node.name)
+            if self._name_of(args[0]) in self._fresh_grads:
+                # the program reads a gradient its own backward made: the checks run that
+                # backward into a private copy of the tensor (segments.split makes it an
+                # input), as they do for what an optimizer writes; the real .grad is the
+                # call's to keep or clear (zero_grad(set_to_none=True) after the read)
+                self._snapshot([args[0]])
         elif isinstance(out, torch.Tensor) and out._is_view() and self._grads.intersection(
                 n.name for n in node.all_input_nodes):
             self._grads.add(node.name)  # a view of a gradient is one too
@@ -551,6 +563,17 @@ class Recorder(TorchFunctionMode):
             # (copies sharing memory as the tensors do: a write to one shows in the others)
             for (n, _), copy in zip(new, layout_copies([v for _, v in new])):
                 self.rec.pre_state[n] = copy
+
+    def _leaves_without_grad(self) -> list[str]:
+        """The inputs, parameters and buffers met so far that are leaves needing a
+        gradient and hold none."""
+        names = []
+        for ref, name in list(self._env.values()):
+            t = ref()
+            if t is not None and self._is_external(name) and t.requires_grad and t.is_leaf \
+                    and t.grad is None:
+                names.append(name)
+        return names
 
     def _is_external(self, name: str) -> bool:
         return self._nodes[name].op in ("placeholder", "get_attr") or name in self._prefix_names

@@ -101,7 +101,7 @@ def split(rec: Recording) -> list[Segment]:
     """Cut ``rec``'s graph at its reads into segments, in path order."""
     graph = rec.graph
     reads = {r.node: i for i, r in enumerate(rec.reads)}
-    mutated = _mutated_externals(graph)
+    mutated = _mutated_externals(rec)
     seg_of: dict[Node, int] = {}
     pieces: list[list[Node]] = [[] for _ in range(len(rec.reads) + 1)]
     k = 0
@@ -138,12 +138,13 @@ def split(rec: Recording) -> list[Segment]:
     return segments
 
 
-def _mutated_externals(graph: Graph) -> set[str]:
-    """get_attr nodes some node writes: they become inputs, so checks can sandbox them."""
-    written: set[str] = set()
-    for node in graph.nodes:
+def _mutated_externals(rec: Recording) -> set[str]:
+    """get_attr nodes some node writes, or with a snapshot for the checks (a gradient the
+    program reads after its backward): they become inputs, so checks can sandbox them."""
+    written: set[str] = set(rec.pre_state)
+    for node in rec.graph.nodes:
         written.update(node.meta.get("mutated", ()))
-    return {n.name for n in graph.nodes if n.op == "get_attr" and n.name in written}
+    return {n.name for n in rec.graph.nodes if n.op == "get_attr" and n.name in written}
 
 
 def _build(rec: Recording, k: int, nodes: list[Node], outs: list[str], read: Read | None,

@@ -573,6 +573,39 @@ def test_the_gradient_of_a_leaf_the_function_makes_runs_kernels():
         assert warned == [] and compiled.fallbacks == [] and len(compiled.kernels) > 0
 
 
+@pytest.mark.parametrize("clear", ["model.zero_grad", "p.grad = None"])
+def test_a_step_that_reads_its_gradients_and_clears_them_runs_kernels(clear):
+    # no optimizer in the step: the check's backward reached no private copy of the
+    # parameters, it read their real .grad, which the recorded call had cleared (None),
+    # and the whole step ran in eager ("replaying its recording failed")
+    torch.manual_seed(0)
+    models = [_mlp() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+
+    def step(model, x):
+        loss = F.gelu(model(x)).pow(2).mean()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if clear == "model.zero_grad":
+            model.zero_grad(set_to_none=True)
+        else:
+            for p in model.parameters():
+                p.grad = None
+        return loss, grads
+
+    compiled = fxlite.compile(step)
+    for call in range(4):
+        x = torch.randn(5, 8, device=DEVICE)
+        if call == 2:  # a change between calls: both models' weights move alike
+            with torch.no_grad():
+                for m in models:
+                    m[0].weight.mul_(0.5)
+        got, warned = quiet(compiled, models[0], x)
+        torch.testing.assert_close(got, step(models[1], x))
+        assert all(p.grad is None for p in models[0].parameters())  # cleared, as eager
+        assert warned == [] and compiled.fallbacks == [] and len(compiled.kernels) > 0
+
+
 @pytest.mark.parametrize("how", ["autograd.grad", "backward"])
 def test_double_backward_runs_in_eager_saying_why_at_the_users_line(how):
     model = _mlp()
