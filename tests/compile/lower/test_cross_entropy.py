@@ -130,7 +130,7 @@ class _Head(torch.nn.Module):
         self.keep_logits = keep_logits
 
     def forward(self, ids, labels):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             logits = self.head(self.embed(ids))
         logits = logits.float()
         loss = F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-100)
@@ -141,14 +141,15 @@ def _compiled_steps_match_eager(monkeypatch, model: type, ignore_index: int, *ar
                                 ) -> Any:
     """Compile a training step (loss, backward, the gradients read, an optimizer step) of one
     of two equal ``model(*args)``s and run it beside eager on the other over three calls
-    (fresh tokens, an ignored label that moves), comparing loss, gradients and parameters;
-    the pass runs on CUDA only, so the test says it is on one (the kernels interpret).
-    Returns the compiled step."""
+    (fresh tokens, an ignored label that moves), comparing loss, gradients and parameters,
+    on CUDA where there is one; the pass runs on CUDA only, so on the CPU the test says it is
+    on one (the kernels interpret). Returns the compiled step."""
     from fxlite.codegen.lower import segment
 
-    monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(segment, "_on_gpu", lambda sample: True)
     torch.manual_seed(3)
-    models = [model(*args) for _ in range(2)]
+    models = [model(*args).to(DEVICE) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
@@ -162,7 +163,8 @@ def _compiled_steps_match_eager(monkeypatch, model: type, ignore_index: int, *ar
 
     compiled = fxlite.compile(step)
     for call in range(3):
-        ids, labels = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 5))
+        ids = torch.randint(0, 37, (2, 5), device=DEVICE)
+        labels = torch.randint(0, 37, (2, 5), device=DEVICE)
         labels[call % 2, call] = ignore_index
         got = compiled(models[0], opts[0], ids, labels)
         want = step(models[1], opts[1], ids, labels)
@@ -233,7 +235,7 @@ class _Nano(torch.nn.Module):
         self.head = torch.nn.Linear(16, 37)
 
     def forward(self, ids, labels):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             logits = self.head(self.embed(ids))
             return F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-1)
 
