@@ -62,8 +62,8 @@ _MAX_BLOCK = 4096
 
 
 @triton.jit
-def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_stride, C, ignore_index,
-                    BLOCK: tl.constexpr):
+def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_stride, C,
+                           ignore_index, BLOCK: tl.constexpr):
     """One row: its maximum and the log of its sum of ``exp(x - maximum)`` (running
     maxima and sums per lane, float32), and its loss, in eager's order of roundings:
     ``log_sum - (x[t] - maximum)``."""
@@ -94,11 +94,10 @@ def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_str
 
 
 @triton.jit
-def _cross_entropy_backward(x_ptr, t_ptr, top_ptr, log_sum_ptr, scale_ptr, dx_ptr, row_stride, C, ignore_index,
-                     ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _cross_entropy_backward(x_ptr, t_ptr, top_ptr, log_sum_ptr, scale_ptr, dx_ptr, row_stride,
+                            C, ignore_index, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """One row of the gradient, ``(exp((x - top) - log_sum) - onehot(t)) * scale``, in dx's
-    dtype
-    (``ROUND_BF16``: rounded to nearest first, where the interpreter's cast truncates)."""
+    dtype (``ROUND_BF16``: rounded to nearest first, where the interpreter's cast truncates)."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * row_stride
     out = dx_ptr + row * C
@@ -142,8 +141,8 @@ class _CrossEntropy(torch.autograd.Function):
         log_sum = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
             block, warps = _launch_shape(classes)
-            _cross_entropy_forward[(rows,)](x, target, losses, top, log_sum, x.stride(0), classes,
-                                     ignore_index, BLOCK=block, num_warps=warps)
+            _cross_entropy_forward[(rows,)](x, target, losses, top, log_sum, x.stride(0),
+                                            classes, ignore_index, BLOCK=block, num_warps=warps)
         count = (target != ignore_index).sum()
         loss = losses.sum()
         if reduction == "mean":
@@ -163,9 +162,9 @@ class _CrossEntropy(torch.autograd.Function):
         if rows:
             block, warps = _launch_shape(classes)
             round_bf16 = x.dtype == torch.bfloat16 and interpreting()
-            _cross_entropy_backward[(rows,)](x, target, top, log_sum, scale.reshape(1), dx, x.stride(0),
-                                      classes, ctx.ignore_index, ROUND_BF16=round_bf16,
-                                      BLOCK=block, num_warps=warps)
+            _cross_entropy_backward[(rows,)](x, target, top, log_sum, scale.reshape(1), dx,
+                                             x.stride(0), classes, ctx.ignore_index,
+                                             ROUND_BF16=round_bf16, BLOCK=block, num_warps=warps)
         return dx, None, None, None
 
 
@@ -212,13 +211,10 @@ def _upcast_source(n: Node) -> Node | None:
     """The 16-bit value that ``n`` (a cast to float32 that nothing else reads) upcasts."""
     if n.op != "call_method" or not n.args or not isinstance(n.args[0], Node):
         return None
-    if n.target == "float" and len(n.args) == 1 and not n.kwargs:
-        pass
-    elif n.target == "to" and not n.kwargs and len(n.args) == 2 and n.args[1] is torch.float32:
-        pass
-    elif n.target == "to" and len(n.args) == 1 and n.kwargs == {"dtype": torch.float32}:
-        pass
-    else:
+    spelled = (n.target == "float" and len(n.args) == 1 and not n.kwargs) or (
+        n.target == "to" and ((len(n.args) == 2 and n.args[1] is torch.float32 and not n.kwargs)
+                              or (len(n.args) == 1 and n.kwargs == {"dtype": torch.float32})))
+    if not spelled:  # x.float(), x.to(torch.float32), x.to(dtype=torch.float32)
         return None
     src, out = node_layout(n.args[0]), node_layout(n)
     if src is None or out is None or src[2] not in _HALVES or out[2] != torch.float32 \
