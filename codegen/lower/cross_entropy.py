@@ -9,7 +9,10 @@ Eager then makes, at the logits' size in float32: the upcast copy, the log-softm
 for the backward, and in the backward nll's gradient and log-softmax's, before casting back
 to bfloat16. For GPT-2 124M at 8 x 1024 tokens (V = 50,257) each is 1.53 GiB, and three of
 them were live at fxlite's peak (BENCHMARKS.md, twenty-sixth session). nanoGPT's loss
-takes 16-bit logits under autocast, which runs it on their float32 upcast: the same.
+takes 16-bit logits under autocast. On the CPU, autocast runs it on their float32 upcast,
+as above; on CUDA it keeps the log-softmax in the logits' dtype (cross entropy passes it
+their dtype) and upcasts only that for nll: the log-probabilities are rounded to 16 bits,
+and the backward rounds nll's gradient, then log-softmax's, to 16 bits.
 
 :func:`fused_cross_entropy` computes the loss from the logits as they are: one kernel
 finds each row's maximum and log-sum-exp in float32 (a running maximum and sum over the
@@ -18,6 +21,10 @@ torch's. It saves the logits and two floats a row (the maximum and the log of th
 apart so that ``x - lse`` rounds as eager's log-softmax does). Its backward is one kernel
 that writes the gradient straight in the logits' dtype, ``(exp(x - lse) - onehot(target))
 * g / count``: eager's value in float32, rounded once, as eager's cast back rounds it.
+
+Under CUDA's autocast the kernels round where eager does: each row's log-probability of
+its target before the loss, and, in the backward, ``g / count`` and each log-probability
+before ``onehot(target) * g - exp(logp) * g`` (log-softmax's backward) is rounded once.
 
 Semantics are eager's: rows whose target is ``ignore_index`` add 0 and are not counted (a
 mean over no counted rows is NaN, their gradient 0); a NaN or infinite logit makes its
@@ -32,8 +39,8 @@ Example of the pass::
     # before                                         # after
     float_1 = logits.float()                          view = logits.view(-1, 50257)
     view = float_1.view(-1, 50257)                    loss = fused_cross_entropy(
-    loss = F.cross_entropy(view, labels,                  view, labels, -100, 'mean', True)
-                           ignore_index=-100)
+    loss = F.cross_entropy(view, labels,                  view, labels, -100, 'mean', True,
+                           ignore_index=-100)                 False)
 """
 
 from __future__ import annotations
@@ -62,11 +69,22 @@ _MAX_BLOCK = 4096
 
 
 @triton.jit
+def _rounded(v, dtype: tl.constexpr, NEAREST_BF16: tl.constexpr):
+    """float32 ``v`` rounded to ``dtype`` and back (``NEAREST_BF16``: to nearest, where the
+    interpreter's own bfloat16 cast truncates)."""
+    if NEAREST_BF16:
+        return nearest_bf16(v)
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_stride, C,
-                           ignore_index, BLOCK: tl.constexpr):
+                           ignore_index, ROUND: tl.constexpr, NEAREST_BF16: tl.constexpr,
+                           BLOCK: tl.constexpr):
     """One row: its maximum and the log of its sum of ``exp(x - maximum)`` (running
     maxima and sums per lane, float32), and its loss, in eager's order of roundings:
-    ``log_sum - (x[t] - maximum)``."""
+    ``-((x[t] - maximum) - log_sum)``, the log-probability rounded to x's dtype first where
+    ``ROUND`` (CUDA's autocast)."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
@@ -87,7 +105,10 @@ def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_str
     counted = t != ignore_index
     inside = (t >= 0) & (t < C)
     xt = tl.load(base + t, mask=counted & inside, other=0.0).to(tl.float32)
-    loss = tl.where(counted, tl.where(inside, log_sum - (xt - top), float("nan")), 0.0)
+    log_prob = (xt - top) - log_sum
+    if ROUND:
+        log_prob = _rounded(log_prob, x_ptr.dtype.element_ty, NEAREST_BF16)
+    loss = tl.where(counted, tl.where(inside, -log_prob, float("nan")), 0.0)
     tl.store(loss_ptr + row, loss)
     tl.store(top_ptr + row, top)
     tl.store(log_sum_ptr + row, log_sum)
@@ -95,9 +116,12 @@ def _cross_entropy_forward(x_ptr, t_ptr, loss_ptr, top_ptr, log_sum_ptr, row_str
 
 @triton.jit
 def _cross_entropy_backward(x_ptr, t_ptr, top_ptr, log_sum_ptr, scale_ptr, dx_ptr, row_stride,
-                            C, ignore_index, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                            C, ignore_index, ROUND: tl.constexpr, NEAREST_BF16: tl.constexpr,
+                            BLOCK: tl.constexpr):
     """One row of the gradient, ``(exp((x - top) - log_sum) - onehot(t)) * scale``, in dx's
-    dtype (``ROUND_BF16``: rounded to nearest first, where the interpreter's cast truncates)."""
+    dtype; where ``ROUND`` (CUDA's autocast), log-softmax's backward of rounded values,
+    ``onehot(t) * g - exp(logp) * g`` with ``g = -scale`` and ``logp`` rounded to dx's dtype.
+    (``NEAREST_BF16``: bfloat16 rounded to nearest, where the interpreter's cast truncates.)"""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * row_stride
     out = dx_ptr + row * C
@@ -106,11 +130,17 @@ def _cross_entropy_backward(x_ptr, t_ptr, top_ptr, log_sum_ptr, scale_ptr, dx_pt
     top = tl.load(top_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     coef = tl.where(t != ignore_index, tl.load(scale_ptr), 0.0)
+    if ROUND:  # nll's gradient at the target, -scale, as eager's cast back rounds it
+        coef = -_rounded(coef, dx_ptr.dtype.element_ty, NEAREST_BF16)
     for start in range(0, C, BLOCK):
         c = start + cols
         x = tl.load(base + c, mask=c < C, other=0.0).to(tl.float32)
-        g = (tl.exp((x - top) - log_sum) - tl.where(c == t, 1.0, 0.0)) * coef
-        if ROUND_BF16:
+        if ROUND:
+            log_prob = _rounded((x - top) - log_sum, dx_ptr.dtype.element_ty, NEAREST_BF16)
+            g = tl.where(c == t, coef, 0.0) - tl.exp(log_prob) * coef
+        else:
+            g = (tl.exp((x - top) - log_sum) - tl.where(c == t, 1.0, 0.0)) * coef
+        if NEAREST_BF16:
             g = nearest_bf16(g)
         tl.store(out + c, g.to(dx_ptr.dtype.element_ty), mask=c < C)
 
@@ -134,7 +164,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                reduction: str) -> torch.Tensor:
+                reduction: str, rounded: bool = False) -> torch.Tensor:
         rows, classes = x.shape
         losses = torch.empty(rows, dtype=torch.float32, device=x.device)
         top = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -142,13 +172,15 @@ class _CrossEntropy(torch.autograd.Function):
         if rows:
             block, warps = _launch_shape(classes)
             _cross_entropy_forward[(rows,)](x, target, losses, top, log_sum, x.stride(0),
-                                            classes, ignore_index, BLOCK=block, num_warps=warps)
+                                            classes, ignore_index, ROUND=rounded,
+                                            NEAREST_BF16=rounded and _nearest_bf16(x),
+                                            BLOCK=block, num_warps=warps)
         count = (target != ignore_index).sum()
         loss = losses.sum()
         if reduction == "mean":
             loss = loss / count
         ctx.save_for_backward(x, target, top, log_sum, count)
-        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        ctx.ignore_index, ctx.reduction, ctx.rounded = ignore_index, reduction, rounded
         return loss
 
     @staticmethod
@@ -156,29 +188,40 @@ class _CrossEntropy(torch.autograd.Function):
         x, target, top, log_sum, count = ctx.saved_tensors
         scale = grad.float() / count if ctx.reduction == "mean" else grad.float()
         if torch.is_grad_enabled():  # create_graph: a gradient autograd can differentiate
-            return _differentiable_grad(x, target, ctx.ignore_index, scale), None, None, None
+            return (_differentiable_grad(x, target, ctx.ignore_index, scale, ctx.rounded),
+                    None, None, None, None)
         rows, classes = x.shape
         dx = torch.empty((rows, classes), dtype=x.dtype, device=x.device)
         if rows:
             block, warps = _launch_shape(classes)
-            round_bf16 = x.dtype == torch.bfloat16 and interpreting()
             _cross_entropy_backward[(rows,)](x, target, top, log_sum, scale.reshape(1), dx,
                                              x.stride(0), classes, ctx.ignore_index,
-                                             ROUND_BF16=round_bf16, BLOCK=block, num_warps=warps)
-        return dx, None, None, None
+                                             ROUND=ctx.rounded, NEAREST_BF16=_nearest_bf16(x),
+                                             BLOCK=block, num_warps=warps)
+        return dx, None, None, None, None
+
+
+def _nearest_bf16(x: torch.Tensor) -> bool:
+    """Whether the kernels round bfloat16 by hand (the interpreter's cast truncates)."""
+    return x.dtype == torch.bfloat16 and interpreting()
 
 
 def _differentiable_grad(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                         scale: torch.Tensor) -> torch.Tensor:
+                         scale: torch.Tensor, rounded: bool) -> torch.Tensor:
     """The backward kernel's value from torch ops that autograd records."""
     counted = target != ignore_index
     onehot = F.one_hot(torch.where(counted, target, 0), x.shape[1]).to(torch.float32)
     coef = torch.where(counted, scale, 0.0)[:, None]
+    if rounded:
+        g = -coef.to(x.dtype).float()
+        log_prob = torch.log_softmax(x.float(), -1).to(x.dtype).float()
+        return (onehot * g - log_prob.exp() * g).to(x.dtype)
     return ((torch.softmax(x.float(), -1) - onehot) * coef).to(x.dtype)
 
 
 def fused_cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                        reduction: str = "mean", upcast: bool = False) -> torch.Tensor:
+                        reduction: str = "mean", upcast: bool = False,
+                        autocast: bool = False) -> torch.Tensor:
     """``F.cross_entropy(x.to(torch.float32) if upcast else x, target,
     ignore_index=ignore_index, reduction=reduction)``, with the kernels of the module
     docstring where they apply (``x`` of shape ``(N, C)`` in float16, bfloat16 or float32
@@ -186,19 +229,23 @@ def fused_cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int
     ``reduction`` ``"mean"`` or ``"sum"``), eager's ops elsewhere.
 
     Args:
-        x: the logits; with ``upcast``, in their 16-bit dtype (the kernels read them in
-            float32, and the gradient comes back in their dtype, as eager's cast gives it).
+        x: the logits; with ``upcast`` or ``autocast``, in their 16-bit dtype (the gradient
+            comes back in their dtype, as eager gives it).
         target: class indices.
         ignore_index: a target that adds nothing to the loss and is not counted.
         reduction: ``"mean"`` (over the counted rows) or ``"sum"``.
         upcast: whether eager computed the loss of ``x`` cast to float32.
+        autocast: whether eager computed the loss of the 16-bit ``x`` under autocast, as
+            this call does: in float32 on the CPU, as ``upcast``; on CUDA with the
+            log-probabilities rounded to ``x``'s dtype (the module docstring).
 
     Returns:
-        The float32 (or, without ``upcast``, ``x``'s dtype: float32) scalar loss.
+        The float32 scalar loss.
     """
-    if reduction in ("mean", "sum") and (upcast or x.dtype == torch.float32) \
+    if reduction in ("mean", "sum") and (upcast or autocast or x.dtype == torch.float32) \
             and _kernels_take(x, target):
-        return _CrossEntropy.apply(x, target, ignore_index, reduction)
+        return _CrossEntropy.apply(x, target, ignore_index, reduction,
+                                   autocast and x.dtype != torch.float32 and x.is_cuda)
     return F.cross_entropy(x.to(torch.float32) if upcast else x, target,
                            ignore_index=ignore_index, reduction=reduction)
 
@@ -238,7 +285,8 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
     smoothing, ``"mean"`` or ``"sum"``) to :func:`fused_cross_entropy`; where the logits
     are a float32 upcast of 16-bit values (through a view or not) that nothing else reads,
     the upcast goes and the function reads the 16-bit values, as it does for 16-bit logits
-    whose loss autocast computed in float32 (nanoGPT's). Returns whether ``gm`` changed."""
+    whose loss autocast computed (nanoGPT's: rounded where CUDA's autocast rounds). Returns
+    whether ``gm`` changed."""
     graph = gm.graph
     changed = False
     for n in list(graph.nodes):
@@ -260,13 +308,14 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
         if xl is None or tl_ is None or out is None or len(xl[0]) != 2 or xl[1][1] != 1 \
                 or len(tl_[0]) != 1 or tl_[2] != torch.int64 or out[2] != torch.float32:
             continue
-        # 16-bit logits under autocast: it ran the loss on their float32 upcast
-        upcast = xl[2] in _HALVES and bool(n.meta.get("autocast"))
-        if xl[2] != torch.float32 and not upcast:
+        # 16-bit logits under autocast, which ran the loss in float32 (its CUDA rounding:
+        # fused_cross_entropy's autocast)
+        autocast = xl[2] in _HALVES and bool(n.meta.get("autocast"))
+        if xl[2] != torch.float32 and not autocast:
             continue
         view = x if x.op == "call_method" and x.target in _VIEWS and x.args else None
         cast = view.args[0] if view is not None else x
-        src = _upcast_source(cast) if isinstance(cast, Node) and not upcast else None
+        src = _upcast_source(cast) if isinstance(cast, Node) and not autocast else None
         if src is not None and not (_only_user(cast, view or n)
                                     and (view is None or _only_user(view, n))):
             src = None  # the float32 values are read elsewhere too: they stay
@@ -276,9 +325,8 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
                 _with_dtype(view, node_layout(src)[2])
             else:
                 x = src
-            upcast = True
         n.target = fused_cross_entropy
-        n.args = (x, target, a["ignore_index"], a["reduction"], upcast)
+        n.args = (x, target, a["ignore_index"], a["reduction"], src is not None, autocast)
         n.kwargs = {}
         if src is not None:
             graph.erase_node(cast)  # read by nothing now

@@ -56,6 +56,48 @@ def test_loss_and_gradient_are_eagers_over_several_calls(monkeypatch, dtype, red
         _close(got, want, dtype)
 
 
+def _cuda_autocast(x, t, ignore_index, reduction, seed):
+    """(loss, x's gradient) as CUDA's autocast computes ``F.cross_entropy`` of 16-bit logits
+    (cross entropy passes log-softmax their dtype): log-softmax in float32 rounded to x's
+    dtype; nll on its upcast; nll's gradient ``-seed / count`` rounded to x's dtype, then
+    log-softmax's backward of the rounded values, ``g - exp(logp) * sum(g)``, rounded (the
+    GPU test below checks this against eager's)."""
+    counted = t != ignore_index
+    safe = torch.where(counted, t, 0)
+    log_prob = torch.log_softmax(x.float(), 1).to(x.dtype).float()
+    loss = -(log_prob.gather(1, safe[:, None])[:, 0] * counted).sum()
+    count = counted.sum()
+    g = -(seed / count if reduction == "mean" else seed).to(x.dtype).float() * counted
+    onehot = F.one_hot(safe, x.shape[1]).float()
+    grad = (onehot * g[:, None] - log_prob.exp() * g[:, None]).to(x.dtype)
+    return (loss / count if reduction == "mean" else loss), grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_kernels_round_where_cudas_autocast_rounds(monkeypatch, dtype, reduction):
+    """The loss differs from the float32 upcast's by about 1e-3: the default tolerance of a
+    float32 loss tells them apart."""
+    monkeypatch.setattr(ce, "_MAX_BLOCK", 16)
+    torch.manual_seed(5)
+    for call in range(3):
+        x = (torch.randn(6, 37, device=DEVICE) * 4).to(dtype)
+        t = torch.randint(0, 37, (6,), device=DEVICE)
+        t[call] = -1
+        seed = torch.tensor(1.5 + call, device=DEVICE)
+        leaf = x.detach().clone().requires_grad_()
+        loss = ce._CrossEntropy.apply(leaf, t, -1, reduction, True)
+        loss.backward(seed)
+        want = _cuda_autocast(x, t, -1, reduction, seed)
+        torch.testing.assert_close((loss.detach(), leaf.grad), want, atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(loss, _eager(x, t, -1, reduction, True))
+        # a backward that builds a graph takes torch's ops, to the same value
+        loss = ce._CrossEntropy.apply(leaf, t, -1, reduction, True)
+        (grad,) = torch.autograd.grad(loss, leaf, seed, create_graph=True)
+        assert grad.requires_grad
+        torch.testing.assert_close(grad.detach(), want[1], atol=1e-6, rtol=1e-6)
+
+
 def test_ignored_rows_and_other_ignore_indices():
     torch.manual_seed(1)
     x = torch.randn(5, 11, dtype=torch.bfloat16)
@@ -182,7 +224,7 @@ def test_a_compiled_training_step_routes_its_loss_and_matches_eager(monkeypatch,
     compiled = _compiled_steps_match_eager(monkeypatch, _Head, -100, keep_logits)
     # the upcast goes only where nothing else reads the float32 logits
     line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
-    assert ("True)" in line) == (not keep_logits)
+    assert ("True, False)" in line) == (not keep_logits)
 
 
 def test_the_pass_leaves_other_losses_alone():
@@ -240,7 +282,29 @@ class _Nano(torch.nn.Module):
             return F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-1)
 
 
-def test_a_loss_autocast_computes_in_float32_reads_the_16_bit_logits(monkeypatch):
+def test_a_loss_under_autocast_reads_the_16_bit_logits(monkeypatch):
+    """On CUDA (where it rounds the log-probabilities: the loss is 1e-3 from the float32
+    upcast's, far outside the loss's tolerance) and on the CPU (where it does not)."""
     compiled = _compiled_steps_match_eager(monkeypatch, _Nano, -1)
     line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
-    assert "-1, 'mean', True)" in line
+    assert "-1, 'mean', False, True)" in line
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_autocast_route_is_cross_entropy_under_autocast():
+    torch.manual_seed(6)
+    x = (torch.randn(64, 50257, device="cuda") * 3).to(torch.bfloat16)
+    t = torch.randint(0, 50257, (64,), device="cuda")
+    t[::5] = -100
+    out = []
+    for f in (lambda v: fused_cross_entropy(v, t, -100, "mean", False, True),
+              lambda v: F.cross_entropy(v, t)):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = f(leaf)
+        loss.backward()
+        out.append((loss.detach(), leaf.grad))
+    one = torch.tensor(1.0, device="cuda")
+    for got in (out[0], _cuda_autocast(x, t, -100, "mean", one)):
+        torch.testing.assert_close(got[0], out[1][0])
+        torch.testing.assert_close(got[1], out[1][1], atol=1e-6, rtol=2.0 ** -7)
