@@ -14,8 +14,8 @@ Each compiler compiles the whole step, as the compile tutorial does::
 or, with ``--compile model``, only the model: ``model = compiler(model)``, with the
 step's loss, backward and optimizer left to eager (as inside DistributedDataParallel).
 
-Cases (``--cases``; ``gpt2_lm_step``, ``gpt2_124m``, ``resnet50`` and ``vit_b_16`` on
-request): the
+Cases (``--cases``; ``gpt2_lm_step``, ``gpt2_124m``, ``nanogpt_124m``, ``resnet50`` and
+``vit_b_16`` on request): the
 tutorial's resnet18 step (batch 16, 128x128 images, Adam) in float32, and a
 GPT-2 block step (transformers' GPT2Block, batch 8 x 256 tokens, AdamW, dropout off) in
 float32 and under bfloat16 autocast. Contenders: eager, eager with the optimizer's own
@@ -33,7 +33,8 @@ gradient clipping, AdamW and ``zero_grad(set_to_none=True)``. ``resnet50`` and
 ``vit_b_16`` are the resnet18 step's model swapped for torchvision's, at batch 32 and
 224x224 images (1000 classes). ``gpt2_124m`` is the issue's GPT-2 124M step (batch 8 x 1024
 tokens); its utilisation (6 x parameters x tokens a step over 989 TFLOP/s, an H100's dense
-bfloat16 peak) is printed beside its times.
+bfloat16 peak) is printed beside its times; ``nanogpt_124m`` is the same step on nanoGPT's
+own model (tied head, the loss on the 16-bit logits under autocast), counted alike.
 """
 
 from __future__ import annotations
@@ -140,6 +141,73 @@ def _gpt2_lm_case(sizes, tokens, lr):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=lr, **kw), data,
+            step, torch.bfloat16)
+
+
+class _NanoBlock(torch.nn.Module):
+    """nanoGPT's block (karpathy/nanoGPT model.py, written here): pre-LayerNorm causal
+    attention through ``scaled_dot_product_attention``, and a GELU MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.c_attn = torch.nn.Linear(width, 3 * width)
+        self.c_proj = torch.nn.Linear(width, width)
+        self.c_fc = torch.nn.Linear(width, 4 * width)
+        self.mlp_proj = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class _NanoGPT(torch.nn.Module):
+    """nanoGPT's GPT: token and position embeddings, blocks, a final LayerNorm and a head
+    tied to the token embedding; ``forward(idx, targets)`` returns the mean cross-entropy of
+    the 16-bit logits, as nanoGPT's training loop calls it under autocast."""
+
+    def __init__(self, layers: int, width: int, heads: int, positions: int, vocab: int):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, width)
+        self.wpe = torch.nn.Embedding(positions, width)
+        self.h = torch.nn.ModuleList(_NanoBlock(width, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.lm_head = torch.nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+
+
+def nanogpt_124m_case():
+    """nanoGPT's own model (not transformers') at GPT-2 124M's size, batch 8 x 1024 tokens,
+    its training loop's step: the loss under bfloat16 autocast, ``clip_grad_norm_``, AdamW,
+    ``zero_grad(set_to_none=True)``; dropout off."""
+    torch.manual_seed(0)
+    model = _NanoGPT(12, 768, 12, 1024, 50257).cuda()
+    data = [(torch.randint(0, 50257, (8, 1024), device="cuda"),
+             torch.randint(0, 50257, (8, 1024), device="cuda")) for _ in range(4)]
+
+    def step(model, opt, ids, targets):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return (model, lambda m, **kw: torch.optim.AdamW(m.parameters(), lr=6e-4, **kw), data,
             step, torch.bfloat16)
 
 
@@ -262,6 +330,7 @@ def main() -> None:
               "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
               "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
               "gpt2_lm_step": gpt2_lm_step_case, "gpt2_124m": gpt2_124m_case,
+              "nanogpt_124m": nanogpt_124m_case,
               "resnet50": lambda: vision_case("resnet50", 32, 224, 1000),
               "vit_b_16": lambda: vision_case("vit_b_16", 32, 224, 1000)}
     steps = 10 if args.quick else 30
@@ -277,7 +346,7 @@ def main() -> None:
               f"; first 20 steps s: eager {r['eager_first20_s']:.1f}, "
               f"inductor {r['torch.compile_first20_s']:.1f}, fxlite {r['fxlite_first20_s']:.1f}"
               f"; fallbacks: {r['fallbacks'][:3]}", flush=True)
-        if name == "gpt2_124m":
+        if name in ("gpt2_124m", "nanogpt_124m"):
             # 6 x parameters x tokens a step (forward and backward), over an H100's dense
             # bfloat16 peak, as the issue and llm.c count utilisation
             flop = 6 * 124_439_808 * 8 * 1024
