@@ -5,6 +5,7 @@ ignored rows, non-finite logits, strided rows and double backward; and the pass 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -308,3 +309,38 @@ def test_on_cuda_the_autocast_route_is_cross_entropy_under_autocast():
     for got in (out[0], _cuda_autocast(x, t, -100, "mean", one)):
         torch.testing.assert_close(got[0], out[1][0])
         torch.testing.assert_close(got[1], out[1][1], atol=1e-6, rtol=2.0 ** -7)
+
+
+@pytest.mark.parametrize("model,ignore", [(_Head, -100), (_Nano, -1)], ids=["upcast", "autocast"])
+def test_the_loss_reads_a_padded_heads_rows_in_place(monkeypatch, model, ignore):
+    """pad_linears pads the head's 37 rows to 40 (bfloat16): the loss reads the padded
+    logits, with no clone of their first columns, and its backward writes their gradient."""
+    from fxlite.codegen.lower import pad_matmul
+
+    monkeypatch.setattr(pad_matmul, "_MIN_FLOPS", 0)
+    compiled = _compiled_steps_match_eager(monkeypatch, model, ignore)
+    assert "padded_linear(" in compiled.code and "clone" not in compiled.code
+    line = compiled.code.split("fused_cross_entropy(")[1].split("\n")[0]
+    assert line.startswith("reshape, ") and line.split(")")[0].endswith(", 37")
+    assert re.search(r"reshape\(\w+, \(-1, 40\)\)", compiled.code)
+
+
+def test_padded_rows_give_the_columns_loss_and_zero_gradients_beyond():
+    torch.manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        padded = torch.randn(6, 40, device=DEVICE).to(dtype)
+        padded[:, 37:] = 0  # a padded linear's zero rows give zero columns
+        t = torch.tensor([0, 36, -100, 5, 1, 2], device=DEVICE)
+        got, want = [], []
+        for f, out in ((lambda v: fused_cross_entropy(v, t, -100, "mean", True, False, 37),
+                        got), (lambda v: _eager(v[:, :37], t, -100, "mean", True), want)):
+            leaf = padded.clone().requires_grad_()
+            loss = f(leaf)
+            loss.backward()
+            out += [loss.detach(), leaf.grad]
+        _close(got, want, dtype)
+        assert torch.equal(got[1][:, 37:], torch.zeros_like(got[1][:, 37:]))
+        leaf = padded.clone().requires_grad_()  # create_graph: the same, padded
+        (g,) = torch.autograd.grad(fused_cross_entropy(leaf, t, -100, "mean", True, False, 37),
+                                   leaf, create_graph=True)
+        torch.testing.assert_close(g.detach(), got[1], atol=1e-6, rtol=1e-5)
