@@ -34,6 +34,7 @@ from bench_training import (  # noqa: E402
     gpt2_124m_case,
     gpt2_block_case,
     gpt2_lm_step_case,
+    nanogpt_124m_case,
     resnet18_case,
     time_steps,
     vision_case,
@@ -46,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="gpt2_block_f32",
                         choices=["resnet18", "resnet50", "vit_b_16", "gpt2_block_f32",
-                                 "gpt2_block_bf16", "gpt2_lm_step", "gpt2_124m"])
+                                 "gpt2_block_bf16", "gpt2_lm_step", "gpt2_124m",
+                                 "nanogpt_124m"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
@@ -67,6 +69,7 @@ def main() -> None:
     make = {"resnet18": resnet18_case, "gpt2_block_f32": lambda: gpt2_block_case(torch.float32),
             "gpt2_block_bf16": lambda: gpt2_block_case(torch.bfloat16),
             "gpt2_lm_step": gpt2_lm_step_case, "gpt2_124m": gpt2_124m_case,
+            "nanogpt_124m": nanogpt_124m_case,
             "resnet50": lambda: vision_case("resnet50", 32, 224, 1000),
             "vit_b_16": lambda: vision_case("vit_b_16", 32, 224, 1000)}[args.case]
     base, make_opt, data, step, _ = make()
