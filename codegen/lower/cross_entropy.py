@@ -338,7 +338,8 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
     smoothing, ``"mean"`` or ``"sum"``) to :func:`fused_cross_entropy`; where the logits
     are a float32 upcast of 16-bit values (through a view or not) that nothing else reads,
     the upcast goes and the function reads the 16-bit values, as it does for 16-bit logits
-    whose loss autocast computed (nanoGPT's: rounded where CUDA's autocast rounds). Returns
+    whose loss autocast computed (nanoGPT's: rounded where CUDA's autocast rounds); logits
+    that are a padded linear's clone are read in place (``_read_padded_rows``). Returns
     whether ``gm`` changed."""
     graph = gm.graph
     changed = False
