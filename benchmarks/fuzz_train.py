@@ -7,8 +7,8 @@ state), with the state a user changes between calls changed on both sides.
 
 Program ``S`` is ``draw_train(S)``, so ``--seed S --count 1`` replays it. ``--device cpu``
 runs kernels through Triton's interpreter (TRITON_INTERPRET=1); with ``--cuda-passes`` it
-also runs the rewrites fxlite makes on CUDA only (the padded LM head, the fused cross
-entropy), as if the tensors were on a GPU, and ``--loss ce`` keeps only the programs with
+also runs the rewrites fxlite makes on CUDA only (the padded LM head, at every size, and
+the fused cross entropy), as if the tensors were on a GPU, and ``--loss ce`` keeps only the programs with
 that loss. ``--time-limit`` stops starting programs after that many seconds. Exit status 1
 if any program failed.
 """
@@ -35,9 +35,12 @@ def _init(device: str, cuda_passes: bool = False) -> None:
 
     warnings.simplefilter("ignore")
     if cuda_passes:
-        from fxlite.codegen.lower import segment
+        from fxlite.codegen.lower import pad_matmul, segment
 
         segment._on_gpu = lambda sample: True
+        # every linear of odd width padded, as a large one is on CUDA: the programs' heads
+        # are small
+        pad_matmul._MIN_FLOPS = 0
 
 
 def _run(seed_device: tuple[int, str]) -> dict:
