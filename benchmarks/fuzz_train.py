@@ -8,9 +8,9 @@ state), with the state a user changes between calls changed on both sides.
 Program ``S`` is ``draw_train(S)``, so ``--seed S --count 1`` replays it. ``--device cpu``
 runs kernels through Triton's interpreter (TRITON_INTERPRET=1); with ``--cuda-passes`` it
 also runs the rewrites fxlite makes on CUDA only (the padded LM head, at every size, and
-the fused cross entropy), as if the tensors were on a GPU, and ``--loss ce`` keeps only the programs with
-that loss. ``--time-limit`` stops starting programs after that many seconds. Exit status 1
-if any program failed.
+the fused cross entropy), as if the tensors were on a GPU, and ``--loss ce`` keeps only the
+programs with that loss. ``--time-limit`` stops starting programs after that many seconds.
+Exit status 1 if any program failed.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ that writes the gradient straight in the logits' dtype, ``(exp(x - lse) - onehot
 * g / count``: eager's value in float32, rounded once, as eager's cast back rounds it.
 
 Under CUDA's autocast the kernels round where eager does: each row's log-probability of
-its target before the loss, and, in the backward, ``g / count`` and each log-probability
-before ``onehot(target) * g - exp(logp) * g`` (log-softmax's backward) is rounded once.
+its target is rounded before the loss; in the backward, ``g / count`` and each
+log-probability are rounded before ``onehot(target) * g - exp(logp) * g`` (log-softmax's
+backward).
 
 Semantics are eager's: rows whose target is ``ignore_index`` add 0 and are not counted (a
 mean over no counted rows is NaN, their gradient 0); a NaN or infinite logit makes its
@@ -282,14 +283,14 @@ def _upcast_source(n: Node) -> Node | None:
     return n.args[0]
 
 
-def _read_padded_rows(graph: Any, n: Node) -> None:
+def _read_padded_rows(n: Node) -> None:
     """Where the loss ``n`` (now ``fused_cross_entropy``) reads the contiguous clone of a
     padded linear's first columns (``pad_matmul.pad_linears``), through a view or not, and
     nothing else reads the clone, let it read the padded rows in place: no clone, and its
     backward writes the padded rows' gradient (zeros in the padding), where autograd made
     a zero-filled buffer and copied the columns into it (GPT-2's head on an H200: the
     clone 0.49 ms and that copy 0.95 ms a step; nanoGPT's the same)."""
-    x = n.args[0]
+    graph, x = n.graph, n.args[0]
     view = x if x.op == "call_method" and x.target in _VIEWS else None
     clone = view.args[0] if view is not None else x
     if not (isinstance(clone, Node) and clone.op == "call_function"
@@ -384,7 +385,7 @@ def fuse_cross_entropy(gm: GraphModule) -> bool:
         n.kwargs = {}
         if src is not None:
             graph.erase_node(cast)  # read by nothing now
-        _read_padded_rows(graph, n)
+        _read_padded_rows(n)
         changed = True
     if changed:
         gm.recompile()
