@@ -6,6 +6,7 @@ Run on a CUDA machine::
     FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --gpu   # device time
     python benchmarks/profile_step.py --case resnet18 --gpu --mode reduce-overhead --inductor
     FXLITE_TRIAL=0 python benchmarks/profile_step.py --case resnet18 --blocks 8   # walls
+    FXLITE_TRIAL=0 python benchmarks/profile_step.py --case nanogpt_124m --gaps --inductor
 
 Uses the cases of ``bench_training.py``; prints each contender's median step time, then the
 functions with the most own time in fxlite's steps (after warm-up, so no compiling).
@@ -54,6 +55,9 @@ def main() -> None:
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
                         help="order of cProfile's table")
     parser.add_argument("--gpu", action="store_true", help="profile device time instead")
+    parser.add_argument("--gaps", action="store_true",
+                        help="where the GPU waits for the host: its idle time a step, by "
+                             "thread and by the op that launched the kernel it waited for")
     parser.add_argument("--mode", default=None, help="compile mode (reduce-overhead: graphs)")
     parser.add_argument("--inductor", action="store_true", help="also profile torch.compile")
     parser.add_argument("--memory", action="store_true", help="peak memory step by step")
@@ -97,7 +101,9 @@ def main() -> None:
             continue
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
-        if args.gpu:
+        if args.gaps:
+            gap_profile(fn, model, opt, data, args.top)
+        elif args.gpu:
             gpu_profile(fn, model, opt, data, args.top)
             if label == "fxlite":
                 print(f"tier: {fn.tier[:120]}; kernels {len(fn.kernels)}; runners "
@@ -205,6 +211,60 @@ def gpu_profile(fn, model, opt, data, top: int) -> None:
           "of them fxlite's")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top,
                                     max_name_column_width=60))
+
+
+def gap_profile(fn, model, opt, data, top: int) -> None:
+    """Print the GPU's idle time per step that waited on the host, split by the launching
+    thread and by the outermost CPU op around the launch of the kernel it waited for (a
+    launch from Python, such as a Triton kernel's, has none: ``(python)``)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(model, opt, *data[i % len(data)])
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    ops: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops.setdefault(e["tid"], []).append(e)
+    engine = {e["tid"] for e in events if e.get("cat") == "cpu_op"
+              and e["name"].startswith("autograd::engine::evaluate_function")}
+    idle: dict[tuple[str, str], list[float]] = {}
+    waits = busy = 0.0
+    end = device[0]["ts"] + device[0]["dur"]
+    for k in device:
+        busy += k["dur"]
+        gap = k["ts"] - end
+        end = max(end, k["ts"] + k["dur"])
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if gap <= 0 or launch is None or launch["ts"] + launch["dur"] < k["ts"] - gap:
+            continue  # no gap, or the launch came before the GPU went idle (a dependency)
+        waits += gap
+        around = [o for o in ops.get(launch["tid"], ())
+                  if o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        outer = min(around, key=lambda o: o["ts"])["name"] if around else "(python)"
+        where = "backward (engine)" if launch["tid"] in engine else "main thread"
+        entry = idle.setdefault((where, outer[:90]), [0.0, 0])
+        entry[0] += gap
+        entry[1] += 1
+    span = (end - device[0]["ts"]) / steps / 1e3
+    print(f"GPU span {span:.2f} ms a step, busy {busy / steps / 1e3:.2f}, idle waiting on the "
+          f"host {waits / steps / 1e3:.2f}")
+    for (where, outer), (gap, count) in sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {gap / steps / 1e3:7.3f} ms  {count / steps:6.1f} gaps  {where:18s} {outer}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
