@@ -27,6 +27,7 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
     pool_kernels       CUDA: max-pools' kernels
     pack_weights       inference: weight copies
                        to channels-last as one
+    batched_casts      inputs' casts as one call
     fuse                                          fuse
     empty_ok_max       softmax of empty dims      lone_groups  lone ops as groups too
     cat_groups         inference: a cat and the
@@ -67,6 +68,7 @@ from fxlite.codegen.kernels.weights import pack_weight_copies
 from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
+from fxlite.codegen.lower.batched_casts import batch_casts
 from fxlite.codegen.lower.matmul_copies import explicit_matmul_copies
 from fxlite.codegen.lower.row_gathers import gather_rolled_rows
 from fxlite.codegen.lower.row_views import softmax_before_views
@@ -287,6 +289,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("pool_kernels", _on(use_pool_kernels), when=_on_cuda),  # max-pools without indices; avg-pools
     Pass("pack_weights", _on(pack_weight_copies),  # channels-last weight copies: one kernel
          when=lambda gm, low: not _needs_autograd(gm)),
+    Pass("batched_casts", _on(batch_casts)),  # autocast's parameter casts: one copy, one node
     Pass("fuse", _fuse),
     Pass("empty_ok_max", _on(_empty_ok_max)),
     Pass("cat_groups", _on(cat_groups),  # a cat and the groups only it reads: one kernel
