@@ -92,7 +92,8 @@ def _cast(n: Node, gm: GraphModule) -> tuple[Node, torch.dtype] | None:
     if was is None or x.op != "placeholder" or was == dtype or not was.is_floating_point:
         return None
     for user in n.users:
-        read = resolve(user, gm) if user.op in ("call_function", "call_method") else None
+        read = resolve(user, gm) if user.op in ("call_function", "call_method",
+                                                "call_module") else None
         if read is not None and read[0].kind != "extern":  # (not a table op: extern too)
             return None
     return x, dtype

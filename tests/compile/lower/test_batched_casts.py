@@ -128,11 +128,23 @@ def test_a_compiled_write_between_two_forwards_is_cast_again():
         torch.testing.assert_close(mine[1].weight, m[1].weight, rtol=0, atol=0)
 
 
-def test_a_cast_a_fused_group_could_read_is_left_to_the_group():
-    def f(x, w):
-        xb = x.to(BF16)  # relu's group casts as it reads
-        return torch.relu(xb) + F.linear(xb, w.to(BF16))
+class _ReluModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.relu = nn.ReLU()
 
+    def forward(self, x, w):
+        xb = x.to(BF16)  # relu's group casts as it reads
+        return self.relu(xb) + F.linear(xb, w.to(BF16))
+
+
+def _relu_function(x, w):
+    xb = x.to(BF16)
+    return torch.relu(xb) + F.linear(xb, w.to(BF16))
+
+
+@pytest.mark.parametrize("f", [_relu_function, _ReluModule()], ids=["function", "module"])
+def test_a_cast_a_fused_group_could_read_is_left_to_the_group(f):
     gm = _traced(f, torch.randn(3, 4), torch.randn(4, 4))
     batch_casts(gm)
     (call,) = _calls(gm, cast_all)
