@@ -449,7 +449,10 @@ def test_autocast_step_casts_the_weights_of_each_step(backend):
 def test_a_parameter_written_inside_an_autocast_block_is_read_as_autocasts_cache_has_it():
     # Eager's autocast caches the cast of a parameter (a leaf needing gradients) until the
     # outermost autocast block exits; a write to the parameter inside the block does not
-    # reach later casts of it in that block. The compiled replay (third call) casts anew.
+    # reach later casts of it in that block. The compiled replay (third call) casts anew:
+    # its casts are graph ops (explicit_autocast), the write starts another segment, and a
+    # fused group's autocast-off block empties the cache as it exits (the replay sets
+    # autocast's state without entering a block, so the group's is the outermost).
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4)).to(DEVICE)
 
