@@ -4,10 +4,10 @@ Under autocast each linear layer casts its float32 weight and bias to the 16-bit
 on every call; ``explicit_autocast`` spells those casts out as graph ops. A cast of a
 segment's input (a parameter) joins no fused group, so each ran as its own ``to``: a
 kernel in the forward, and an autograd node (``ToCopyBackward0``) whose backward casts the
-gradient back, in the backward. A GPT-2 124M step made 120 of each; on an H200 the GPU
-sat idle for them, waiting on the host. :func:`batch_casts` makes the casts of a stretch
-of the graph that only extern ops read (a fused group casts as it reads) one call of
-:func:`cast_all`, which copies every tensor in one
+gradient back, in the backward. nanoGPT's step at GPT-2 124M's size made about 120 of
+each; on an H200 the GPU sat idle for them, waiting on the host. :func:`batch_casts`
+makes the casts of a stretch of the graph that only extern ops read (a fused group casts
+as it reads) one call of :func:`cast_all`, which copies every tensor in one
 ``torch._foreach_copy_`` and is one autograd node whose backward casts every gradient
 back in one more::
 
