@@ -24,7 +24,7 @@ float64 (which autocast leaves alone), is cast to the result's dtype as a graph 
 itself still runs as recorded, under autocast, which then finds nothing left to cast. A
 cast of a group's result then fuses into that group (a layer norm writes its 16-bit
 result directly), and the casts of parameters become one call (``batched_casts``): a
-GPT-2 step's 120 casts were as many kernels and autograd nodes::
+nanoGPT step's 120 casts were as many kernels and autograd nodes::
 
     # recorded under autocast(cuda, bfloat16)      # after
     h = F.layer_norm(x, (768,), w, b)               h = F.layer_norm(x, (768,), w, b)
