@@ -105,7 +105,10 @@ def _may_write(n: Node, gm: GraphModule) -> bool:
     random numbers (a dropout between two layers draws; it writes no parameter)."""
     if n.meta.get("mutated") or n.meta.get("external"):
         return True
-    return "impure" not in n.meta and is_impure(n, gm, impure_random=False)
+    if "impure" in n.meta or not is_impure(n, gm, impure_random=False):
+        return False
+    found = resolve(n, gm)  # F.dropout and nn.Dropout: effects in the table, writes in place
+    return found is None or "dropout" not in found[0].name or found[1].get("inplace") is True
 
 
 def batch_casts(gm: GraphModule) -> bool:

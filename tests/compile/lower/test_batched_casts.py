@@ -95,17 +95,24 @@ def test_casts_are_not_batched_across_a_node_with_side_effects():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _dropout_between(x, w0, w1):  # (F.dropout, traced, counts as a write: it may be in place)
-    h = torch.dropout(F.linear(x, w0.to(BF16)), 0.5, True)
+def _dropout_between(x, w0, w1):
+    h = F.dropout(F.linear(x, w0.to(BF16)), 0.5)
+    return F.linear(torch.dropout(h, 0.5, True), w1.to(BF16))
+
+
+def _dropout_in_place_between(x, w0, w1):
+    h = F.dropout(F.linear(x, w0.to(BF16)), 0.5, inplace=True)  # (a write, as far as known)
     return F.linear(h, w1.to(BF16))
 
 
-def test_a_random_draw_between_casts_does_not_split_them():
+@pytest.mark.parametrize("f, calls", [(_dropout_between, 1), (_dropout_in_place_between, 2)],
+                         ids=["draws", "in_place"])
+def test_a_random_draw_between_casts_does_not_split_them(f, calls):
     x = torch.randn(3, 4, dtype=BF16)
-    gm = _traced(_dropout_between, x, torch.randn(4, 4), torch.randn(4, 4))
+    gm = _traced(f, x, torch.randn(4, 4), torch.randn(4, 4))
     assert batch_casts(gm)
-    (call,) = _calls(gm, cast_all)
-    assert [a.name for a in call.args[1:]] == ["w0", "w1"], gm.code
+    assert len(_calls(gm, cast_all)) == calls, gm.code
+    assert [a.name for c in _calls(gm, cast_all) for a in c.args[1:]] == ["w0", "w1"]
 
 
 def test_a_compiled_write_between_two_forwards_is_cast_again():
