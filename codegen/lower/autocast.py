@@ -97,10 +97,7 @@ def explicit_autocast(gm: GraphModule) -> GraphModule:
             if dtype is None or dtype == want or not dtype.is_floating_point:
                 continue
             with graph.inserting_before(node):
-                cast = graph.call_method("to", (inp, want))
-            cast.meta.update(tensor_meta=inp.meta["tensor_meta"]._replace(dtype=want),
-                             type=torch.Tensor, stack_trace=node.meta.get("stack_trace"))
-            node.replace_input_with(inp, cast)
+                node.replace_input_with(inp, _cast(inp, want, node))
             changed = True
     if changed:
         gm.recompile()
@@ -115,15 +112,15 @@ def _cast_lower_precision(node: Node) -> bool:
     device = node.meta.get("device")
     if want not in _HALVES or device is None:
         return False
-    inputs = [a for a in node.all_input_nodes if _dtype(a) is not None
-              and _dtype(a).is_floating_point and _dtype(a) != torch.float64]
-    if not any(_dtype(a) == torch.float32 for a in inputs) or any(
+    inputs = {a: d for a in node.all_input_nodes
+              if (d := _dtype(a)) is not None and d.is_floating_point and d != torch.float64}
+    if torch.float32 not in inputs.values() or any(
             a.meta.get("device") is None or a.meta["device"].type != device.type
             for a in inputs):
         return False
     graph = node.graph
-    for inp in inputs:
-        if _dtype(inp) == want:
+    for inp, dtype in inputs.items():
+        if dtype == want:
             continue
         chain = _whole_views(inp)  # cast their base, then view it: the cast joins its group
         with graph.inserting_before(node):
@@ -139,6 +136,7 @@ def _cast_lower_precision(node: Node) -> bool:
 
 
 def _cast(x: Node, dtype: torch.dtype, site: Node) -> Node:
+    """``x.to(dtype)`` as a node, at the graph's insertion point, for the op ``site``."""
     cast = x.graph.call_method("to", (x, dtype))
     cast.meta.update(tensor_meta=x.meta["tensor_meta"]._replace(dtype=dtype),
                      type=torch.Tensor, device=x.meta.get("device"),
