@@ -19,6 +19,7 @@ trial, captures) and at steady state, and the memory a step leaves allocated.
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import cProfile
 import os
@@ -265,7 +266,45 @@ def gap_profile(fn, model, opt, data, top: int) -> None:
           f"host {waits / steps / 1e3:.2f}")
     for (where, outer), (gap, count) in sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {gap / steps / 1e3:7.3f} ms  {count / steps:6.1f} gaps  {where:18s} {outer}")
+    host_time(ops, engine, launches, steps, top)
     sys.stdout.flush()
+
+
+def host_time(ops: dict, engine: set, launches: dict, steps: int, top: int) -> None:
+    """Print the host's time a step by thread and outermost CPU op (the ops no other op of
+    the same thread encloses), and the launches made outside every op (Triton's, from
+    Python): where the host's time goes, whether or not the GPU waited for it."""
+    spent: dict[tuple[str, str], list[float]] = {}
+    for tid, events in ops.items():
+        where = "backward (engine)" if tid in engine else "main thread"
+        end = -1.0
+        starts, ends = [], []  # the outermost ops' spans, in order
+        for o in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+            if o["ts"] + o["dur"] <= end:
+                continue  # inside the last outermost op
+            end = o["ts"] + o["dur"]
+            starts.append(o["ts"])
+            ends.append(end)
+            entry = spent.setdefault((where, o["name"][:90]), [0.0, 0])
+            entry[0] += o["dur"]
+            entry[1] += 1
+        loose = [e for e in launches.values()
+                 if e["tid"] == tid and not _inside(e["ts"], starts, ends)]
+        if loose:
+            spent[(where, "(launches outside ops)")] = [sum(e["dur"] for e in loose),
+                                                        len(loose)]
+    total = {w: sum(v[0] for (w2, _), v in spent.items() if w2 == w)
+             for w in {w for w, _ in spent}}
+    print("host time a step in CPU ops (outermost), by thread: " + ", ".join(
+        f"{w} {t / steps / 1e3:.2f} ms" for w, t in sorted(total.items())))
+    for (where, name), (t, count) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {t / steps / 1e3:7.3f} ms  {count / steps:6.1f} calls  {where:18s} {name}")
+
+
+def _inside(ts: float, starts: list[float], ends: list[float]) -> bool:
+    """Whether ``ts`` falls in one of the sorted, disjoint spans ``starts``/``ends``."""
+    i = bisect.bisect_right(starts, ts)
+    return i > 0 and ts <= ends[i - 1]
 
 
 if __name__ == "__main__":
