@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import copy
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -95,10 +97,13 @@ def main() -> None:
         for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
         if args.blocks:
-            blocks = time_blocks(fn, model, opt, data, args.blocks)
+            with collections_timed() as collected:
+                blocks = time_blocks(fn, model, opt, data, args.blocks)
             kept = f"; kernels {len(fn.kernels)}" if label == "fxlite" else ""
             print(f"{label}: best {min(blocks):.2f} ms, median {statistics.median(blocks):.2f} "
-                  f"ms a step, over {args.blocks} blocks of 20{kept}", flush=True)
+                  f"ms a step, over {args.blocks} blocks of 20{kept}; Python's garbage "
+                  f"collector {collected[0] / args.blocks / 20 * 1e3:.3f} ms a step "
+                  f"(collections by generation {collected[1:]})", flush=True)
             continue
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
@@ -117,6 +122,27 @@ def main() -> None:
             time_steps(fn, model, opt, data, args.steps)
             profile.disable()
             pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+
+
+@contextlib.contextmanager
+def collections_timed():
+    """Yields ``[seconds, gen0, gen1, gen2]``: the time Python's garbage collector spent
+    inside the block, and its collections by generation."""
+    found = [0.0, 0, 0, 0]
+    start = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            found[0] += time.perf_counter() - start[0]
+            found[1 + info["generation"]] += 1
+
+    gc.callbacks.append(timed)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(timed)
 
 
 def time_blocks(fn, model, opt, data, blocks: int) -> list[float]:
