@@ -13,7 +13,10 @@ functions with the most own time in fxlite's steps (after warm-up, so no compili
 With ``--gpu``, it prints instead how long the GPU was busy per step (torch.profiler over
 3 steps) and the kernels that kept it busy longest, for each contender. With ``--memory``,
 it prints each contender's peak memory step by step over the first steps (recording, the
-trial, captures) and at steady state, and the memory a step leaves allocated.
+trial, captures) and at steady state, and the memory a step leaves allocated. With
+``--gaps``, the GPU's idle time a step that waited on the host, by the op that launched
+late, then the host's time a step by thread and outermost op. With ``--blocks``, walls of
+blocks of 20 steps, and the time Python's garbage collector took in them.
 """
 
 from __future__ import annotations
