@@ -319,13 +319,15 @@ def host_time(ops: dict, engine: set, launches: dict, steps: int, top: int) -> N
             entry[1] += 1
         loose = [e for e in launches.values()
                  if e["tid"] == tid and not _inside(e["ts"], starts, ends)]
-        if loose:
-            spent[(where, "(launches outside ops)")] = [sum(e["dur"] for e in loose),
-                                                        len(loose)]
-    total = {w: sum(v[0] for (w2, _), v in spent.items() if w2 == w)
-             for w in {w for w, _ in spent}}
-    print("host time a step in CPU ops (outermost), by thread: " + ", ".join(
-        f"{w} {t / steps / 1e3:.2f} ms" for w, t in sorted(total.items())))
+        if loose:  # (summed with another thread's of the same kind)
+            entry = spent.setdefault((where, "(launches outside ops)"), [0.0, 0])
+            entry[0] += sum(e["dur"] for e in loose)
+            entry[1] += len(loose)
+    total: dict[str, float] = {}
+    for (where, _), (t, _) in spent.items():
+        total[where] = total.get(where, 0.0) + t
+    print("host time a step in CPU ops (outermost) and launches outside them, by thread: "
+          + ", ".join(f"{w} {t / steps / 1e3:.2f} ms" for w, t in sorted(total.items())))
     for (where, name), (t, count) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t / steps / 1e3:7.3f} ms  {count / steps:6.1f} calls  {where:18s} {name}")
 
