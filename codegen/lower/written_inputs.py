@@ -63,7 +63,10 @@ def mark_written_inputs(gm: GraphModule) -> None:
         if group is not None:
             places = [n for n in group.graph.nodes if n.op == "placeholder"]
             for arg, place in zip(node.args, places):
-                if isinstance(arg, Node) and (arg.meta.get("written_later") or memory_root(
+                # (a write in a later segment comes after this segment's backward, if
+                # it has one: a linear's weight, which SGD steps past a read)
+                if isinstance(arg, Node) and (arg.meta.get("written_later") and not
+                                              backward_after or memory_root(
                         arg, gm, by_name) in written):
                     place.meta["written_later"] = True
             results = group.graph.output_node().args[0]
