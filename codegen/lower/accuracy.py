@@ -45,6 +45,7 @@ import torch
 from fxlite.codegen.capture.kinds import mutation_candidates, random_op, state_name
 from fxlite.codegen.runtime import kernel as runtime_kernel
 from fxlite.codegen.runtime.launch import slices
+from torch.overrides import TorchFunctionMode
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import target_name
@@ -453,10 +454,38 @@ def _run_reference(gm: GraphModule, args: Sequence[Any], wide: tuple[torch.dtype
     try:  # the wide module shares gm's graph, which a GraphModule takes as its own
         reference = GraphModule(root, gm.graph, "WideReference")
         with torch.no_grad(), torch.autocast("cuda", enabled=False), \
-                torch.autocast("cpu", enabled=False), _no_tf32():
+                torch.autocast("cpu", enabled=False), _no_tf32(), _WideCasts(wide[0]):
             return reference(*[_widen(a, wide) for a in args])
     finally:  # give it back: else the graph keeps the wide copies of the weights alive
         gm.graph.owning_module = owner
+
+
+class _WideCasts(TorchFunctionMode):
+    """The wider run's casts to a 16-bit type (autocast's, made explicit) cast to its own
+    dtype: else a matmul read a 16-bit activation and a widened weight, and failed. A
+    region through a linear under autocast (``autograd_regions``) rounds its activations
+    to bfloat16 before each matmul, as eager does, and both runs are judged against the
+    values without those roundings::
+
+        to = h.to(torch.bfloat16)        # in the wider run: h.to(torch.float32)
+        y = F.linear(to, w, b)
+    """
+
+    def __init__(self, wide: torch.dtype) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            args = tuple(self.wide if _half(a) else a for a in args)
+            kwargs = {k: self.wide if _half(v) else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _half(value: Any) -> bool:
+    return isinstance(value, torch.dtype) and value in HALF
 
 
 def _leaves(value: Any) -> list[Any]:

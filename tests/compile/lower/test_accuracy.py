@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -590,3 +591,21 @@ def test_a_segment_keeps_its_kernel_where_the_groups_eager_run_is_the_one_off(mo
     assert len(c.kernels) == 1 and c.fallbacks == []
     for out in outs:
         torch.testing.assert_close(out, gelu_tanh_twice(x, b))
+
+
+def test_the_wider_run_drops_autocasts_explicit_half_casts():
+    # A region through a linear under autocast casts its activation to bfloat16 before the
+    # matmul; the wider run widened the weight but kept the cast, and the linear failed on
+    # mixed dtypes (nanoGPT's regions then ran in eager). It now computes without those
+    # roundings, and a result that rounds once passes where eager's rounds twice.
+    def f(h, w):
+        return torch.tanh(F.linear(torch.sin(h).to(torch.bfloat16), w)).float()
+
+    torch.manual_seed(0)
+    h, w = torch.randn(16, 32), torch.randn(8, 32).to(torch.bfloat16)
+    eager = f(h, w)
+    once = torch.tanh(F.linear(torch.sin(h.double()), w.double())).float()
+    assert reference_problem(graph_of(f), [h, w], once, eager, "differs") is None
+    wrong = once + 0.5
+    problem = reference_problem(graph_of(f), [h, w], wrong, eager, "differs")
+    assert problem is not None and "failed" not in problem
