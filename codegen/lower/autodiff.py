@@ -242,7 +242,10 @@ def _apply_rule(n: Node, cotangent: dict[Node, Any], live: set[Node], tracer: _R
     result = rule(g, proxied, Proxy(n, tracer))
     if result is NotImplemented:
         raise NotDifferentiable(f"the derivative rule of {info.name} declines {n.format_node()}")
-    out = Proxy(n, tracer)
+    # (an extern op's parameters are not broadcast operands: a linear's weight of shape
+    # (64, 64) broadcasts to its (4, 64, 64) result by chance, and its gradient was
+    # taken for a spread value and multiplied by 4)
+    out = Proxy(n, tracer) if info.kind != "extern" else None
     for param, grad in result.items():
         target = args.get(param)
         if isinstance(target, Node) and target in live and isinstance(grad, Proxy):

@@ -447,6 +447,20 @@ def _seeded_dropout(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"input": g.tracer.create_proxy("call_function", seeded_dropout, call, {})}
 
 
+# ---------------------------------------------------------------------- matmuls
+def _linear(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # y = x @ w.T + b over x's leading dims: the weight's gradient is one matmul of g and x
+    # flattened to rows (g.T @ x), as eager's addmm backward computes it; the bias's is g,
+    # which autodiff sums over the leading dims.
+    x, w = a["input"], a["weight"]
+    rows_g, rows_x = g, x
+    if _rank(x) == 1:
+        rows_g, rows_x = g.unsqueeze(0), x.unsqueeze(0)
+    elif _rank(x) > 2:
+        rows_g, rows_x = g.flatten(0, -2), x.flatten(0, -2)
+    return {"input": torch.matmul(g, w), "weight": torch.matmul(rows_g.t(), rows_x), "bias": g}
+
+
 # ---------------------------------------------------------------------- views
 def _unit_view(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # A view that only inserts or drops size-1 dims: drop out's size-1 dims from g, then
@@ -561,6 +575,8 @@ VJP: dict[str, Rule] = {
     "addcmul": _multiply_add(divide=False),
     "addcdiv": _multiply_add(divide=True),
     "vector_norm": _vector_norm,
+    # matmuls
+    "linear": _linear,
     # views
     **{name: _unit_view for name in ("view", "reshape", "flatten", "squeeze", "unsqueeze")},
     **{name: _identity for name in ("expand", "contiguous", "identity")},

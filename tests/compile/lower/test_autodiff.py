@@ -356,6 +356,24 @@ def test_composites(name, decomposed, directions):
     check_grads(fn, make, directions, decomposed=decomposed)
 
 
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 3, 5), (2, 4, 4)],
+                         ids=["rank1", "rank2", "rank3", "square"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_linear_gradients_are_eagers(shape, bias, directions):
+    # a linear inside one autograd node (a region through it, autograd_regions): the
+    # weight's gradient is one matmul of g and x flattened to rows, the bias's a sum of g.
+    # "square": the (4, 4) weight broadcasts to the (2, 4, 4) result by chance, and its
+    # gradient came out twice eager's (taken for a value spread over the leading dim)
+    def fn(x, w, *b):
+        return torch.tanh(F.linear(torch.sin(x), w, *b))
+
+    k = shape[-1]
+    def make():
+        return [req(edgy(*shape)), req(torch.randn(4, k, dtype=F64, device=DEVICE)),
+                *([req(torch.randn(4, dtype=F64, device=DEVICE))] if bias else [])]
+    check_grads(fn, make, directions, decomposed=False)
+
+
 # ------------------------------------------------------------------------ a block
 class MLPBlock(torch.nn.Module):
     def __init__(self, d=8, h=16):
