@@ -346,6 +346,21 @@ def backward_untraced() -> None:
         _GroupFunction.backward = staticmethod(untraced)
 
 
+def _hooked_leaf(args: tuple) -> bool:
+    """Whether a parameter (a leaf that requires grad) among ``args`` has a gradient hook.
+
+    A region's backward hands back the gradients of parameters that eager computes in
+    nodes of their own, one after another: a hook that raises on the last layer's weight
+    (a non-finite check) stopped eager's backward before the first layer's gradient was
+    made, while the region's had made them all, and the engine stored the first layer's.
+    Such calls run the region's ops under eager autograd."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and (
+                a._backward_hooks or a._post_accumulate_grad_hooks):
+            return True
+    return False
+
+
 class AutogradGroup:
     """A fused group callable under autograd (see the module docstring).
 
@@ -362,6 +377,8 @@ class AutogradGroup:
         self._variants: dict[tuple, _Variant | None] = {}
         self._lock = threading.Lock()
         self._views: dict[int, int] | None = None
+        # a region merges ops that eager's autograd runs as nodes of their own
+        self._merges = getattr(group, "meta", {}).get("fused_kind") == "region"
 
     @property
     def __name__(self) -> str:  # generated forward code calls the callable by this name
@@ -405,7 +422,7 @@ class AutogradGroup:
                         self._variants[key] = variant
         if variant is _NO_GRAD:
             return self._inference(args)
-        if variant is None:
+        if variant is None or self._merges and _hooked_leaf(args):
             return self.group(*args)
         if self._views is None:
             self._views = output_views(self.group)

@@ -19,17 +19,35 @@ a whole (``codegen/lower/autodiff.py``) and the kernel pipeline fuses again, for
         y = fused_2(v, n, c, w, b)  # normalize, relu
 
 What joins: calls of fused groups whose every op has a derivative rule, their
-``getitem``s, and pure pointwise and reduction ops with a derivative rule (such as the
-outer sums of ``split_sums``) between them, and ``detach`` (BatchNorm's variance reads
-its mean detached). Regions stay convex (no path leaves one and comes back)
-and never span an impure node, as fuse's groups; only regions of two groups or more are
-made, and only around a reduction that fuse left outside its groups and that keeps a dim
-(the per-channel outer sums of ``split_sums``): there the engine's gradient additions and
-the small outer sums are what a region saves. Elsewhere groups stay apart: measured on an
-H200, a GPT-2 block's training step whose loss (a mean over everything, outside the
-groups) joined the last residual add kept the GPU 0.10 ms (f32) and 0.17 ms (bf16) longer
-than with its groups apart.
-The region's call takes the place of its last node.
+``getitem``s, pure pointwise and reduction ops with a derivative rule (such as the
+outer sums of ``split_sums``) between them, ``detach`` (BatchNorm's variance reads
+its mean detached) and linears. Regions stay convex (no path leaves one and comes back)
+and never span an impure node, as fuse's groups. Two kinds are made:
+
+* **through linears**: a region holding a linear and at least two autograd nodes in all
+  (groups or linears), and no ``detach`` (see :func:`_detaches`). A transformer block's
+  norm, linears, activation and residual adds between two attentions become one node,
+  whose forward and backward call the matmuls between their kernels::
+
+      before                                   after
+          h = fused_0(x, w1, b1)  # layer norm     r = region_0(x, w1, b1, w2, b2, ...)
+          u = linear(h, w2, b2)                    y = r[0]
+          a = fused_1(u)          # gelu
+          y = linear(a, w3, b3)
+
+  A step's host time goes to its autograd nodes: nanoGPT's 48 linears were each an
+  ``addmm``, two views and a backward node of three launches, and each group a node too.
+* **around a per-channel reduction**: regions of two groups or more around a reduction
+  that fuse left outside its groups and that keeps a dim (the per-channel outer sums of
+  ``split_sums``): there the engine's gradient additions and the small outer sums are
+  what a region saves. Elsewhere groups stay apart: measured on an H200, a GPT-2 block's
+  training step whose loss (a mean over everything, outside the groups) joined the last
+  residual add kept the GPU 0.10 ms (f32) and 0.17 ms (bf16) longer than with its
+  groups apart.
+
+The region's call takes the place of its last node. A region's call runs its ops under
+eager autograd where a parameter it reads has a gradient hook
+(``codegen/lower/autograd.py``): eager's backward runs them in its order.
 """
 
 from __future__ import annotations
@@ -49,6 +67,9 @@ from fxlite.ops.derivatives import VJP
 __all__ = ["autograd_regions"]
 
 GROUP_KINDS = ("pointwise", "reduction")
+# ops outside the group kinds that regions take in: detach, and linears, whose matmuls the
+# region's forward and backward call between their kernels (one autograd node, not three)
+JOINING = frozenset({"detach", "linear"})
 
 
 def autograd_regions(gm: GraphModule) -> GraphModule:
@@ -61,9 +82,31 @@ def autograd_regions(gm: GraphModule) -> GraphModule:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     window = _impure_windows(nodes, gm)
+    # regions through linears first, but none holding a detach (see _detaches); then,
+    # among the nodes those left, regions of groups and table ops alone
+    chosen = [r for r in _join(nodes, gm, index, window, linears=True)
+              if _made_of_linears(r, gm) and not _detaches(r, gm)]
+    taken = {n for r in chosen for n in r}
+    chosen += [r for r in _join([n for n in nodes if n not in taken], gm, index, window,
+                                linears=False) if _worth_it(r, gm)]
+    made = 0
+    for region in chosen:
+        if _replace(gm, sorted(region, key=index.__getitem__), f"region_{made}"):
+            made += 1
+    if made:
+        _reorder(gm)
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _join(nodes: list[Node], gm: GraphModule, index: dict[Node, int], window: dict[Node, int],
+          linears: bool) -> list[set[Node]]:
+    """The maximal convex sets of joining nodes among ``nodes`` (linears only with
+    ``linears``), each inside one impure window."""
     region_of: dict[Node, set[Node]] = {}
     for n in nodes:
-        if not _joins(n, gm):
+        if not _joins(n, gm) or not linears and _linear(n, gm):
             continue
         region = {n}
         region_of[n] = region
@@ -75,21 +118,39 @@ def autograd_regions(gm: GraphModule) -> GraphModule:
                 region |= other
                 for m in region:
                     region_of[m] = region
-    seen: set[int] = set()
-    made = 0
-    for region in list(region_of.values()):
-        if id(region) in seen:
-            continue
-        seen.add(id(region))
-        groups = [m for m in region if m.op == "call_module"]
-        if len(groups) >= 2 and any(_reduction(m, gm) for m in region) and _replace(gm, sorted(region, key=index.__getitem__),
-                                         f"region_{made}"):
-            made += 1
-    if made:
-        _reorder(gm)
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return list({id(r): r for r in region_of.values()}.values())
+
+
+def _worth_it(region: set[Node], gm: GraphModule) -> bool:
+    """Groups around a reduction that keeps a dim (see the module docstring)."""
+    groups = [m for m in region if m.op == "call_module"]
+    return len(groups) >= 2 and any(_reduction(m, gm) for m in region)
+
+
+def _made_of_linears(region: set[Node], gm: GraphModule) -> bool:
+    """At least one linear, and two autograd nodes (groups or linears) in all."""
+    linears = sum(_linear(m, gm) for m in region)
+    return linears > 0 and linears + sum(m.op == "call_module" for m in region) >= 2
+
+
+def _detaches(region: set[Node], gm: GraphModule) -> bool:
+    """Whether ``region`` holds a ``detach`` (in a group too). Through a linear, a region
+    could then join parts that different backwards run: a GAN's discriminator loss reads
+    ``gen(z).detach()`` and its backward runs before the generator's loss reads
+    ``gen(z)``; as one autograd node, the first backward ran (and freed) the generator's
+    part too, and the second found nothing saved. (A BatchNorm's variance reads its mean
+    detached: its region, of groups alone, is made in the second round.)"""
+    for m in region:
+        inner = getattr(gm.get_submodule(m.target), "inner", None) if m.op == "call_module" \
+            else None
+        sub = inner if inner is not None else (gm.get_submodule(m.target)
+                                               if m.op == "call_module" else None)
+        for n in (sub.graph.nodes if sub is not None else (m,)):
+            found = resolve(n, sub if sub is not None else gm) if n.op in (
+                "call_function", "call_method") else None
+            if found is not None and found[0].name == "detach":
+                return True
+    return False
 
 
 def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
@@ -108,7 +169,8 @@ def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
     views only and declines the others, which would send the whole region to eager
     autograd; inside a group fuse admits unit and broadcast views only.)"""
     found = resolve(n, gm)
-    return found is not None and (views or found[0].kind in GROUP_KINDS or found[0].name == "detach") \
+    return found is not None and (views or found[0].kind in GROUP_KINDS
+                                  or found[0].name in JOINING) \
         and found[0].name in VJP and not is_impure(n, gm)
 
 
@@ -127,9 +189,10 @@ def _joins(n: Node, gm: GraphModule) -> bool:
             for m in inner.graph.nodes)
     if n.op != "call_function":
         return n.op == "call_method" and _tensor(n) and _differentiable(n, gm)
-    if n.target is operator.getitem:
-        src = n.args[0]
-        return isinstance(src, Node) and src.op == "call_module" and _tensor(n)
+    if n.target is operator.getitem:  # an item of a group's results (not an indexing:
+        src = n.args[0]                 # vit_b_16's class token, ``x[:, 0]``, has no rule)
+        return isinstance(src, Node) and src.op == "call_module" and _tuple(src) \
+            and isinstance(n.args[1], int) and _tensor(n)
     return _tensor(n) and _differentiable(n, gm)
 
 
@@ -144,6 +207,11 @@ def _reduction(n: Node, gm: GraphModule) -> bool:
     found = resolve(n, gm)
     shape = getattr(n.meta.get("tensor_meta"), "shape", ())
     return found is not None and found[0].kind == "reduction" and len(shape) > 0
+
+
+def _linear(n: Node, gm: GraphModule) -> bool:
+    found = resolve(n, gm) if n.op == "call_function" else None
+    return found is not None and found[0].name == "linear"
 
 
 def _tensor(n: Node) -> bool:

@@ -250,3 +250,82 @@ def test_a_single_channel_half_batch_norm_rounds_its_input_gradient_once(rows):
     kinds = [getattr(getattr(k, "group", None), "meta", {}).get("fused_kind")
              for seg in compiled._last for k in seg.compiled.kernels]
     assert "region" in kinds
+
+
+class _NormMLP(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, 10, bias=False)
+
+    def forward(self, x):
+        x = x + self.down(F.gelu(self.up(self.norm(x))))
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_training_step_runs_its_linears_inside_one_region(rank):
+    # The groups and the linears between them are one autograd node: the linears' matmuls
+    # run from the region's forward and backward (a nanoGPT step's 48 linears were each
+    # an addmm, two views and a backward node of three launches).
+    torch.manual_seed(0)
+    model = _NormMLP().to(DEVICE)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+
+    def step(net, optimizer, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x).flatten(0, -2), y.flatten())
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    compiled = fxlite.compile(step)
+    lead = (3, 4) if rank == 3 else (6,)
+    for _ in range(3):  # fresh inputs after the first call's check
+        x, y = torch.randn(*lead, 16, device=DEVICE), torch.randint(0, 10, lead, device=DEVICE)
+        torch.testing.assert_close(compiled(model, opt, x, y), step(eager, eager_opt, x, y),
+                                   rtol=1e-4, atol=1e-5)
+    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+    regions = [k.group for seg in compiled._last for k in seg.compiled.kernels
+               if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+    assert len(regions) == 1 and compiled.fallbacks == []
+    assert sum(name.startswith("linear") for name in regions[0].meta["nodes"]) == 3
+
+
+def test_a_region_through_a_linear_never_holds_a_detach():
+    # A GAN's step: the discriminator's loss reads gen(z).detach(), and its backward runs
+    # before the generator's loss reads gen(z). One autograd node for both ran the
+    # generator's part in the first backward, and the second backward found its saved
+    # values freed ("Trying to backward through the graph a second time").
+    def f(z, w1, w2):
+        fake = torch.tanh(F.linear(z, w1))
+        return torch.sigmoid(F.linear(fake.detach(), w2)), fake
+
+    z, w1, w2 = (torch.randn(*s, device=DEVICE) for s in ((4, 8), (8, 8), (3, 8)))
+    gm = _fused(f, z, w1, w2)
+    out = autograd_regions(gm)
+    for call in _calls(out, "region"):
+        names = out.get_submodule(call.target).meta["nodes"]
+        assert not (any(n.startswith("linear") for n in names)
+                    and any(n.startswith("detach") for n in names)), names
+    for got, want in zip(out(z, w1, w2), f(z, w1, w2)):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_indexing_between_a_group_and_a_linear_keeps_them_apart():
+    # vit_b_16's class token: the final norm's group, x[:, 0], the head. The indexing
+    # joined as an item of the group's results, and autodiff, which has no rule for it,
+    # sent the region to eager autograd.
+    def f(x, w, lw, lb):
+        return F.linear(F.layer_norm(x, (8,), lw, lb)[:, 0], w)
+
+    args = [torch.randn(2, 5, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE),
+            torch.randn(8, device=DEVICE), torch.randn(8, device=DEVICE)]
+    out = autograd_regions(_fused(f, *args))
+    assert not _calls(out, "region")
+    torch.testing.assert_close(out(*args), f(*args))
