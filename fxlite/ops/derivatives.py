@@ -461,14 +461,24 @@ def _linear(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"input": torch.matmul(g, w), "weight": torch.matmul(rows_g.t(), rows_x), "bias": g}
 
 
+def _addmm(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
+    # beta * input + alpha * (mat1 @ mat2), as transformers' Conv1D calls it: the bias
+    # gets beta * g, which autodiff sums over the rows
+    scaled = _scale(g, a.get("alpha", 1))
+    return {"input": _scale(g, a.get("beta", 1)), "mat1": torch.matmul(scaled, a["mat2"].t()),
+            "mat2": torch.matmul(a["mat1"].t(), scaled)}
+
+
 # ---------------------------------------------------------------------- views
 def _unit_view(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # A view that only inserts or drops size-1 dims: drop out's size-1 dims from g, then
     # insert x's. No sizes are needed, and a g broadcast along some dim stays broadcast.
+    # A real reshape (never in a fused group; a region's ``h.view(-1, 768)`` before an
+    # addmm) reshapes g to x's sizes, read from the forward.
     x = a["input"]
     xs, os = x.node.meta["tensor_meta"].shape, out.node.meta["tensor_meta"].shape
     if [s for s in xs if s != 1] != [s for s in os if s != 1]:
-        return NotImplemented  # a real reshape: needs sizes (not in fused groups)
+        return {"input": g.reshape([x.size(d) for d in range(len(xs))])}
     for d in reversed(range(len(os))):
         if os[d] == 1:
             g = g.squeeze(d)
@@ -577,6 +587,7 @@ VJP: dict[str, Rule] = {
     "vector_norm": _vector_norm,
     # matmuls
     "linear": _linear,
+    "addmm": _addmm,
     # views
     **{name: _unit_view for name in ("view", "reshape", "flatten", "squeeze", "unsqueeze")},
     **{name: _identity for name in ("expand", "contiguous", "identity")},

@@ -104,7 +104,7 @@ _DROPOUT_OPS = ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
                 (F.dropout2d, nn.Dropout2d), (F.dropout3d, nn.Dropout3d),
                 (F.alpha_dropout, nn.AlphaDropout),
                 (F.feature_alpha_dropout, nn.FeatureAlphaDropout))
-_DROPOUTS = frozenset(fn.__name__ for fn, _ in _DROPOUT_OPS)
+DROPOUTS = frozenset(fn.__name__ for fn, _ in _DROPOUT_OPS)
 # in-place fills of a tensor with random numbers (Tensor methods)
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "random_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -129,7 +129,7 @@ def draws_by_layout(node: Node, module: torch.nn.Module | None = None) -> bool:
     info = lookup(node, module)
     if info is None or info.kind != "effect":
         return False
-    if info.name in _DROPOUTS:
+    if info.name in DROPOUTS:
         p = canonical_args(node, info, module).get("p", 0.5)
         return not (isinstance(p, (int, float)) and p == 0)
     return _is_random(info)
@@ -276,6 +276,10 @@ _op("layer_norm", "composite", F.layer_norm, (torch.layer_norm,), (),
 _op("linear", "extern", F.linear, (), (), modules=(nn.Linear,),
     params=("input", "weight", "bias"), defaults=(("bias", None),), dtype_rule="promote",
     module_params=lambda m: {"weight": m.weight, "bias": m.bias})
+_op("addmm", "extern", torch.addmm, (), ("addmm",),
+    params=("input", "mat1", "mat2", "beta", "alpha"), defaults=(("beta", 1), ("alpha", 1)),
+    positional=3,
+    dtype_rule="promote")
 _op("cat", "extern", torch.cat, (torch.concat, torch.concatenate), (),
     params=("tensors", "dim"), defaults=(("dim", 0),), dtype_rule="promote")
 _op("stack", "extern", torch.stack, (), (), params=("tensors", "dim"), defaults=(("dim", 0),),

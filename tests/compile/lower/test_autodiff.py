@@ -374,6 +374,19 @@ def test_linear_gradients_are_eagers(shape, bias, directions):
     check_grads(fn, make, directions, decomposed=False)
 
 
+@pytest.mark.parametrize("scales", [{}, {"beta": 0.5, "alpha": -2.0}], ids=["plain", "scaled"])
+def test_addmm_and_reshape_gradients_are_eagers(scales, directions):
+    # transformers' Conv1D: addmm(b, h.view(-1, k), w).view(...): the real reshapes'
+    # gradients are g reshaped to the input's sizes, read from the forward
+    def fn(x, w, b):
+        return torch.tanh(torch.addmm(b, torch.sin(x).view(-1, 5), w, **scales).view(2, 3, 4))
+
+    def make():
+        return [req(edgy(2, 3, 5)), req(torch.randn(5, 4, dtype=F64, device=DEVICE)),
+                req(torch.randn(4, dtype=F64, device=DEVICE))]
+    check_grads(fn, make, directions, decomposed=False)
+
+
 # ------------------------------------------------------------------------ a block
 class MLPBlock(torch.nn.Module):
     def __init__(self, d=8, h=16):
