@@ -61,15 +61,17 @@ from fxlite.passes.split_module import set_call_meta, unpack_outputs
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import is_impure, resolve
+from fxlite.ops import is_impure, lookup, resolve
 from fxlite.ops.derivatives import VJP
+from fxlite.ops.records import DROPOUTS, draws_by_layout
 
 __all__ = ["autograd_regions"]
 
 GROUP_KINDS = ("pointwise", "reduction")
 # ops outside the group kinds that regions take in: detach, and linears, whose matmuls the
 # region's forward and backward call between their kernels (one autograd node, not three)
-JOINING = frozenset({"detach", "linear"})
+JOINING = frozenset({"detach", "linear", "addmm"})
+LINEARS = frozenset({"linear", "addmm"})
 
 
 def autograd_regions(gm: GraphModule) -> GraphModule:
@@ -79,13 +81,15 @@ def autograd_regions(gm: GraphModule) -> GraphModule:
     Each region is a submodule ``region_<i>`` with ``meta["fused_kind"] == "region"`` and
     ``meta["nodes"]`` (the names of the ops in it).
     """
+    _literal_sizes(gm)
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     window = _impure_windows(nodes, gm)
     # regions through linears first, but none holding a detach (see _detaches); then,
     # among the nodes those left, regions of groups and table ops alone
     chosen = [r for r in _join(nodes, gm, index, window, linears=True)
-              if _made_of_linears(r, gm) and not _detaches(r, gm)]
+              if _made_of_linears(r, gm) and not _detaches(r, gm)
+              and not _returns_a_view_of_an_input(r, gm)]
     taken = {n for r in chosen for n in r}
     chosen += [r for r in _join([n for n in nodes if n not in taken], gm, index, window,
                                 linears=False) if _worth_it(r, gm)]
@@ -100,13 +104,45 @@ def autograd_regions(gm: GraphModule) -> GraphModule:
     return gm
 
 
+def _literal_sizes(gm: GraphModule) -> None:
+    """Each ``v.size(d)`` of a view ``v`` whose sizes are literals becomes that literal.
+
+    Why: a size read is an edge out of a region and back into it. transformers' GPT-2
+    reads the size of ``addmm(b, h, w).view(8, 1024, 768)`` for the next layer norm's
+    element count, and the linear and the norm could not join one region::
+
+        before                                   after
+            v = addmm_1.view(8, 1024, 768)           v = addmm_1.view(8, 1024, 768)
+            n = v.size(-1)                           c = _normalized_count((768,), (768,))
+            c = _normalized_count((n,), (768,))
+    """
+    changed = False
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_method" and n.target == "size" and len(n.args) == 2
+                and not n.kwargs and isinstance(n.args[1], int)):
+            continue
+        src = n.args[0]
+        found = resolve(src, gm) if isinstance(src, Node) and src.op in (
+            "call_function", "call_method") else None
+        if found is None or found[0].name not in ("view", "reshape"):
+            continue
+        sizes = found[1].get("size", found[1].get("shape"))
+        if isinstance(sizes, (tuple, list)) and sizes and all(
+                type(s) is int and s >= 0 for s in sizes) and -len(sizes) <= n.args[1] < len(sizes):
+            n.replace_all_uses_with(sizes[n.args[1]])
+            gm.graph.erase_node(n)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _join(nodes: list[Node], gm: GraphModule, index: dict[Node, int], window: dict[Node, int],
           linears: bool) -> list[set[Node]]:
     """The maximal convex sets of joining nodes among ``nodes`` (linears only with
     ``linears``), each inside one impure window."""
     region_of: dict[Node, set[Node]] = {}
     for n in nodes:
-        if not _joins(n, gm) or not linears and _linear(n, gm):
+        if not _joins(n, gm, views=linears) or not linears and _linear(n, gm):
             continue
         region = {n}
         region_of[n] = region
@@ -133,6 +169,20 @@ def _made_of_linears(region: set[Node], gm: GraphModule) -> bool:
     return linears > 0 and linears + sum(m.op == "call_module" for m in region) >= 2
 
 
+def _returns_a_view_of_an_input(region: set[Node], gm: GraphModule) -> bool:
+    """Whether a value ``region`` returns is a view of one of its inputs (through view
+    ops alone): the region's node would hand out a view of memory it did not make."""
+    for m in region:
+        if not any(u not in region for u in m.users):
+            continue
+        while m in region and m.op in ("call_function", "call_method") and getattr(
+                lookup(m, gm), "kind", None) == "view" and m.args and isinstance(m.args[0], Node):
+            m = m.args[0]
+        if m not in region:
+            return True
+    return False
+
+
 def _detaches(region: set[Node], gm: GraphModule) -> bool:
     """Whether ``region`` holds a ``detach`` (in a group too). Through a linear, a region
     could then join parts that different backwards run: a GAN's discriminator loss reads
@@ -154,28 +204,36 @@ def _detaches(region: set[Node], gm: GraphModule) -> bool:
 
 
 def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
-    """The number of impure nodes before each node (regions stay inside one window)."""
+    """The number of impure nodes before each node (regions stay inside one window). A
+    dropout that draws nothing (``p=0``: transformers' GPT-2 with dropout off keeps one
+    after each residual branch, read by nothing) does not count."""
     out, count = {}, 0
     for n in nodes:
-        if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm):
+        if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm) \
+                and not _draws_nothing(n, gm):
             count += 1
         out[n] = count
     return out
 
 
+def _draws_nothing(n: Node, gm: GraphModule) -> bool:
+    info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
+    return info is not None and info.name in DROPOUTS and not draws_by_layout(n, gm)
+
+
 def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
-    """A pointwise or reduction op with a derivative rule, or with ``views`` any op with
-    one. (Views between groups are left out: the rule of ``view``/``reshape`` takes unit
-    views only and declines the others, which would send the whole region to eager
-    autograd; inside a group fuse admits unit and broadcast views only.)"""
+    """A pointwise or reduction op with a derivative rule (``detach`` and linears too),
+    or with ``views`` a view op with one. (Views between groups join regions through
+    linears only: a GPT-2 linear is ``addmm(b, h.view(-1, 768), w).view(8, 1024, 768)``;
+    inside a group fuse admits unit and broadcast views only.)"""
     found = resolve(n, gm)
-    return found is not None and (views or found[0].kind in GROUP_KINDS
-                                  or found[0].name in JOINING) \
+    return found is not None and (found[0].kind in GROUP_KINDS or found[0].name in JOINING
+                                  or views and found[0].kind == "view") \
         and found[0].name in VJP and not is_impure(n, gm)
 
 
-def _joins(n: Node, gm: GraphModule) -> bool:
-    """Whether ``n`` may be part of a region."""
+def _joins(n: Node, gm: GraphModule, views: bool = False) -> bool:
+    """Whether ``n`` may be part of a region (a view op outside groups with ``views``)."""
     if n.op == "call_module":
         sub = gm.get_submodule(n.target)
         if getattr(sub, "meta", {}).get("fused_kind") not in GROUP_KINDS or n.kwargs:
@@ -188,12 +246,12 @@ def _joins(n: Node, gm: GraphModule) -> bool:
             m.op in ("call_function", "call_method") and _differentiable(m, inner, views=True))
             for m in inner.graph.nodes)
     if n.op != "call_function":
-        return n.op == "call_method" and _tensor(n) and _differentiable(n, gm)
+        return n.op == "call_method" and _tensor(n) and _differentiable(n, gm, views)
     if n.target is operator.getitem:  # an item of a group's results (not an indexing:
         src = n.args[0]                 # vit_b_16's class token, ``x[:, 0]``, has no rule)
         return isinstance(src, Node) and src.op == "call_module" and _tuple(src) \
             and isinstance(n.args[1], int) and _tensor(n)
-    return _tensor(n) and _differentiable(n, gm)
+    return _tensor(n) and _differentiable(n, gm, views)
 
 
 def _reduction(n: Node, gm: GraphModule) -> bool:
@@ -211,7 +269,7 @@ def _reduction(n: Node, gm: GraphModule) -> bool:
 
 def _linear(n: Node, gm: GraphModule) -> bool:
     found = resolve(n, gm) if n.op == "call_function" else None
-    return found is not None and found[0].name == "linear"
+    return found is not None and found[0].name in LINEARS
 
 
 def _tensor(n: Node) -> bool:

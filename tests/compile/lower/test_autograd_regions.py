@@ -186,10 +186,13 @@ def test_sibling_sums_over_leading_dims_share_one_kernel():
     assert outputs == [1, 2]  # a and b together, then c
 
 
-def test_a_gpt2_blocks_step_makes_no_region():
-    # Found on an H200: the loss of a GPT-2 block's step (a mean over everything, outside
-    # the groups) joined the last residual add into a region whose kernels kept the GPU
-    # longer (0.67 ms a step against 0.50 in bf16). Only per-channel sums make regions.
+def test_a_gpt2_blocks_step_runs_its_addmms_inside_regions():
+    # transformers' GPT-2 linears are Conv1D: addmm(b, h.view(-1, d), w).view(...), whose
+    # sizes the next layer norm reads. The views and the addmm join the groups around
+    # them: the norm and c_attn before the attention, then c_proj, the residual, the
+    # norm, the MLP and the loss after it. (Groups without a linear between them still
+    # join only around per-channel sums: found on an H200, a region of the last residual
+    # add and the loss alone kept the GPU longer, 0.67 ms a step against 0.50 in bf16.)
     pytest.importorskip("transformers")
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -204,15 +207,19 @@ def test_a_gpt2_blocks_step_makes_no_region():
         out = model(x)
         loss = (out[0] if isinstance(out, tuple) else out).float().square().mean()
         loss.backward()
-        return loss
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return loss, grads
 
     compiled = fxlite.compile(step)
-    for _ in range(2):  # fresh inputs on a second call too (after the first call's check)
+    for _ in range(3):  # fresh inputs after the first call's check
         x = torch.randn(2, 128, 256, device=DEVICE)  # large enough for split_sums
-        torch.testing.assert_close(compiled(block, x), step(eager, x), rtol=1e-4, atol=1e-5)
-    kinds = [getattr(getattr(k, "group", None), "meta", {}).get("fused_kind")
-             for seg in compiled._last for k in seg.compiled.kernels]
-    assert "region" not in kinds and compiled.fallbacks == []
+        got, want = compiled(block, x), step(eager, x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    regions = [k.group for seg in compiled._last for k in seg.compiled.kernels
+               if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+    addmms = [sum(n.startswith("addmm") for n in r.meta["nodes"]) for r in regions]
+    assert sorted(addmms) == [1, 3] and compiled.fallbacks == []
 
 
 @pytest.mark.parametrize("rows", [2, 64])
@@ -329,3 +336,18 @@ def test_an_indexing_between_a_group_and_a_linear_keeps_them_apart():
     out = autograd_regions(_fused(f, *args))
     assert not _calls(out, "region")
     torch.testing.assert_close(out(*args), f(*args))
+
+
+def test_a_region_never_returns_a_view_of_its_input():
+    # x.view(-1, 8) read by the linear and returned too: the region's node would hand
+    # out a view of memory it did not make
+    def f(x, w):
+        v = x.view(-1, 8)
+        return torch.tanh(F.linear(torch.relu(v), w)), v
+
+    x, w = torch.randn(2, 3, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    out = autograd_regions(_fused(f, x, w))
+    for call in _calls(out, "region"):
+        assert "view" not in out.get_submodule(call.target).meta["nodes"]
+    for got, want in zip(out(x, w), f(x, w)):
+        torch.testing.assert_close(got, want)
