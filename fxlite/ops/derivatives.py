@@ -453,6 +453,7 @@ def _linear(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # flattened to rows (g.T @ x), as eager's addmm backward computes it; the bias's is g,
     # which autodiff sums over the leading dims.
     x, w = a["input"], a["weight"]
+    g = _full(g, out)
     rows_g, rows_x = g, x
     if _rank(x) == 1:
         rows_g, rows_x = g.unsqueeze(0), x.unsqueeze(0)
@@ -464,9 +465,21 @@ def _linear(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
 def _addmm(g: Any, a: dict[str, Any], out: Any) -> dict[str, Any]:
     # beta * input + alpha * (mat1 @ mat2), as transformers' Conv1D calls it: the bias
     # gets beta * g, which autodiff sums over the rows
+    g = _full(g, out)
     scaled = _scale(g, a.get("alpha", 1))
     return {"input": _scale(g, a.get("beta", 1)), "mat1": torch.matmul(scaled, a["mat2"].t()),
             "mat2": torch.matmul(a["mat1"].t(), scaled)}
+
+
+def _full(g: Any, out: Any) -> Any:
+    """``g`` expanded to the sizes of ``out`` where it is broadcast (a sum's cotangent
+    reaches a linear as ``(1, 1)``): a matmul does not broadcast its reduced dim, and an
+    extern op's bias is summed over its rows as they are (autodiff multiplies a broadcast
+    cotangent by the rows it spreads over for pointwise ops only)."""
+    gs, os = g.node.meta["tensor_meta"].shape, out.node.meta["tensor_meta"].shape
+    if tuple(gs) == tuple(os):
+        return g
+    return g.expand(*(out.size(d) for d in range(len(os))))
 
 
 # ---------------------------------------------------------------------- views

@@ -387,6 +387,20 @@ def test_addmm_and_reshape_gradients_are_eagers(scales, directions):
     check_grads(fn, make, directions, decomposed=False)
 
 
+@pytest.mark.parametrize("op", ["linear", "addmm"])
+def test_a_linears_gradient_from_a_sum_is_eagers(op, directions):
+    # the sum's cotangent reaches the linear broadcast, as (1, 1): its weight's gradient
+    # is a matmul, which does not broadcast (fxlite's test_compile_state_drift found it)
+    def fn(x, w, b):
+        y = F.linear(x, w, b) if op == "linear" else torch.addmm(b, x, w.t())
+        return torch.tanh(y.sum())
+
+    def make():
+        return [req(edgy(3, 5)), req(torch.randn(4, 5, dtype=F64, device=DEVICE)),
+                req(torch.randn(4, dtype=F64, device=DEVICE))]
+    check_grads(fn, make, directions, decomposed=False)
+
+
 # ------------------------------------------------------------------------ a block
 class MLPBlock(torch.nn.Module):
     def __init__(self, d=8, h=16):
