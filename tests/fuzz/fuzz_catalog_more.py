@@ -211,6 +211,8 @@ def extern(g: G) -> Step:
         c = g.sample(a).shape[-1]
         w = g.param((3, c), g.sample(a).dtype)
         bias = f", {g.param((3,), g.sample(a).dtype)}" if g.d.bool() else ""
+        if bias and g.nd(a) == 2 and g.d.bool():  # transformers' Conv1D: addmm(b, x, w)
+            return g.expr("addmm", f"torch.addmm({bias[2:]}, {a}, {w}.t())", "inexact")
         return g.expr("linear", f"F.linear({a}, {w}{bias})", "inexact")
     if which == 2:
         a = g.t(min_dim=1)
