@@ -61,7 +61,7 @@ from fxlite.passes.split_module import set_call_meta, unpack_outputs
 from fxlite.graph import Graph
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
-from fxlite.ops import is_impure, lookup, resolve
+from fxlite.ops import is_impure, lookup, resolve, view_base
 from fxlite.ops.derivatives import VJP
 from fxlite.ops.records import DROPOUTS, draws_by_layout
 
@@ -175,9 +175,8 @@ def _returns_a_view_of_an_input(region: set[Node], gm: GraphModule) -> bool:
     for m in region:
         if not any(u not in region for u in m.users):
             continue
-        while m in region and m.op in ("call_function", "call_method") and getattr(
-                lookup(m, gm), "kind", None) == "view" and m.args and isinstance(m.args[0], Node):
-            m = m.args[0]
+        while m in region and (base := view_base(m, gm)) is not None:
+            m = base
         if m not in region:
             return True
     return False
@@ -191,15 +190,13 @@ def _detaches(region: set[Node], gm: GraphModule) -> bool:
     part too, and the second found nothing saved. (A BatchNorm's variance reads its mean
     detached: its region, of groups alone, is made in the second round.)"""
     for m in region:
-        inner = getattr(gm.get_submodule(m.target), "inner", None) if m.op == "call_module" \
-            else None
-        sub = inner if inner is not None else (gm.get_submodule(m.target)
-                                               if m.op == "call_module" else None)
-        for n in (sub.graph.nodes if sub is not None else (m,)):
-            found = resolve(n, sub if sub is not None else gm) if n.op in (
-                "call_function", "call_method") else None
-            if found is not None and found[0].name == "detach":
-                return True
+        owner = gm
+        if m.op == "call_module":
+            owner = gm.get_submodule(m.target)
+            owner = getattr(owner, "inner", owner)
+        if any(_named(n, owner, ("detach",)) for n in (
+                owner.graph.nodes if owner is not gm else (m,))):
+            return True
     return False
 
 
@@ -217,8 +214,7 @@ def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
 
 
 def _draws_nothing(n: Node, gm: GraphModule) -> bool:
-    info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
-    return info is not None and info.name in DROPOUTS and not draws_by_layout(n, gm)
+    return _named(n, gm, DROPOUTS) and not draws_by_layout(n, gm)
 
 
 def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
@@ -268,8 +264,13 @@ def _reduction(n: Node, gm: GraphModule) -> bool:
 
 
 def _linear(n: Node, gm: GraphModule) -> bool:
-    found = resolve(n, gm) if n.op == "call_function" else None
-    return found is not None and found[0].name in LINEARS
+    return n.op == "call_function" and _named(n, gm, LINEARS)
+
+
+def _named(n: Node, gm: Any, names: Any) -> bool:
+    """Whether ``n`` calls a table op named in ``names``."""
+    info = lookup(n, gm) if n.op in ("call_function", "call_method") else None
+    return info is not None and info.name in names
 
 
 def _tensor(n: Node) -> bool:
