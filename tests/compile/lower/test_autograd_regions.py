@@ -26,6 +26,12 @@ def _fused(fn, *args):
     return fuse(gm)
 
 
+def _region_groups(compiled):
+    """The regions' graphs among the kernels of a compiled function's last call."""
+    return [k.group for seg in compiled._last for k in seg.compiled.kernels
+            if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+
+
 def _calls(gm, kind):
     return [n for n in gm.graph.nodes if n.op == "call_module"
             and getattr(gm.get_submodule(n.target), "meta", {}).get("fused_kind") == kind]
@@ -216,8 +222,7 @@ def test_a_gpt2_blocks_step_runs_its_addmms_inside_regions():
         x = torch.randn(2, 128, 256, device=DEVICE)  # large enough for split_sums
         got, want = compiled(block, x), step(eager, x)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    regions = [k.group for seg in compiled._last for k in seg.compiled.kernels
-               if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+    regions = _region_groups(compiled)
     addmms = [sum(n.startswith("addmm") for n in r.meta["nodes"]) for r in regions]
     assert sorted(addmms) == [1, 3] and compiled.fallbacks == []
 
@@ -298,8 +303,7 @@ def test_a_training_step_runs_its_linears_inside_one_region(rank):
                                    rtol=1e-4, atol=1e-5)
     for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
-    regions = [k.group for seg in compiled._last for k in seg.compiled.kernels
-               if getattr(getattr(k, "group", None), "meta", {}).get("fused_kind") == "region"]
+    regions = _region_groups(compiled)
     assert len(regions) == 1 and compiled.fallbacks == []
     assert sum(name.startswith("linear") for name in regions[0].meta["nodes"]) == 3
 
