@@ -29,7 +29,6 @@ from fxlite.ops.dropout import draw_seed, seeded_dropout
 from fxlite.ops.table import (
     OpInfo,
     attribute_at,
-    canonical_args,
     dtype_of,
     lookup,
     promote,
@@ -115,7 +114,8 @@ def draws_by_layout(node: Node, module: torch.nn.Module | None = None) -> bool:
     values then follow that tensor's memory order: ``torch.rand_like`` of a channels-last
     value fills it in channels-last order, so element ``(n, c, h, w)`` gets another number
     than eager's in its NCHW value. Training-mode dropout (``p > 0``), the random records
-    of the table and in-place random fills count; an eval-mode dropout is the identity.
+    of the table and in-place random fills count; an eval-mode or ``p=0`` dropout is the
+    identity (its record refines to ``identity``).
 
     Example::
 
@@ -129,10 +129,7 @@ def draws_by_layout(node: Node, module: torch.nn.Module | None = None) -> bool:
     info = lookup(node, module)
     if info is None or info.kind != "effect":
         return False
-    if info.name in DROPOUTS:
-        p = canonical_args(node, info, module).get("p", 0.5)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return _is_random(info)
+    return info.name in DROPOUTS or _is_random(info)
 
 
 def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -478,7 +475,11 @@ _op("identity", "view", None, (), (), modules=(nn.Identity,), params=_UNARY,
 
 
 def _dropout_refine(args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    if args.get("training", True) is False and isinstance(args.get("input"), Node):
+    # eval mode or p=0: eager returns its input itself and draws nothing (transformers'
+    # GPT-2 with dropout off keeps one after each residual branch, read by nothing)
+    p = args.get("p", 0.5)
+    if (args.get("training", True) is False or type(p) in (int, float) and p == 0) \
+            and isinstance(args.get("input"), Node):
         return "identity", {"input": args["input"]}
     return None
 

@@ -345,6 +345,28 @@ def test_is_impure_trusts_the_table():
     assert ops.is_impure(calls(gm2)[0])
 
 
+@pytest.mark.parametrize("make", [lambda x: F.dropout(x, 0.0, True), lambda x: nn.Dropout(0)(x)])
+def test_a_dropout_that_draws_nothing_is_pure(make):
+    # p=0 returns its input and draws no random numbers: dead, it goes (transformers'
+    # GPT-2 with dropout off keeps one after each residual branch, read by nothing),
+    # where p=0.5 stays for the generator state it advances
+    class M(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.drop = nn.Dropout(p)
+
+        def forward(self, x):
+            F.dropout(x, self.drop.p, True)
+            self.drop(x)
+            return x + 1
+
+    for p, kept in ((0.0, 0), (0.5, 2)):
+        gm = trace(M(p))
+        gm.graph.eliminate_dead_code()
+        assert sum("drop" in str(n.target) for n in calls(gm)) == kept
+    assert not ops.is_impure(calls(trace(make))[0])
+
+
 def test_chained_identities_and_idempotence():
     class M(nn.Module):
         def __init__(self):
