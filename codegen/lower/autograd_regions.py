@@ -63,7 +63,6 @@ from fxlite.graph_module import GraphModule
 from fxlite.node import Node, map_arg
 from fxlite.ops import is_impure, lookup, resolve, view_base
 from fxlite.ops.derivatives import VJP
-from fxlite.ops.records import DROPOUTS, draws_by_layout
 
 __all__ = ["autograd_regions"]
 
@@ -87,7 +86,8 @@ def autograd_regions(gm: GraphModule) -> GraphModule:
     window = _impure_windows(nodes, gm)
     # regions through linears first, but none holding a detach (see _detaches); then,
     # among the nodes those left, regions of groups and table ops alone
-    chosen = [r for r in _join(nodes, gm, index, window, linears=True)
+    chosen = [r for r in (_without_trailing_views(r, gm) for r in _join(
+                  nodes, gm, index, window, linears=True))
               if _made_of_linears(r, gm) and not _detaches(r, gm)
               and not _returns_a_view_of_an_input(r, gm)]
     taken = {n for r in chosen for n in r}
@@ -157,6 +157,30 @@ def _join(nodes: list[Node], gm: GraphModule, index: dict[Node, int], window: di
     return list({id(r): r for r in region_of.values()}.values())
 
 
+def _without_trailing_views(region: set[Node], gm: GraphModule) -> set[Node]:
+    """``region`` less the views that only nodes outside it read (a sink leaves a convex
+    set convex). Why: a region returning a view returns a copy of it (a view of memory its
+    autograd node made would forbid the caller's in-place writes), and transformers'
+    GPT-2 reads its attention's input as ``addmm(b, h, w).view(8, 1024, 2304)``::
+
+        before                                   after
+            r = region_0(x, w1, b1, w, b)            r = region_0(x, w1, b1, w, b)
+            qkv = r                # a copy          qkv = r.view(8, 1024, 2304)
+    """
+    region = set(region)
+    sinks = [m for m in region if m.op != "call_module" and not any(u in region for u in m.users)]
+    while sinks:
+        m = sinks.pop()
+        if m.op == "call_module" or m not in region or any(u in region for u in m.users):
+            continue
+        found = resolve(m, gm)
+        if found is None or found[0].kind != "view":
+            continue
+        region.discard(m)
+        sinks += [p for p in m.all_input_nodes if p in region]
+    return region
+
+
 def _worth_it(region: set[Node], gm: GraphModule) -> bool:
     """Groups around a reduction that keeps a dim (see the module docstring)."""
     groups = [m for m in region if m.op == "call_module"]
@@ -201,20 +225,13 @@ def _detaches(region: set[Node], gm: GraphModule) -> bool:
 
 
 def _impure_windows(nodes: list[Node], gm: GraphModule) -> dict[Node, int]:
-    """The number of impure nodes before each node (regions stay inside one window). A
-    dropout that draws nothing (``p=0``: transformers' GPT-2 with dropout off keeps one
-    after each residual branch, read by nothing) does not count."""
+    """The number of impure nodes before each node (regions stay inside one window)."""
     out, count = {}, 0
     for n in nodes:
-        if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm) \
-                and not _draws_nothing(n, gm):
+        if n.op in ("call_function", "call_method", "call_module") and is_impure(n, gm):
             count += 1
         out[n] = count
     return out
-
-
-def _draws_nothing(n: Node, gm: GraphModule) -> bool:
-    return _named(n, gm, DROPOUTS) and not draws_by_layout(n, gm)
 
 
 def _differentiable(n: Node, gm: GraphModule, views: bool = False) -> bool:
