@@ -168,11 +168,12 @@ def _without_trailing_views(region: set[Node], gm: GraphModule) -> set[Node]:
             qkv = r                # a copy          qkv = r.view(8, 1024, 2304)
     """
     region = set(region)
-    sinks = [m for m in region if m.op != "call_module" and not any(u in region for u in m.users)]
+    sinks = [m for m in region if not any(u in region for u in m.users)]
     while sinks:
         m = sinks.pop()
-        if m.op == "call_module" or m not in region or any(u in region for u in m.users):
-            continue
+        if m.op == "call_module" or m.target is operator.getitem or m not in region \
+                or any(u in region for u in m.users):
+            continue  # (a group's item stays with its group)
         found = resolve(m, gm)
         if found is None or found[0].kind != "view":
             continue
