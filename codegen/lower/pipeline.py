@@ -17,6 +17,8 @@ fused group, its forward or its backward (``codegen/lower/autograd_pipeline.py``
                        its windows' views
     row_views          softmax or norm before
                        a view
+    empty_cats         a key cache's cat of an
+                       empty start: its keys
     decompose                                     decompose
     dead_code                                     dead_code
     row_gathers        inference: a roll and its
@@ -69,6 +71,7 @@ from fxlite.codegen.lower.autocast import explicit_autocast
 from fxlite.codegen.lower.autograd_regions import autograd_regions
 from fxlite.codegen.lower.batch_norm import batch_norm_train
 from fxlite.codegen.lower.batched_casts import batch_casts
+from fxlite.codegen.lower.empty_cats import cats_without_empties
 from fxlite.codegen.lower.matmul_copies import explicit_matmul_copies
 from fxlite.codegen.lower.row_gathers import gather_rolled_rows
 from fxlite.codegen.lower.row_views import softmax_before_views
@@ -279,6 +282,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     Pass("window_views", _on(rows_through_windows),  # Swin's windows: no copies around them
          when=lambda gm, low: not _needs_autograd(gm)),
     Pass("row_views", _on(softmax_before_views)),  # a masked add and its softmax: one kernel
+    Pass("empty_cats", _on(cats_without_empties)),  # a key cache's cat([empty, k]): k
     Pass("decompose", _on(decompose)),
     Pass("dead_code", _on(_dead_code)),
     Pass("row_gathers", _on(gather_rolled_rows),
