@@ -13,12 +13,15 @@ attention's backward (GPT-2 124M: 24 copies a step, 0.3 GB kept)::
 
 Eager's cat returns a tensor of its own, so the cat goes only where nothing can tell the
 difference: the empty operands are constants (``fold_sizes`` made them) of the result's
-dtype, the one left has that dtype too, nothing reads the result as a view or in place,
-the graph does not return it, and the memory of the tensor left is the graph's own (no
-input's or parameter's, and nothing writes to it or returns a view of it).
+dtype, the one left has that dtype too, only the attention or extern ops (matmuls, cats),
+whose results do not depend on its layout, read the result, the graph does not return
+it, and the memory of the tensor left is the graph's own (no input's or parameter's, and
+nothing writes to it or returns a view of it).
 """
 
 from __future__ import annotations
+
+import torch.nn.functional as F
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
@@ -65,11 +68,21 @@ def _kept_operand(cat: Node, gm: GraphModule) -> Node | None:
     if meta is None or meta.dtype != want.dtype or tuple(meta.shape) != tuple(want.shape):
         return None
     for user in cat.users:
-        found = lookup(user, gm) if user.op in ("call_function", "call_method") else None
-        if user.op != "call_function" or is_impure(user, gm) or \
-                found is not None and found.kind == "view":
+        if not _reads_as_a_value(user, gm):
             return None
     return rest[0]
+
+
+def _reads_as_a_value(user: Node, gm: GraphModule) -> bool:
+    """Whether ``user``'s result is the same for any layout of its input: the attention,
+    or a pure extern op (a matmul, a cat). A view would fail or alias on another layout,
+    and a pointwise op's result takes its input's strides, which a later view can fail on."""
+    if user.op != "call_function" or is_impure(user, gm):
+        return False
+    if user.target is F.scaled_dot_product_attention:
+        return True
+    found = lookup(user, gm)
+    return found is not None and found.kind == "extern"
 
 
 def _constant_empty(t: object, dtype: object) -> bool:

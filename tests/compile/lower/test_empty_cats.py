@@ -29,6 +29,8 @@ class _Cache(nn.Module):
             k.mul_(2)
         if self.how == "returned":
             return kk
+        if self.how == "scaled":  # takes the strides of its input: the view could fail
+            return (kk * 2).view(-1).sum()
         if self.how == "viewed":
             kk = torch.reshape(kk, (2, 2, 20))
             return kk.sum()
@@ -55,10 +57,10 @@ def test_the_attentions_cat_of_an_empty_cache_reads_the_keys_themselves():
                                torch.autograd.grad(want.sum(), args))
 
 
-@pytest.mark.parametrize("how", ["input", "written", "returned", "viewed"])
+@pytest.mark.parametrize("how", ["input", "written", "returned", "viewed", "scaled"])
 def test_a_cat_whose_copy_someone_could_tell_apart_stays(how):
     # the keys are an input's memory, are written after the cat, the copy is returned,
-    # or read through a view (whose strides a copy fixes)
+    # read through a view, or by a pointwise op (whose result takes the copy's strides)
     module = _Cache(how)
     gm = fxlite.symbolic_trace(module)
     ShapeProp(gm).propagate(*_args())
