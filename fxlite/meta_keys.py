@@ -55,7 +55,6 @@ NODE_META: dict[str, MetaKey] = _table(
              "codegen/lower/autocast.py", "codegen/lower/autodiff.py",
              "codegen/lower/autograd_regions.py", "codegen/lower/batch_norm.py",
              "codegen/lower/batched_casts.py", "codegen/lower/cross_entropy.py",
-             "codegen/lower/empty_cats.py",
              "codegen/lower/pipeline.py", "codegen/lower/row_views.py",
              "codegen/runtime/cat.py",
              "codegen/runtime/kernel.py",

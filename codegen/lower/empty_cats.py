@@ -21,11 +21,15 @@ nothing writes to it or returns a view of it).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import torch.nn.functional as F
 
 from fxlite.graph_module import GraphModule
 from fxlite.node import Node
 from fxlite.ops import canonical_args, is_impure, lookup, view_base
+from fxlite.tensor_meta import strided_meta
 
 __all__ = ["cats_without_empties"]
 
@@ -40,31 +44,54 @@ def cats_without_empties(gm: GraphModule) -> GraphModule:
     Returns:
         ``gm``, changed in place (and recompiled) where a cat went.
     """
-    changed = False
+    changed, aliases = False, None
     for cat in list(gm.graph.nodes):
         kept = _kept_operand(cat, gm)
-        if kept is not None and _private(kept, gm):
+        if kept is None:
+            continue
+        aliases = aliases or _aliases(gm)
+        if _private(kept, aliases):
             cat.replace_all_uses_with(kept)
             gm.graph.erase_node(cat)
+            del aliases.base[cat]
             changed = True
     if changed:
         gm.recompile()
     return gm
 
 
+class _Aliases(NamedTuple):
+    """What ``_private`` reads of each node, looked up once a graph (in graph order)."""
+
+    base: dict[Node, Node | None]  # the node it is a view of (``view_base``)
+    unknown: frozenset[Node]  # ops the table does not know: views of any input, maybe
+    exposing: tuple[Node, ...]  # the output and the impure ops: they write or return
+
+
+def _aliases(gm: GraphModule) -> _Aliases:
+    nodes = list(gm.graph.nodes)
+    return _Aliases(
+        {n: view_base(n, gm) for n in nodes},
+        frozenset(n for n in nodes if n.op in ("call_function", "call_method")
+                  and lookup(n, gm) is None),
+        tuple(n for n in nodes if n.op == "output" or n.op != "placeholder"
+              and is_impure(n, gm)))
+
+
 def _kept_operand(cat: Node, gm: GraphModule) -> Node | None:
     """The one operand of ``cat`` that is not a constant empty tensor, where it may stand
-    for the cat's result: same dtype, and read by pure ops that are not views."""
+    for the cat's result: same dtype and sizes, and read only by the attention or extern
+    ops (``_reads_as_a_value``)."""
     if cat.op != "call_function" or (info := lookup(cat, gm)) is None or info.name != "cat":
         return None
     tensors = canonical_args(cat, info, gm).get("tensors")
-    want = _meta(cat)
+    want = strided_meta(cat)
     if not isinstance(tensors, (list, tuple)) or want is None:
         return None
     rest = [t for t in tensors if not _constant_empty(t, want.dtype)]
     if len(rest) != 1 or not isinstance(rest[0], Node) or len(rest) == len(tensors):
         return None
-    meta = _meta(rest[0])
+    meta = strided_meta(rest[0])
     if meta is None or meta.dtype != want.dtype or tuple(meta.shape) != tuple(want.shape):
         return None
     for user in cat.users:
@@ -85,46 +112,31 @@ def _reads_as_a_value(user: Node, gm: GraphModule) -> bool:
     return found is not None and found.kind == "extern"
 
 
-def _constant_empty(t: object, dtype: object) -> bool:
-    meta = _meta(t) if isinstance(t, Node) else None
+def _constant_empty(t: object, dtype: torch.dtype) -> bool:
+    meta = strided_meta(t)
     return meta is not None and t.op == "get_attr" and meta.dtype == dtype and \
         0 in tuple(meta.shape)
 
 
-def _private(node: Node, gm: GraphModule) -> bool:
+def _private(node: Node, aliases: _Aliases) -> bool:
     """Whether ``node``'s memory is made inside the graph and never written or returned.
     Ops the table does not know (``split``, attention) may return views of their inputs:
     they count as views of each."""
     roots, stack = set(), [node]
     while stack:
         m = stack.pop()
-        base = view_base(m, gm)
+        base = aliases.base[m]
         if base is not None:
             stack.append(base)
             continue
-        if _unknown(m, gm):
+        if m in aliases.unknown:
             stack += m.all_input_nodes
         roots.add(m)
     if any(r.op in ("placeholder", "get_attr") for r in roots):
         return False
     family = set(roots)
-    for n in gm.graph.nodes:
-        if n in family:
-            continue
-        if view_base(n, gm) in family or _unknown(n, gm) and any(
-                a in family for a in n.all_input_nodes):
+    for n, base in aliases.base.items():
+        if n not in family and (base in family or n in aliases.unknown and any(
+                a in family for a in n.all_input_nodes)):
             family.add(n)
-    for n in gm.graph.nodes:
-        if (n.op == "output" or n.op != "placeholder" and is_impure(n, gm)) and any(
-                a in family for a in n.all_input_nodes):
-            return False
-    return True
-
-
-def _unknown(n: Node, gm: GraphModule) -> bool:
-    return n.op in ("call_function", "call_method") and lookup(n, gm) is None
-
-
-def _meta(n: Node) -> object:
-    meta = n.meta.get("tensor_meta")
-    return meta if hasattr(meta, "shape") and hasattr(meta, "dtype") else None
+    return not any(a in family for n in aliases.exposing for a in n.all_input_nodes)
