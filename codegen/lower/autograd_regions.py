@@ -174,8 +174,7 @@ def _without_trailing_views(region: set[Node], gm: GraphModule) -> set[Node]:
         if m.op == "call_module" or m.target is operator.getitem or m not in region \
                 or any(u in region for u in m.users):
             continue  # (a group's item stays with its group)
-        found = resolve(m, gm)
-        if found is None or found[0].kind != "view":
+        if view_base(m, gm) is None:
             continue
         region.discard(m)
         sinks += [p for p in m.all_input_nodes if p in region]

@@ -103,7 +103,7 @@ _DROPOUT_OPS = ((F.dropout, nn.Dropout), (F.dropout1d, nn.Dropout1d),
                 (F.dropout2d, nn.Dropout2d), (F.dropout3d, nn.Dropout3d),
                 (F.alpha_dropout, nn.AlphaDropout),
                 (F.feature_alpha_dropout, nn.FeatureAlphaDropout))
-DROPOUTS = frozenset(fn.__name__ for fn, _ in _DROPOUT_OPS)
+_DROPOUTS = frozenset(fn.__name__ for fn, _ in _DROPOUT_OPS)
 # in-place fills of a tensor with random numbers (Tensor methods)
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "random_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -129,7 +129,7 @@ def draws_by_layout(node: Node, module: torch.nn.Module | None = None) -> bool:
     info = lookup(node, module)
     if info is None or info.kind != "effect":
         return False
-    return info.name in DROPOUTS or _is_random(info)
+    return info.name in _DROPOUTS or _is_random(info)
 
 
 def has_side_effect(fn: Callable[..., Any]) -> Callable[..., Any]:
