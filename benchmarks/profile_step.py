@@ -16,7 +16,8 @@ it prints each contender's peak memory step by step over the first steps (record
 trial, captures) and at steady state, and the memory a step leaves allocated. With
 ``--gaps``, the GPU's idle time a step that waited on the host, by the op that launched
 late, then the host's time a step by thread and outermost op. With ``--blocks``, walls of
-blocks of 20 steps, and the time Python's garbage collector took in them.
+blocks of 20 steps, the contenders' blocks taking turns in one process, and the time
+Python's garbage collector took in them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def main() -> None:
     contenders = [("eager", step), ("fxlite", fxlite.compile(step, mode=args.mode))]
     if args.inductor:
         contenders.insert(1, ("torch.compile", torch.compile(step, mode=args.mode)))
+    if args.blocks:
+        interleaved_blocks(contenders, base, make_opt, data, args.blocks)
+        return
     for label, fn in contenders:
         model = copy.deepcopy(base)
         opt = make_opt(model)
@@ -99,15 +103,6 @@ def main() -> None:
             continue
         for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
-        if args.blocks:
-            with collections_timed() as collected:
-                blocks = time_blocks(fn, model, opt, data, args.blocks)
-            kept = f"; kernels {len(fn.kernels)}" if label == "fxlite" else ""
-            print(f"{label}: best {min(blocks):.2f} ms, median {statistics.median(blocks):.2f} "
-                  f"ms a step, over {args.blocks} blocks of 20{kept}; Python's garbage "
-                  f"collector {collected[0] / args.blocks / 20 * 1e3:.3f} ms a step "
-                  f"(collections by generation {collected[1:]})", flush=True)
-            continue
         ms = time_steps(fn, model, opt, data, args.steps)
         print(f"{label}: {ms:.3f} ms a step", flush=True)
         if args.gaps:
@@ -146,6 +141,33 @@ def collections_timed():
         yield found
     finally:
         gc.callbacks.remove(timed)
+
+
+def interleaved_blocks(contenders, base, make_opt, data, blocks: int) -> None:
+    """Print each contender's best and median ms a step over ``blocks`` blocks of 20 steps.
+
+    Every contender is warmed up first, each on its own copy of the model; then the
+    blocks take turns, in forward order on even rounds and backward on odd ones, so that
+    a host whose speed drifts over the minutes of a run (the device hosts do, by 10% and
+    more) slows all contenders alike, not the one that happened to run last."""
+    runs = []
+    for label, fn in contenders:
+        model = copy.deepcopy(base)
+        opt = make_opt(model)
+        for i in range(WARMUP):
+            fn(model, opt, *data[i % len(data)])
+        runs.append((label, fn, model, opt, [], [0.0, 0, 0, 0]))
+    for r in range(blocks):
+        for _, fn, model, opt, times, collected in runs[::1 if r % 2 == 0 else -1]:
+            with collections_timed() as found:
+                times += time_blocks(fn, model, opt, data, 1)
+            collected[:] = [a + b for a, b in zip(collected, found)]
+    for label, fn, _, _, times, collected in runs:
+        kept = f"; kernels {len(fn.kernels)}" if label == "fxlite" else ""
+        print(f"{label}: best {min(times):.2f} ms, median {statistics.median(times):.2f} "
+              f"ms a step, over {blocks} blocks of 20 taking turns{kept}; Python's garbage "
+              f"collector {collected[0] / blocks / 20 * 1e3:.3f} ms a step (collections by "
+              f"generation {collected[1:]}); blocks {[round(t, 2) for t in times]}", flush=True)
 
 
 def time_blocks(fn, model, opt, data, blocks: int) -> list[float]:
