@@ -219,6 +219,51 @@ def test_a_fused_step_follows_what_changes_between_steps(kind, fused_calls):
     assert len(fused_calls) >= 6
 
 
+@pytest.mark.parametrize("change", ["gradient", "parameter"])
+def test_a_layout_changed_after_fused_steps_takes_the_optimizers_own_step(change,
+                                                                          fused_calls):
+    """The plan checks each step's new gradients (and the parameters) against the last
+    layouts that passed with torch's C++ guard: a later gradient laid out unlike its
+    parameter (a transposed one), or a parameter given another layout (``p.data = ...``),
+    must fail that guard and then the plan's own check, and the step runs eagerly; the
+    next plain step is fused again."""
+    from fxlite.codegen.lower.optimizer_steps import FusedStep
+
+    torch.manual_seed(0)
+    params = [torch.randn(4, 6, device=DEVICE, requires_grad=True) for _ in range(3)]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref_opt = (torch.optim.Adam(ps, lr=0.1) for ps in (params, ref))
+    step = FusedStep(opt.step)
+
+    def both(odd: bool) -> None:
+        grads = [torch.randn(4, 6, device=DEVICE) for _ in params]
+        if odd and change == "gradient":
+            grads[1] = torch.randn(6, 4, device=DEVICE).t()  # strides (1, 6), not (6, 1)
+        for ps in (params, ref):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone(memory_format=torch.preserve_format)
+        before = len(fused_calls)
+        step()
+        ref_opt.step()
+        assert len(fused_calls) == before + (not odd), (odd, fused_calls)
+        torch.testing.assert_close(params, ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=1e-4,
+                                   atol=1e-5)
+
+    both(odd=True)  # creates the state: eager
+    both(odd=False)
+    both(odd=False)
+    if change == "parameter":
+        with torch.no_grad():
+            params[2].data = params[2].detach().t().contiguous().t()  # strides (1, 4)
+    both(odd=True)
+    if change == "parameter":
+        with torch.no_grad():
+            params[2].data = params[2].detach().contiguous()
+    both(odd=False)
+    both(odd=False)
+
+
 def test_parameters_made_double_between_steps_keep_float_moments_as_eager():
     # model.double() converts the parameters in place but not SGD's momentum buffers,
     # which eager's step accepts: the fused plan (float32 moments) raised from then on
