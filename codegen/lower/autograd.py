@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from fxlite.codegen.capture.guards import LayoutCheck
 from fxlite.codegen.lower.autodiff import (
     GroupGrad,
     NotDifferentiable,
@@ -48,6 +49,7 @@ from fxlite.ops.shapes import as_meta, meta_tensor, propagate
 __all__ = ["AutogradGroup", "backward_untraced", "make_autograd_group", "swap_in_autograd"]
 
 _MAX_VARIANTS = 16
+_CHECKS = 4  # layout checks a group makes (AutogradGroup._variant_of)
 
 
 def _signature(args: Sequence[Any]) -> tuple:
@@ -379,6 +381,8 @@ class AutogradGroup:
         self._views: dict[int, int] | None = None
         # a region merges ops that eager's autograd runs as nodes of their own
         self._merges = getattr(group, "meta", {}).get("fused_kind") == "region"
+        self._last: tuple[LayoutCheck, Any] | None = None  # the last layout and its variant
+        self._checks_left = _CHECKS
 
     @property
     def __name__(self) -> str:  # generated forward code calls the callable by this name
@@ -409,17 +413,11 @@ class AutogradGroup:
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._inference(args)
-        key = _signature(args)
-        variant = self._variants.get(key, False)
-        if variant is False:
-            with self._lock:
-                variant = self._variants.get(key, False)
-                if variant is False:
-                    variant = self._build(args) if any(
-                        isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
-                        else _NO_GRAD
-                    if len(self._variants) < _MAX_VARIANTS:
-                        self._variants[key] = variant
+        last = self._last
+        if last is not None and last[0](args):
+            variant = last[1]  # the last call's layout: its variant (see _variant_of)
+        else:
+            variant = self._variant_of(args)
         if variant is _NO_GRAD:
             return self._inference(args)
         if variant is None or self._merges and _hooked_leaf(args):
@@ -440,6 +438,35 @@ class AutogradGroup:
         if any(isinstance(v, tuple) for v in views.values()):
             outs = _remade_views(outs, views)
         return outs[0] if variant.grad.single else outs
+
+    def _variant_of(self, args: tuple) -> Any:
+        """The variant for ``args`` by its key (:func:`_signature`), built on first use.
+
+        The key costs host time on every call (a region of a 2-layer GPT-2 takes 17
+        arguments), so the call's layout is also kept in a :class:`LayoutCheck`, torch's
+        C++ guard over the tensors' dtypes, devices, requires_grad, sizes and strides
+        and the other arguments' types: a later call that passes it has this key. A
+        training step calls each group with the same layouts on every step. Where they
+        keep changing (a new sequence length each call), checks stop being made after
+        ``_CHECKS`` of them and every call computes the key, as before."""
+        key = _signature(args)
+        variant = self._variants.get(key, False)
+        if variant is False:
+            with self._lock:
+                variant = self._variants.get(key, False)
+                if variant is False:
+                    variant = self._build(args) if any(
+                        isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+                        else _NO_GRAD
+                    if len(self._variants) < _MAX_VARIANTS:
+                        self._variants[key] = variant
+        if self._checks_left > 0 and key in self._variants:
+            self._checks_left -= 1
+            check = LayoutCheck(args)
+            self._last = (check, variant) if check.ok else None
+        else:
+            self._last = None
+        return variant
 
     def _inference(self, args: tuple) -> Any:
         if self._plain is None:

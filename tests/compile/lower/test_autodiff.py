@@ -764,3 +764,36 @@ def test_variants_are_told_apart_by_rank_size_one_dims_and_requires_grad(directi
     _, (gx,) = grads(group, [x, b])  # only x needs a gradient: a variant of its own
     torch.testing.assert_close(gx, grads(fn, [x, b])[1][0], rtol=1e-9, atol=1e-9)
     assert not fallbacks(group)
+
+
+def test_a_group_follows_its_arguments_layouts_from_call_to_call(directions):
+    """A group keeps the last call's layout in a C++ guard and reuses that call's variant
+    when the next call passes it. Each call below changes what the variant depends on
+    (which inputs need a gradient, which dims are broadcast) or only sizes, and must get
+    eager's values and gradients; sizes that change on every call stop the guards being
+    made after a few (``_CHECKS``), and the calls go on right."""
+    from fxlite.codegen.lower import autograd
+
+    def fn(x, w):
+        return torch.tanh(x * w + 1).sum(-1)
+
+    def inputs(rows, cols, w_cols=None, w_grad=True):
+        x = torch.randn(rows, cols, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        w = torch.randn(1 if w_cols is None else w_cols, dtype=torch.float64, device=DEVICE,
+                        requires_grad=w_grad)
+        return [x, w]
+
+    group = build(fn, inputs(4, 5, 5), decomposed=False)
+    layouts = [(4, 5, 5, True), (4, 5, 5, True), (4, 5, 5, False), (4, 5, 5, False),
+               (4, 5, None, True), (4, 5, 5, True), *((r, 5, 5, True) for r in range(2, 9))]
+    for rows, cols, w_cols, w_grad in layouts:
+        xs = inputs(rows, cols, w_cols, w_grad)
+        (want,), want_grads = grads(fn, xs)
+        (got,), got_grads = grads(group, xs)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert len(got_grads) == len(want_grads) == 1 + w_grad
+        for g, e in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert group._checks_left == 0 and group._last is None  # sizes kept changing
+    assert "backward" in directions and not group.fallbacks
+    assert len(group._variants) == 3 and autograd._CHECKS == 4
