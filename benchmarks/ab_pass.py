@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_training import WARMUP, gpt2_124m_case, nanogpt_124m_case  # noqa: E402
 from fxlite.codegen.lower import segment  # noqa: E402
-from profile_step import time_blocks  # noqa: E402
+from profile_step import take_turns  # noqa: E402
 
 import fxlite  # noqa: E402
 
@@ -74,11 +74,8 @@ def main() -> None:
                 print("  aten::cat", names.count("aten::cat"), "CatBackward",
                       sum("CatBackward" in n for n in names), flush=True)
             contenders.append((label, fn, model, opt))
-        times: dict[str, list[float]] = {c[0]: [] for c in contenders}
-        for b in range(args.blocks):
-            for label, fn, model, opt in (contenders if b % 2 == 0 else contenders[::-1]):
-                times[label] += time_blocks(fn, model, opt, data, 1)
-        for label, ts in times.items():
+        turns = take_turns(contenders, data, args.blocks)
+        for label, (ts, _) in turns.items():
             print(f"{case} {label}: best {min(ts):.2f} median {statistics.median(ts):.2f} ms  "
                   f"blocks {[round(t, 2) for t in ts]}", flush=True)
         for label, fn, model, opt in contenders:

@@ -15,19 +15,14 @@ input, and the largest difference of each result from eager's.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import triton.testing
-from fxlite.codegen.runtime.kernel import generate_kernel
-from fxlite.passes.normalize import normalize
-from fxlite.passes.shape_prop import ShapeProp
 
-import fxlite
-
-
-def _kernel(fn, *xs):
-    gm = normalize(fxlite.symbolic_trace(fn))
-    ShapeProp(gm).propagate(*xs)
-    return generate_kernel(gm, list(xs))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_reductions import kernel_of  # noqa: E402
 
 
 def _first(r):
@@ -62,8 +57,8 @@ def row(shape: tuple[int, ...], dtype: torch.dtype, product: bool) -> None:
     def outer(p):
         return torch.sum(p, (0, 1)).to(dtype)
 
-    whole, first = _kernel(one, *args), _kernel(inner, *args)
-    rest = _kernel(outer, _first(first(*args)))
+    whole, first = kernel_of(one, list(args)), kernel_of(inner, list(args))
+    rest = kernel_of(outer, [_first(first(*args))])
 
     def two():
         return rest(_first(first(*args)))

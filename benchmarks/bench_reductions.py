@@ -65,6 +65,13 @@ def _cases(dev: str) -> list[tuple[str, Callable[..., torch.Tensor], list[torch.
     ]
 
 
+def kernel_of(fn: Callable[..., torch.Tensor], xs: list[torch.Tensor]) -> object:
+    """``fn`` traced into a one-op graph and compiled by ``generate_kernel`` for ``xs``."""
+    gm = normalize(fxlite.symbolic_trace(fn))
+    ShapeProp(gm).propagate(*xs)
+    return generate_kernel(gm, list(xs))
+
+
 def _column_configs() -> list[dict]:
     """Launches of a sum over the tokens: ``ROWS`` kept columns a program, ``BLOCK_C``
     tokens a loop step."""
@@ -107,9 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for label, fn, xs in _cases("cuda"):
-        gm = normalize(fxlite.symbolic_trace(fn))
-        ShapeProp(gm).propagate(*xs)
-        kernel = generate_kernel(gm, xs)
+        kernel = kernel_of(fn, xs)
         torch.testing.assert_close(kernel(*xs), fn(*xs), rtol=1e-2 if xs[0].dtype ==
                                    torch.bfloat16 else 1e-4, atol=1e-3)
         _, config = kernel._current.config(tuple(xs[0].shape))

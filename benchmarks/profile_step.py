@@ -144,30 +144,41 @@ def collections_timed():
 
 
 def interleaved_blocks(contenders, base, make_opt, data, blocks: int) -> None:
-    """Print each contender's best and median ms a step over ``blocks`` blocks of 20 steps.
-
-    Every contender is warmed up first, each on its own copy of the model; then the
-    blocks take turns, in forward order on even rounds and backward on odd ones, so that
-    a host whose speed drifts over the minutes of a run (the device hosts do, by 10% and
-    more) slows all contenders alike, not the one that happened to run last."""
+    """Print each contender's best and median ms a step over ``blocks`` blocks of 20 steps
+    that take turns (:func:`take_turns`), each contender warmed up first on its own copy
+    of the model."""
     runs = []
     for label, fn in contenders:
         model = copy.deepcopy(base)
         opt = make_opt(model)
         for i in range(WARMUP):
             fn(model, opt, *data[i % len(data)])
-        runs.append((label, fn, model, opt, [], [0.0, 0, 0, 0]))
-    for r in range(blocks):
-        for _, fn, model, opt, times, collected in runs[::1 if r % 2 == 0 else -1]:
-            with collections_timed() as found:
-                times += time_blocks(fn, model, opt, data, 1)
-            collected[:] = [a + b for a, b in zip(collected, found)]
-    for label, fn, _, _, times, collected in runs:
+        runs.append((label, fn, model, opt))
+    turns = take_turns(runs, data, blocks)
+    for label, fn, _, _ in runs:
+        times, collected = turns[label]
         kept = f"; kernels {len(fn.kernels)}" if label == "fxlite" else ""
         print(f"{label}: best {min(times):.2f} ms, median {statistics.median(times):.2f} "
               f"ms a step, over {blocks} blocks of 20 taking turns{kept}; Python's garbage "
               f"collector {collected[0] / blocks / 20 * 1e3:.3f} ms a step (collections by "
               f"generation {collected[1:]}); blocks {[round(t, 2) for t in times]}", flush=True)
+
+
+def take_turns(runs, data, blocks: int) -> dict[str, tuple[list[float], list]]:
+    """Per label of ``runs`` (``(label, fn, model, opt)``, warmed up), its ms a step of
+    each of ``blocks`` blocks of 20 steps and what Python's garbage collector took in them
+    (``collections_timed``'s list). The blocks take turns, in forward order on even rounds
+    and backward on odd ones, so that a host whose speed drifts over the minutes of a run
+    (the device hosts do, by 10% and more) slows all contenders alike, not the one that
+    happened to run last."""
+    out: dict[str, tuple[list[float], list]] = {r[0]: ([], [0.0, 0, 0, 0]) for r in runs}
+    for r in range(blocks):
+        for label, fn, model, opt in runs[::1 if r % 2 == 0 else -1]:
+            times, collected = out[label]
+            with collections_timed() as found:
+                times += time_blocks(fn, model, opt, data, 1)
+            collected[:] = [a + b for a, b in zip(collected, found)]
+    return out
 
 
 def time_blocks(fn, model, opt, data, blocks: int) -> list[float]:
